@@ -1,0 +1,58 @@
+//! `KRCORE_*` configuration: one table, parsed once.
+
+use crate::log::Level;
+use once_cell::sync::Lazy;
+
+/// Every variable the library reads: (name, default, description).
+pub const VARIABLES: &[(&str, &str, &str)] = &[
+    ("KRCORE_LOG", "off", "log level on stderr: off, error, warn, info, debug"),
+    ("KRCORE_STATS", "0", "1: print the statistics as one JSON line on stderr at exit"),
+    ("KRCORE_STATS_FILE", "", "write the statistics JSON to this path at exit (%p becomes the pid)"),
+    ("KRCORE_IBVERBS_LIB", "libibverbs.so.1", "the real libibverbs to dlopen"),
+];
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub log: Level,
+    pub stats_at_exit: bool,
+    pub stats_file: Option<String>,
+    pub ibverbs_lib: String,
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        let log = var("KRCORE_LOG").map_or(Level::Off, |v| Level::parse(&v).unwrap_or(Level::Info));
+        Config {
+            log,
+            stats_at_exit: var("KRCORE_STATS").is_some_and(|v| v != "0"),
+            stats_file: var("KRCORE_STATS_FILE"),
+            ibverbs_lib: var("KRCORE_IBVERBS_LIB").unwrap_or_else(|| "libibverbs.so.1".into()),
+        }
+    }
+
+    /// `NAME=value` lines, for `krcore_config_dump`.
+    pub fn dump(&self) -> String {
+        let lvl = format!("{:?}", self.log).to_ascii_lowercase();
+        let vals = [
+            lvl,
+            (self.stats_at_exit as u8).to_string(),
+            self.stats_file.clone().unwrap_or_default(),
+            self.ibverbs_lib.clone(),
+        ];
+        VARIABLES
+            .iter()
+            .zip(vals)
+            .map(|((name, _, _), v)| format!("{name}={v}\n"))
+            .collect()
+    }
+}
+
+static CONFIG: Lazy<Config> = Lazy::new(Config::from_env);
+
+pub fn get() -> &'static Config {
+    &CONFIG
+}

@@ -1,0 +1,250 @@
+//! Completion queues and completion channels.
+//!
+//! Every CQ wrapper embeds a full `ibv_cq_ex` (an `ibv_cq` is its prefix);
+//! the real CQ's `cq_context` points at the wrapper so `ibv_get_cq_event`
+//! maps a real CQ back to the application's in O(1).
+
+use super::{misc::check_owner, non_null, ok_or_errno, wrapper, zeroed, Context};
+use crate::call_real;
+use crate::error::{Errno, Result};
+use crate::real_ctx_op;
+use crate::stats::{self, Stat};
+use crate::sys::*;
+use libc::{c_int, c_uint, c_void};
+use std::ptr::null_mut;
+
+#[repr(C)]
+pub struct CompChannel {
+    pub ibv: ibv_comp_channel,
+    pub real: *mut ibv_comp_channel,
+}
+wrapper!(CompChannel, ibv_comp_channel);
+
+impl CompChannel {
+    pub fn create(ctx: &mut Context) -> Result<*mut ibv_comp_channel> {
+        let real = non_null(call_real!(ibv_create_comp_channel(ctx.real))?)?;
+        // SAFETY: real is a live channel.
+        let fd = unsafe { (*real).fd };
+        let ibv = ibv_comp_channel { context: ctx.as_ibv(), fd, refcnt: 0 };
+        Ok(Box::new(CompChannel { ibv, real }).into_ibv())
+    }
+
+    /// # Safety
+    /// `p` is a channel of this library.
+    pub unsafe fn destroy(p: *mut ibv_comp_channel) -> Result<()> {
+        // SAFETY: caller contract.
+        let ch = unsafe { CompChannel::from_ibv(p) };
+        ok_or_errno(call_real!(ibv_destroy_comp_channel(ch.real))?)?;
+        // SAFETY: the real channel is gone.
+        unsafe { CompChannel::free(p) };
+        Ok(())
+    }
+
+    /// `ibv_get_cq_event`: -1 with errno on failure, like libibverbs.
+    ///
+    /// # Safety
+    /// The out pointers are valid for writes.
+    pub unsafe fn get_cq_event(&mut self, cq_out: *mut *mut ibv_cq, ctx_out: *mut *mut c_void) -> c_int {
+        let (mut rcq, mut rctx) = (null_mut(), null_mut());
+        let rc = match call_real!(ibv_get_cq_event(self.real, &mut rcq, &mut rctx)) {
+            Ok(rc) => rc,
+            Err(e) => {
+                e.set();
+                return -1;
+            }
+        };
+        if rc != 0 {
+            return rc;
+        }
+        // SAFETY: every real CQ on our channels has its wrapper as context.
+        let cq = unsafe { &mut *rctx.cast::<Cq>() };
+        stats::inc(Stat::KRCORE_STAT_CQ_EVENTS);
+        // SAFETY: out pointers valid (caller contract).
+        unsafe {
+            *cq_out = cq.as_ibv().cast();
+            *ctx_out = cq.ibv.cq_context;
+        }
+        0
+    }
+
+    /// # Safety
+    /// `p` is NULL or a live channel pointer.
+    unsafe fn real_of(p: *mut ibv_comp_channel, ctx: *mut ibv_context) -> Result<*mut ibv_comp_channel> {
+        if p.is_null() {
+            return Ok(null_mut());
+        }
+        if !check_owner!(p, ctx) {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: owned by ctx, hence ours.
+        Ok(unsafe { CompChannel::from_ibv(p) }.real)
+    }
+
+    fn sync_refcnt(p: *mut ibv_comp_channel, real: *mut ibv_comp_channel) {
+        if !p.is_null() {
+            // SAFETY: both channels are live.
+            unsafe { (*p).refcnt = (*real).refcnt };
+        }
+    }
+}
+
+pub type PollCqFn = unsafe extern "C" fn(*mut ibv_cq, c_int, *mut ibv_wc) -> c_int;
+pub type ReqNotifyFn = unsafe extern "C" fn(*mut ibv_cq, c_int) -> c_int;
+
+#[repr(C)]
+pub struct Cq {
+    /// What the application sees (`ibv_cq` is its prefix).
+    pub ibv: ibv_cq_ex,
+    pub real: *mut ibv_cq,
+    /// The real extended CQ, for CQs made with `ibv_create_cq_ex`.
+    pub real_ex: *mut ibv_cq_ex,
+    /// The real provider's poll and notify, cached for the hot path.
+    pub poll: Option<PollCqFn>,
+    pub notify: Option<ReqNotifyFn>,
+    real_channel: *mut ibv_comp_channel,
+}
+wrapper!(Cq, ibv_cq_ex);
+
+impl Cq {
+    fn empty() -> Box<Cq> {
+        Box::new(Cq {
+            // SAFETY: ibv_cq_ex is plain C data.
+            ibv: unsafe { zeroed() },
+            real: null_mut(),
+            real_ex: null_mut(),
+            poll: None,
+            notify: None,
+            real_channel: null_mut(),
+        })
+    }
+
+    /// The wrapper behind an application `ibv_cq *`.
+    ///
+    /// # Safety
+    /// `p` is a CQ of this library.
+    #[inline(always)]
+    pub unsafe fn from_cq<'a>(p: *mut ibv_cq) -> &'a mut Cq {
+        // SAFETY: caller contract; ibv_cq is the prefix of ibv_cq_ex.
+        unsafe { Cq::from_ibv(p.cast()) }
+    }
+
+    pub fn create(
+        ctx: &mut Context,
+        cqe: c_int,
+        cq_context: *mut c_void,
+        channel: *mut ibv_comp_channel,
+        comp_vector: c_int,
+    ) -> Result<*mut ibv_cq> {
+        // SAFETY: channel is NULL or a live channel pointer from the caller.
+        let real_channel = unsafe { CompChannel::real_of(channel, ctx.as_ibv()) }?;
+        let mut cq = Cq::empty();
+        let me: *mut c_void = (&mut *cq as *mut Cq).cast();
+        let real = non_null(call_real!(ibv_create_cq(ctx.real, cqe, me, real_channel, comp_vector))?)?;
+        cq.fill(ctx, real, cq_context, channel, real_channel);
+        Ok(cq.into_ibv().cast())
+    }
+
+    pub fn create_ex(ctx: &mut Context, attr: *mut ibv_cq_init_attr_ex) -> Result<*mut ibv_cq_ex> {
+        let create = real_ctx_op!(ctx.real, create_cq_ex).ok_or(Errno::EOPNOTSUPP)?;
+        // SAFETY: attr is the caller's valid attribute struct; copied so the
+        // caller's pointers stay its own.
+        let mut a = unsafe { *attr };
+        if a.comp_mask & ibv_cq_init_attr_mask::IBV_CQ_INIT_ATTR_MASK_PD.0 != 0 {
+            // Parent domains are not wrapped (documented limitation).
+            return Err(Errno::EOPNOTSUPP);
+        }
+        let channel = a.channel;
+        // SAFETY: channel is NULL or a live channel pointer from the caller.
+        a.channel = unsafe { CompChannel::real_of(channel, ctx.as_ibv()) }?;
+        let user_ctx = a.cq_context;
+        let mut cq = Cq::empty();
+        a.cq_context = (&mut *cq as *mut Cq).cast();
+        // SAFETY: real context and a valid attribute struct.
+        let real_ex = non_null(unsafe { create(ctx.real, &mut a) })?;
+        cq.real_ex = real_ex;
+        // SAFETY: real_ex is live.
+        cq.ibv.comp_mask = unsafe { (*real_ex).comp_mask };
+        let real_channel = a.channel;
+        cq.fill(ctx, real_ex.cast(), user_ctx, channel, real_channel);
+        Ok(cq.into_ibv())
+    }
+
+    fn fill(
+        &mut self,
+        ctx: &mut Context,
+        real: *mut ibv_cq,
+        cq_context: *mut c_void,
+        channel: *mut ibv_comp_channel,
+        real_channel: *mut ibv_comp_channel,
+    ) {
+        stats::inc(Stat::KRCORE_STAT_CQS_CREATED);
+        self.real = real;
+        self.real_channel = real_channel;
+        // SAFETY: real is a live CQ with a live real context.
+        let (r, ops) = unsafe { (&*real, &(*(*real).context).ops) };
+        self.poll = ops.poll_cq;
+        self.notify = ops.req_notify_cq;
+        let i = &mut self.ibv;
+        i.context = ctx.as_ibv();
+        i.channel = channel;
+        i.cq_context = cq_context;
+        i.handle = r.handle;
+        i.cqe = r.cqe;
+        if !channel.is_null() {
+            CompChannel::sync_refcnt(channel, real_channel);
+        }
+    }
+
+    /// # Safety
+    /// `p` is a CQ of this library.
+    pub unsafe fn destroy(p: *mut ibv_cq) -> Result<()> {
+        // SAFETY: caller contract.
+        let cq = unsafe { Cq::from_cq(p) };
+        let (channel, real_channel) = (cq.ibv.channel, cq.real_channel);
+        ok_or_errno(call_real!(ibv_destroy_cq(cq.real))?)?;
+        CompChannel::sync_refcnt(channel, real_channel);
+        // SAFETY: the real CQ is gone.
+        unsafe { Cq::free(p.cast()) };
+        Ok(())
+    }
+
+    pub fn resize(&mut self, cqe: c_int) -> Result<()> {
+        ok_or_errno(call_real!(ibv_resize_cq(self.real, cqe))?)?;
+        // SAFETY: the real CQ is live.
+        self.ibv.cqe = unsafe { (*self.real).cqe };
+        Ok(())
+    }
+
+    pub fn ack_events(&mut self, n: c_uint) -> Result<()> {
+        call_real!(ibv_ack_cq_events(self.real, n))?;
+        self.ibv.comp_events_completed = self.ibv.comp_events_completed.wrapping_add(n);
+        Ok(())
+    }
+
+    /// The real CQ behind an application CQ of `ctx` (NULL stays NULL).
+    ///
+    /// # Safety
+    /// `p` is NULL or a live CQ pointer.
+    pub unsafe fn real_of(p: *mut ibv_cq, ctx: *mut ibv_context) -> Result<*mut ibv_cq> {
+        if p.is_null() {
+            return Ok(null_mut());
+        }
+        if !check_owner!(p, ctx) {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: owned by ctx, hence ours.
+        Ok(unsafe { Cq::from_cq(p) }.real)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cq_sizes_match_rdma_core_44() {
+        assert_eq!(std::mem::size_of::<ibv_cq>(), 128);
+        assert_eq!(std::mem::size_of::<ibv_cq_ex>(), 288);
+        assert_eq!(std::mem::size_of::<ibv_comp_channel>(), 16);
+    }
+}

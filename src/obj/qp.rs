@@ -1,0 +1,241 @@
+//! Queue pairs. The wrapper embeds a full `ibv_qp_ex` (an `ibv_qp` is its
+//! prefix, and `ibv_qp_to_qp_ex` returns the same address) and owns the
+//! data path object that posts for it.
+
+use super::{misc::Xrcd, non_null, ok_or_errno, wrapper, zeroed, Context, Cq, Pd, Srq};
+use crate::call_real;
+use crate::error::{Errno, Result};
+use crate::real_ctx_op;
+use crate::stats::{self, Stat};
+use crate::sys::*;
+use crate::vqp::Forwarder;
+use libc::{c_int, c_void};
+use std::ptr::null_mut;
+
+#[repr(C)]
+pub struct Qp {
+    /// What the application sees.
+    pub ibv: ibv_qp_ex,
+    pub real: *mut ibv_qp,
+    /// The real `ibv_qp_ex` when the QP was created with send-ops flags.
+    pub real_ex: *mut ibv_qp_ex,
+    /// Posts this QP's work requests.
+    pub path: Forwarder,
+}
+wrapper!(Qp, ibv_qp_ex);
+
+/// The application's pointers to a QP's parents.
+struct Parents {
+    pd: *mut ibv_pd,
+    send_cq: *mut ibv_cq,
+    recv_cq: *mut ibv_cq,
+    srq: *mut ibv_srq,
+    qp_context: *mut c_void,
+}
+
+/// Replace the application's CQ/SRQ pointers by the real ones.
+///
+/// # Safety
+/// The pointers are NULL or live objects.
+unsafe fn translate_queues(
+    ctx: *mut ibv_context,
+    send_cq: &mut *mut ibv_cq,
+    recv_cq: &mut *mut ibv_cq,
+    srq: &mut *mut ibv_srq,
+) -> Result<()> {
+    // SAFETY: caller contract.
+    unsafe {
+        *send_cq = Cq::real_of(*send_cq, ctx)?;
+        *recv_cq = Cq::real_of(*recv_cq, ctx)?;
+        *srq = Srq::real_of(*srq, ctx)?;
+    }
+    Ok(())
+}
+
+impl Qp {
+    fn empty() -> Box<Qp> {
+        Box::new(Qp {
+            // SAFETY: ibv_qp_ex is plain C data.
+            ibv: unsafe { zeroed() },
+            real: null_mut(),
+            real_ex: null_mut(),
+            path: Forwarder::default(),
+        })
+    }
+
+    /// # Safety
+    /// `p` is a QP of this library.
+    #[inline(always)]
+    pub unsafe fn from_qp<'a>(p: *mut ibv_qp) -> &'a mut Qp {
+        // SAFETY: caller contract; ibv_qp is the prefix of ibv_qp_ex.
+        unsafe { Qp::from_ibv(p.cast()) }
+    }
+
+    /// `ibv_create_qp`. The real verb writes the granted capabilities back
+    /// into `attr->cap`; so do we.
+    pub fn create(pd: &mut Pd, attr: *mut ibv_qp_init_attr) -> Result<*mut ibv_qp> {
+        let ctx = pd.ibv.context;
+        // SAFETY: attr is the caller's valid attribute struct.
+        let mut a = unsafe { *attr };
+        let parents = Parents {
+            pd: pd.as_ibv(),
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: a.srq,
+            qp_context: a.qp_context,
+        };
+        // SAFETY: the pointers come from the caller's attr.
+        unsafe { translate_queues(ctx, &mut a.send_cq, &mut a.recv_cq, &mut a.srq)? };
+        let mut qp = Qp::empty();
+        a.qp_context = (&mut *qp as *mut Qp).cast();
+        let real = non_null(call_real!(ibv_create_qp(pd.real, &mut a))?)?;
+        // SAFETY: attr is valid for writes.
+        unsafe { (*attr).cap = a.cap };
+        // SAFETY: our PD's context is our live context.
+        qp.fill(unsafe { Context::from_ibv(ctx) }, real, null_mut(), &parents);
+        Ok(qp.into_ibv().cast())
+    }
+
+    /// `ibv_create_qp_ex` (the context's `create_qp_ex` op).
+    pub fn create_ex(ctx: &mut Context, attr: *mut ibv_qp_init_attr_ex) -> Result<*mut ibv_qp> {
+        let create = real_ctx_op!(ctx.real, create_qp_ex).ok_or(Errno::EOPNOTSUPP)?;
+        let me = ctx.as_ibv();
+        // SAFETY: attr is the caller's valid attribute struct.
+        let mut a = unsafe { *attr };
+        let mask = a.comp_mask;
+        if mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_IND_TABLE.0 != 0 {
+            // RSS indirection tables and WQs are not wrapped (documented).
+            return Err(Errno::EOPNOTSUPP);
+        }
+        let parents = Parents {
+            pd: if mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 != 0 { a.pd } else { null_mut() },
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: a.srq,
+            qp_context: a.qp_context,
+        };
+        // SAFETY: the pointers come from the caller's attr.
+        unsafe {
+            if mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 != 0 {
+                a.pd = Pd::real_of(a.pd, me)?;
+            }
+            if mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_XRCD.0 != 0 {
+                a.xrcd = Xrcd::real_of(a.xrcd, me)?;
+            }
+            translate_queues(me, &mut a.send_cq, &mut a.recv_cq, &mut a.srq)?;
+        }
+        let mut qp = Qp::empty();
+        a.qp_context = (&mut *qp as *mut Qp).cast();
+        // SAFETY: real context and a translated attribute struct.
+        let real = non_null(unsafe { create(ctx.real, &mut a) })?;
+        // SAFETY: attr is valid for writes.
+        unsafe { (*attr).cap = a.cap };
+        let real_ex = if mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0 != 0 {
+            call_real!(ibv_qp_to_qp_ex(real)).unwrap_or(null_mut())
+        } else {
+            null_mut()
+        };
+        qp.fill(ctx, real, real_ex, &parents);
+        Ok(qp.into_ibv().cast())
+    }
+
+    fn fill(&mut self, ctx: &mut Context, real: *mut ibv_qp, real_ex: *mut ibv_qp_ex, p: &Parents) {
+        stats::inc(Stat::KRCORE_STAT_QPS_CREATED);
+        self.real = real;
+        self.real_ex = real_ex;
+        // SAFETY: real is a live QP.
+        let r = unsafe { &*real };
+        let b = &mut self.ibv.qp_base;
+        b.context = ctx.as_ibv();
+        b.qp_context = p.qp_context;
+        b.pd = p.pd;
+        b.send_cq = p.send_cq;
+        b.recv_cq = p.recv_cq;
+        b.srq = p.srq;
+        b.handle = r.handle;
+        b.qp_num = r.qp_num;
+        b.state = r.state;
+        b.qp_type = r.qp_type;
+        if !real_ex.is_null() {
+            // SAFETY: real_ex is live.
+            self.ibv.comp_mask = unsafe { (*real_ex).comp_mask };
+        }
+        // SAFETY: real is live and belongs to ctx.real.
+        self.path = unsafe { Forwarder::new(real, ctx) };
+    }
+
+    /// `ibv_modify_qp`: returns the real verb's errno.
+    ///
+    /// # Safety
+    /// `attr` is valid for the fields `mask` names.
+    pub unsafe fn modify(&mut self, attr: *mut ibv_qp_attr, mask: c_int) -> Result<()> {
+        ok_or_errno(call_real!(ibv_modify_qp(self.real, attr, mask))?)?;
+        // SAFETY: the real QP is live; libibverbs updated its state.
+        self.ibv.qp_base.state = unsafe { (*self.real).state };
+        Ok(())
+    }
+
+    /// `ibv_query_qp`: the provider reports the real CQs, SRQ and our
+    /// wrapper as `qp_context`; give the application its own pointers.
+    ///
+    /// # Safety
+    /// `attr` and `init` are valid for writes.
+    pub unsafe fn query(&mut self, attr: *mut ibv_qp_attr, mask: c_int, init: *mut ibv_qp_init_attr) -> Result<()> {
+        ok_or_errno(call_real!(ibv_query_qp(self.real, attr, mask, init))?)?;
+        let b = &mut self.ibv.qp_base;
+        // SAFETY: init is valid for writes; the real QP is live.
+        unsafe {
+            if !init.is_null() {
+                (*init).qp_context = b.qp_context;
+                (*init).send_cq = b.send_cq;
+                (*init).recv_cq = b.recv_cq;
+                (*init).srq = b.srq;
+            }
+            b.state = (*self.real).state;
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// `p` is a QP of this library.
+    pub unsafe fn destroy(p: *mut ibv_qp) -> Result<()> {
+        // SAFETY: caller contract.
+        let qp = unsafe { Qp::from_qp(p) };
+        ok_or_errno(call_real!(ibv_destroy_qp(qp.real))?)?;
+        // SAFETY: the real QP is gone.
+        unsafe { Qp::free(p.cast()) };
+        Ok(())
+    }
+
+    /// `ibv_qp_to_qp_ex`: NULL unless created with send-ops flags.
+    pub fn to_qp_ex(&mut self) -> *mut ibv_qp_ex {
+        if self.real_ex.is_null() {
+            null_mut()
+        } else {
+            self.as_ibv()
+        }
+    }
+
+    /// # Safety
+    /// `p` is NULL or a live QP pointer.
+    pub unsafe fn real_of(p: *mut ibv_qp, ctx: *mut ibv_context) -> Result<*mut ibv_qp> {
+        if p.is_null() || unsafe { (*p).context } != ctx {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: owned by ctx, hence ours.
+        Ok(unsafe { Qp::from_qp(p) }.real)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qp_sizes_match_rdma_core_44() {
+        assert_eq!(std::mem::size_of::<ibv_qp>(), 160);
+        assert_eq!(std::mem::size_of::<ibv_qp_ex>(), 352);
+        assert_eq!(std::mem::size_of::<ibv_qp_init_attr>(), 64);
+        assert_eq!(std::mem::size_of::<ibv_qp_init_attr_ex>(), 136);
+    }
+}

@@ -1,0 +1,128 @@
+//! Shared receive queues.
+
+use super::{misc::check_owner, misc::Xrcd, non_null, ok_or_errno, wrapper, zeroed, Context, Cq, Pd};
+use crate::call_real;
+use crate::error::{Errno, Result};
+use crate::real_ctx_op;
+use crate::stats::{self, Stat};
+use crate::sys::*;
+use libc::{c_int, c_void};
+use std::ptr::null_mut;
+
+pub type PostSrqRecvFn = unsafe extern "C" fn(*mut ibv_srq, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
+
+#[repr(C)]
+pub struct Srq {
+    pub ibv: ibv_srq,
+    pub real: *mut ibv_srq,
+    /// The real provider's post_srq_recv, cached for the hot path.
+    pub post_recv: Option<PostSrqRecvFn>,
+}
+wrapper!(Srq, ibv_srq);
+
+impl Srq {
+    fn empty() -> Box<Srq> {
+        // SAFETY: ibv_srq is plain C data.
+        Box::new(Srq { ibv: unsafe { zeroed() }, real: null_mut(), post_recv: None })
+    }
+
+    pub fn create(pd: &mut Pd, attr: *mut ibv_srq_init_attr) -> Result<*mut ibv_srq> {
+        // SAFETY: attr is the caller's valid attribute struct.
+        let mut a = unsafe { *attr };
+        let user_ctx = a.srq_context;
+        let mut srq = Srq::empty();
+        a.srq_context = (&mut *srq as *mut Srq).cast();
+        let real = non_null(call_real!(ibv_create_srq(pd.real, &mut a))?)?;
+        // SAFETY: attr is valid for writes (the granted limits go back).
+        unsafe { (*attr).attr = a.attr };
+        srq.fill(pd.ibv.context, pd.as_ibv(), real, user_ctx);
+        Ok(srq.into_ibv())
+    }
+
+    pub fn create_ex(ctx: &mut Context, attr: *mut ibv_srq_init_attr_ex) -> Result<*mut ibv_srq> {
+        let create = real_ctx_op!(ctx.real, create_srq_ex).ok_or(Errno::EOPNOTSUPP)?;
+        let me = ctx.as_ibv();
+        // SAFETY: attr is the caller's valid attribute struct.
+        let mut a = unsafe { *attr };
+        let (user_ctx, pd) = (a.srq_context, a.pd);
+        // SAFETY: pointers from the caller's attr; each is checked to be ours.
+        unsafe {
+            if a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0 != 0 {
+                a.pd = Pd::real_of(a.pd, me)?;
+            }
+            if a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_XRCD.0 != 0 {
+                a.xrcd = Xrcd::real_of(a.xrcd, me)?;
+            }
+            if a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_CQ.0 != 0 {
+                a.cq = Cq::real_of(a.cq, me)?;
+            }
+        }
+        let mut srq = Srq::empty();
+        a.srq_context = (&mut *srq as *mut Srq).cast();
+        // SAFETY: real context, translated attribute struct.
+        let real = non_null(unsafe { create(ctx.real, &mut a) })?;
+        // SAFETY: attr is valid for writes.
+        unsafe { (*attr).attr = a.attr };
+        srq.fill(me, pd, real, user_ctx);
+        Ok(srq.into_ibv())
+    }
+
+    fn fill(&mut self, ctx: *mut ibv_context, pd: *mut ibv_pd, real: *mut ibv_srq, user_ctx: *mut c_void) {
+        stats::inc(Stat::KRCORE_STAT_SRQS_CREATED);
+        self.real = real;
+        // SAFETY: real is a live SRQ of a live real context.
+        unsafe {
+            self.post_recv = (*(*real).context).ops.post_srq_recv;
+            self.ibv.handle = (*real).handle;
+        }
+        self.ibv.context = ctx;
+        self.ibv.pd = pd;
+        self.ibv.srq_context = user_ctx;
+    }
+
+    /// # Safety
+    /// `attr` is valid for the fields `mask` names.
+    pub unsafe fn modify(&mut self, attr: *mut ibv_srq_attr, mask: c_int) -> Result<()> {
+        ok_or_errno(call_real!(ibv_modify_srq(self.real, attr, mask))?)
+    }
+
+    /// # Safety
+    /// `attr` is valid for writes.
+    pub unsafe fn query(&mut self, attr: *mut ibv_srq_attr) -> Result<()> {
+        ok_or_errno(call_real!(ibv_query_srq(self.real, attr))?)
+    }
+
+    /// # Safety
+    /// `num` is valid for writes.
+    pub unsafe fn srq_num(&mut self, num: *mut u32) -> Result<()> {
+        // SAFETY: our SRQ's context is our live context.
+        let ctx = unsafe { Context::from_ibv(self.ibv.context) };
+        let get = real_ctx_op!(ctx.real, get_srq_num).ok_or(Errno::EOPNOTSUPP)?;
+        // SAFETY: the real SRQ; num valid (caller contract).
+        ok_or_errno(unsafe { get(self.real, num) })
+    }
+
+    /// # Safety
+    /// `p` is an SRQ of this library.
+    pub unsafe fn destroy(p: *mut ibv_srq) -> Result<()> {
+        // SAFETY: caller contract.
+        let srq = unsafe { Srq::from_ibv(p) };
+        ok_or_errno(call_real!(ibv_destroy_srq(srq.real))?)?;
+        // SAFETY: the real SRQ is gone.
+        unsafe { Srq::free(p) };
+        Ok(())
+    }
+
+    /// # Safety
+    /// `p` is NULL or a live SRQ pointer.
+    pub unsafe fn real_of(p: *mut ibv_srq, ctx: *mut ibv_context) -> Result<*mut ibv_srq> {
+        if p.is_null() {
+            return Ok(null_mut());
+        }
+        if !check_owner!(p, ctx) {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: owned by ctx, hence ours.
+        Ok(unsafe { Srq::from_ibv(p) }.real)
+    }
+}

@@ -1,0 +1,162 @@
+//! Statistics: an enum of counters plus a names table, relaxed atomics on
+//! separate cache lines (the data-path counters are bumped per post/poll).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Library statistics counters (`krcore_stat_get`). Values never change
+/// meaning; new counters are appended before `KRCORE_STAT_COUNT`.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum krcore_stat {
+    /// Devices opened through the library (wrapped contexts).
+    KRCORE_STAT_CONTEXTS_OPENED = 0,
+    /// Protection domains allocated on wrapped contexts.
+    KRCORE_STAT_PDS_ALLOCATED,
+    /// Memory regions registered on wrapped PDs.
+    KRCORE_STAT_MRS_REGISTERED,
+    /// Completion queues created (plain and extended).
+    KRCORE_STAT_CQS_CREATED,
+    /// Queue pairs created (plain and extended).
+    KRCORE_STAT_QPS_CREATED,
+    /// Shared receive queues created.
+    KRCORE_STAT_SRQS_CREATED,
+    /// Address handles created.
+    KRCORE_STAT_AHS_CREATED,
+    /// Memory windows allocated.
+    KRCORE_STAT_MWS_ALLOCATED,
+    /// `ibv_post_send` calls on wrapped QPs.
+    KRCORE_STAT_POST_SEND,
+    /// `ibv_post_recv` calls on wrapped QPs.
+    KRCORE_STAT_POST_RECV,
+    /// `ibv_post_srq_recv` calls on wrapped SRQs.
+    KRCORE_STAT_POST_SRQ_RECV,
+    /// `ibv_poll_cq` calls and `ibv_start_poll` calls on wrapped CQs.
+    KRCORE_STAT_POLL_CQ,
+    /// `ibv_req_notify_cq` calls on wrapped CQs.
+    KRCORE_STAT_REQ_NOTIFY_CQ,
+    /// Work requests built with the `ibv_wr_*` API on wrapped QPs.
+    KRCORE_STAT_WR_CALLS,
+    /// Completion events returned by `ibv_get_cq_event`.
+    KRCORE_STAT_CQ_EVENTS,
+    /// Asynchronous events returned by `ibv_get_async_event`.
+    KRCORE_STAT_ASYNC_EVENTS,
+    /// Calls that carried foreign (real) objects and were passed straight through.
+    KRCORE_STAT_FOREIGN_CALLS,
+    /// Post calls that failed (a `*bad_wr` was returned).
+    KRCORE_STAT_POST_ERRORS,
+    /// Number of counters (not a counter).
+    KRCORE_STAT_COUNT,
+}
+
+pub use krcore_stat as Stat;
+
+pub const COUNT: usize = krcore_stat::KRCORE_STAT_COUNT as usize;
+
+/// Counter names, indexed by counter, NUL-terminated so that C can use
+/// them as they are (`name()` gives the Rust view).
+const NAMES_NUL: [&str; COUNT] = [
+    "contexts_opened\0",
+    "pds_allocated\0",
+    "mrs_registered\0",
+    "cqs_created\0",
+    "qps_created\0",
+    "srqs_created\0",
+    "ahs_created\0",
+    "mws_allocated\0",
+    "post_send\0",
+    "post_recv\0",
+    "post_srq_recv\0",
+    "poll_cq\0",
+    "req_notify_cq\0",
+    "wr_calls\0",
+    "cq_events\0",
+    "async_events\0",
+    "foreign_calls\0",
+    "post_errors\0",
+];
+
+/// A counter's name ("post_send").
+pub fn name(index: usize) -> Option<&'static str> {
+    NAMES_NUL.get(index).map(|n| &n[..n.len() - 1])
+}
+
+/// A counter's name as a NUL-terminated C string.
+pub fn name_c(index: usize) -> Option<*const libc::c_char> {
+    NAMES_NUL.get(index).map(|n| n.as_ptr().cast())
+}
+
+#[repr(align(64))]
+struct Padded(AtomicU64);
+
+#[allow(clippy::declare_interior_mutable_const)]
+const ZERO: Padded = Padded(AtomicU64::new(0));
+static COUNTERS: [Padded; COUNT] = [ZERO; COUNT];
+
+/// Add one to a counter. Relaxed: counters order nothing, they only count.
+#[inline(always)]
+pub fn inc(stat: Stat) {
+    COUNTERS[stat as usize].0.fetch_add(1, Ordering::Relaxed);
+}
+
+pub fn get(index: usize) -> Option<u64> {
+    COUNTERS.get(index).map(|c| c.0.load(Ordering::Relaxed))
+}
+
+/// `{"krcore":"<version>","pid":N,"counters":{...}}`
+pub fn to_json() -> String {
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    let counters: Vec<String> =
+        (0..COUNT).map(|i| format!("\"{}\":{}", name(i).unwrap_or("?"), get(i).unwrap_or(0))).collect();
+    format!(
+        "{{\"krcore\":\"{}\",\"pid\":{pid},\"counters\":{{{}}}}}",
+        env!("CARGO_PKG_VERSION"),
+        counters.join(",")
+    )
+}
+
+/// At process exit: `KRCORE_STATS=1` prints the JSON on stderr,
+/// `KRCORE_STATS_FILE` writes it to a file (`%p` becomes the pid).
+pub fn report_at_exit() {
+    let cfg = crate::config::get();
+    if !cfg.stats_at_exit && cfg.stats_file.is_none() {
+        return;
+    }
+    let json = to_json();
+    if cfg.stats_at_exit {
+        let line = format!("krcore-stats: {json}\n");
+        // SAFETY: writing an initialised buffer to fd 2.
+        unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+    }
+    if let Some(path) = &cfg.stats_file {
+        // SAFETY: getpid has no preconditions.
+        let path = path.replace("%p", &unsafe { libc::getpid() }.to_string());
+        if let Err(e) = std::fs::write(&path, json + "\n") {
+            crate::klog!(crate::log::Level::Error, "cannot write stats to {path}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_cover_every_counter() {
+        assert!(NAMES_NUL.iter().all(|n| n.ends_with('\0') && n.len() > 1));
+        assert_eq!(name(Stat::KRCORE_STAT_POST_SEND as usize), Some("post_send"));
+        assert_eq!(name(Stat::KRCORE_STAT_WR_CALLS as usize), Some("wr_calls"));
+        assert_eq!(name(Stat::KRCORE_STAT_POST_ERRORS as usize), Some("post_errors"));
+        assert_eq!(name(COUNT), None);
+    }
+
+    #[test]
+    fn json_lists_counters() {
+        inc(Stat::KRCORE_STAT_AHS_CREATED);
+        let j = to_json();
+        assert!(j.contains("\"ahs_created\":"), "{j}");
+        assert!(j.starts_with("{\"krcore\":\""));
+        assert!(get(COUNT).is_none());
+    }
+}
