@@ -27,6 +27,22 @@ pub extern "C" fn krcore_stat_name(stat: u32) -> *const c_char {
     boundary::value("krcore_stat_name", std::ptr::null(), || stats::name_c(stat as usize).unwrap_or(std::ptr::null()))
 }
 
+/// Copy `text` snprintf-style into `buf`; returns the full length.
+///
+/// # Safety
+/// `buf` is valid for `len` bytes of writes, or NULL.
+unsafe fn copy_out(text: &str, buf: *mut c_char, len: size_t) -> size_t {
+    if !buf.is_null() && len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: buf has len >= n + 1 writable bytes (caller contract).
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    }
+    text.len()
+}
+
 /// Write all counters as one JSON object into `buf` (NUL-terminated,
 /// truncated to `len`). Returns the length the full JSON needs, excluding
 /// the NUL, like snprintf; `buf` may be NULL when `len` is 0.
@@ -35,16 +51,17 @@ pub extern "C" fn krcore_stat_name(stat: u32) -> *const c_char {
 /// `buf` must be valid for `len` bytes of writes (or NULL with `len == 0`).
 #[no_mangle]
 pub unsafe extern "C" fn krcore_stats_json(buf: *mut c_char, len: size_t) -> size_t {
-    boundary::value("krcore_stats_json", 0, || {
-        let json = stats::to_json();
-        if !buf.is_null() && len > 0 {
-            let n = json.len().min(len - 1);
-            // SAFETY: buf has len >= n + 1 writable bytes (caller contract).
-            unsafe {
-                std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
-                *buf.add(n) = 0;
-            }
-        }
-        json.len()
-    })
+    // SAFETY: caller contract.
+    boundary::value("krcore_stats_json", 0, || unsafe { copy_out(&stats::to_json(), buf, len) })
+}
+
+/// Write the effective configuration, one `KRCORE_NAME=value` line per
+/// variable, into `buf`; same conventions as `krcore_stats_json`.
+///
+/// # Safety
+/// `buf` must be valid for `len` bytes of writes (or NULL with `len == 0`).
+#[no_mangle]
+pub unsafe extern "C" fn krcore_config_dump(buf: *mut c_char, len: size_t) -> size_t {
+    // SAFETY: caller contract.
+    boundary::value("krcore_config_dump", 0, || unsafe { copy_out(&crate::config::get().dump(), buf, len) })
 }
