@@ -1,0 +1,196 @@
+/*
+ * Shared setup for the krcore C tests.
+ *
+ * Every test is one process on one RDMA device (rxe0 in the testbed VM):
+ * QP "A" uses GID index 1, QP "B" uses GID index 2, and the two are connected
+ * to each other with plain ibv_modify_qp (INIT/RTR/RTS over RoCE v2).
+ *
+ * Reporting: ct_begin("name") opens a sub-test, ct_pass() prints
+ * "PASS name"; any failed check prints "FAIL name: reason" and exits 1.
+ * Every wait is bounded (CT_TIMEOUT_MS) and a watchdog (SIGALRM) guards the
+ * calls that can block (ibv_get_cq_event, ibv_get_async_event, destroy).
+ *
+ * Environment overrides: CT_DEVICE (default rxe0), CT_PORT (1),
+ * CT_GID_A (1), CT_GID_B (2), CT_WATCHDOG (seconds, 120).
+ */
+#ifndef KRCORE_CT_COMMON_H
+#define KRCORE_CT_COMMON_H
+
+#include <infiniband/verbs.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef HAVE_KRCORE
+#include "krcore.h"
+#endif
+
+#define CT_TIMEOUT_MS 10000
+/* How long "nothing else must complete" checks wait. */
+#define CT_QUIET_MS 300
+
+/* ---- reporting ------------------------------------------------------ */
+
+void ct_begin(const char *name);
+void ct_pass(void);
+const char *ct_current(void);
+_Noreturn void ct_fail_at(const char *file, int line, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+void ct_note(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#define CT_FAIL(...) ct_fail_at(__FILE__, __LINE__, __VA_ARGS__)
+#define CT_CHECK(cond, ...)                                                   \
+	do {                                                                  \
+		if (!(cond))                                                  \
+			ct_fail_at(__FILE__, __LINE__, "check `" #cond        \
+				   "` failed: " __VA_ARGS__);                 \
+	} while (0)
+/* For calls returning 0 or an errno value. */
+#define CT_OK(call)                                                           \
+	do {                                                                  \
+		int ct_rc_ = (call);                                          \
+		if (ct_rc_)                                                   \
+			ct_fail_at(__FILE__, __LINE__, "%s returned %d (%s)", \
+				   #call, ct_rc_, strerror(ct_rc_));          \
+	} while (0)
+/* For calls returning a pointer (NULL + errno on failure). */
+#define CT_PTR(call)                                                          \
+	({                                                                    \
+		errno = 0;                                                    \
+		__typeof__(call) ct_p_ = (call);                              \
+		if (!ct_p_)                                                   \
+			ct_fail_at(__FILE__, __LINE__,                        \
+				   "%s returned NULL (errno %d: %s)", #call,  \
+				   errno, strerror(errno));                   \
+		ct_p_;                                                        \
+	})
+
+/* ---- device --------------------------------------------------------- */
+
+struct ct_dev {
+	struct ibv_context *ctx;
+	struct ibv_pd *pd;
+	uint8_t port;
+	struct ibv_port_attr port_attr;
+	struct ibv_device_attr dev_attr;
+	int gid_idx[2];		/* [0] for QP A, [1] for QP B */
+	union ibv_gid gid[2];
+};
+
+/* Installs the watchdog, opens the device, allocates a PD, queries GIDs. */
+void ct_open(struct ct_dev *d);
+/* Deallocates the PD and closes the device (checked). */
+void ct_close(struct ct_dev *d);
+
+/* Re-arms the watchdog to `seconds` from now. */
+void ct_watchdog(unsigned seconds);
+
+/* ---- QPs ------------------------------------------------------------ */
+
+struct ct_qp_caps {
+	uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge;
+	uint32_t max_inline;
+	int sq_sig_all;
+};
+#define CT_QP_CAPS_DEFAULT \
+	((struct ct_qp_caps){ 64, 64, 4, 4, 64, 0 })
+
+/* Plain ibv_create_qp, RC. srq may be NULL. */
+struct ibv_qp *ct_create_rc_qp(struct ct_dev *d, struct ibv_cq *scq,
+			       struct ibv_cq *rcq, struct ibv_srq *srq,
+			       struct ct_qp_caps caps);
+
+/*
+ * Moves `qp` RESET->INIT->RTR->RTS towards (dqpn, dgid), with local GID index
+ * `sgid_idx`. Access: local write, remote read/write/atomic. Returns 0 or the
+ * failing ibv_modify_qp's error (does not fail the test by itself).
+ */
+int ct_connect_qp(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
+		  uint32_t dqpn, const union ibv_gid *dgid);
+/* Connects a (GID A) and b (GID B) to each other; fails the test on error. */
+void ct_connect_pair(struct ct_dev *d, struct ibv_qp *a, struct ibv_qp *b);
+/* Moves a QP to ERR (fails the test on error). */
+void ct_qp_to_err(struct ibv_qp *qp);
+enum ibv_qp_state ct_qp_state(struct ibv_qp *qp);
+
+/* ---- memory --------------------------------------------------------- */
+
+#define CT_ACCESS_ALL                                                         \
+	(IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |                   \
+	 IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC)
+
+struct ct_buf {
+	uint8_t *p;
+	size_t len;
+	struct ibv_mr *mr;
+};
+/* Page-aligned, zeroed buffer registered with CT_ACCESS_ALL on pd. */
+void ct_buf_alloc(struct ct_buf *b, struct ibv_pd *pd, size_t len);
+void ct_buf_free(struct ct_buf *b);
+
+/* Deterministic pattern: byte i = f(seed, i). */
+void ct_fill(void *p, size_t len, uint32_t seed);
+/* Compares len bytes; on mismatch fails with the first differing offset. */
+void ct_expect_bytes(const void *got, const void *want, size_t len,
+		     const char *what);
+/* Checks that p[0..len) equals the pattern ct_fill(seed) would write. */
+void ct_expect_pattern(const void *p, size_t len, uint32_t seed,
+		       const char *what);
+void ct_expect_zero(const void *p, size_t len, const char *what);
+
+/* ---- classic posting ------------------------------------------------ */
+
+/*
+ * ibv_post_send of one WR with one SGE (lb at loff, len bytes; len 0 means
+ * no SGE). raddr/rkey are used for RDMA and atomics (atomics: compare_add =
+ * cmp_add, swap = swap). imm is in host order. Returns ibv_post_send's value.
+ */
+int ct_post_send1(struct ibv_qp *qp, uint64_t wr_id, enum ibv_wr_opcode op,
+		  unsigned flags, const struct ct_buf *lb, size_t loff,
+		  uint32_t len, uint64_t raddr, uint32_t rkey, uint32_t imm);
+int ct_post_atomic(struct ibv_qp *qp, uint64_t wr_id, enum ibv_wr_opcode op,
+		   const struct ct_buf *lb, size_t loff, uint64_t raddr,
+		   uint32_t rkey, uint64_t cmp_add, uint64_t swap);
+/* ibv_post_recv of one WR with one SGE (len 0: no SGE); fails on error. */
+void ct_post_recv1(struct ibv_qp *qp, uint64_t wr_id, const struct ct_buf *b,
+		   size_t off, uint32_t len);
+
+/* ---- completions ---------------------------------------------------- */
+
+/* Polls until `n` completions are collected, or fails after timeout_ms. */
+void ct_poll_n(struct ibv_cq *cq, struct ibv_wc *wc, int n, int timeout_ms);
+/* One completion. */
+struct ibv_wc ct_poll1(struct ibv_cq *cq);
+/* Asserts that no completion arrives on cq within ms milliseconds. */
+void ct_expect_quiet(struct ibv_cq *cq, int ms, const char *what);
+/* Asserts status==SUCCESS, wr_id and opcode. */
+void ct_expect_wc(const struct ibv_wc *wc, uint64_t wr_id,
+		  enum ibv_wc_opcode opcode, const char *what);
+
+/* A completion read from an ibv_cq_ex through the ibv_wc_read_* accessors. */
+struct ct_wcx {
+	uint64_t wr_id;
+	enum ibv_wc_status status;
+	enum ibv_wc_opcode opcode;
+	unsigned int wc_flags;
+	uint32_t byte_len;
+	__be32 imm_data;
+	uint32_t qp_num;
+};
+/*
+ * Collects n completions with ibv_start_poll/ibv_next_poll/ibv_end_poll;
+ * `cq_wc_flags` are the flags the CQ was created with (decides which
+ * ibv_wc_read_* accessors may be called).
+ */
+void ct_poll_ex_n(struct ibv_cq_ex *cq, uint64_t cq_wc_flags,
+		  struct ct_wcx *out, int n, int timeout_ms);
+void ct_expect_quiet_ex(struct ibv_cq_ex *cq, int ms, const char *what);
+
+/* ---- misc ----------------------------------------------------------- */
+
+uint64_t ct_now_ns(void);
+const char *ct_wc_opcode_str(enum ibv_wc_opcode op);
+
+#endif
