@@ -169,6 +169,17 @@ impl Cq {
         Ok(cq.into_ibv())
     }
 
+    /// Wrap an existing real CQ (test doubles, benchmarks).
+    ///
+    /// # Safety
+    /// `real` is a live CQ whose context's ops are callable, and `ctx`
+    /// outlives the wrapper.
+    pub unsafe fn adopt(ctx: &mut Context, real: *mut ibv_cq) -> *mut ibv_cq {
+        let mut cq = Cq::empty();
+        cq.fill(ctx, real, null_mut(), null_mut(), null_mut());
+        cq.into_ibv().cast()
+    }
+
     fn fill(
         &mut self,
         ctx: &mut Context,

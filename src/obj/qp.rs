@@ -139,6 +139,19 @@ impl Qp {
         Ok(qp.into_ibv().cast())
     }
 
+    /// Wrap an existing real QP that has no parents we know of (test
+    /// doubles, benchmarks).
+    ///
+    /// # Safety
+    /// `real` is a live QP whose context's ops are callable, and `ctx`
+    /// outlives the wrapper.
+    pub unsafe fn adopt(ctx: &mut Context, real: *mut ibv_qp) -> *mut ibv_qp {
+        let mut qp = Qp::empty();
+        let none = Parents { pd: null_mut(), send_cq: null_mut(), recv_cq: null_mut(), srq: null_mut(), qp_context: null_mut() };
+        qp.fill(ctx, real, null_mut(), &none);
+        qp.into_ibv().cast()
+    }
+
     fn fill(&mut self, ctx: &mut Context, real: *mut ibv_qp, real_ex: *mut ibv_qp_ex, p: &Parents) {
         stats::inc(Stat::KRCORE_STAT_QPS_CREATED);
         self.real = real;

@@ -175,3 +175,104 @@ unsafe impl Send for Forwarder {}
 // SAFETY: see above.
 unsafe impl Sync for Forwarder {}
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::obj::{zeroed, Ah};
+    use std::cell::RefCell;
+
+    thread_local! {
+        /// (wr_id, ah) of every WR the fake provider saw.
+        static SEEN: RefCell<Vec<(u64, usize)>> = const { RefCell::new(Vec::new()) };
+        static FAIL_WR_ID: RefCell<u64> = const { RefCell::new(u64::MAX) };
+    }
+
+    /// A provider post_send that records WRs and rejects one wr_id.
+    unsafe extern "C" fn fake_post(_qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
+        let mut cur = wr;
+        while !cur.is_null() {
+            let w = unsafe { &*cur };
+            if w.wr_id == FAIL_WR_ID.with(|f| *f.borrow()) {
+                unsafe { *bad = cur };
+                return libc::EINVAL;
+            }
+            SEEN.with(|s| s.borrow_mut().push((w.wr_id, unsafe { w.wr.ud.ah } as usize)));
+            cur = w.next;
+        }
+        0
+    }
+
+    struct Fixture {
+        real_ctx: Box<ibv_context>,
+        real_qp: Box<ibv_qp>,
+        ctx: Box<Context>,
+    }
+
+    fn fixture(qp_type: ibv_qp_type::Type) -> Fixture {
+        let mut real_ctx: Box<ibv_context> = Box::new(unsafe { zeroed() });
+        real_ctx.ops.post_send = Some(fake_post);
+        let mut real_qp: Box<ibv_qp> = Box::new(unsafe { zeroed() });
+        real_qp.context = &mut *real_ctx;
+        real_qp.qp_type = qp_type;
+        let ctx = unsafe { Context::new(&mut *real_ctx) };
+        Fixture { real_ctx, real_qp, ctx }
+    }
+
+    fn chain(wrs: &mut [ibv_send_wr]) {
+        for i in 0..wrs.len() {
+            wrs[i].next = if i + 1 < wrs.len() { &mut wrs[i + 1] } else { null_mut() };
+        }
+    }
+
+    #[test]
+    fn ud_ahs_are_translated_across_chunks_and_bad_wr_maps_back() {
+        let mut f = fixture(ibv_qp_type::IBV_QPT_UD);
+        let fwd = unsafe { Forwarder::new(&mut *f.real_qp, &mut f.ctx) };
+        let real_ah = 0xa11 as *mut ibv_ah;
+        let mut ah = Ah { ibv: ibv_ah { context: f.ctx.as_ibv(), pd: null_mut(), handle: 0 }, real: real_ah };
+        let n = CHUNK + 4;
+        let mut wrs: Vec<ibv_send_wr> = (0..n).map(|_| unsafe { zeroed() }).collect();
+        for (i, w) in wrs.iter_mut().enumerate() {
+            w.wr_id = i as u64;
+            w.wr.ud.ah = ah.as_ibv();
+        }
+        chain(&mut wrs);
+        SEEN.with(|s| s.borrow_mut().clear());
+        FAIL_WR_ID.with(|x| *x.borrow_mut() = (CHUNK + 2) as u64);
+        let mut bad = null_mut();
+        let rc = unsafe { fwd.post_send(&mut wrs[0], &mut bad) };
+        assert_eq!(rc, libc::EINVAL);
+        assert_eq!(bad, &mut wrs[CHUNK + 2] as *mut _, "bad_wr must name the caller's WR");
+        let seen = SEEN.with(|s| s.borrow().clone());
+        assert_eq!(seen.len(), CHUNK + 2, "everything before the bad WR is posted");
+        assert!(seen.iter().enumerate().all(|(i, &(id, a))| id == i as u64 && a == real_ah as usize));
+        // The caller's list is untouched.
+        assert_eq!(unsafe { wrs[0].wr.ud.ah }, ah.as_ibv());
+        let _ = (&f.real_ctx,);
+    }
+
+    #[test]
+    fn rc_without_memory_windows_posts_the_callers_list_directly() {
+        let mut f = fixture(ibv_qp_type::IBV_QPT_RC);
+        let fwd = unsafe { Forwarder::new(&mut *f.real_qp, &mut f.ctx) };
+        let mut wrs: Vec<ibv_send_wr> = (0..3).map(|_| unsafe { zeroed() }).collect();
+        for (i, w) in wrs.iter_mut().enumerate() {
+            w.wr_id = 100 + i as u64;
+        }
+        chain(&mut wrs);
+        FAIL_WR_ID.with(|x| *x.borrow_mut() = 101);
+        let mut bad = null_mut();
+        assert_eq!(unsafe { fwd.post_send(&mut wrs[0], &mut bad) }, libc::EINVAL);
+        assert_eq!(bad, &mut wrs[1] as *mut _);
+    }
+
+    #[test]
+    fn missing_provider_op_reports_eopnotsupp_and_bad_wr() {
+        let fwd = Forwarder::default();
+        let mut wr: ibv_send_wr = unsafe { zeroed() };
+        let mut bad = null_mut();
+        assert_eq!(unsafe { fwd.post_send(&mut wr, &mut bad) }, libc::EOPNOTSUPP);
+        assert_eq!(bad, &mut wr as *mut _);
+    }
+}
