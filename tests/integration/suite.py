@@ -451,12 +451,11 @@ class Runner:
         if mode == "preloaded":
             env["LD_PRELOAD"] = str(self.lib)
         if mode == "linked":
-            # C tests: tell them where the peers are; they link libkrcore themselves.
-            env["LD_LIBRARY_PATH"] = f"{REPO / 'target/release'}:{env.get('LD_LIBRARY_PATH', '')}"
+            # C tests link libkrcore themselves (rpath); tell them the device and
+            # GIDs (c-tests/common.h), and let their watchdog fire before our kill.
             t = self.topo
-            env.update(KRCORE_TEST_DEV=t.dev, KRCORE_TEST_SERVER_GID=str(t.srv_gid),
-                       KRCORE_TEST_CLIENT_GID=str(t.cli_gid), KRCORE_TEST_SERVER_ADDR=t.srv_addr,
-                       KRCORE_TEST_CLIENT_ADDR=t.cli_addr, KRCORE_TEST_PORT=str(self.next_port()))
+            env.update(CT_DEVICE=t.dev, CT_GID_A=str(t.srv_gid), CT_GID_B=str(t.cli_gid),
+                       CT_WATCHDOG=str(max(5, int(self.a.timeout * 0.75))))
         port = self.next_port()
         listen_port = case.listen_port(port) if isinstance(case, Cmatose) else port
         srv_argv, cli_argv = case.argv(self.topo, port)

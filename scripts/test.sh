@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The project's one test command: dependencies, release build, host unit
+# tests, C tests, then the integration suite against real RDMA (Soft-RoCE in
+# a VM unless this machine has an RDMA device). Every stage runs even if an
+# earlier one failed (unless it depends on it), and a summary closes the run.
+#   scripts/test.sh            (exit status: 0 only if every stage passed)
+# KRCORE_SUITE_ARGS="-k perftest" passes extra arguments to the suite.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+declare -a names=() results=() secs=()
+failed=0
+
+logs=target/test-logs
+rm -rf "$logs" && mkdir -p "$logs"
+
+# stage NAME CMD...: run, time and record one stage (output also kept in
+# $logs/NAME.log so that the test counts can be added up at the end).
+stage() {
+    local name="$1"; shift
+    local t0=$SECONDS rc
+    echo "==> [$name] $*"
+    "$@" 2>&1 | tee "$logs/$name.log"; rc=$?
+    names+=("$name"); secs+=($((SECONDS - t0)))
+    if ((rc == 0)); then results+=("ok"); else results+=("FAILED (exit $rc)"); failed=1; fi
+    return "$rc"
+}
+skip() { names+=("$1"); secs+=(0); results+=("skipped: $2"); failed=1; }
+
+# shellcheck disable=SC2317  # called indirectly through stage
+integration() {
+    # shellcheck disable=SC2206  # word splitting of the extra args is wanted
+    local extra=(${KRCORE_SUITE_ARGS:-})
+    rm -rf target/integration
+    if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
+        # A real (or already configured) RDMA device: no VM needed.
+        python3 tests/integration/suite.py --out target/integration "${extra[@]}"
+    else
+        scripts/vm-run.sh target/integration \
+            python3 tests/integration/suite.py --setup-rxe --out target/integration "${extra[@]}"
+    fi
+}
+
+stage install-deps scripts/install-deps.sh
+if stage build cargo build --release; then
+    stage unit-tests cargo test --release
+    if [[ -f c-tests/Makefile ]]; then
+        stage c-tests make -C c-tests
+    fi
+    stage integration integration
+else
+    skip unit-tests "build failed"
+    skip integration "build failed"
+fi
+
+echo
+echo "==> summary"
+for i in "${!names[@]}"; do
+    printf '  %-14s %-28s %5ss\n' "${names[$i]}" "${results[$i]}" "${secs[$i]}"
+done
+printf '  %-14s %-28s %5ss\n' total "" "$SECONDS"
+# One closing count over everything: cargo's "test result: ... N passed; M
+# failed" lines plus the suite's "N passed, N failed"; a stage that failed
+# without reporting tests (a build error, say) counts as one failure.
+read -r npass nfail < <(
+    cat "$logs"/unit-tests.log "$logs"/integration.log 2>/dev/null | tr -d '\r' |
+    sed -nE 's/^test result: .* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/p;
+             s/^([0-9]+) passed, ([0-9]+) failed$/\1 \2/p' |
+    awk '{p += $1; f += $2} END {print p + 0, f + 0}')
+((failed && nfail == 0)) && nfail=1
+if ((failed)); then echo "scripts/test.sh: FAILED"; else echo "scripts/test.sh: all stages passed"; fi
+echo "$npass passed, $nfail failed"
+exit "$failed"
