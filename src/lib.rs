@@ -13,6 +13,8 @@
 //! - [`config`], [`log`], [`stats`]: plumbing.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
+// call_real!/real_ctx_op! take FFI arguments, which are raw by nature.
+#![allow(clippy::macro_metavars_in_unsafe)]
 
 pub mod abi;
 pub mod config;

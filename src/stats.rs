@@ -139,6 +139,7 @@ pub fn report_at_exit() {
 }
 
 #[cfg(test)]
+#[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
 

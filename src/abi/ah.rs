@@ -13,7 +13,8 @@ pub unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) 
             return foreign!(ibv_create_ah(pd, attr));
         }
         // SAFETY: ours.
-        Ah::create(unsafe { Pd::from_ibv(pd) }, attr)
+        // SAFETY: ours; attr is the caller's.
+        unsafe { Ah::create(Pd::from_ibv(pd), attr) }
     })
 }
 
@@ -61,6 +62,7 @@ pub unsafe extern "C" fn ibv_create_ah_from_wc(
             return foreign!(ibv_create_ah_from_wc(pd, wc, grh, port_num));
         }
         // SAFETY: ours.
-        Ah::create_from_wc(unsafe { Pd::from_ibv(pd) }, wc, grh, port_num)
+        // SAFETY: ours; wc and grh are the caller's.
+        unsafe { Ah::create_from_wc(Pd::from_ibv(pd), wc, grh, port_num) }
     })
 }

@@ -68,6 +68,7 @@ pub fn value<T>(name: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 }
 
 #[cfg(test)]
+#[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
 

@@ -17,7 +17,8 @@ pub unsafe extern "C" fn ibv_create_cq(
         if !context.is_null() && !is_ours(context) {
             return foreign!(ibv_create_cq(context, cqe, cq_context, channel, comp_vector));
         }
-        Cq::create(ctx_of(context)?, cqe, cq_context, channel, comp_vector)
+        // SAFETY: channel is NULL or the caller's channel.
+        unsafe { Cq::create(ctx_of(context)?, cqe, cq_context, channel, comp_vector) }
     })
 }
 

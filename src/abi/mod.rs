@@ -26,7 +26,7 @@ use crate::sys::ibv_context;
 /// Is `ctx` a context of this library? Ours carry our `post_send` in their
 /// ops table; a real context carries its provider's.
 #[inline]
-pub fn is_ours(ctx: *const ibv_context) -> bool {
+pub(crate) fn is_ours(ctx: *const ibv_context) -> bool {
     // SAFETY: a non-NULL context handed to a verb is live.
     !ctx.is_null() && unsafe { (*ctx).ops.post_send }.map(|f| f as *const ()) == Some(ops::post_send as *const ())
 }

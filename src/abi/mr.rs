@@ -93,6 +93,7 @@ pub unsafe extern "C" fn ibv_rereg_mr(
         }
         // SAFETY: ours.
         let m = unsafe { Mr::from_ibv(mr) };
+        // SAFETY: a non-NULL PD from the caller is live.
         if !pd.is_null() && unsafe { (*pd).context } != m.ibv.context {
             Errno::EINVAL.set();
             return IBV_REREG_MR_ERR_INPUT;

@@ -19,7 +19,7 @@ use libc::{c_int, c_void};
 
 // ---- ibv_context_ops: the data path --------------------------------------
 
-pub unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
+pub(crate) unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
     boundary::value("post_send", libc::EIO, || {
         stats::inc(Stat::KRCORE_STAT_POST_SEND);
         // SAFETY: only our QPs reach our ops; wr/bad are the caller's.
@@ -31,7 +31,7 @@ pub unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *
     })
 }
 
-pub unsafe extern "C" fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
+pub(crate) unsafe extern "C" fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
     boundary::value("post_recv", libc::EIO, || {
         stats::inc(Stat::KRCORE_STAT_POST_RECV);
         // SAFETY: only our QPs reach our ops.
@@ -43,7 +43,7 @@ pub unsafe extern "C" fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *
     })
 }
 
-pub unsafe extern "C" fn post_srq_recv(srq: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
+pub(crate) unsafe extern "C" fn post_srq_recv(srq: *mut ibv_srq, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
     boundary::value("post_srq_recv", libc::EIO, || {
         stats::inc(Stat::KRCORE_STAT_POST_SRQ_RECV);
         // SAFETY: only our SRQs reach our ops.
@@ -64,7 +64,7 @@ pub unsafe extern "C" fn post_srq_recv(srq: *mut ibv_srq, wr: *mut ibv_recv_wr, 
     })
 }
 
-pub unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num_entries: c_int, wc: *mut ibv_wc) -> c_int {
+pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num_entries: c_int, wc: *mut ibv_wc) -> c_int {
     boundary::value("poll_cq", -libc::EIO, || {
         stats::inc(Stat::KRCORE_STAT_POLL_CQ);
         // SAFETY: only our CQs reach our ops.
@@ -77,7 +77,7 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num_entries: c_int, wc: *mut i
     })
 }
 
-pub unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
+pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
     boundary::value("req_notify_cq", libc::EIO, || {
         stats::inc(Stat::KRCORE_STAT_REQ_NOTIFY_CQ);
         // SAFETY: only our CQs reach our ops.
@@ -110,6 +110,7 @@ unsafe extern "C" fn bind_mw(qp: *mut ibv_qp, mw: *mut ibv_mw, bind: *mut ibv_mw
         // SAFETY: only our MWs reach our ops; the QP is checked to be of the
         // MW's context inside bind().
         let m = unsafe { Mw::from_ibv(mw) };
+        // SAFETY: qp is a non-NULL QP pointer from the caller.
         if unsafe { (*qp).context } != m.ibv.context {
             return Err(Errno::EINVAL);
         }
@@ -127,7 +128,8 @@ unsafe extern "C" fn create_qp_ex(context: *mut ibv_context, attr: *mut ibv_qp_i
         if attr.is_null() {
             return Err(Errno::EINVAL);
         }
-        let qp = Qp::create_ex(ctx_of(context)?, attr)?;
+        // SAFETY: attr is the caller's, non-NULL.
+        let qp = unsafe { Qp::create_ex(ctx_of(context)?, attr) }?;
         // SAFETY: just created by us.
         install_qp_ex_ops(unsafe { Qp::from_qp(qp) });
         Ok(qp)
@@ -139,7 +141,8 @@ unsafe extern "C" fn create_cq_ex(context: *mut ibv_context, attr: *mut ibv_cq_i
         if attr.is_null() {
             return Err(Errno::EINVAL);
         }
-        let cq = Cq::create_ex(ctx_of(context)?, attr)?;
+        // SAFETY: attr is the caller's, non-NULL.
+        let cq = unsafe { Cq::create_ex(ctx_of(context)?, attr) }?;
         // SAFETY: just created by us.
         install_cq_ex_ops(unsafe { Cq::from_ibv(cq) });
         Ok(cq)
@@ -163,7 +166,8 @@ unsafe extern "C" fn create_srq_ex(context: *mut ibv_context, attr: *mut ibv_srq
         if attr.is_null() {
             return Err(Errno::EINVAL);
         }
-        Srq::create_ex(ctx_of(context)?, attr)
+        // SAFETY: attr is the caller's, non-NULL.
+        unsafe { Srq::create_ex(ctx_of(context)?, attr) }
     })
 }
 
@@ -173,7 +177,8 @@ unsafe extern "C" fn get_srq_num(srq: *mut ibv_srq, num: *mut u32) -> c_int {
 }
 
 unsafe extern "C" fn open_xrcd(context: *mut ibv_context, attr: *mut ibv_xrcd_init_attr) -> *mut ibv_xrcd {
-    boundary::ptr("ibv_open_xrcd", || Xrcd::open(ctx_of(context)?, attr))
+    // SAFETY: attr is the caller's.
+    boundary::ptr("ibv_open_xrcd", || unsafe { Xrcd::open(ctx_of(context)?, attr) })
 }
 
 unsafe extern "C" fn close_xrcd(xrcd: *mut ibv_xrcd) -> c_int {

@@ -16,7 +16,8 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, attr: *mut ibv_qp_init_a
             return Err(Errno::EINVAL);
         }
         // SAFETY: ours.
-        Qp::create(unsafe { Pd::from_ibv(pd) }, attr)
+        // SAFETY: ours; attr is the caller's, non-NULL.
+        unsafe { Qp::create(Pd::from_ibv(pd), attr) }
     })
 }
 

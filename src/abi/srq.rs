@@ -16,7 +16,8 @@ pub unsafe extern "C" fn ibv_create_srq(pd: *mut ibv_pd, attr: *mut ibv_srq_init
             return Err(Errno::EINVAL);
         }
         // SAFETY: ours.
-        Srq::create(unsafe { Pd::from_ibv(pd) }, attr)
+        // SAFETY: ours; attr is the caller's, non-NULL.
+        unsafe { Srq::create(Pd::from_ibv(pd), attr) }
     })
 }
 

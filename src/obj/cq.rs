@@ -128,7 +128,10 @@ impl Cq {
         unsafe { Cq::from_ibv(p.cast()) }
     }
 
-    pub fn create(
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create(
         ctx: &mut Context,
         cqe: c_int,
         cq_context: *mut c_void,
@@ -144,7 +147,10 @@ impl Cq {
         Ok(cq.into_ibv().cast())
     }
 
-    pub fn create_ex(ctx: &mut Context, attr: *mut ibv_cq_init_attr_ex) -> Result<*mut ibv_cq_ex> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create_ex(ctx: &mut Context, attr: *mut ibv_cq_init_attr_ex) -> Result<*mut ibv_cq_ex> {
         let create = real_ctx_op!(ctx.real, create_cq_ex).ok_or(Errno::EOPNOTSUPP)?;
         // SAFETY: attr is the caller's valid attribute struct; copied so the
         // caller's pointers stay its own.
@@ -249,6 +255,7 @@ impl Cq {
 }
 
 #[cfg(test)]
+#[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
 

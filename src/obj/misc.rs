@@ -92,12 +92,18 @@ pub struct Ah {
 wrapper!(Ah, ibv_ah);
 
 impl Ah {
-    pub fn create(pd: &mut Pd, attr: *mut ibv_ah_attr) -> Result<*mut ibv_ah> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create(pd: &mut Pd, attr: *mut ibv_ah_attr) -> Result<*mut ibv_ah> {
         let real = non_null(call_real!(ibv_create_ah(pd.real, attr))?)?;
         Ok(Ah::wrap(pd, real))
     }
 
-    pub fn create_from_wc(pd: &mut Pd, wc: *mut ibv_wc, grh: *mut ibv_grh, port: u8) -> Result<*mut ibv_ah> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create_from_wc(pd: &mut Pd, wc: *mut ibv_wc, grh: *mut ibv_grh, port: u8) -> Result<*mut ibv_ah> {
         let real = non_null(call_real!(ibv_create_ah_from_wc(pd.real, wc, grh, port))?)?;
         Ok(Ah::wrap(pd, real))
     }
@@ -212,7 +218,10 @@ pub struct Xrcd {
 wrapper!(Xrcd, ibv_xrcd);
 
 impl Xrcd {
-    pub fn open(ctx: &mut Context, attr: *mut ibv_xrcd_init_attr) -> Result<*mut ibv_xrcd> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn open(ctx: &mut Context, attr: *mut ibv_xrcd_init_attr) -> Result<*mut ibv_xrcd> {
         let open = real_ctx_op!(ctx.real, open_xrcd).ok_or(Errno::EOPNOTSUPP)?;
         // SAFETY: real context and the caller's attribute struct.
         let real = non_null(unsafe { open(ctx.real, attr) })?;
@@ -249,6 +258,7 @@ impl Xrcd {
 }
 
 #[cfg(test)]
+#[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
     use crate::obj::zeroed;

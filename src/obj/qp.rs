@@ -73,7 +73,10 @@ impl Qp {
 
     /// `ibv_create_qp`. The real verb writes the granted capabilities back
     /// into `attr->cap`; so do we.
-    pub fn create(pd: &mut Pd, attr: *mut ibv_qp_init_attr) -> Result<*mut ibv_qp> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create(pd: &mut Pd, attr: *mut ibv_qp_init_attr) -> Result<*mut ibv_qp> {
         let ctx = pd.ibv.context;
         // SAFETY: attr is the caller's valid attribute struct.
         let mut a = unsafe { *attr };
@@ -97,7 +100,10 @@ impl Qp {
     }
 
     /// `ibv_create_qp_ex` (the context's `create_qp_ex` op).
-    pub fn create_ex(ctx: &mut Context, attr: *mut ibv_qp_init_attr_ex) -> Result<*mut ibv_qp> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create_ex(ctx: &mut Context, attr: *mut ibv_qp_init_attr_ex) -> Result<*mut ibv_qp> {
         let create = real_ctx_op!(ctx.real, create_qp_ex).ok_or(Errno::EOPNOTSUPP)?;
         let me = ctx.as_ibv();
         // SAFETY: attr is the caller's valid attribute struct.
@@ -228,19 +234,10 @@ impl Qp {
             self.as_ibv()
         }
     }
-
-    /// # Safety
-    /// `p` is NULL or a live QP pointer.
-    pub unsafe fn real_of(p: *mut ibv_qp, ctx: *mut ibv_context) -> Result<*mut ibv_qp> {
-        if p.is_null() || unsafe { (*p).context } != ctx {
-            return Err(Errno::EINVAL);
-        }
-        // SAFETY: owned by ctx, hence ours.
-        Ok(unsafe { Qp::from_qp(p) }.real)
-    }
 }
 
 #[cfg(test)]
+#[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
 

@@ -26,7 +26,10 @@ impl Srq {
         Box::new(Srq { ibv: unsafe { zeroed() }, real: null_mut(), post_recv: None })
     }
 
-    pub fn create(pd: &mut Pd, attr: *mut ibv_srq_init_attr) -> Result<*mut ibv_srq> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create(pd: &mut Pd, attr: *mut ibv_srq_init_attr) -> Result<*mut ibv_srq> {
         // SAFETY: attr is the caller's valid attribute struct.
         let mut a = unsafe { *attr };
         let user_ctx = a.srq_context;
@@ -39,7 +42,10 @@ impl Srq {
         Ok(srq.into_ibv())
     }
 
-    pub fn create_ex(ctx: &mut Context, attr: *mut ibv_srq_init_attr_ex) -> Result<*mut ibv_srq> {
+    /// # Safety
+    /// Pointer arguments are NULL where the verb allows it, or valid verbs
+    /// objects and attribute structs of the caller.
+    pub unsafe fn create_ex(ctx: &mut Context, attr: *mut ibv_srq_init_attr_ex) -> Result<*mut ibv_srq> {
         let create = real_ctx_op!(ctx.real, create_srq_ex).ok_or(Errno::EOPNOTSUPP)?;
         let me = ctx.as_ibv();
         // SAFETY: attr is the caller's valid attribute struct.

@@ -8,7 +8,7 @@ use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
 use crate::sys::*;
-use libc::{c_char, c_int, c_uint, c_void};
+use libc::{c_int, c_uint, c_void};
 use once_cell::sync::Lazy;
 use std::ffi::CString;
 
@@ -209,12 +209,4 @@ macro_rules! real_ctx_op {
             }
         }
     }};
-}
-
-pub fn c_str(p: *const c_char) -> String {
-    if p.is_null() {
-        return "(null)".into();
-    }
-    // SAFETY: p is a NUL-terminated string from libibverbs.
-    unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }

@@ -177,6 +177,7 @@ unsafe impl Sync for Forwarder {}
 
 
 #[cfg(test)]
+#[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
     use crate::obj::{zeroed, Ah};
