@@ -254,5 +254,12 @@ int main(void)
 	ct_buf_free(&bb);
 	ct_close(&dev);
 	ct_pass();
+#ifdef HAVE_KRCORE
+	ct_begin("krcore_counters");
+	CT_KRCORE_STAT(KRCORE_STAT_ASYNC_EVENTS, ==, 3);
+	CT_KRCORE_STAT(KRCORE_STAT_SRQS_CREATED, ==, 1);
+	CT_KRCORE_STAT(KRCORE_STAT_QPS_CREATED, ==, 4);
+	ct_pass();
+#endif
 	return 0;
 }

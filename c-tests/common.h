@@ -188,6 +188,22 @@ void ct_poll_ex_n(struct ibv_cq_ex *cq, uint64_t cq_wc_flags,
 		  struct ct_wcx *out, int n, int timeout_ms);
 void ct_expect_quiet_ex(struct ibv_cq_ex *cq, int ms, const char *what);
 
+/* ---- krcore counters (only with -DHAVE_KRCORE) ----------------------- */
+
+#ifdef HAVE_KRCORE
+/* Process-wide counters: since the process started, stat OP want. */
+#define CT_KRCORE_STAT(stat, op, want)                                        \
+	do {                                                                  \
+		unsigned long long v_ = krcore_stat_get(stat);                \
+		unsigned long long w_ = (want);                               \
+		if (!(v_ op w_))                                              \
+			ct_fail_at(__FILE__, __LINE__,                        \
+				   "krcore counter %s is %llu, expected "     \
+				   "%s %llu", krcore_stat_name(stat), v_,     \
+				   #op, w_);                                  \
+	} while (0)
+#endif
+
 /* ---- misc ----------------------------------------------------------- */
 
 uint64_t ct_now_ns(void);

@@ -447,6 +447,21 @@ static void test_teardown(void)
 	ct_pass();
 }
 
+#ifdef HAVE_KRCORE
+static void test_krcore_counters(void)
+{
+	ct_begin("krcore_counters");
+	CT_KRCORE_STAT(KRCORE_STAT_CONTEXTS_OPENED, ==, 1);
+	CT_KRCORE_STAT(KRCORE_STAT_QPS_CREATED, ==, 6);
+	CT_KRCORE_STAT(KRCORE_STAT_SRQS_CREATED, ==, 1);
+	CT_KRCORE_STAT(KRCORE_STAT_REQ_NOTIFY_CQ, ==, 4);
+	CT_KRCORE_STAT(KRCORE_STAT_CQ_EVENTS, ==, 4);
+	CT_KRCORE_STAT(KRCORE_STAT_POST_SRQ_RECV, ==, 1);
+	CT_KRCORE_STAT(KRCORE_STAT_POST_ERRORS, ==, 0);
+	ct_pass();
+}
+#endif
+
 int main(void)
 {
 	ct_open(&dev);
@@ -459,5 +474,8 @@ int main(void)
 	test_event_solicited();
 	test_srq();
 	test_teardown();
+#ifdef HAVE_KRCORE
+	test_krcore_counters();
+#endif
 	return 0;
 }

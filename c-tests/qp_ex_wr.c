@@ -485,6 +485,20 @@ static void test_teardown(void)
 	ct_pass();
 }
 
+#ifdef HAVE_KRCORE
+static void test_krcore_counters(void)
+{
+	ct_begin("krcore_counters");
+	CT_KRCORE_STAT(KRCORE_STAT_CONTEXTS_OPENED, ==, 1);
+	CT_KRCORE_STAT(KRCORE_STAT_QPS_CREATED, ==, 2);
+	CT_KRCORE_STAT(KRCORE_STAT_CQS_CREATED, ==, 2);
+	/* 141 WRs were completed through ibv_wr_complete (plus 1 aborted). */
+	CT_KRCORE_STAT(KRCORE_STAT_WR_CALLS, >=, 141);
+	CT_KRCORE_STAT(KRCORE_STAT_POLL_CQ, >=, 1);
+	ct_pass();
+}
+#endif
+
 int main(void)
 {
 	ct_open(&dev);
@@ -500,5 +514,8 @@ int main(void)
 	test_abort();
 	test_fifo();
 	test_teardown();
+#ifdef HAVE_KRCORE
+	test_krcore_counters();
+#endif
 	return 0;
 }
