@@ -19,6 +19,7 @@ mod mr;
 mod pd;
 mod qp;
 mod srq;
+mod util;
 
 use crate::error::{Errno, Result};
 use crate::sys::ibv_context;

@@ -8,7 +8,7 @@ use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
 use crate::sys::*;
-use libc::{c_int, c_uint, c_void};
+use libc::{c_char, c_int, c_uint, c_void};
 use once_cell::sync::Lazy;
 use std::ffi::CString;
 
@@ -45,6 +45,17 @@ const V1_1: Option<&str> = Some("IBVERBS_1.1");
 const PRIVATE: Option<&str> = None;
 
 real_table! {
+    ibv_get_device_name @ V1_1 => fn(Dev) -> *const c_char;
+    ibv_get_device_guid @ V1_1 => fn(Dev) -> u64;
+    ibv_get_device_index @ Some("IBVERBS_1.9") => fn(Dev) -> c_int;
+    ibv_node_type_str @ V1_1 => fn(c_int) -> *const c_char;
+    ibv_port_state_str @ V1_1 => fn(c_int) -> *const c_char;
+    ibv_event_type_str @ V1_1 => fn(c_int) -> *const c_char;
+    ibv_wc_status_str @ V1_1 => fn(c_int) -> *const c_char;
+    ibv_rate_to_mult @ Some("IBVERBS_1.0") => fn(c_int) -> c_int;
+    mult_to_ibv_rate @ Some("IBVERBS_1.0") => fn(c_int) -> c_int;
+    ibv_rate_to_mbps @ V1_1 => fn(c_int) -> c_int;
+    mbps_to_ibv_rate @ V1_1 => fn(c_int) -> c_int;
     ibv_get_device_list @ V1_1 => fn(*mut c_int) -> *mut Dev;
     ibv_free_device_list @ V1_1 => fn(*mut Dev);
     ibv_open_device @ V1_1 => fn(Dev) -> Ctx;
