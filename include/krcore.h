@@ -51,6 +51,23 @@ enum krcore_stat {
   KRCORE_STAT_FOREIGN_CALLS,
   // Post calls that failed (a `*bad_wr` was returned).
   KRCORE_STAT_POST_ERRORS,
+  // Registrations served from the MR cache.
+  KRCORE_STAT_MR_CACHE_HITS,
+  // Registrations the MR cache had to make.
+  KRCORE_STAT_MR_CACHE_MISSES,
+  // Idle cached registrations evicted (size-and-recency policy).
+  KRCORE_STAT_MR_CACHE_EVICTIONS,
+  // Cached registrations dropped because their memory was unmapped or replaced.
+  KRCORE_STAT_MR_CACHE_INVALIDATIONS,
+  // Bytes currently registered by the MR cache (a gauge).
+  KRCORE_STAT_MR_CACHE_PINNED_BYTES,
+  // Eviction batches (one deregistration batch each).
+  KRCORE_STAT_MR_CACHE_DEREG_BATCHES,
+  // Registrations the monitor could not watch (kept only while held).
+  KRCORE_STAT_MR_CACHE_UNCACHEABLE,
+  // MR cache mode (a gauge): 0 off, 1 caching, 2 hold-only (no sound
+  // unmap monitor), 3 forked child (cache unused).
+  KRCORE_STAT_MR_CACHE_MODE,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

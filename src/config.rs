@@ -9,6 +9,9 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_STATS", "0", "1: print the statistics as one JSON line on stderr at exit"),
     ("KRCORE_STATS_FILE", "", "write the statistics JSON to this path at exit (%p becomes the pid)"),
     ("KRCORE_IBVERBS_LIB", "libibverbs.so.1", "the real libibverbs to dlopen"),
+    ("KRCORE_MR_CACHE", "1", "0: no registration cache (every ibv_reg_mr is real)"),
+    ("KRCORE_MR_CACHE_BYTES", "1073741824", "most bytes the MR cache keeps registered (at most RLIMIT_MEMLOCK/2)"),
+    ("KRCORE_MR_CACHE_ENTRIES", "1024", "most regions the MR cache keeps registered"),
 ];
 
 #[derive(Debug, Clone)]
@@ -17,6 +20,9 @@ pub struct Config {
     pub stats_at_exit: bool,
     pub stats_file: Option<String>,
     pub ibverbs_lib: String,
+    pub mr_cache: bool,
+    pub mr_cache_bytes: Option<usize>,
+    pub mr_cache_entries: usize,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -31,6 +37,9 @@ impl Config {
             stats_at_exit: var("KRCORE_STATS").is_some_and(|v| v != "0"),
             stats_file: var("KRCORE_STATS_FILE"),
             ibverbs_lib: var("KRCORE_IBVERBS_LIB").unwrap_or_else(|| "libibverbs.so.1".into()),
+            mr_cache: var("KRCORE_MR_CACHE").is_none_or(|v| v != "0"),
+            mr_cache_bytes: var("KRCORE_MR_CACHE_BYTES").and_then(|v| v.parse().ok()),
+            mr_cache_entries: var("KRCORE_MR_CACHE_ENTRIES").and_then(|v| v.parse().ok()).unwrap_or(1024),
         }
     }
 
@@ -42,6 +51,9 @@ impl Config {
             (self.stats_at_exit as u8).to_string(),
             self.stats_file.clone().unwrap_or_default(),
             self.ibverbs_lib.clone(),
+            (self.mr_cache as u8).to_string(),
+            self.mr_cache_bytes.map_or("default".into(), |b| b.to_string()),
+            self.mr_cache_entries.to_string(),
         ];
         VARIABLES
             .iter()

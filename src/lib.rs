@@ -20,6 +20,7 @@ pub mod abi;
 pub mod config;
 pub mod error;
 pub mod log;
+pub mod mr;
 pub mod obj;
 pub mod real;
 pub mod stats;

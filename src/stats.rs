@@ -45,6 +45,23 @@ pub enum krcore_stat {
     KRCORE_STAT_FOREIGN_CALLS,
     /// Post calls that failed (a `*bad_wr` was returned).
     KRCORE_STAT_POST_ERRORS,
+    /// Registrations served from the MR cache.
+    KRCORE_STAT_MR_CACHE_HITS,
+    /// Registrations the MR cache had to make.
+    KRCORE_STAT_MR_CACHE_MISSES,
+    /// Idle cached registrations evicted (size-and-recency policy).
+    KRCORE_STAT_MR_CACHE_EVICTIONS,
+    /// Cached registrations dropped because their memory was unmapped or replaced.
+    KRCORE_STAT_MR_CACHE_INVALIDATIONS,
+    /// Bytes currently registered by the MR cache (a gauge).
+    KRCORE_STAT_MR_CACHE_PINNED_BYTES,
+    /// Eviction batches (one deregistration batch each).
+    KRCORE_STAT_MR_CACHE_DEREG_BATCHES,
+    /// Registrations the monitor could not watch (kept only while held).
+    KRCORE_STAT_MR_CACHE_UNCACHEABLE,
+    /// MR cache mode (a gauge): 0 off, 1 caching, 2 hold-only (no sound
+    /// unmap monitor), 3 forked child (cache unused).
+    KRCORE_STAT_MR_CACHE_MODE,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -74,6 +91,14 @@ const NAMES_NUL: [&str; COUNT] = [
     "async_events\0",
     "foreign_calls\0",
     "post_errors\0",
+    "mr_cache_hits\0",
+    "mr_cache_misses\0",
+    "mr_cache_evictions\0",
+    "mr_cache_invalidations\0",
+    "mr_cache_pinned_bytes\0",
+    "mr_cache_dereg_batches\0",
+    "mr_cache_uncacheable\0",
+    "mr_cache_mode\0",
 ];
 
 /// A counter's name ("post_send").
@@ -97,6 +122,21 @@ static COUNTERS: [Padded; COUNT] = [ZERO; COUNT];
 #[inline(always)]
 pub fn inc(stat: Stat) {
     COUNTERS[stat as usize].0.fetch_add(1, Ordering::Relaxed);
+}
+
+#[inline]
+pub fn add(stat: Stat, n: u64) {
+    COUNTERS[stat as usize].0.fetch_add(n, Ordering::Relaxed);
+}
+
+#[inline]
+pub fn sub(stat: Stat, n: u64) {
+    COUNTERS[stat as usize].0.fetch_sub(n, Ordering::Relaxed);
+}
+
+/// For gauges.
+pub fn set(stat: Stat, v: u64) {
+    COUNTERS[stat as usize].0.store(v, Ordering::Relaxed);
 }
 
 pub fn get(index: usize) -> Option<u64> {

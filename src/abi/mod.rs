@@ -15,6 +15,7 @@ mod channel;
 mod cq;
 mod device;
 mod event;
+mod mem;
 mod mr;
 mod pd;
 mod qp;

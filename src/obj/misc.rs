@@ -51,6 +51,10 @@ impl Pd {
     pub unsafe fn dealloc(p: *mut ibv_pd) -> Result<()> {
         // SAFETY: caller contract.
         let pd = unsafe { Pd::from_ibv(p) };
+        // Idle cached MRs of this PD would make the real dealloc fail.
+        if let Some(cache) = crate::mr::cache() {
+            cache.flush_pd(pd.real);
+        }
         ok_or_errno(call_real!(ibv_dealloc_pd(pd.real))?)?;
         // SAFETY: the real PD is gone; nobody may use the wrapper now.
         unsafe { Pd::free(p) };

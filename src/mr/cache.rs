@@ -1,0 +1,568 @@
+//! The registration cache (MRRC): `ibv_reg_mr`/`ibv_dereg_mr` pairs on the
+//! same buffers stop paying the kernel pin and the NIC update.
+//!
+//! Regions are keyed by (real PD, access flags, range). A request reuses a
+//! cached region of the same PD and access flags exactly, or, for
+//! local-only access, any region that covers it. A region with any
+//! `REMOTE_*` (or `MW_BIND`) access is reused only on an exact match: a
+//! larger region would widen what a peer may touch through the rkey.
+//! Overlapping requests that are not covered get their own registration
+//! (no merging), so a region never changes once created.
+//!
+//! Regions are reference counted; the last release makes a region idle (not
+//! deregistered). Idle regions are evicted by the MRE policy when the cache
+//! passes its byte or entry limit, one eviction segment per batch. A region
+//! whose memory is unmapped or replaced (monitor.rs) is dropped at the next
+//! cache operation and never handed out again; if the application still
+//! holds it, it is deregistered on release.
+//!
+//! Lock: `inner` protects every region and the policy. Memory hooks never
+//! take it (they only queue ranges), so deregistering under it is safe.
+
+use super::monitor::{Queue, Range};
+use super::policy::{EntryId, Mre, MreConfig, Policy};
+use crate::error::{Errno, Result};
+use crate::stats::{self, Stat};
+use crate::sys::{ibv_access_flags, ibv_mr, ibv_pd};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
+
+/// Registration primitives (real libibverbs, or a test double), plus
+/// whether a range can be watched for unmaps.
+pub trait Backend: Send + Sync {
+    fn reg(&self, pd: *mut ibv_pd, addr: usize, len: usize, access: u32) -> Result<*mut ibv_mr>;
+    fn dereg(&self, mr: *mut ibv_mr) -> Result<()>;
+    /// Start watching `[start, end)`; false if the monitor cannot.
+    fn watch(&self, start: usize, end: usize) -> bool;
+}
+
+/// How the cache behaves in this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Mode {
+    /// `KRCORE_MR_CACHE=0`: every registration is real.
+    Off = 0,
+    /// Idle regions are kept (a sound unmap monitor is running).
+    Caching = 1,
+    /// No sound monitor: regions are shared only while the application
+    /// holds them and deregistered at the last release.
+    HoldOnly = 2,
+    /// A forked child: the parent's regions are never used or touched.
+    ForkedChild = 3,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_bytes: usize,
+    pub max_entries: usize,
+}
+
+struct Region {
+    pd: usize,
+    access: u32,
+    start: usize,
+    end: usize,
+    real: *mut ibv_mr,
+    refs: u32,
+    /// Kept when idle: watched by the monitor and never invalidated.
+    keep_idle: bool,
+    /// Still findable by lookups.
+    valid: bool,
+}
+
+// SAFETY: `real` is an MR handle of libibverbs, usable from any thread; it
+// is only touched under the cache lock.
+unsafe impl Send for Region {}
+
+struct Inner {
+    regions: HashMap<EntryId, Region>,
+    /// Valid regions by (pd, access, start, id) -> end, for lookups.
+    index: BTreeMap<(usize, u32, usize, EntryId), usize>,
+    /// Every live region by (start, id) -> end, for invalidation.
+    by_start: BTreeMap<(usize, EntryId), usize>,
+    longest: usize,
+    policy: Mre,
+    next_id: EntryId,
+    bytes: usize,
+    scratch: Vec<Range>,
+}
+
+pub struct Cache {
+    inner: Mutex<Inner>,
+    backend: Box<dyn Backend>,
+    queue: &'static Queue,
+    limits: Limits,
+    mode: Mutex<Mode>,
+}
+
+/// Access flags for which only exact matches may be reused.
+pub fn is_remote(access: u32) -> bool {
+    let remote = ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+        | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+        | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0
+        | ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+    access & remote != 0
+}
+
+fn pages(len: usize) -> u64 {
+    len.div_ceil(4096).max(1) as u64
+}
+
+/// What `acquire` hands back.
+pub struct Lease {
+    pub id: EntryId,
+    pub real: *mut ibv_mr,
+    pub hit: bool,
+}
+
+impl Cache {
+    pub fn new(backend: Box<dyn Backend>, queue: &'static Queue, limits: Limits, mode: Mode) -> Cache {
+        queue.set_watching(mode == Mode::Caching);
+        Cache {
+            inner: Mutex::new(Inner {
+                regions: HashMap::new(),
+                index: BTreeMap::new(),
+                by_start: BTreeMap::new(),
+                longest: 0,
+                policy: Mre::new(MreConfig::default()),
+                next_id: 1,
+                bytes: 0,
+                scratch: Vec::with_capacity(64),
+            }),
+            backend,
+            queue,
+            limits,
+            mode: Mutex::new(mode),
+        }
+    }
+
+    pub fn mode(&self) -> Mode {
+        *self.mode.lock()
+    }
+
+    /// After `fork()`, in the child (async-signal-safe enough: one atomic
+    /// store behind an uncontended lock is avoided, see `mr::forked`).
+    pub fn set_mode(&self, mode: Mode) {
+        *self.mode.lock() = mode;
+        self.queue.set_watching(mode == Mode::Caching);
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, mode as u64);
+    }
+
+    /// A registration of `[addr, addr+len)` on `pd` with `access`: a cached
+    /// region when one fits, else a new real registration.
+    pub fn acquire(&self, pd: *mut ibv_pd, addr: usize, len: usize, access: u32) -> Result<Lease> {
+        let mode = self.mode();
+        let mut g = self.inner.lock();
+        self.apply_invalidations(&mut g);
+        let end = addr.checked_add(len).ok_or(Errno::EINVAL)?;
+        if let Some(id) = Self::lookup(&g, pd as usize, access, addr, end) {
+            let r = g.regions.get_mut(&id).expect("indexed regions exist");
+            r.refs += 1;
+            let real = r.real;
+            g.policy.touch(id);
+            stats::inc(Stat::KRCORE_STAT_MR_CACHE_HITS);
+            return Ok(Lease { id, real, hit: true });
+        }
+        stats::inc(Stat::KRCORE_STAT_MR_CACHE_MISSES);
+        let real = match self.backend.reg(pd, addr, len, access) {
+            Ok(r) => r,
+            // Out of pinnable memory: give back what is idle, try once more.
+            Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN) && !g.regions.is_empty() => {
+                self.evict(&mut g, usize::MAX, usize::MAX);
+                self.backend.reg(pd, addr, len, access)?
+            }
+            Err(e) => return Err(e),
+        };
+        let keep_idle = mode == Mode::Caching && self.backend.watch(addr, end);
+        if mode == Mode::Caching && !keep_idle {
+            stats::inc(Stat::KRCORE_STAT_MR_CACHE_UNCACHEABLE);
+        }
+        let id = g.next_id;
+        g.next_id += 1;
+        let region = Region { pd: pd as usize, access, start: addr, end, real, refs: 1, keep_idle, valid: true };
+        g.index.insert((region.pd, access, addr, id), end);
+        g.by_start.insert((addr, id), end);
+        g.longest = g.longest.max(len);
+        g.regions.insert(id, region);
+        g.bytes += len;
+        g.policy.insert(id, pages(len));
+        stats::add(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, len as u64);
+        self.enforce_limits(&mut g);
+        Ok(Lease { id, real, hit: false })
+    }
+
+    /// The application deregistered its MR: one reference less.
+    pub fn release(&self, id: EntryId) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.apply_invalidations(&mut g);
+        let r = g.regions.get_mut(&id).ok_or(Errno::EINVAL)?;
+        r.refs = r.refs.checked_sub(1).ok_or(Errno::EINVAL)?;
+        if r.refs == 0 && (!r.valid || !r.keep_idle || self.mode() != Mode::Caching) {
+            self.drop_region(&mut g, id, true)?;
+        }
+        self.enforce_limits(&mut g);
+        Ok(())
+    }
+
+    /// Deregister every idle region of `pd` (before `ibv_dealloc_pd`, which
+    /// would otherwise fail with EBUSY because of our idle MRs).
+    pub fn flush_pd(&self, pd: *mut ibv_pd) {
+        let mut g = self.inner.lock();
+        self.apply_invalidations(&mut g);
+        let idle: Vec<EntryId> =
+            g.regions.iter().filter(|(_, r)| r.pd == pd as usize && r.refs == 0).map(|(id, _)| *id).collect();
+        self.drop_batch(&mut g, &idle, true);
+    }
+
+    /// (regions, idle regions, bytes) for tests and statistics.
+    pub fn usage(&self) -> (usize, usize, usize) {
+        let g = self.inner.lock();
+        (g.regions.len(), g.regions.values().filter(|r| r.refs == 0).count(), g.bytes)
+    }
+
+    fn lookup(g: &Inner, pd: usize, access: u32, addr: usize, end: usize) -> Option<EntryId> {
+        if is_remote(access) {
+            return g
+                .index
+                .range((pd, access, addr, 0)..=(pd, access, addr, EntryId::MAX))
+                .find(|(_, &e)| e == end)
+                .map(|(k, _)| k.3);
+        }
+        // Covering regions start at or below addr; the nearest starts are
+        // the likeliest to cover, and a bounded scan keeps lookups cheap.
+        g.index
+            .range((pd, access, 0, 0)..=(pd, access, addr, EntryId::MAX))
+            .rev()
+            .take(64)
+            .find(|(_, &e)| e >= end)
+            .map(|(k, _)| k.3)
+    }
+
+    /// Drop every region that overlaps a queued unmapped range.
+    fn apply_invalidations(&self, g: &mut Inner) {
+        let mut ranges = std::mem::take(&mut g.scratch);
+        ranges.clear();
+        let all = self.queue.drain(&mut ranges).is_none();
+        let mut hit: Vec<EntryId> = Vec::new();
+        if all {
+            hit.extend(g.regions.iter().filter(|(_, r)| r.valid).map(|(id, _)| *id));
+        } else {
+            for r in &ranges {
+                let from = r.start.saturating_sub(g.longest);
+                for (&(start, id), &end) in g.by_start.range((from, 0)..(r.end, 0)) {
+                    if start < r.end && end > r.start && g.regions[&id].valid {
+                        hit.push(id);
+                    }
+                }
+            }
+        }
+        g.scratch = ranges;
+        hit.sort_unstable();
+        hit.dedup();
+        for id in hit {
+            stats::inc(Stat::KRCORE_STAT_MR_CACHE_INVALIDATIONS);
+            let r = g.regions.get_mut(&id).expect("live");
+            r.valid = false;
+            let key = (r.pd, r.access, r.start, id);
+            let idle = r.refs == 0;
+            g.index.remove(&key);
+            g.policy.remove(id);
+            if idle {
+                // Nothing refers to it: deregister now (we are not in a hook).
+                let _ = self.drop_region(g, id, false);
+            }
+        }
+    }
+
+    fn enforce_limits(&self, g: &mut Inner) {
+        if g.bytes <= self.limits.max_bytes && g.regions.len() <= self.limits.max_entries {
+            return;
+        }
+        let over_bytes = g.bytes.saturating_sub(self.limits.max_bytes);
+        let over_entries = g.regions.len().saturating_sub(self.limits.max_entries);
+        self.evict(g, over_bytes, over_entries);
+    }
+
+    /// Evict idle regions chosen by the policy (one batch).
+    fn evict(&self, g: &mut Inner, bytes: usize, entries: usize) {
+        let Inner { policy, regions, .. } = &mut *g;
+        let victims = policy.evict(pages(bytes.min(usize::MAX / 2)), entries, &mut |id| {
+            regions.get(&id).is_some_and(|r| r.refs == 0)
+        });
+        if victims.is_empty() {
+            return;
+        }
+        stats::inc(Stat::KRCORE_STAT_MR_CACHE_DEREG_BATCHES);
+        stats::add(Stat::KRCORE_STAT_MR_CACHE_EVICTIONS, victims.len() as u64);
+        // The policy already forgot them.
+        self.drop_batch(g, &victims, false);
+    }
+
+    fn drop_batch(&self, g: &mut Inner, ids: &[EntryId], from_policy: bool) {
+        for &id in ids {
+            if let Err(e) = self.drop_region(g, id, from_policy) {
+                crate::klog!(crate::log::Level::Warn, "deregistering a cached MR failed: {e:?}");
+            }
+        }
+    }
+
+    /// Forget a region and deregister its real MR.
+    fn drop_region(&self, g: &mut Inner, id: EntryId, from_policy: bool) -> Result<()> {
+        let r = g.regions.remove(&id).ok_or(Errno::EINVAL)?;
+        g.index.remove(&(r.pd, r.access, r.start, id));
+        g.by_start.remove(&(r.start, id));
+        if from_policy {
+            g.policy.remove(id);
+        }
+        let len = r.end - r.start;
+        g.bytes -= len;
+        stats::sub(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, len as u64);
+        self.backend.dereg(r.real)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::undocumented_unsafe_blocks)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    const LOCAL: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+    const REMOTE: u32 = LOCAL | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+    const PAGE: usize = 4096;
+
+    /// Registers fake MRs (lkey = serial) and records what is live.
+    #[derive(Default)]
+    struct Fake {
+        next: AtomicU32,
+        /// lkey -> (pd, start, end, access) of live fake MRs.
+        live: parking_lot::Mutex<HashMap<u32, (usize, usize, usize, u32)>>,
+        deregs: AtomicU32,
+        watchable: bool,
+    }
+
+    struct Shared(Arc<Fake>);
+
+    impl Backend for Shared {
+        fn reg(&self, pd: *mut ibv_pd, addr: usize, len: usize, access: u32) -> Result<*mut ibv_mr> {
+            let lkey = self.0.next.fetch_add(1, Ordering::Relaxed) + 1;
+            self.0.live.lock().insert(lkey, (pd as usize, addr, addr + len, access));
+            let mut mr: ibv_mr = unsafe { std::mem::zeroed() };
+            mr.lkey = lkey;
+            mr.addr = addr as *mut libc::c_void;
+            mr.length = len;
+            Ok(Box::into_raw(Box::new(mr)))
+        }
+        fn dereg(&self, mr: *mut ibv_mr) -> Result<()> {
+            let mr = unsafe { Box::from_raw(mr) };
+            assert!(self.0.live.lock().remove(&mr.lkey).is_some(), "double deregistration of {}", mr.lkey);
+            self.0.deregs.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn watch(&self, _: usize, _: usize) -> bool {
+            self.0.watchable
+        }
+    }
+
+    fn cache(max_bytes: usize, max_entries: usize, mode: Mode) -> (Cache, Arc<Fake>, &'static Queue) {
+        let fake = Arc::new(Fake { watchable: true, ..Default::default() });
+        let q: &'static Queue = Box::leak(Box::new(Queue::new()));
+        let c = Cache::new(Box::new(Shared(fake.clone())), q, Limits { max_bytes, max_entries }, mode);
+        (c, fake, q)
+    }
+
+    fn pd(n: usize) -> *mut ibv_pd {
+        (n * 0x1000) as *mut ibv_pd
+    }
+
+    fn lkey(l: &Lease) -> u32 {
+        unsafe { (*l.real).lkey }
+    }
+
+    #[test]
+    fn local_subrange_hits_remote_needs_exact_match() {
+        let (c, _, _) = cache(1 << 30, 100, Mode::Caching);
+        let a = c.acquire(pd(1), 0x10000, 8 * PAGE, LOCAL).unwrap();
+        assert!(!a.hit);
+        let b = c.acquire(pd(1), 0x10000 + PAGE, 2 * PAGE, LOCAL).unwrap();
+        assert!(b.hit && b.id == a.id, "covered local request reuses the region");
+        assert!(!c.acquire(pd(2), 0x10000, PAGE, LOCAL).unwrap().hit, "other PD");
+        assert!(!c.acquire(pd(1), 0x10000, PAGE, LOCAL | 0x8).unwrap().hit, "other access flags");
+        let r = c.acquire(pd(1), 0x40000, 8 * PAGE, REMOTE).unwrap();
+        assert!(!c.acquire(pd(1), 0x40000, 4 * PAGE, REMOTE).unwrap().hit, "remote: no sub-range reuse");
+        let r2 = c.acquire(pd(1), 0x40000, 8 * PAGE, REMOTE).unwrap();
+        assert!(r2.hit && r2.id == r.id, "remote: exact match reused");
+    }
+
+    #[test]
+    fn overlapping_requests_register_separately_in_either_order() {
+        for first_low in [true, false] {
+            let (c, fake, _) = cache(1 << 30, 100, Mode::Caching);
+            let (lo, hi) = ((0x10000, 4 * PAGE), (0x12000, 4 * PAGE));
+            let (x, y) = if first_low { (lo, hi) } else { (hi, lo) };
+            let a = c.acquire(pd(1), x.0, x.1, LOCAL).unwrap();
+            let b = c.acquire(pd(1), y.0, y.1, LOCAL).unwrap();
+            assert!(!b.hit && a.id != b.id);
+            assert_eq!(fake.live.lock().len(), 2);
+            // Each later request is served by a region that covers it.
+            let l = c.acquire(pd(1), lo.0, lo.1, LOCAL).unwrap();
+            let h = c.acquire(pd(1), hi.0, hi.1, LOCAL).unwrap();
+            let live = fake.live.lock();
+            let (_, s, e, _) = live[&lkey(&l)];
+            assert!(s <= lo.0 && e >= lo.0 + lo.1);
+            let (_, s, e, _) = live[&lkey(&h)];
+            assert!(s <= hi.0 && e >= hi.0 + hi.1);
+        }
+    }
+
+    #[test]
+    fn release_keeps_idle_and_unmap_invalidates() {
+        let (c, fake, q) = cache(1 << 30, 100, Mode::Caching);
+        let a = c.acquire(pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
+        c.release(a.id).unwrap();
+        assert_eq!(c.usage(), (1, 1, 4 * PAGE), "idle, still registered");
+        let b = c.acquire(pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
+        assert!(b.hit);
+        c.release(b.id).unwrap();
+        q.push(0x11000, 0x12000); // one page in the middle goes away
+        let d = c.acquire(pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
+        assert!(!d.hit, "an unmapped region is never handed out again");
+        assert_eq!(fake.deregs.load(Ordering::Relaxed), 1, "the idle stale region was deregistered");
+        // Held while invalidated: kept until released, then deregistered.
+        q.push(0x10000, 0x10001);
+        let e = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        assert!(!e.hit);
+        assert_eq!(fake.live.lock().len(), 2);
+        c.release(d.id).unwrap();
+        assert_eq!(fake.live.lock().len(), 1);
+    }
+
+    #[test]
+    fn entry_limit_evicts_idle_regions_only() {
+        let (c, fake, _) = cache(1 << 30, 4, Mode::Caching);
+        let held: Vec<Lease> = (0..3).map(|i| c.acquire(pd(1), 0x100000 * (i + 1), PAGE, LOCAL).unwrap()).collect();
+        for i in 0..10 {
+            let l = c.acquire(pd(1), 0x10000000 + i * 0x10000, PAGE, LOCAL).unwrap();
+            c.release(l.id).unwrap();
+        }
+        let (n, idle, _) = c.usage();
+        assert!(n <= 4, "{n} regions");
+        assert_eq!(n - idle, 3, "held regions survive eviction");
+        for l in &held {
+            assert!(fake.live.lock().contains_key(&lkey(l)));
+        }
+    }
+
+    #[test]
+    fn hold_only_mode_deregisters_at_last_release() {
+        let (c, fake, _) = cache(1 << 30, 100, Mode::HoldOnly);
+        let a = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        let b = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        assert!(b.hit, "shared while held");
+        c.release(a.id).unwrap();
+        c.release(b.id).unwrap();
+        assert!(fake.live.lock().is_empty());
+    }
+
+    #[test]
+    fn unwatchable_memory_is_kept_only_while_held() {
+        let fake = Arc::new(Fake { watchable: false, ..Default::default() });
+        let q: &'static Queue = Box::leak(Box::new(Queue::new()));
+        let c = Cache::new(Box::new(Shared(fake.clone())), q, Limits { max_bytes: 1 << 30, max_entries: 10 }, Mode::Caching);
+        let a = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        c.release(a.id).unwrap();
+        assert!(fake.live.lock().is_empty());
+    }
+
+    #[test]
+    fn flush_pd_deregisters_that_pds_idle_regions() {
+        let (c, fake, _) = cache(1 << 30, 100, Mode::Caching);
+        let a = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        let b = c.acquire(pd(2), 0x10000, PAGE, LOCAL).unwrap();
+        let h = c.acquire(pd(1), 0x20000, PAGE, LOCAL).unwrap();
+        c.release(a.id).unwrap();
+        c.release(b.id).unwrap();
+        c.flush_pd(pd(1));
+        let live = fake.live.lock();
+        assert!(!live.contains_key(&lkey(&a)));
+        assert!(live.contains_key(&lkey(&b)) && live.contains_key(&lkey(&h)));
+    }
+
+    /// Thousands of random register/deregister/unmap sequences against a
+    /// reference model: every lease covers its request with the right PD
+    /// and access, never spans memory unmapped after it was registered,
+    /// and every real MR is deregistered exactly once.
+    #[test]
+    fn randomized_against_reference_model() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        const PAGES: usize = 64;
+        const BASE: usize = 0x7000_0000;
+        for round in 0..40 {
+            let (c, fake, q) = cache(24 * PAGE, 12, Mode::Caching);
+            // Per page: how many times it was unmapped.
+            let mut gen = [0u32; PAGES];
+            // lkey -> generation snapshot of its pages when registered.
+            let mut snap: HashMap<u32, Vec<u32>> = HashMap::new();
+            let mut held: Vec<(Lease, usize, usize, usize, u32)> = Vec::new();
+            for _ in 0..400 {
+                match rnd(10) {
+                    0..=4 => {
+                        let p = rnd(PAGES as u64 - 1) as usize;
+                        let n = 1 + rnd((PAGES - p).min(8) as u64) as usize;
+                        let (addr, len) = (BASE + p * PAGE, n * PAGE);
+                        let access = if rnd(2) == 0 { LOCAL } else { REMOTE };
+                        let pdn = 1 + rnd(2) as usize;
+                        let l = c.acquire(pd(pdn), addr, len, access).unwrap();
+                        let k = lkey(&l);
+                        let (rpd, s, e, acc) = fake.live.lock()[&k];
+                        assert_eq!((rpd, acc), (pd(pdn) as usize, access), "round {round}");
+                        assert!(s <= addr && e >= addr + len, "lease must cover the request");
+                        if access == REMOTE {
+                            assert_eq!((s, e), (addr, addr + len), "remote access: exact regions only");
+                        }
+                        let pages = (s - BASE) / PAGE..(e - BASE).div_ceil(PAGE);
+                        if l.hit {
+                            let old = &snap[&k];
+                            assert!(
+                                pages.clone().zip(old).all(|(i, g)| gen[i] == *g),
+                                "round {round}: stale region {k} handed out"
+                            );
+                        } else {
+                            snap.insert(k, pages.map(|i| gen[i]).collect());
+                        }
+                        held.push((l, pdn, addr, len, access));
+                    }
+                    5..=7 if !held.is_empty() => {
+                        let i = rnd(held.len() as u64) as usize;
+                        let (l, ..) = held.swap_remove(i);
+                        c.release(l.id).unwrap();
+                    }
+                    _ => {
+                        let p = rnd(PAGES as u64) as usize;
+                        let n = 1 + rnd(4) as usize;
+                        for g in gen.iter_mut().skip(p).take(n) {
+                            *g += 1;
+                        }
+                        q.push(BASE + p * PAGE, BASE + (p + n).min(PAGES) * PAGE);
+                    }
+                }
+                let (_, _, bytes) = c.usage();
+                let live: usize = fake.live.lock().values().map(|(_, s, e, _)| e - s).sum();
+                assert_eq!(bytes, live, "pinned-bytes accounting");
+            }
+            for (l, ..) in held.drain(..) {
+                c.release(l.id).unwrap();
+            }
+            c.flush_pd(pd(1));
+            c.flush_pd(pd(2));
+            assert!(fake.live.lock().is_empty(), "round {round}: everything deregistered once");
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! Memory registration: the registration cache, its eviction policy and
+//! the memory-event monitor that keeps it from ever handing out a stale
+//! registration.
+
+pub mod cache;
+pub mod monitor;
+pub mod policy;
+
+use crate::call_real;
+use crate::error::Result;
+use crate::klog;
+use crate::log::Level;
+use crate::obj::{non_null, ok_or_errno};
+use crate::stats::{self, Stat};
+use crate::sys::{ibv_mr, ibv_pd};
+use cache::{Backend, Cache, Limits, Mode};
+use monitor::{Queue, Uffd};
+use once_cell::sync::Lazy;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Ranges unmapped or replaced, from the memory hooks and the uffd reader.
+pub static QUEUE: Queue = Queue::new();
+
+/// Set in a forked child (by the atfork handler, which takes no lock): the
+/// child never uses or deregisters the parent's cached regions.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+struct RealBackend {
+    uffd: Option<Uffd>,
+}
+
+impl Backend for RealBackend {
+    fn reg(&self, pd: *mut ibv_pd, addr: usize, len: usize, access: u32) -> Result<*mut ibv_mr> {
+        non_null(call_real!(ibv_reg_mr_iova2(pd, addr as *mut libc::c_void, len, addr as u64, access))?)
+    }
+
+    fn dereg(&self, mr: *mut ibv_mr) -> Result<()> {
+        ok_or_errno(call_real!(ibv_dereg_mr(mr))?)
+    }
+
+    fn watch(&self, start: usize, end: usize) -> bool {
+        match &self.uffd {
+            Some(u) => match u.watch(start, end) {
+                Ok(()) => true,
+                Err(e) => {
+                    klog!(Level::Debug, "cannot watch {start:#x}..{end:#x} ({e}): kept only while held");
+                    false
+                }
+            },
+            None => false,
+        }
+    }
+}
+
+extern "C" fn in_forked_child() {
+    FORKED.store(true, Ordering::SeqCst);
+    QUEUE.set_watching(false);
+}
+
+fn default_limits() -> Limits {
+    let cfg = crate::config::get();
+    let mut memlock = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit.
+    let finite = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut memlock) } == 0
+        && memlock.rlim_cur != libc::RLIM_INFINITY;
+    // Idle regions may take half of what may be pinned, so that new
+    // registrations still fit beside them.
+    let cap = if finite { (memlock.rlim_cur / 2) as usize } else { usize::MAX };
+    Limits {
+        max_bytes: cfg.mr_cache_bytes.unwrap_or(1 << 30).min(cap),
+        max_entries: cfg.mr_cache_entries,
+    }
+}
+
+static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
+    let cfg = crate::config::get();
+    if !cfg.mr_cache {
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, Mode::Off as u64);
+        return None;
+    }
+    let (uffd, mode) = match Uffd::start(&QUEUE) {
+        Ok(u) => (Some(u), Mode::Caching),
+        Err(e) => {
+            klog!(
+                Level::Warn,
+                "MR cache: no sound unmap monitor ({e}); registrations are shared only while held"
+            );
+            (None, Mode::HoldOnly)
+        }
+    };
+    // SAFETY: registers a handler that only stores two atomics.
+    unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
+    let limits = default_limits();
+    klog!(Level::Info, "MR cache: {mode:?}, {} bytes, {} entries", limits.max_bytes, limits.max_entries);
+    let cache = Cache::new(Box::new(RealBackend { uffd }), &QUEUE, limits, mode);
+    stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, mode as u64);
+    Some(cache)
+});
+
+/// The process's registration cache, unless it is off or this is a forked
+/// child.
+pub fn cache() -> Option<&'static Cache> {
+    if FORKED.load(Ordering::Relaxed) {
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, Mode::ForkedChild as u64);
+        return None;
+    }
+    CACHE.as_ref()
+}
+
+/// Whether this process is a fork child of one that used the cache.
+pub fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
