@@ -164,6 +164,7 @@ impl Cache {
             return Ok(Lease { id, real, hit: true });
         }
         stats::inc(Stat::KRCORE_STAT_MR_CACHE_MISSES);
+        self.queue.cover(addr, end);
         let real = match self.backend.reg(pd, addr, len, access) {
             Ok(r) => r,
             // Out of pinnable memory: give back what is idle, try once more.

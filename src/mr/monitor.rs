@@ -37,8 +37,12 @@ pub struct Queue {
     overflow: AtomicBool,
     /// uffd events read but not yet queued.
     pending: AtomicUsize,
-    /// Non-empty: lets hooks return at once when nothing can be affected.
+    /// Off: hooks return at once (no cache, or nothing it could lose).
     watching: AtomicBool,
+    /// Span of every cached range: unmaps outside it cannot matter, so a
+    /// malloc-heavy program does not flood (and overflow) the queue.
+    lo: AtomicUsize,
+    hi: AtomicUsize,
 }
 
 impl Default for Queue {
@@ -54,7 +58,16 @@ impl Queue {
             overflow: AtomicBool::new(false),
             pending: AtomicUsize::new(0),
             watching: AtomicBool::new(false),
+            lo: AtomicUsize::new(usize::MAX),
+            hi: AtomicUsize::new(0),
         }
+    }
+
+    /// A range is about to be cached: widen the span hooks care about.
+    /// Called before the range is watched or handed out.
+    pub fn cover(&self, start: usize, end: usize) {
+        self.lo.fetch_min(start, Ordering::SeqCst);
+        self.hi.fetch_max(end, Ordering::SeqCst);
     }
 
     /// Hooks skip all work while the cache holds nothing.
@@ -64,7 +77,11 @@ impl Queue {
 
     /// Queue a range (from a memory hook or the uffd reader). No allocation.
     pub fn push(&self, start: usize, end: usize) {
-        if end <= start || !self.watching.load(Ordering::SeqCst) {
+        if end <= start
+            || !self.watching.load(Ordering::SeqCst)
+            || end <= self.lo.load(Ordering::SeqCst)
+            || start >= self.hi.load(Ordering::SeqCst)
+        {
             return;
         }
         let mut g = self.ring.lock();
@@ -247,6 +264,10 @@ mod tests {
         assert_eq!(q.drain(&mut out), Some(()));
         assert!(out.is_empty(), "ignored while not watching");
         q.set_watching(true);
+        q.push(0, 10);
+        assert_eq!(q.drain(&mut out), Some(()));
+        assert!(out.is_empty(), "ignored outside the cached span");
+        q.cover(0, usize::MAX);
         for i in 0..QUEUE_LEN + 1 {
             q.push(i * 4096, i * 4096 + 1);
         }
@@ -259,6 +280,7 @@ mod tests {
     fn uffd_sees_glibc_internal_munmap_of_a_freed_block() {
         static Q: Queue = Queue::new();
         Q.set_watching(true);
+        Q.cover(0, usize::MAX);
         let uffd = match Uffd::start(&Q) {
             Ok(u) => u,
             Err(e) => {
