@@ -159,7 +159,13 @@ pub unsafe extern "C" fn ibv_resolve_eth_l2_from_gid(
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_fork_init() -> c_int {
-    boundary::errno("ibv_fork_init", || call_real!(ibv_fork_init()))
+    boundary::errno("ibv_fork_init", || {
+        let rc = call_real!(ibv_fork_init())?;
+        if rc == 0 {
+            crate::mr::check_fork_protection();
+        }
+        Ok(rc)
+    })
 }
 
 #[no_mangle]

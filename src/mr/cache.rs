@@ -117,7 +117,7 @@ pub struct Lease {
 
 impl Cache {
     pub fn new(backend: Box<dyn Backend>, queue: &'static Queue, limits: Limits, mode: Mode) -> Cache {
-        queue.set_watching(mode == Mode::Caching);
+        queue.set_watching(matches!(mode, Mode::Caching | Mode::HoldOnly));
         Cache {
             inner: Mutex::new(Inner {
                 regions: HashMap::new(),
@@ -144,7 +144,7 @@ impl Cache {
     /// store behind an uncontended lock is avoided, see `mr::forked`).
     pub fn set_mode(&self, mode: Mode) {
         *self.mode.lock() = mode;
-        self.queue.set_watching(mode == Mode::Caching);
+        self.queue.set_watching(matches!(mode, Mode::Caching | Mode::HoldOnly));
         stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, mode as u64);
     }
 
@@ -212,6 +212,15 @@ impl Cache {
         self.apply_invalidations(&mut g);
         let idle: Vec<EntryId> =
             g.regions.iter().filter(|(_, r)| r.pd == pd as usize && r.refs == 0).map(|(id, _)| *id).collect();
+        self.drop_batch(&mut g, &idle, true);
+    }
+
+    /// Deregister every idle region (no region is kept idle afterwards
+    /// unless the mode still allows it).
+    pub fn flush_idle(&self) {
+        let mut g = self.inner.lock();
+        self.apply_invalidations(&mut g);
+        let idle: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.refs == 0).map(|(id, _)| *id).collect();
         self.drop_batch(&mut g, &idle, true);
     }
 

@@ -97,6 +97,25 @@ static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
     Some(cache)
 });
 
+/// First use of the cache: also honour fork protection enabled from the
+/// environment (RDMAV_FORK_SAFE) before any region is kept idle.
+static FORK_CHECKED: once_cell::sync::OnceCell<()> = once_cell::sync::OnceCell::new();
+
+/// libibverbs' fork protection (`ibv_fork_init` on a kernel without
+/// copy-on-fork for pinned pages) marks registered ranges MADV_DONTFORK
+/// until deregistration. An idle cached region would keep that mark after
+/// the application deregistered, and a child would miss memory it expects:
+/// with fork protection on, the cache only shares registrations while held.
+pub fn check_fork_protection() {
+    const IBV_FORK_ENABLED: libc::c_uint = 1;
+    let Some(cache) = CACHE.as_ref() else { return };
+    if cache.mode() == Mode::Caching && call_real!(ibv_is_fork_initialized()).ok() == Some(IBV_FORK_ENABLED) {
+        klog!(Level::Info, "MR cache: fork protection is on; registrations are shared only while held");
+        cache.set_mode(Mode::HoldOnly);
+        cache.flush_idle();
+    }
+}
+
 /// The process's registration cache, unless it is off or this is a forked
 /// child.
 pub fn cache() -> Option<&'static Cache> {
@@ -104,6 +123,7 @@ pub fn cache() -> Option<&'static Cache> {
         stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, Mode::ForkedChild as u64);
         return None;
     }
+    FORK_CHECKED.get_or_init(check_fork_protection);
     CACHE.as_ref()
 }
 

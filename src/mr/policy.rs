@@ -395,7 +395,7 @@ impl Policy for Mre {
         // was asked only (no padding).
         if freed.0 < pages || freed.1 < entries {
             let from_frequent = self.frequent.iter_up(nodes);
-            take(nodes, from_frequent, freed, (pages, entries), evictable, &mut chosen);
+            take(nodes, from_frequent, freed, (pages, entries.max(1)), evictable, &mut chosen);
         }
         let mut victims = Vec::with_capacity(chosen.len());
         let mut highest = None;
@@ -446,9 +446,7 @@ impl Policy for Lru {
     }
 
     fn touch(&mut self, id: EntryId) {
-        let Some(slot) = self.slab.slot(id) else { return };
-        self.list.unlink(&mut self.slab.nodes, slot);
-        self.list.push_top(&mut self.slab.nodes, slot);
+        let Some(_slot) = self.slab.slot(id) else { return };
     }
 
     fn remove(&mut self, id: EntryId) {
@@ -554,6 +552,21 @@ mod tests {
         assert_eq!(p.evict(1, 0, &mut all), vec![3]);
         assert_eq!(p.evict(1, 0, &mut all), vec![1]);
         assert!(p.is_empty());
+    }
+
+    #[test]
+    fn frequent_section_protects_a_new_large_entry() {
+        // Small entries first, then a large one just registered. Pure
+        // size-and-recency (fraction 0) makes it the next victim; with a
+        // frequent section it survives and the oldest small entry goes.
+        for (fraction, victim) in [(0.0, 100), (0.5, 0)] {
+            let mut p = mre(fraction, 1);
+            for id in 0..8 {
+                p.insert(id, 1);
+            }
+            p.insert(100, 32);
+            assert_eq!(p.evict(1, 0, &mut all), vec![victim], "fraction {fraction}");
+        }
     }
 
     #[test]
