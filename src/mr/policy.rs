@@ -395,7 +395,7 @@ impl Policy for Mre {
         // was asked only (no padding).
         if freed.0 < pages || freed.1 < entries {
             let from_frequent = self.frequent.iter_up(nodes);
-            take(nodes, from_frequent, freed, (pages, entries.max(1)), evictable, &mut chosen);
+            take(nodes, from_frequent, freed, (pages, entries), evictable, &mut chosen);
         }
         let mut victims = Vec::with_capacity(chosen.len());
         let mut highest = None;
@@ -446,7 +446,9 @@ impl Policy for Lru {
     }
 
     fn touch(&mut self, id: EntryId) {
-        let Some(_slot) = self.slab.slot(id) else { return };
+        let Some(slot) = self.slab.slot(id) else { return };
+        self.list.unlink(&mut self.slab.nodes, slot);
+        self.list.push_top(&mut self.slab.nodes, slot);
     }
 
     fn remove(&mut self, id: EntryId) {
