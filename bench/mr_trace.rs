@@ -21,7 +21,8 @@ const CACHE_PAGES: [u64; 7] = [64, 128, 256, 512, 1024, 2048, 4096];
 
 /// Per-page registration cost (µs) unless KRCORE_REG_A_US is set: 0.375 µs
 /// per 4 KiB page, from Mooncake PR #855 (500 GB of pre-faulted memory
-/// registered sequentially in 49.2 s, i.e. 49.2 s / 131 M pages).
+/// registered sequentially in 49.2 s, i.e. 49.2 s / 131 M pages, reading GB
+/// as GiB). See docs/mr-eviction.md.
 const DEFAULT_A_US: f64 = 0.375;
 /// Fixed registration cost (µs) unless KRCORE_REG_B_US is set: an
 /// assumption (no published figure at hand), the order of a uverbs system
