@@ -4,7 +4,7 @@
 //! the real CQ's `cq_context` points at the wrapper so `ibv_get_cq_event`
 //! maps a real CQ back to the application's in O(1).
 
-use super::{misc::check_owner, non_null, ok_or_errno, wrapper, zeroed, Context};
+use super::{misc::check_owner, non_null, ok_or_errno, real_of, wrapper, zeroed, Context};
 use crate::call_real;
 use crate::error::{Errno, Result};
 use crate::real_ctx_op;
@@ -19,6 +19,7 @@ pub struct CompChannel {
     pub real: *mut ibv_comp_channel,
 }
 wrapper!(CompChannel, ibv_comp_channel);
+real_of!(CompChannel, ibv_comp_channel);
 
 impl CompChannel {
     pub fn create(ctx: &mut Context) -> Result<*mut ibv_comp_channel> {
@@ -65,19 +66,6 @@ impl CompChannel {
             *ctx_out = cq.ibv.cq_context;
         }
         0
-    }
-
-    /// # Safety
-    /// `p` is NULL or a live channel pointer.
-    unsafe fn real_of(p: *mut ibv_comp_channel, ctx: *mut ibv_context) -> Result<*mut ibv_comp_channel> {
-        if p.is_null() {
-            return Ok(null_mut());
-        }
-        if !check_owner!(p, ctx) {
-            return Err(Errno::EINVAL);
-        }
-        // SAFETY: owned by ctx, hence ours.
-        Ok(unsafe { CompChannel::from_ibv(p) }.real)
     }
 
     fn sync_refcnt(p: *mut ibv_comp_channel, real: *mut ibv_comp_channel) {

@@ -1,13 +1,12 @@
 //! Small wrapped objects: protection domains, address handles, memory
 //! windows, XRC domains.
 
-use super::{non_null, ok_or_errno, wrapper, Context, Mr};
+use super::{non_null, ok_or_errno, real_of, wrapper, Context, Mr};
 use crate::call_real;
 use crate::error::{Errno, Result};
 use crate::real_ctx_op;
 use crate::stats::{self, Stat};
 use crate::sys::*;
-use std::ptr::null_mut;
 use std::sync::atomic::Ordering;
 
 /// Is `p` (an object with a `context` field) NULL or an object of `ctx`?
@@ -27,6 +26,7 @@ pub struct Pd {
     pub real: *mut ibv_pd,
 }
 wrapper!(Pd, ibv_pd);
+real_of!(Pd, ibv_pd);
 
 impl Pd {
     pub fn alloc(ctx: &mut Context) -> Result<*mut ibv_pd> {
@@ -70,21 +70,6 @@ impl Pd {
         // SAFETY: as in dealloc.
         unsafe { Pd::free(p) };
         Ok(())
-    }
-
-    /// The real PD behind an application PD of context `ctx` (NULL stays NULL).
-    ///
-    /// # Safety
-    /// `p` is NULL or a live PD pointer.
-    pub unsafe fn real_of(p: *mut ibv_pd, ctx: *mut ibv_context) -> Result<*mut ibv_pd> {
-        if p.is_null() {
-            return Ok(null_mut());
-        }
-        if !check_owner!(p, ctx) {
-            return Err(Errno::EINVAL);
-        }
-        // SAFETY: owned by ctx, hence one of our PDs.
-        Ok(unsafe { Pd::from_ibv(p) }.real)
     }
 }
 
@@ -220,6 +205,7 @@ pub struct Xrcd {
     pub real: *mut ibv_xrcd,
 }
 wrapper!(Xrcd, ibv_xrcd);
+real_of!(Xrcd, ibv_xrcd);
 
 impl Xrcd {
     /// # Safety
@@ -246,19 +232,6 @@ impl Xrcd {
         unsafe { Xrcd::free(p) };
         Ok(())
     }
-
-    /// # Safety
-    /// `p` is NULL or a live XRCD pointer.
-    pub unsafe fn real_of(p: *mut ibv_xrcd, ctx: *mut ibv_context) -> Result<*mut ibv_xrcd> {
-        if p.is_null() {
-            return Ok(null_mut());
-        }
-        if !check_owner!(p, ctx) {
-            return Err(Errno::EINVAL);
-        }
-        // SAFETY: owned by ctx, hence ours.
-        Ok(unsafe { Xrcd::from_ibv(p) }.real)
-    }
 }
 
 #[cfg(test)]
@@ -266,6 +239,7 @@ impl Xrcd {
 mod tests {
     use super::*;
     use crate::obj::zeroed;
+    use std::ptr::null_mut;
 
     #[test]
     fn struct_sizes_match_rdma_core_44() {

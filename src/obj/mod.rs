@@ -73,6 +73,29 @@ macro_rules! wrapper {
 }
 pub(crate) use wrapper;
 
+/// `real_of(p, ctx)` for wrappers whose real object has the same type:
+/// the real object behind an application object of context `ctx`; NULL
+/// stays NULL, an object of another context is EINVAL.
+macro_rules! real_of {
+    ($ty:ident, $ibv:ty) => {
+        impl $ty {
+            /// # Safety
+            /// `p` is NULL or a live object pointer.
+            pub unsafe fn real_of(p: *mut $ibv, ctx: *mut crate::sys::ibv_context) -> crate::error::Result<*mut $ibv> {
+                if p.is_null() {
+                    return Ok(std::ptr::null_mut());
+                }
+                if !$crate::obj::misc::check_owner!(p, ctx) {
+                    return Err(crate::error::Errno::EINVAL);
+                }
+                // SAFETY: owned by ctx, hence one of ours.
+                Ok(unsafe { $ty::from_ibv(p) }.real)
+            }
+        }
+    };
+}
+pub(crate) use real_of;
+
 /// Turn a real verb's NULL return into the errno it left.
 pub(crate) fn non_null<T>(p: *mut T) -> crate::error::Result<*mut T> {
     if p.is_null() {

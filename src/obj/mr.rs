@@ -129,6 +129,9 @@ impl Mr {
         }
         let (ctx, pd) = (self.ibv.context, if new_pd.is_null() { self.ibv.pd } else { new_pd });
         self.ibv = ibv_mr { context: ctx, pd, ..Self::copy(self.real) };
+        if flags as u32 & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 != 0 {
+            self.access = access as u32;
+        }
         Ok(())
     }
 

@@ -1,6 +1,6 @@
 //! Shared receive queues.
 
-use super::{misc::check_owner, misc::Xrcd, non_null, ok_or_errno, wrapper, zeroed, Context, Cq, Pd};
+use super::{misc::Xrcd, non_null, ok_or_errno, real_of, wrapper, zeroed, Context, Cq, Pd};
 use crate::call_real;
 use crate::error::{Errno, Result};
 use crate::real_ctx_op;
@@ -19,6 +19,7 @@ pub struct Srq {
     pub post_recv: Option<PostSrqRecvFn>,
 }
 wrapper!(Srq, ibv_srq);
+real_of!(Srq, ibv_srq);
 
 impl Srq {
     fn empty() -> Box<Srq> {
@@ -117,18 +118,5 @@ impl Srq {
         // SAFETY: the real SRQ is gone.
         unsafe { Srq::free(p) };
         Ok(())
-    }
-
-    /// # Safety
-    /// `p` is NULL or a live SRQ pointer.
-    pub unsafe fn real_of(p: *mut ibv_srq, ctx: *mut ibv_context) -> Result<*mut ibv_srq> {
-        if p.is_null() {
-            return Ok(null_mut());
-        }
-        if !check_owner!(p, ctx) {
-            return Err(Errno::EINVAL);
-        }
-        // SAFETY: owned by ctx, hence ours.
-        Ok(unsafe { Srq::from_ibv(p) }.real)
     }
 }
