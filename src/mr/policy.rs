@@ -14,7 +14,8 @@
 //! pages, r the global recency value at the entry's last insert or hit),
 //! lowest at the bottom. An eviction takes the *eviction segment*: the
 //! shortest run of evictable entries from the bottom (ascending H) that frees
-//! what was asked, padded to a batch; r then rises to the largest H evicted.
+//! what was asked (optionally padded to `batch_min` entries), deregistered as one
+//! batch; r then rises to the largest H evicted.
 //!
 //! Complexity: insert, touch and remove are O(log n); evict is O(k log n)
 //! for k victims plus the non-evictable entries it has to step over.
