@@ -33,8 +33,9 @@ if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
     KRCORE_IN_VM=1 bash "$0" "$repeats"
 else
     # A third vCPU: with two, the two busy-polling perftest processes occupy
-    # both and rxe's softirq work waits for a scheduler tick, so latency
-    # medians jump to multiples of ~2-4 ms at random (seen: 3.9 ms vs 30 us).
+    # both, rxe's deferred work can wait for a scheduler tick and a latency
+    # median jumps to ~2-6 ms instead of ~30 us. Fewer such runs with three
+    # (seen), none only on an idle host: overhead.py shows the spread.
     KRCORE_VM_CPUS="${KRCORE_VM_CPUS:-3}" scripts/vm-run.sh "$out" env KRCORE_IN_VM=1 KRCORE_BENCH_SCALE="$scale" \
         KRCORE_BENCH_K="$sel" bash bench/perftest-compare.sh "$repeats"
 fi
