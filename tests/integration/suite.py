@@ -303,7 +303,7 @@ def all_cases(ctest_dir: Path) -> list[Case]:
     if ctest_dir.is_dir():
         for p in sorted(ctest_dir.iterdir()):
             if p.is_file() and os.access(p, os.X_OK) and not p.name.endswith((".so", ".o", ".d")):
-                cases.append(CTest(f"c_{p.name}", "c-tests", path=str(p), data=None,
+                cases.append(CTest(f"ctest_{p.name}", "c-tests", path=str(p), data=None,
                                    ready="none", preload=False))
     return cases
 
@@ -565,6 +565,8 @@ def headline(r: dict) -> str:
         return f"{f['bw_avg_MBps']:.2f} MB/s"
     if "usec_per_iter" in f:
         return f"{f['usec_per_iter']:.1f} us/it"
+    if "pass_lines" in f:
+        return f"{f['pass_lines']} PASS"
     return "ok" if not r.get("errors") else "-"
 
 
