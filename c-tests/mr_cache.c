@@ -1,0 +1,1132 @@
+/*
+ * mr_cache: krcore's memory-registration cache (src/mr/), with real data
+ * over the wire, byte for byte.
+ *
+ * - hits: 100 reg/dereg of one buffer are 1 miss + 99 hits; every returned
+ *   MR carries the requested addr/length and the application's PD; a
+ *   local-only sub-range of a registered buffer hits; a REMOTE_WRITE
+ *   sub-range does not (and its rkey really stops at the sub-range);
+ *   overlapping ranges are registered separately; iova != addr bypasses the
+ *   cache;
+ * - rkey after ibv_dereg_mr: refused with the cache off; with the cache
+ *   on, the idle region may still accept it (reported as a NOTE);
+ * - stale memory: register and use a buffer, deregister it (the region is
+ *   now idle in the cache), replace its pages (brk shrink, munmap + mmap,
+ *   mmap MAP_FIXED, mremap, madvise(MADV_DONTNEED), shmdt + shmat, glibc
+ *   free() + malloc), write NEW bytes (the complement of the OLD ones, so
+ *   every byte differs), register the same address again and move it over
+ *   RDMA (WRITE from QP A, READ from QP B): the receiver must get the NEW
+ *   bytes. A stale cached registration would move the OLD pages, which
+ *   it keeps pinned; a control registration held across the change proves
+ *   that this is what a stale registration does on this device;
+ * - fork: a child never gets the parent's cached registrations; the
+ *   parent's held and idle registrations keep working after the fork;
+ * - ibv_dealloc_pd flushes idle registrations of that PD, and is EBUSY
+ *   (with the PD and the held MR still usable) while the application holds
+ *   one;
+ * - eviction (re-executed with KRCORE_MR_CACHE_ENTRIES=4, then with
+ *   KRCORE_MR_CACHE_BYTES=262144): evictions and deregistration batches
+ *   happen, pinned bytes stay bounded, evicted regions come back as misses;
+ * - the whole file once more with KRCORE_MR_CACHE=0 (re-executed): no hits,
+ *   same data.
+ *
+ * Sub-runs are this program re-executed (/proc/self/exe --run=NAME) with
+ * the variable set; their lines carry a "NAME/" prefix. RLIMIT_MEMLOCK is
+ * raised first when allowed: the cache keeps at most half of it.
+ * CT_MR_CASE=NAME runs only the stale-memory cases whose name contains
+ * NAME (debugging).
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <inttypes.h>
+#include <malloc.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ipc.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/shm.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef HAVE_KRCORE
+#error "mr_cache needs include/krcore.h (build with LINK=krcore)"
+#endif
+
+/* glibc's own allocator (the tests are built with AddressSanitizer, whose
+ * malloc never gives memory back at once): its free() of an mmapped chunk
+ * calls munmap inside libc, which no symbol interposition sees. */
+extern void *__libc_malloc(size_t size);
+extern void __libc_free(void *p);
+extern int __libc_mallopt(int param, int value);
+
+#define MiB (1024 * 1024)
+#define KiB 1024
+#define CHUNK (1 * MiB)		/* largest single RDMA message we post */
+#define STALE_LEN (1 * MiB)	/* buffers of the stale-memory cases */
+#define MALLOC_LEN (8 * MiB)	/* the glibc malloc case */
+#define LOCAL IBV_ACCESS_LOCAL_WRITE
+#define REMOTE_RD (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ)
+#define REMOTE_WR (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)
+
+struct pair {
+	struct ibv_cq *cqa, *cqb;
+	struct ibv_qp *a, *b;
+};
+
+static struct ct_dev dev;
+static struct pair P;		/* the main pair: A on GID 1, B on GID 2 */
+static struct ct_buf rb;	/* B's receive buffer */
+static size_t pg;
+static int cache_on;		/* KRCORE_MR_CACHE is not 0 */
+static const char *run_name = "";	/* "" for the main run */
+static char namebuf[128];
+
+/* ---- small helpers -------------------------------------------------- */
+
+static void begin(const char *name)
+{
+	snprintf(namebuf, sizeof(namebuf), "%s%s%s", run_name,
+		 *run_name ? "/" : "", name);
+	ct_begin(namebuf);
+}
+
+struct snap {
+	unsigned long long v[KRCORE_STAT_COUNT];
+};
+
+static void snap(struct snap *s)
+{
+	for (uint32_t i = 0; i < KRCORE_STAT_COUNT; i++)
+		s->v[i] = krcore_stat_get(i);
+}
+
+static long long delta(const struct snap *s, enum krcore_stat st)
+{
+	return (long long)(krcore_stat_get(st) - s->v[st]);
+}
+
+static unsigned long long cnt(enum krcore_stat st)
+{
+	return krcore_stat_get(st);
+}
+
+#define HITS KRCORE_STAT_MR_CACHE_HITS
+#define MISSES KRCORE_STAT_MR_CACHE_MISSES
+#define EVICTIONS KRCORE_STAT_MR_CACHE_EVICTIONS
+#define INVALIDATIONS KRCORE_STAT_MR_CACHE_INVALIDATIONS
+#define PINNED KRCORE_STAT_MR_CACHE_PINNED_BYTES
+#define BATCHES KRCORE_STAT_MR_CACHE_DEREG_BATCHES
+#define UNCACHEABLE KRCORE_STAT_MR_CACHE_UNCACHEABLE
+#define MODE KRCORE_STAT_MR_CACHE_MODE
+
+/* Counter `st` moved by `op want` since `s`. */
+#define CHECK_DELTA(s, st, op, want)                                          \
+	do {                                                                  \
+		long long d_ = delta((s), (st));                              \
+		long long w_ = (want);                                        \
+		if (!(d_ op w_))                                              \
+			ct_fail_at(__FILE__, __LINE__,                        \
+				   "krcore counter %s moved by %lld, "        \
+				   "expected %s %lld", krcore_stat_name(st),  \
+				   d_, #op, w_);                              \
+	} while (0)
+
+static void check_mr(const struct ibv_mr *mr, struct ibv_pd *pd,
+		     const void *addr, size_t len)
+{
+	CT_CHECK(mr->addr == addr && mr->length == len,
+		 "MR addr/length %p/%zu, expected %p/%zu", mr->addr,
+		 mr->length, addr, len);
+	CT_CHECK(mr->pd == pd, "mr->pd %p is not the PD passed in (%p)",
+		 (void *)mr->pd, (void *)pd);
+	CT_CHECK(mr->context == pd->context, "mr->context %p != %p",
+		 (void *)mr->context, (void *)pd->context);
+}
+
+static struct ibv_mr *reg(struct ibv_pd *pd, void *p, size_t len, int access)
+{
+	struct ibv_mr *mr = CT_PTR(ibv_reg_mr(pd, p, len, access));
+
+	check_mr(mr, pd, p, len);
+	return mr;
+}
+
+static void dereg(struct ibv_mr *mr)
+{
+	CT_OK(ibv_dereg_mr(mr));
+}
+
+static uint8_t *map_anon(size_t len)
+{
+	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+		       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+	CT_CHECK(p != MAP_FAILED, "mmap(%zu): %s", len, strerror(errno));
+	return p;
+}
+
+static void unmap(void *p, size_t len)
+{
+	CT_CHECK(munmap(p, len) == 0, "munmap: %s", strerror(errno));
+}
+
+static void pair_open(struct ct_dev *d, struct pair *p)
+{
+	p->cqa = CT_PTR(ibv_create_cq(d->ctx, 64, NULL, NULL, 0));
+	p->cqb = CT_PTR(ibv_create_cq(d->ctx, 64, NULL, NULL, 0));
+	p->a = ct_create_rc_qp(d, p->cqa, p->cqa, NULL, CT_QP_CAPS_DEFAULT);
+	p->b = ct_create_rc_qp(d, p->cqb, p->cqb, NULL, CT_QP_CAPS_DEFAULT);
+	ct_connect_pair(d, p->a, p->b);
+}
+
+static void pair_close(struct pair *p)
+{
+	CT_OK(ibv_destroy_qp(p->a));
+	CT_OK(ibv_destroy_qp(p->b));
+	CT_OK(ibv_destroy_cq(p->cqa));
+	CT_OK(ibv_destroy_cq(p->cqb));
+	memset(p, 0, sizeof(*p));
+}
+
+/*
+ * RDMA `op` of len bytes in CHUNK pieces on `qp` (completions on `cq`):
+ * local side (mr, laddr), remote side (raddr, rkey).
+ */
+static void rdma(struct ibv_qp *qp, struct ibv_cq *cq, enum ibv_wr_opcode op,
+		 struct ibv_mr *mr, void *laddr, uint64_t raddr, uint32_t rkey,
+		 size_t len, const char *what)
+{
+	struct ct_buf lb = { .p = laddr, .len = len, .mr = mr };
+	struct ibv_wc wc[64];
+	int n = 0;
+
+	CT_CHECK(len > 0 && (len + CHUNK - 1) / CHUNK <= 32, "length %zu",
+		 len);
+	for (size_t off = 0; off < len; off += CHUNK, n++) {
+		uint32_t c = (uint32_t)(len - off < CHUNK ? len - off : CHUNK);
+
+		CT_OK(ct_post_send1(qp, (uint64_t)n, op, IBV_SEND_SIGNALED,
+				    &lb, off, c, raddr + off, rkey, 0));
+	}
+	ct_poll_n(cq, wc, n, CT_TIMEOUT_MS);
+	for (int i = 0; i < n; i++)
+		ct_expect_wc(&wc[i], (uint64_t)i,
+			     op == IBV_WR_RDMA_READ ? IBV_WC_RDMA_READ :
+						      IBV_WC_RDMA_WRITE,
+			     what);
+}
+
+/* WRITE from (mr, p) on QP A into rb (cleared first). */
+static void write_to_rb(struct ibv_mr *mr, void *p, size_t len,
+			const char *what)
+{
+	CT_CHECK(len <= rb.len, "%zu > receive buffer", len);
+	memset(rb.p, 0, len);
+	rdma(P.a, P.cqa, IBV_WR_RDMA_WRITE, mr, p, (uintptr_t)rb.p,
+	     rb.mr->rkey, len, what);
+}
+
+/* QP B READs (p, len) through mr's rkey into rb (cleared first). */
+static void read_into_rb(struct ibv_mr *mr, void *p, size_t len,
+			 const char *what)
+{
+	CT_CHECK(len <= rb.len, "%zu > receive buffer", len);
+	memset(rb.p, 0, len);
+	rdma(P.b, P.cqb, IBV_WR_RDMA_READ, rb.mr, rb.p, (uintptr_t)p,
+	     mr->rkey, len, what);
+}
+
+/*
+ * rb must hold `want` (len bytes). `old`, when given, is what the memory
+ * held before it was replaced: a byte equal to it is reported as the
+ * library having used a stale registration.
+ */
+static void expect_rb(const uint8_t *want, const uint8_t *old, size_t len,
+		      const char *what)
+{
+	if (!memcmp(rb.p, want, len))
+		return;
+	for (size_t i = 0; i < len; i++) {
+		if (rb.p[i] == want[i])
+			continue;
+		if (old && rb.p[i] == old[i]) {
+			size_t n = 0;
+
+			for (size_t j = i; j < len; j++)
+				n += rb.p[j] == old[j];
+			CT_FAIL("%s: STALE REGISTRATION: byte %zu is 0x%02x, "
+				"the OLD content (%zu of %zu bytes are old; "
+				"NEW byte would be 0x%02x): the library "
+				"handed out a registration of the replaced "
+				"pages", what, i, rb.p[i], n, len - i,
+				want[i]);
+		}
+		CT_FAIL("%s: byte %zu of %zu is 0x%02x, expected 0x%02x",
+			what, i, len, rb.p[i], want[i]);
+	}
+}
+
+static void fill(uint8_t *p, size_t len, uint32_t seed)
+{
+	ct_fill(p, len, seed);
+}
+
+/* The complement of old: every byte differs. */
+static void fill_new(uint8_t *p, const uint8_t *old, size_t len)
+{
+	for (size_t i = 0; i < len; i++)
+		p[i] = (uint8_t)~old[i];
+}
+
+/* ---- setup ---------------------------------------------------------- */
+
+static void raise_memlock(void)
+{
+	struct rlimit r = { RLIM_INFINITY, RLIM_INFINITY };
+
+	/* Before the first verbs call: the cache sizes itself then. */
+	if (setrlimit(RLIMIT_MEMLOCK, &r) != 0 && !*run_name)
+		printf("NOTE setup: cannot raise RLIMIT_MEMLOCK (%s): the "
+		       "cache keeps at most half of it\n", strerror(errno));
+}
+
+static void setup(size_t rb_len)
+{
+	begin("setup");
+	pg = (size_t)sysconf(_SC_PAGESIZE);
+	ct_open(&dev);
+	pair_open(&dev, &P);
+	ct_buf_alloc(&rb, dev.pd, rb_len);
+	if (cache_on) {
+		/* The first registration started the cache. */
+		CT_CHECK(cnt(MODE) == 1,
+			 "MR cache mode %llu, expected 1 (caching with a "
+			 "userfaultfd monitor; 2 = hold-only fallback: is "
+			 "userfaultfd available?)", cnt(MODE));
+	} else {
+		CT_CHECK(cnt(MODE) == 0, "mode %llu with KRCORE_MR_CACHE=0",
+			 cnt(MODE));
+		CT_CHECK(cnt(MISSES) == 0 && cnt(HITS) == 0,
+			 "cache used although off");
+	}
+	ct_pass();
+}
+
+static void teardown(void)
+{
+	begin("teardown");
+	ct_buf_free(&rb);
+	pair_close(&P);
+	ct_close(&dev);
+	if (cache_on)
+		CT_CHECK(cnt(PINNED) == 0, "%llu bytes still pinned by the "
+			 "cache after the last PD was deallocated",
+			 cnt(PINNED));
+	ct_pass();
+}
+
+/* ---- hits ----------------------------------------------------------- */
+
+static void test_hits(void)
+{
+	size_t len = 256 * KiB;
+	uint8_t *buf = map_anon(len);
+	struct ibv_mr *mr;
+	uint32_t lkey = 0, rkey = 0;
+	struct snap s;
+
+	begin("hits");
+	fill(buf, len, 11);
+	snap(&s);
+	for (int i = 0; i < 100; i++) {
+		mr = reg(dev.pd, buf, len, CT_ACCESS_ALL);
+		if (i == 0) {
+			lkey = mr->lkey;
+			rkey = mr->rkey;
+		} else if (cache_on) {
+			CT_CHECK(mr->lkey == lkey && mr->rkey == rkey,
+				 "iteration %d: keys %#x/%#x, the cached "
+				 "region has %#x/%#x", i, mr->lkey, mr->rkey,
+				 lkey, rkey);
+		}
+		if (i == 99) {
+			write_to_rb(mr, buf, len, "WRITE from the 100th MR");
+			expect_rb(buf, NULL, len, "WRITE from the 100th MR");
+			read_into_rb(mr, buf, len, "READ via the 100th MR");
+			expect_rb(buf, NULL, len, "READ via the 100th MR");
+		}
+		dereg(mr);
+	}
+	if (cache_on) {
+		CHECK_DELTA(&s, HITS, >=, 99);
+		CHECK_DELTA(&s, MISSES, <=, 1);
+	} else {
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CHECK_DELTA(&s, MISSES, ==, 0);
+	}
+	ct_pass();
+	unmap(buf, len);
+}
+
+static void test_subranges(void)
+{
+	size_t len = 64 * pg;
+	uint8_t *buf = map_anon(len);
+	uint8_t *sub = buf + 4 * pg;
+	size_t sub_len = 8 * pg;
+	struct ibv_mr *full, *part, *part2;
+	struct pair tmp;
+	struct snap s;
+
+	begin("subrange_local_hits");
+	fill(buf, len, 21);
+	snap(&s);
+	full = reg(dev.pd, buf, len, LOCAL);
+	part = reg(dev.pd, sub, sub_len, LOCAL);
+	if (cache_on) {
+		CHECK_DELTA(&s, MISSES, ==, 1);
+		CHECK_DELTA(&s, HITS, ==, 1);
+		CT_CHECK(part->lkey == full->lkey, "covered local request "
+			 "got lkey %#x, the covering region has %#x",
+			 part->lkey, full->lkey);
+	}
+	write_to_rb(part, sub, sub_len, "WRITE from the sub-range MR");
+	expect_rb(sub, NULL, sub_len, "WRITE from the sub-range MR");
+	dereg(part);
+	dereg(full);
+	/* The covering region is idle now: still serves the sub-range. */
+	snap(&s);
+	part = reg(dev.pd, sub + pg, sub_len - 2 * pg, LOCAL);
+	if (cache_on)
+		CHECK_DELTA(&s, HITS, ==, 1);
+	write_to_rb(part, sub + pg, sub_len - 2 * pg, "idle covering region");
+	expect_rb(sub + pg, NULL, sub_len - 2 * pg, "idle covering region");
+	dereg(part);
+	ct_pass();
+
+	begin("subrange_remote_exact_only");
+	snap(&s);
+	full = reg(dev.pd, buf, len, REMOTE_WR);
+	part = reg(dev.pd, sub, sub_len, REMOTE_WR);
+	if (cache_on) {
+		CHECK_DELTA(&s, MISSES, ==, 2);
+		CHECK_DELTA(&s, HITS, ==, 0);
+	}
+	CT_CHECK(part->rkey != full->rkey, "REMOTE_WRITE sub-range shares "
+		 "rkey %#x with the whole buffer", part->rkey);
+	/* Inside the sub-range the peer may write... */
+	fill(rb.p, sub_len, 22);
+	rdma(P.b, P.cqb, IBV_WR_RDMA_WRITE, rb.mr, rb.p, (uintptr_t)sub,
+	     part->rkey, sub_len, "peer WRITE inside the sub-range");
+	ct_expect_pattern(sub, sub_len, 22, "sub-range after the peer WRITE");
+	/* ... one byte before it, it may not (a fresh pair: this one breaks). */
+	fill(buf, 4 * pg, 23);
+	pair_open(&dev, &tmp);
+	{
+		struct ct_buf lb = { .p = rb.p, .len = rb.len, .mr = rb.mr };
+		struct ibv_wc wc;
+
+		CT_OK(ct_post_send1(tmp.b, 7, IBV_WR_RDMA_WRITE,
+				    IBV_SEND_SIGNALED, &lb, 0, 64,
+				    (uintptr_t)sub - 32, part->rkey, 0));
+		wc = ct_poll1(tmp.cqb);
+		CT_CHECK(wc.wr_id == 7 && wc.status == IBV_WC_REM_ACCESS_ERR,
+			 "peer WRITE across the sub-range start with its rkey:"
+			 " wr_id %" PRIu64 " status %s, expected "
+			 "REM_ACCESS_ERR", wc.wr_id,
+			 ibv_wc_status_str(wc.status));
+	}
+	pair_close(&tmp);
+	ct_expect_pattern(buf, 4 * pg, 23, "memory before the sub-range");
+	/* The exact range again: a hit. */
+	snap(&s);
+	part2 = reg(dev.pd, sub, sub_len, REMOTE_WR);
+	if (cache_on) {
+		CHECK_DELTA(&s, HITS, ==, 1);
+		CT_CHECK(part2->rkey == part->rkey, "exact REMOTE match got "
+			 "another region");
+	}
+	dereg(part2);
+	dereg(part);
+	dereg(full);
+	ct_pass();
+
+	begin("overlap_registers_separately");
+	{
+		/* A buffer of its own: nothing cached covers it yet. */
+		uint8_t *ob = map_anon(24 * pg);
+		uint8_t *lo = ob, *hi = ob + 8 * pg, *mid = ob + 4 * pg;
+		struct ibv_mr *a, *b, *c;
+
+		snap(&s);
+		a = reg(dev.pd, lo, 16 * pg, LOCAL);	/* pages 0..16 */
+		b = reg(dev.pd, hi, 16 * pg, LOCAL);	/* pages 8..24 */
+		c = reg(dev.pd, mid, 16 * pg, LOCAL);	/* 4..20: covered by none */
+		if (cache_on) {
+			CHECK_DELTA(&s, MISSES, ==, 3);
+			CHECK_DELTA(&s, HITS, ==, 0);
+		}
+		fill(ob, 24 * pg, 24);
+		write_to_rb(a, lo, 16 * pg, "WRITE lo");
+		expect_rb(lo, NULL, 16 * pg, "WRITE lo");
+		write_to_rb(b, hi, 16 * pg, "WRITE hi");
+		expect_rb(hi, NULL, 16 * pg, "WRITE hi");
+		write_to_rb(c, mid, 16 * pg, "WRITE mid");
+		expect_rb(mid, NULL, 16 * pg, "WRITE mid");
+		dereg(a);
+		dereg(b);
+		dereg(c);
+		snap(&s);
+		a = reg(dev.pd, lo, 16 * pg, LOCAL);
+		b = reg(dev.pd, hi, 16 * pg, LOCAL);
+		if (cache_on) {
+			CHECK_DELTA(&s, HITS, ==, 2);
+			CHECK_DELTA(&s, MISSES, ==, 0);
+		}
+		dereg(a);
+		dereg(b);
+		unmap(ob, 24 * pg);
+	}
+	ct_pass();
+
+	begin("iova");
+	snap(&s);
+	full = CT_PTR(ibv_reg_mr_iova2(dev.pd, buf, len, (uintptr_t)buf,
+				       LOCAL));
+	check_mr(full, dev.pd, buf, len);
+	part = CT_PTR(ibv_reg_mr_iova2(dev.pd, sub, sub_len, 0x10000, LOCAL));
+	check_mr(part, dev.pd, sub, sub_len);
+	CT_CHECK(part->lkey != full->lkey, "iova != addr shares a region");
+	if (cache_on) {
+		/* The whole buffer is still cached (idle) from above. */
+		CHECK_DELTA(&s, HITS, ==, 1);
+		CHECK_DELTA(&s, MISSES, ==, 0);
+	}
+	dereg(part);
+	dereg(full);
+	ct_pass();
+	unmap(buf, len);
+}
+
+/*
+ * What a peer can do with an rkey after ibv_dereg_mr. Real verbs revoke
+ * it (REM_ACCESS_ERR); a cached region stays registered while idle, so the
+ * old rkey may still work. Both are reported; the memory must show
+ * whichever happened.
+ */
+static void test_rkey_after_dereg(void)
+{
+	size_t len = 16 * pg;
+	uint8_t *buf = map_anon(len);
+	struct ct_buf lb = { .p = rb.p, .len = rb.len, .mr = rb.mr };
+	struct ibv_mr *mr;
+	struct pair tmp;
+	struct ibv_wc wc;
+	uint32_t rkey;
+
+	begin("rkey_after_dereg");
+	mr = reg(dev.pd, buf, len, REMOTE_WR);
+	rkey = mr->rkey;
+	dereg(mr);
+	fill(rb.p, len, 71);
+	pair_open(&dev, &tmp);
+	CT_OK(ct_post_send1(tmp.b, 9, IBV_WR_RDMA_WRITE, IBV_SEND_SIGNALED,
+			    &lb, 0, (uint32_t)len, (uintptr_t)buf, rkey, 0));
+	wc = ct_poll1(tmp.cqb);
+	CT_CHECK(wc.wr_id == 9, "wr_id %" PRIu64, wc.wr_id);
+	if (wc.status == IBV_WC_SUCCESS) {
+		CT_CHECK(cache_on, "the rkey of a deregistered MR still works "
+			 "with the cache off");
+		ct_expect_pattern(buf, len, 71, "memory written through the "
+				  "old rkey");
+		ct_note("the peer still wrote through the rkey after "
+			"ibv_dereg_mr (the region is idle in the cache, not "
+			"deregistered)");
+	} else {
+		CT_CHECK(wc.status == IBV_WC_REM_ACCESS_ERR, "status %s",
+			 ibv_wc_status_str(wc.status));
+		ct_expect_zero(buf, len, "memory after a refused WRITE");
+		if (cache_on)
+			ct_note("the old rkey was refused after ibv_dereg_mr");
+	}
+	pair_close(&tmp);
+	unmap(buf, len);
+	ct_pass();
+}
+
+/* ---- stale memory --------------------------------------------------- */
+
+struct stale_case {
+	const char *name;
+	size_t len;
+	/* New memory of len bytes. */
+	uint8_t *(*alloc)(size_t len);
+	/* Gives p's range new physical pages, ideally at p; returns where. */
+	uint8_t *(*replace)(uint8_t *p, size_t len);
+	void (*release)(uint8_t *p, size_t len);
+};
+
+/* brk: grow the break by len (page aligned), shrink it, grow it again. */
+static uint8_t *brk_start;
+static size_t brk_pad;
+
+static uint8_t *brk_alloc(size_t len)
+{
+	uint8_t *cur = sbrk(0);
+
+	brk_pad = (pg - (uintptr_t)cur % pg) % pg;
+	CT_CHECK(sbrk((intptr_t)(brk_pad + len)) == cur, "sbrk(+%zu): %s",
+		 brk_pad + len, strerror(errno));
+	brk_start = cur + brk_pad;
+	return brk_start;
+}
+
+static uint8_t *brk_replace(uint8_t *p, size_t len)
+{
+	CT_CHECK((uint8_t *)sbrk(0) == p + len, "someone else moved the "
+		 "program break");
+	CT_CHECK(sbrk(-(intptr_t)len) != (void *)-1, "sbrk(-%zu): %s", len,
+		 strerror(errno));
+	CT_CHECK(sbrk((intptr_t)len) == p, "sbrk(+%zu) did not come back "
+		 "at %p", len, (void *)p);
+	return p;
+}
+
+static void brk_release(uint8_t *p, size_t len)
+{
+	CT_CHECK((uint8_t *)sbrk(0) == p + len, "program break moved");
+	CT_CHECK(sbrk(-(intptr_t)(len + brk_pad)) != (void *)-1, "sbrk: %s",
+		 strerror(errno));
+}
+
+/* munmap, then a new mapping at the same address (MAP_FIXED_NOREPLACE:
+ * the munmap alone must have invalidated the region). */
+static uint8_t *munmap_replace(uint8_t *p, size_t len)
+{
+	void *q;
+
+	unmap(p, len);
+	q = mmap(p, len, PROT_READ | PROT_WRITE,
+		 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+	CT_CHECK(q != MAP_FAILED, "mmap at %p after munmap: %s", (void *)p,
+		 strerror(errno));
+	return q;
+}
+
+/* mmap(MAP_FIXED) straight over the live mapping. */
+static uint8_t *mapfixed_replace(uint8_t *p, size_t len)
+{
+	void *q = mmap(p, len, PROT_READ | PROT_WRITE,
+		       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+
+	CT_CHECK(q == p, "mmap(MAP_FIXED) over %p: %s", (void *)p,
+		 strerror(errno));
+	return q;
+}
+
+/* mremap the pages away (MREMAP_FIXED to a reserved range), then map new
+ * memory at the old address with MAP_FIXED_NOREPLACE. */
+static uint8_t *mremap_replace(uint8_t *p, size_t len)
+{
+	uint8_t *to = mmap(NULL, len, PROT_NONE,
+			   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	uint8_t *moved, first;
+	void *q;
+
+	CT_CHECK(to != MAP_FAILED, "mmap: %s", strerror(errno));
+	first = p[0];
+	moved = mremap(p, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, to);
+	CT_CHECK(moved == to, "mremap to %p: %p (%s)", (void *)to,
+		 (void *)moved, strerror(errno));
+	CT_CHECK(moved[0] == first, "mremap did not move the pages");
+	q = mmap(p, len, PROT_READ | PROT_WRITE,
+		 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+	CT_CHECK(q != MAP_FAILED, "mmap at %p after mremap: %s", (void *)p,
+		 strerror(errno));
+	unmap(moved, len);
+	return q;
+}
+
+/* madvise(MADV_DONTNEED): private anonymous memory reads back as zeros,
+ * and the next write faults in new pages. */
+static uint8_t *dontneed_replace(uint8_t *p, size_t len)
+{
+	CT_CHECK(madvise(p, len, MADV_DONTNEED) == 0, "madvise: %s",
+		 strerror(errno));
+	ct_expect_zero(p, pg, "first page after MADV_DONTNEED");
+	return p;
+}
+
+/* System V shared memory: shmdt, then a new segment attached at the same
+ * address. Segments are marked for removal at once (gone at detach). */
+static uint8_t *shm_attach(size_t len, void *at)
+{
+	int id = shmget(IPC_PRIVATE, len, IPC_CREAT | 0600);
+	void *p;
+
+	CT_CHECK(id >= 0, "shmget(%zu): %s", len, strerror(errno));
+	p = shmat(id, at, 0);
+	CT_CHECK(p != (void *)-1, "shmat(%p): %s", at, strerror(errno));
+	CT_CHECK(shmctl(id, IPC_RMID, NULL) == 0, "shmctl: %s",
+		 strerror(errno));
+	return p;
+}
+
+static uint8_t *shm_alloc(size_t len)
+{
+	return shm_attach(len, NULL);
+}
+
+static uint8_t *shm_replace(uint8_t *p, size_t len)
+{
+	CT_CHECK(shmdt(p) == 0, "shmdt: %s", strerror(errno));
+	return shm_attach(len, p);
+}
+
+static void shm_release(uint8_t *p, size_t len)
+{
+	(void)len;
+	CT_CHECK(shmdt(p) == 0, "shmdt: %s", strerror(errno));
+}
+
+/* glibc malloc of a block above the (fixed) mmap threshold, free(), malloc
+ * of the same size: free() unmaps inside libc. */
+static uint8_t *malloc_alloc(size_t len)
+{
+	uint8_t *p = __libc_malloc(len);
+
+	CT_CHECK(p != NULL, "malloc(%zu)", len);
+	return p;
+}
+
+static uint8_t *malloc_replace(uint8_t *p, size_t len)
+{
+	uint8_t *q;
+
+	__libc_free(p);
+	q = __libc_malloc(len);
+	CT_CHECK(q != NULL, "malloc(%zu)", len);
+	if (q != p)
+		ct_note("malloc after free returned %p, not %p: no address "
+			"reuse to catch (data still checked)", (void *)q,
+			(void *)p);
+	return q;
+}
+
+static void malloc_release(uint8_t *p, size_t len)
+{
+	(void)len;
+	__libc_free(p);
+}
+
+static void anon_release(uint8_t *p, size_t len)
+{
+	unmap(p, len);
+}
+
+/*
+ * One stale-memory case. L (local, lkey used by QP A's WRITE) and R
+ * (remote read, rkey used by QP B's READ) are registered, used and
+ * deregistered (idle in the cache; a re-registration hits); a control MR
+ * W (another access set, so another region) stays held. The pages are
+ * replaced and NEW bytes written; L2 and R2 registered at the same address
+ * must move the NEW bytes, while W (a registration of the old pages, what
+ * a stale cache entry is) moves the OLD ones.
+ */
+static void stale(const struct stale_case *c)
+{
+	size_t len = c->len;
+	uint8_t *p, *q, *old = malloc(len);
+	struct ibv_mr *l, *r, *w;
+	struct snap s, s2;
+	long long pinned;
+	int watched;
+	char what[96];
+
+	CT_CHECK(old != NULL, "malloc");
+	snprintf(what, sizeof(what), "stale_%s", c->name);
+	begin(what);
+	p = c->alloc(len);
+	fill(p, len, 100 + (uint32_t)len);
+	memcpy(old, p, len);
+
+	snap(&s);
+	l = reg(dev.pd, p, len, LOCAL);
+	r = reg(dev.pd, p, len, REMOTE_RD);
+	write_to_rb(l, p, len, "WRITE before the change");
+	expect_rb(old, NULL, len, "WRITE before the change");
+	read_into_rb(r, p, len, "READ before the change");
+	expect_rb(old, NULL, len, "READ before the change");
+	w = reg(dev.pd, p, len, REMOTE_WR);
+	pinned = (long long)cnt(PINNED);
+	dereg(l);
+	dereg(r);
+	watched = delta(&s, UNCACHEABLE) == 0;
+	if (cache_on) {
+		CHECK_DELTA(&s, MISSES, ==, 3);
+		if (!watched) {
+			ct_note("memory not watchable by userfaultfd: kept "
+				"only while held (UNCACHEABLE +%lld)",
+				delta(&s, UNCACHEABLE));
+		} else {
+			/* Precondition: the idle regions are cached, a new
+			 * registration of the unchanged memory hits. */
+			CT_CHECK((long long)cnt(PINNED) == pinned,
+				 "idle regions not kept (pinned %llu, %lld "
+				 "while held): is RLIMIT_MEMLOCK too small?",
+				 cnt(PINNED), pinned);
+			snap(&s2);
+			l = reg(dev.pd, p, len, LOCAL);
+			dereg(l);
+			CHECK_DELTA(&s2, HITS, ==, 1);
+		}
+	}
+
+	snap(&s);
+	q = c->replace(p, len);
+	fill_new(q, old, len);
+	l = reg(dev.pd, q, len, LOCAL);
+	r = reg(dev.pd, q, len, REMOTE_RD);
+	/* The data first: that is what a stale registration gets wrong. */
+	write_to_rb(l, q, len, "WRITE after the change");
+	expect_rb(q, old, len, "WRITE after the change");
+	read_into_rb(r, q, len, "READ after the change");
+	expect_rb(q, old, len, "READ after the change");
+	if (cache_on && q == p) {
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CHECK_DELTA(&s, MISSES, ==, 2);
+		/* L, R (idle, unless unwatchable: then already gone) and W
+		 * (held). */
+		CHECK_DELTA(&s, INVALIDATIONS, >=, watched ? 3 : 1);
+	}
+	if (q == p) {
+		/* Control: the registration held across the change still
+		 * maps the old pages. This is what the checks above would
+		 * have seen from a stale cached registration. */
+		write_to_rb(w, q, len, "control WRITE");
+		if (memcmp(rb.p, old, len))
+			CT_FAIL("control: a registration held across the "
+				"change does not move the old pages, so this "
+				"test could not see a stale registration");
+	}
+	dereg(w);
+	dereg(l);
+	dereg(r);
+	if (cache_on)
+		ct_note("invalidations +%lld", delta(&s, INVALIDATIONS));
+	c->release(q, len);
+	free(old);
+	ct_pass();
+}
+
+static void test_stale(void)
+{
+	static const struct stale_case cases[] = {
+		{ "brk", STALE_LEN, brk_alloc, brk_replace, brk_release },
+		{ "munmap_mmap", STALE_LEN, map_anon, munmap_replace,
+		  anon_release },
+		{ "mmap_fixed", STALE_LEN, map_anon, mapfixed_replace,
+		  anon_release },
+		{ "mremap", STALE_LEN, map_anon, mremap_replace,
+		  anon_release },
+		{ "madv_dontneed", STALE_LEN, map_anon, dontneed_replace,
+		  anon_release },
+		{ "shmdt", STALE_LEN, shm_alloc, shm_replace, shm_release },
+		{ "malloc_free", MALLOC_LEN, malloc_alloc, malloc_replace,
+		  malloc_release },
+	};
+	const char *only = getenv("CT_MR_CASE");	/* debugging: one case */
+
+	/* A fixed threshold: glibc would otherwise raise it to the size of
+	 * the freed block and serve the next malloc from the heap. */
+	CT_CHECK(__libc_mallopt(M_MMAP_THRESHOLD, 256 * KiB) == 1,
+		 "mallopt(M_MMAP_THRESHOLD)");
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+		if (!only || strstr(cases[i].name, only))
+			stale(&cases[i]);
+}
+
+/* ---- fork ----------------------------------------------------------- */
+
+static void test_fork(void)
+{
+	size_t len = 64 * KiB;
+	uint8_t *f = map_anon(len), *g = map_anon(len);
+	struct ibv_mr *held, *mg;
+	uint32_t held_lkey, g_lkey;
+	struct snap s;
+	pid_t pid;
+	int st;
+
+	begin("fork");
+	fill(f, len, 31);
+	fill(g, len, 32);
+	held = reg(dev.pd, f, len, CT_ACCESS_ALL);
+	write_to_rb(held, f, len, "parent WRITE before fork");
+	expect_rb(f, NULL, len, "parent WRITE before fork");
+	mg = reg(dev.pd, g, len, CT_ACCESS_ALL);
+	g_lkey = mg->lkey;
+	dereg(mg);		/* idle in the cache */
+	held_lkey = held->lkey;
+	fflush(stdout);
+	pid = fork();
+	CT_CHECK(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		struct ibv_mr *cf, *cg;
+
+		begin("fork/child");
+		snap(&s);
+		cf = reg(dev.pd, f, len, CT_ACCESS_ALL);
+		cg = reg(dev.pd, g, len, CT_ACCESS_ALL);
+		CT_CHECK(cf->lkey != held_lkey, "the child got the parent's "
+			 "held registration (lkey %#x)", cf->lkey);
+		CT_CHECK(cg->lkey != g_lkey, "the child got the parent's "
+			 "idle cached registration (lkey %#x)", cg->lkey);
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CHECK_DELTA(&s, MISSES, ==, 0);
+		if (cache_on)
+			CT_CHECK(cnt(MODE) == 3, "mode %llu in a forked "
+				 "child, expected 3", cnt(MODE));
+		dereg(cf);
+		dereg(cg);
+		ct_pass();
+		_exit(0);
+	}
+	CT_CHECK(waitpid(pid, &st, 0) == pid, "waitpid: %s", strerror(errno));
+	CT_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %#x",
+		 st);
+	if (cache_on)
+		CT_CHECK(cnt(MODE) == 1, "parent mode %llu after fork",
+			 cnt(MODE));
+	/* The parent's held registration still moves its current bytes. */
+	fill(f, len, 33);
+	write_to_rb(held, f, len, "parent WRITE after fork (held MR)");
+	expect_rb(f, NULL, len, "parent WRITE after fork (held MR)");
+	/* The idle one still maps the parent's pages (the kernel copied them
+	 * for the child at fork, since they are pinned). */
+	fill(g, len, 34);
+	snap(&s);
+	mg = reg(dev.pd, g, len, CT_ACCESS_ALL);
+	if (cache_on) {
+		CHECK_DELTA(&s, HITS, ==, 1);
+		CT_CHECK(mg->lkey == g_lkey, "idle region not reused");
+	}
+	write_to_rb(mg, g, len, "parent WRITE after fork (idle MR)");
+	expect_rb(g, NULL, len, "parent WRITE after fork (idle MR)");
+	read_into_rb(mg, g, len, "peer READ after fork (idle MR)");
+	expect_rb(g, NULL, len, "peer READ after fork (idle MR)");
+	dereg(mg);
+	dereg(held);
+	unmap(f, len);
+	unmap(g, len);
+	ct_pass();
+}
+
+/* ---- ibv_dealloc_pd ------------------------------------------------- */
+
+static void test_dealloc_pd(void)
+{
+	size_t len = 128 * KiB, half = len / 2;
+	uint8_t *buf = map_anon(len);
+	struct ibv_pd *pd;
+	struct ibv_mr *mr, *held, *rx;
+	struct ct_dev d2;
+	struct pair p2;
+	long long pinned0;
+
+	begin("dealloc_pd_flushes_idle");
+	pd = CT_PTR(ibv_alloc_pd(dev.ctx));
+	/* The first cache operation also applies pending invalidations
+	 * (earlier tests unmapped their buffers): measure after it. */
+	dereg(reg(pd, buf, len, CT_ACCESS_ALL));
+	pinned0 = (long long)cnt(PINNED) - (cache_on ? (long long)len : 0);
+	for (int i = 0; i < 2; i++)
+		dereg(reg(pd, buf, len, CT_ACCESS_ALL));
+	dereg(reg(pd, buf, half, LOCAL));
+	if (cache_on)
+		CT_CHECK((long long)cnt(PINNED) == pinned0 + (long long)(len + half),
+			 "pinned %llu, expected %lld (two idle regions)",
+			 cnt(PINNED), pinned0 + (long long)(len + half));
+	CT_OK(ibv_dealloc_pd(pd));
+	CT_CHECK((long long)cnt(PINNED) == pinned0, "pinned %llu after "
+		 "ibv_dealloc_pd, expected %lld", cnt(PINNED), pinned0);
+	ct_pass();
+
+	begin("dealloc_pd_busy");
+	pd = CT_PTR(ibv_alloc_pd(dev.ctx));
+	held = reg(pd, buf, half, CT_ACCESS_ALL);
+	dereg(reg(pd, buf + half, half, CT_ACCESS_ALL));	/* idle */
+	errno = 0;
+	{
+		int rc = ibv_dealloc_pd(pd);
+
+		CT_CHECK(rc == EBUSY, "ibv_dealloc_pd with an MR held "
+			 "returned %d (%s), expected EBUSY", rc, strerror(rc));
+	}
+	/* The PD and the held MR still work: a pair on this PD moves data
+	 * from the held MR to a new one. */
+	d2 = dev;
+	d2.pd = pd;
+	pair_open(&d2, &p2);
+	rx = reg(pd, buf + half, half, CT_ACCESS_ALL);
+	fill(buf, half, 41);
+	memset(buf + half, 0, half);
+	{
+		struct ct_buf lb = { .p = buf, .len = half, .mr = held };
+		struct ibv_wc wc;
+
+		CT_OK(ct_post_send1(p2.a, 1, IBV_WR_RDMA_WRITE,
+				    IBV_SEND_SIGNALED, &lb, 0, (uint32_t)half,
+				    (uintptr_t)(buf + half), rx->rkey, 0));
+		wc = ct_poll1(p2.cqa);
+		ct_expect_wc(&wc, 1, IBV_WC_RDMA_WRITE, "WRITE on the PD");
+	}
+	ct_expect_pattern(buf + half, half, 41, "data after EBUSY");
+	pair_close(&p2);
+	mr = rx;
+	dereg(mr);
+	dereg(held);
+	CT_OK(ibv_dealloc_pd(pd));
+	CT_CHECK((long long)cnt(PINNED) == pinned0, "pinned %llu, expected "
+		 "%lld", cnt(PINNED), pinned0);
+	unmap(buf, len);
+	ct_pass();
+}
+
+/* ---- eviction (a sub-run) ------------------------------------------- */
+
+static size_t env_size(const char *name, size_t def)
+{
+	const char *v = getenv(name);
+
+	return v && *v ? strtoull(v, NULL, 10) : def;
+}
+
+static void test_evict(void)
+{
+	enum { N = 16 };
+	size_t len = 64 * KiB;
+	size_t max_entries = env_size("KRCORE_MR_CACHE_ENTRIES", 1024);
+	size_t max_bytes = env_size("KRCORE_MR_CACHE_BYTES", (size_t)1 << 30);
+	/* Idle regions that fit beside rb (held). */
+	size_t kept = max_entries - 1;
+	uint8_t *buf[N];
+	struct ibv_mr *mr;
+	struct snap s;
+	long long pinned_max = 0;
+
+	if ((max_bytes - rb.len) / len < kept)
+		kept = (max_bytes - rb.len) / len;
+	begin("evict");
+	CT_CHECK(kept < N, "limits too large for this test");
+	snap(&s);
+	for (int i = 0; i < N; i++) {
+		long long pinned;
+
+		buf[i] = map_anon(len);
+		fill(buf[i], len, 50 + (uint32_t)i);
+		mr = reg(dev.pd, buf[i], len, CT_ACCESS_ALL);
+		write_to_rb(mr, buf[i], len, "WRITE");
+		expect_rb(buf[i], NULL, len, "WRITE");
+		dereg(mr);
+		pinned = (long long)cnt(PINNED);
+		if (pinned > pinned_max)
+			pinned_max = pinned;
+		CT_CHECK(pinned <= (long long)(rb.len + kept * len),
+			 "after %d registrations %lld bytes pinned, limit "
+			 "%zu + %zu idle regions of %zu", i + 1, pinned,
+			 rb.len, kept, len);
+		CT_CHECK((size_t)pinned <= max_bytes || max_bytes < rb.len,
+			 "pinned %lld > KRCORE_MR_CACHE_BYTES %zu", pinned,
+			 max_bytes);
+	}
+	CHECK_DELTA(&s, MISSES, ==, N);
+	CHECK_DELTA(&s, EVICTIONS, >=, (long long)(N - kept));
+	CHECK_DELTA(&s, BATCHES, >=, 1);
+	CT_CHECK(delta(&s, BATCHES) <= delta(&s, EVICTIONS), "more batches "
+		 "than evictions");
+	ct_note("limits: %zu entries, %zu bytes; evictions +%lld in %lld "
+		"batches, pinned at most %lld", max_entries, max_bytes,
+		delta(&s, EVICTIONS), delta(&s, BATCHES), pinned_max);
+	/* The most recent survived; the first one was evicted long ago. */
+	snap(&s);
+	mr = reg(dev.pd, buf[N - 1], len, CT_ACCESS_ALL);
+	CHECK_DELTA(&s, HITS, ==, 1);
+	write_to_rb(mr, buf[N - 1], len, "WRITE (last)");
+	expect_rb(buf[N - 1], NULL, len, "WRITE (last)");
+	dereg(mr);
+	snap(&s);
+	fill(buf[0], len, 60);
+	mr = reg(dev.pd, buf[0], len, CT_ACCESS_ALL);
+	CHECK_DELTA(&s, MISSES, ==, 1);
+	write_to_rb(mr, buf[0], len, "WRITE (first, re-registered)");
+	expect_rb(buf[0], NULL, len, "WRITE (first, re-registered)");
+	dereg(mr);
+	for (int i = 0; i < N; i++)
+		unmap(buf[i], len);
+	ct_pass();
+}
+
+/* ---- sub-runs ------------------------------------------------------- */
+
+static void subrun(const char *name, const char *var, const char *value)
+{
+	char arg[64];
+	pid_t pid;
+	int st;
+
+	begin(name);
+	snprintf(arg, sizeof(arg), "--run=%s", name);
+	fflush(stdout);
+	pid = fork();
+	CT_CHECK(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		char *argv[] = { "mr_cache", arg, NULL };
+
+		setenv(var, value, 1);
+		execv("/proc/self/exe", argv);
+		printf("FAIL %s: execv: %s\n", name, strerror(errno));
+		_exit(127);
+	}
+	CT_CHECK(waitpid(pid, &st, 0) == pid, "waitpid: %s", strerror(errno));
+	CT_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s=%s run failed "
+		 "(status %#x)", var, value, st);
+	ct_pass();
+}
+
+int main(int argc, char **argv)
+{
+	const char *run = argc > 1 && !strncmp(argv[1], "--run=", 6) ?
+				  argv[1] + 6 : "";
+	const char *c = getenv("KRCORE_MR_CACHE");
+
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	run_name = run;
+	cache_on = !(c && !strcmp(c, "0"));
+	raise_memlock();
+
+	if (!strncmp(run, "evict", 5)) {
+		setup(64 * KiB);
+		test_evict();
+		teardown();
+		return 0;
+	}
+	setup(MALLOC_LEN);
+	test_hits();
+	test_subranges();
+	test_rkey_after_dereg();
+	test_stale();
+	test_fork();
+	test_dealloc_pd();
+	teardown();
+	if (*run)
+		return 0;
+	subrun("evict_entries", "KRCORE_MR_CACHE_ENTRIES", "4");
+	subrun("evict_bytes", "KRCORE_MR_CACHE_BYTES", "262144");
+	subrun("nocache", "KRCORE_MR_CACHE", "0");
+	/* LeakSanitizer runs after main returns: a leak fails the exit code. */
+	return 0;
+}
