@@ -67,6 +67,9 @@ pub unsafe extern "C" fn ibv_close_device(context: *mut ibv_context) -> c_int {
         }
         // SAFETY: ours.
         let real = unsafe { Context::from_ibv(context) }.real;
+        if let Some(cache) = crate::mr::cache() {
+            cache.flush_context(real as usize);
+        }
         let rc = call_real!(ibv_close_device(real))?;
         if rc == 0 {
             // SAFETY: the real context is closed; the application gave up its pointer.

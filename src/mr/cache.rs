@@ -44,8 +44,10 @@ pub enum Mode {
     Off = 0,
     /// Idle regions are kept (a sound unmap monitor is running).
     Caching = 1,
-    /// No sound monitor: regions are shared only while the application
-    /// holds them and deregistered at the last release.
+    /// No sound monitor (or libibverbs fork protection is on): no reuse;
+    /// each registration is real and deregistered when the application
+    /// deregisters. Sharing even a held region would be unsound: glibc can
+    /// unmap and reuse its memory unseen.
     HoldOnly = 2,
     /// A forked child: the parent's regions are never used or touched.
     ForkedChild = 3,
@@ -58,6 +60,8 @@ pub struct Limits {
 }
 
 struct Region {
+    /// The real context, for `flush_context`.
+    ctx: usize,
     pd: usize,
     access: u32,
     start: usize,
@@ -68,6 +72,9 @@ struct Region {
     keep_idle: bool,
     /// Still findable by lookups.
     valid: bool,
+    /// Its context was closed: the kernel already freed the MR, so it is
+    /// forgotten at release instead of deregistered.
+    orphan: bool,
 }
 
 // SAFETY: `real` is an MR handle of libibverbs, usable from any thread; it
@@ -150,12 +157,13 @@ impl Cache {
 
     /// A registration of `[addr, addr+len)` on `pd` with `access`: a cached
     /// region when one fits, else a new real registration.
-    pub fn acquire(&self, pd: *mut ibv_pd, addr: usize, len: usize, access: u32) -> Result<Lease> {
+    pub fn acquire(&self, ctx: usize, pd: *mut ibv_pd, addr: usize, len: usize, access: u32) -> Result<Lease> {
         let mode = self.mode();
         let mut g = self.inner.lock();
         self.apply_invalidations(&mut g);
         let end = addr.checked_add(len).ok_or(Errno::EINVAL)?;
-        if let Some(id) = Self::lookup(&g, pd as usize, access, addr, end) {
+        let found = if mode == Mode::Caching { Self::lookup(&g, pd as usize, access, addr, end) } else { None };
+        if let Some(id) = found {
             let r = g.regions.get_mut(&id).expect("indexed regions exist");
             r.refs += 1;
             let real = r.real;
@@ -164,7 +172,13 @@ impl Cache {
             return Ok(Lease { id, real, hit: true });
         }
         stats::inc(Stat::KRCORE_STAT_MR_CACHE_MISSES);
+        // Watch before registering: an unmap racing with the registration
+        // is then queued and drops the region at the next operation.
         self.queue.cover(addr, end);
+        let keep_idle = mode == Mode::Caching && self.backend.watch(addr, end);
+        if mode == Mode::Caching && !keep_idle {
+            stats::inc(Stat::KRCORE_STAT_MR_CACHE_UNCACHEABLE);
+        }
         let real = match self.backend.reg(pd, addr, len, access) {
             Ok(r) => r,
             // Out of pinnable memory: give back what is idle, try once more.
@@ -174,13 +188,10 @@ impl Cache {
             }
             Err(e) => return Err(e),
         };
-        let keep_idle = mode == Mode::Caching && self.backend.watch(addr, end);
-        if mode == Mode::Caching && !keep_idle {
-            stats::inc(Stat::KRCORE_STAT_MR_CACHE_UNCACHEABLE);
-        }
         let id = g.next_id;
         g.next_id += 1;
-        let region = Region { pd: pd as usize, access, start: addr, end, real, refs: 1, keep_idle, valid: true };
+        let region =
+            Region { ctx, pd: pd as usize, access, start: addr, end, real, refs: 1, keep_idle, valid: true, orphan: false };
         g.index.insert((region.pd, access, addr, id), end);
         g.by_start.insert((addr, id), end);
         g.longest = g.longest.max(len);
@@ -213,6 +224,27 @@ impl Cache {
         let idle: Vec<EntryId> =
             g.regions.iter().filter(|(_, r)| r.pd == pd as usize && r.refs == 0).map(|(id, _)| *id).collect();
         self.drop_batch(&mut g, &idle, true);
+    }
+
+    /// Before `ibv_close_device`: deregister the context's idle regions and
+    /// orphan the held ones (closing the context frees them in the kernel;
+    /// a later deregistration would hit whatever reuses their handles).
+    pub fn flush_context(&self, ctx: usize) {
+        let mut g = self.inner.lock();
+        self.apply_invalidations(&mut g);
+        let mine: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.ctx == ctx).map(|(id, _)| *id).collect();
+        for id in mine {
+            let r = g.regions.get_mut(&id).expect("live");
+            if r.refs == 0 {
+                let _ = self.drop_region(&mut g, id, true);
+            } else {
+                r.orphan = true;
+                r.valid = false;
+                let key = (r.pd, r.access, r.start, id);
+                g.index.remove(&key);
+                g.policy.remove(id);
+            }
+        }
     }
 
     /// Deregister every idle region (no region is kept idle afterwards
@@ -327,6 +359,9 @@ impl Cache {
         let len = r.end - r.start;
         g.bytes -= len;
         stats::sub(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, len as u64);
+        if r.orphan {
+            return Ok(());
+        }
         self.backend.dereg(r.real)
     }
 }
@@ -393,15 +428,15 @@ mod tests {
     #[test]
     fn local_subrange_hits_remote_needs_exact_match() {
         let (c, _, _) = cache(1 << 30, 100, Mode::Caching);
-        let a = c.acquire(pd(1), 0x10000, 8 * PAGE, LOCAL).unwrap();
+        let a = c.acquire(1, pd(1), 0x10000, 8 * PAGE, LOCAL).unwrap();
         assert!(!a.hit);
-        let b = c.acquire(pd(1), 0x10000 + PAGE, 2 * PAGE, LOCAL).unwrap();
+        let b = c.acquire(1, pd(1), 0x10000 + PAGE, 2 * PAGE, LOCAL).unwrap();
         assert!(b.hit && b.id == a.id, "covered local request reuses the region");
-        assert!(!c.acquire(pd(2), 0x10000, PAGE, LOCAL).unwrap().hit, "other PD");
-        assert!(!c.acquire(pd(1), 0x10000, PAGE, LOCAL | 0x8).unwrap().hit, "other access flags");
-        let r = c.acquire(pd(1), 0x40000, 8 * PAGE, REMOTE).unwrap();
-        assert!(!c.acquire(pd(1), 0x40000, 4 * PAGE, REMOTE).unwrap().hit, "remote: no sub-range reuse");
-        let r2 = c.acquire(pd(1), 0x40000, 8 * PAGE, REMOTE).unwrap();
+        assert!(!c.acquire(1, pd(2), 0x10000, PAGE, LOCAL).unwrap().hit, "other PD");
+        assert!(!c.acquire(1, pd(1), 0x10000, PAGE, LOCAL | 0x8).unwrap().hit, "other access flags");
+        let r = c.acquire(1, pd(1), 0x40000, 8 * PAGE, REMOTE).unwrap();
+        assert!(!c.acquire(1, pd(1), 0x40000, 4 * PAGE, REMOTE).unwrap().hit, "remote: no sub-range reuse");
+        let r2 = c.acquire(1, pd(1), 0x40000, 8 * PAGE, REMOTE).unwrap();
         assert!(r2.hit && r2.id == r.id, "remote: exact match reused");
     }
 
@@ -411,13 +446,13 @@ mod tests {
             let (c, fake, _) = cache(1 << 30, 100, Mode::Caching);
             let (lo, hi) = ((0x10000, 4 * PAGE), (0x12000, 4 * PAGE));
             let (x, y) = if first_low { (lo, hi) } else { (hi, lo) };
-            let a = c.acquire(pd(1), x.0, x.1, LOCAL).unwrap();
-            let b = c.acquire(pd(1), y.0, y.1, LOCAL).unwrap();
+            let a = c.acquire(1, pd(1), x.0, x.1, LOCAL).unwrap();
+            let b = c.acquire(1, pd(1), y.0, y.1, LOCAL).unwrap();
             assert!(!b.hit && a.id != b.id);
             assert_eq!(fake.live.lock().len(), 2);
             // Each later request is served by a region that covers it.
-            let l = c.acquire(pd(1), lo.0, lo.1, LOCAL).unwrap();
-            let h = c.acquire(pd(1), hi.0, hi.1, LOCAL).unwrap();
+            let l = c.acquire(1, pd(1), lo.0, lo.1, LOCAL).unwrap();
+            let h = c.acquire(1, pd(1), hi.0, hi.1, LOCAL).unwrap();
             let live = fake.live.lock();
             let (_, s, e, _) = live[&lkey(&l)];
             assert!(s <= lo.0 && e >= lo.0 + lo.1);
@@ -429,19 +464,19 @@ mod tests {
     #[test]
     fn release_keeps_idle_and_unmap_invalidates() {
         let (c, fake, q) = cache(1 << 30, 100, Mode::Caching);
-        let a = c.acquire(pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
+        let a = c.acquire(1, pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
         c.release(a.id).unwrap();
         assert_eq!(c.usage(), (1, 1, 4 * PAGE), "idle, still registered");
-        let b = c.acquire(pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
+        let b = c.acquire(1, pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
         assert!(b.hit);
         c.release(b.id).unwrap();
         q.push(0x11000, 0x12000); // one page in the middle goes away
-        let d = c.acquire(pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
+        let d = c.acquire(1, pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
         assert!(!d.hit, "an unmapped region is never handed out again");
         assert_eq!(fake.deregs.load(Ordering::Relaxed), 1, "the idle stale region was deregistered");
         // Held while invalidated: kept until released, then deregistered.
         q.push(0x10000, 0x10001);
-        let e = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        let e = c.acquire(1, pd(1), 0x10000, PAGE, LOCAL).unwrap();
         assert!(!e.hit);
         assert_eq!(fake.live.lock().len(), 2);
         c.release(d.id).unwrap();
@@ -451,9 +486,9 @@ mod tests {
     #[test]
     fn entry_limit_evicts_idle_regions_only() {
         let (c, fake, _) = cache(1 << 30, 4, Mode::Caching);
-        let held: Vec<Lease> = (0..3).map(|i| c.acquire(pd(1), 0x100000 * (i + 1), PAGE, LOCAL).unwrap()).collect();
+        let held: Vec<Lease> = (0..3).map(|i| c.acquire(1, pd(1), 0x100000 * (i + 1), PAGE, LOCAL).unwrap()).collect();
         for i in 0..10 {
-            let l = c.acquire(pd(1), 0x10000000 + i * 0x10000, PAGE, LOCAL).unwrap();
+            let l = c.acquire(1, pd(1), 0x10000000 + i * 0x10000, PAGE, LOCAL).unwrap();
             c.release(l.id).unwrap();
         }
         let (n, idle, _) = c.usage();
@@ -465,14 +500,30 @@ mod tests {
     }
 
     #[test]
-    fn hold_only_mode_deregisters_at_last_release() {
+    fn hold_only_mode_never_reuses() {
         let (c, fake, _) = cache(1 << 30, 100, Mode::HoldOnly);
-        let a = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
-        let b = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
-        assert!(b.hit, "shared while held");
+        let a = c.acquire(1, pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        let b = c.acquire(1, pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        assert!(!b.hit, "no sharing without a sound monitor");
+        assert_eq!(fake.live.lock().len(), 2);
         c.release(a.id).unwrap();
         c.release(b.id).unwrap();
         assert!(fake.live.lock().is_empty());
+    }
+
+    #[test]
+    fn closing_a_context_flushes_idle_and_orphans_held_regions() {
+        let (c, fake, _) = cache(1 << 30, 100, Mode::Caching);
+        let idle = c.acquire(7, pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        let held = c.acquire(7, pd(1), 0x20000, PAGE, LOCAL).unwrap();
+        let other = c.acquire(8, pd(2), 0x10000, PAGE, LOCAL).unwrap();
+        c.release(idle.id).unwrap();
+        c.flush_context(7);
+        assert!(!fake.live.lock().contains_key(&lkey(&idle)), "idle region deregistered before the close");
+        assert!(!c.acquire(7, pd(1), 0x20000, PAGE, LOCAL).unwrap().hit, "an orphan is never handed out");
+        c.release(held.id).unwrap();
+        assert!(fake.live.lock().contains_key(&lkey(&held)), "an orphan is forgotten, not deregistered");
+        assert!(fake.live.lock().contains_key(&lkey(&other)));
     }
 
     #[test]
@@ -480,7 +531,7 @@ mod tests {
         let fake = Arc::new(Fake { watchable: false, ..Default::default() });
         let q: &'static Queue = Box::leak(Box::new(Queue::new()));
         let c = Cache::new(Box::new(Shared(fake.clone())), q, Limits { max_bytes: 1 << 30, max_entries: 10 }, Mode::Caching);
-        let a = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        let a = c.acquire(1, pd(1), 0x10000, PAGE, LOCAL).unwrap();
         c.release(a.id).unwrap();
         assert!(fake.live.lock().is_empty());
     }
@@ -488,9 +539,9 @@ mod tests {
     #[test]
     fn flush_pd_deregisters_that_pds_idle_regions() {
         let (c, fake, _) = cache(1 << 30, 100, Mode::Caching);
-        let a = c.acquire(pd(1), 0x10000, PAGE, LOCAL).unwrap();
-        let b = c.acquire(pd(2), 0x10000, PAGE, LOCAL).unwrap();
-        let h = c.acquire(pd(1), 0x20000, PAGE, LOCAL).unwrap();
+        let a = c.acquire(1, pd(1), 0x10000, PAGE, LOCAL).unwrap();
+        let b = c.acquire(1, pd(2), 0x10000, PAGE, LOCAL).unwrap();
+        let h = c.acquire(1, pd(1), 0x20000, PAGE, LOCAL).unwrap();
         c.release(a.id).unwrap();
         c.release(b.id).unwrap();
         c.flush_pd(pd(1));
@@ -529,7 +580,7 @@ mod tests {
                         let (addr, len) = (BASE + p * PAGE, n * PAGE);
                         let access = if rnd(2) == 0 { LOCAL } else { REMOTE };
                         let pdn = 1 + rnd(2) as usize;
-                        let l = c.acquire(pd(pdn), addr, len, access).unwrap();
+                        let l = c.acquire(1, pd(pdn), addr, len, access).unwrap();
                         let k = lkey(&l);
                         let (rpd, s, e, acc) = fake.live.lock()[&k];
                         assert_eq!((rpd, acc), (pd(pdn) as usize, access), "round {round}");

@@ -35,6 +35,8 @@ pub struct Range {
 pub struct Queue {
     ring: Mutex<([Range; QUEUE_LEN], usize)>,
     overflow: AtomicBool,
+    /// Something was queued since the last drain (lets drains skip the lock).
+    dirty: AtomicBool,
     /// uffd events read but not yet queued.
     pending: AtomicUsize,
     /// Off: hooks return at once (no cache, or nothing it could lose).
@@ -56,6 +58,7 @@ impl Queue {
         Queue {
             ring: Mutex::new(([Range { start: 0, end: 0 }; QUEUE_LEN], 0)),
             overflow: AtomicBool::new(false),
+            dirty: AtomicBool::new(false),
             pending: AtomicUsize::new(0),
             watching: AtomicBool::new(false),
             lo: AtomicUsize::new(usize::MAX),
@@ -87,11 +90,13 @@ impl Queue {
         let mut g = self.ring.lock();
         let (ring, n) = &mut *g;
         if *n == QUEUE_LEN {
+            // Set before `dirty`, read after it: the drain that sees `dirty` sees this.
             self.overflow.store(true, Ordering::SeqCst);
         } else {
             ring[*n] = Range { start, end };
             *n += 1;
         }
+        self.dirty.store(true, Ordering::SeqCst);
     }
 
     /// Take everything queued. Waits (yielding) while uffd events are being
@@ -107,7 +112,11 @@ impl Queue {
                 std::hint::spin_loop();
             }
         }
+        if !self.dirty.load(Ordering::SeqCst) {
+            return Some(());
+        }
         let mut g = self.ring.lock();
+        self.dirty.store(false, Ordering::SeqCst);
         let (ring, n) = &mut *g;
         out.extend_from_slice(&ring[..*n]);
         *n = 0;
@@ -229,6 +238,7 @@ fn reader(fd: libc::c_int, queue: &'static Queue) {
             }
             klog!(Level::Error, "uffd poll failed: {}", std::io::Error::last_os_error());
             queue.overflow.store(true, Ordering::SeqCst);
+            queue.dirty.store(true, Ordering::SeqCst);
             return;
         }
         // Announce before read(): read() releases the unmapping thread.

@@ -66,6 +66,9 @@ impl Pd {
     pub unsafe fn unimport(p: *mut ibv_pd) -> Result<()> {
         // SAFETY: caller contract.
         let pd = unsafe { Pd::from_ibv(p) };
+        if let Some(cache) = crate::mr::cache() {
+            cache.flush_pd(pd.real);
+        }
         call_real!(ibv_unimport_pd(pd.real))?;
         // SAFETY: as in dealloc.
         unsafe { Pd::free(p) };

@@ -53,7 +53,9 @@ impl RegKind {
 impl Mr {
     pub fn register(pd: &mut Pd, kind: RegKind) -> Result<*mut ibv_mr> {
         if let (Some(cache), Some((addr, length, access))) = (crate::mr::cache(), kind.cacheable()) {
-            let lease = cache.acquire(pd.real, addr, length, access)?;
+            // SAFETY: a live real PD.
+            let real_ctx = unsafe { (*pd.real).context } as usize;
+            let lease = cache.acquire(real_ctx, pd.real, addr, length, access)?;
             stats::inc(Stat::KRCORE_STAT_MRS_REGISTERED);
             // SAFETY: the region's real MR is live while we hold the lease.
             let r = unsafe { &*lease.real };
