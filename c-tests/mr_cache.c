@@ -8,8 +8,9 @@
  *   sub-range does not (and its rkey really stops at the sub-range);
  *   overlapping ranges are registered separately; iova != addr bypasses the
  *   cache;
- * - rkey after ibv_dereg_mr: refused with the cache off; with the cache
- *   on, the idle region may still accept it (reported as a NOTE);
+ * - rkey after ibv_dereg_mr: refused with the cache off and in hold-only
+ *   mode; in caching mode the idle region may still accept it (reported
+ *   as a NOTE);
  * - stale memory: register and use a buffer, deregister it (the region is
  *   now idle in the cache), replace its pages (brk shrink, munmap + mmap,
  *   mmap MAP_FIXED, mremap, madvise(MADV_DONTNEED), shmdt + shmat, glibc
@@ -29,15 +30,17 @@
  *   happen, pinned bytes stay bounded, evicted regions come back as misses;
  * - the whole file once more with KRCORE_MR_CACHE=0 (re-executed): no hits,
  *   same data; and once more without userfaultfd (a seccomp filter makes
- *   it ENOSYS): the hold-only fallback (mode 2) shares registrations only
- *   while held;
+ *   it ENOSYS): the hold-only fallback (mode 2) reuses nothing, not even a
+ *   registration someone still holds: every cached-path ibv_reg_mr is one
+ *   miss (a real registration), hits stay 0, the data is right;
  * - stale_held_*: the same changes with the old registration held across
- *   them (same access flags as the new one);
+ *   them (same access flags as the new one): the new registration moves
+ *   the NEW bytes in every mode, including glibc free() + malloc in
+ *   hold-only mode, where nothing sees the unmap;
  * - close_device (a sub-run): ibv_close_device of a context whose PD
- *   still has an idle cached MR must not later hurt another context.
- *
- * Known library bugs are reported as "NOTE ...: KNOWN LIBRARY BUG" lines
- * (CT_MR_STRICT=1 turns them into FAILs).
+ *   still has an idle cached MR deregisters that MR before the real close
+ *   (nothing stays pinned) and never hurts the next context, whose first
+ *   MR has the same kernel handle.
  *
  * Sub-runs are this program re-executed (/proc/self/exe --run=NAME) with
  * the variable set; their lines carry a "NAME/" prefix. RLIMIT_MEMLOCK is
@@ -94,8 +97,8 @@ static struct pair P;		/* the main pair: A on GID 1, B on GID 2 */
 static struct ct_buf rb;	/* B's receive buffer */
 static size_t pg;
 static int cache_on;		/* KRCORE_MR_CACHE is not 0 */
-static int keep_idle;		/* caching mode: idle regions are kept */
-static int strict;		/* CT_MR_STRICT=1: known library bugs fail */
+static int keep_idle;		/* caching mode (1): regions are reused and
+				 * kept idle; hold-only (2) reuses nothing */
 static const char *run_name = "";	/* "" for the main run */
 static char namebuf[128];
 
@@ -296,19 +299,6 @@ static void fill_new(uint8_t *p, const uint8_t *old, size_t len)
 		p[i] = (uint8_t)~old[i];
 }
 
-/*
- * A library bug this test knows about: a NOTE (the suite stays green and
- * the output says what is wrong), or with CT_MR_STRICT=1 a FAIL.
- */
-#define KNOWN_BUG(...)                                                        \
-	do {                                                                  \
-		if (strict)                                                   \
-			ct_fail_at(__FILE__, __LINE__, "KNOWN LIBRARY BUG: "  \
-				   __VA_ARGS__);                              \
-		ct_note("KNOWN LIBRARY BUG (CT_MR_STRICT=1 fails): "         \
-			__VA_ARGS__);                                         \
-	} while (0)
-
 /* ---- setup ---------------------------------------------------------- */
 
 static void raise_memlock(void)
@@ -399,17 +389,26 @@ static void test_hits(void)
 		CHECK_DELTA(&s, HITS, ==, 0);
 		CHECK_DELTA(&s, MISSES, ==, cache_on ? 100 : 0);
 	}
-	/* Two holders of the same buffer share one region (any mode but
-	 * off). */
+	/* Two holders of the same buffer: in caching mode both are served by
+	 * the idle region; in hold-only mode each is a registration of its
+	 * own, even while the other one is held. */
 	snap(&s);
 	{
 		struct ibv_mr *m1 = reg(dev.pd, buf, len, CT_ACCESS_ALL);
 		struct ibv_mr *m2 = reg(dev.pd, buf, len, CT_ACCESS_ALL);
 
 		CT_CHECK(m1 != m2, "the same ibv_mr handed out twice");
-		if (cache_on) {
-			CHECK_DELTA(&s, HITS, >=, 1);
-			CT_CHECK(m1->lkey == m2->lkey, "held region not shared");
+		if (keep_idle) {
+			CHECK_DELTA(&s, HITS, ==, 2);
+			CHECK_DELTA(&s, MISSES, ==, 0);
+			CT_CHECK(m1->lkey == m2->lkey && m1->rkey == m2->rkey,
+				 "held region not shared");
+		} else if (cache_on) {
+			CHECK_DELTA(&s, HITS, ==, 0);
+			CHECK_DELTA(&s, MISSES, ==, 2);
+			CT_CHECK(m1->lkey != m2->lkey && m1->rkey != m2->rkey,
+				 "hold-only mode shared a held registration "
+				 "(keys %#x/%#x)", m1->lkey, m1->rkey);
 		}
 		dereg(m1);
 		write_to_rb(m2, buf, len, "WRITE after the other holder's "
@@ -437,22 +436,34 @@ static void test_subranges(void)
 	snap(&s);
 	full = reg(dev.pd, buf, len, LOCAL);
 	part = reg(dev.pd, sub, sub_len, LOCAL);
-	if (cache_on) {
+	if (keep_idle) {
 		CHECK_DELTA(&s, MISSES, ==, 1);
 		CHECK_DELTA(&s, HITS, ==, 1);
 		CT_CHECK(part->lkey == full->lkey, "covered local request "
 			 "got lkey %#x, the covering region has %#x",
 			 part->lkey, full->lkey);
+	} else if (cache_on) {
+		/* Hold-only: the held covering region is not reused. */
+		CHECK_DELTA(&s, MISSES, ==, 2);
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CT_CHECK(part->lkey != full->lkey, "hold-only mode served a "
+			 "sub-range from the held covering region");
 	}
 	write_to_rb(part, sub, sub_len, "WRITE from the sub-range MR");
 	expect_rb(sub, NULL, sub_len, "WRITE from the sub-range MR");
 	dereg(part);
 	dereg(full);
-	/* The covering region is idle now: still serves the sub-range. */
+	/* Caching: the covering region is idle now and still serves the
+	 * sub-range. Hold-only: it is gone, a new registration. */
 	snap(&s);
 	part = reg(dev.pd, sub + pg, sub_len - 2 * pg, LOCAL);
-	if (keep_idle)
+	if (keep_idle) {
 		CHECK_DELTA(&s, HITS, ==, 1);
+		CHECK_DELTA(&s, MISSES, ==, 0);
+	} else if (cache_on) {
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CHECK_DELTA(&s, MISSES, ==, 1);
+	}
 	write_to_rb(part, sub + pg, sub_len - 2 * pg, "idle covering region");
 	expect_rb(sub + pg, NULL, sub_len - 2 * pg, "idle covering region");
 	dereg(part);
@@ -492,13 +503,20 @@ static void test_subranges(void)
 	}
 	pair_close(&tmp);
 	ct_expect_pattern(buf, 4 * pg, 23, "memory before the sub-range");
-	/* The exact range again: a hit. */
+	/* The exact range again (still held): a hit in caching mode, a
+	 * registration of its own in hold-only mode. */
 	snap(&s);
 	part2 = reg(dev.pd, sub, sub_len, REMOTE_WR);
-	if (cache_on) {
+	if (keep_idle) {
 		CHECK_DELTA(&s, HITS, ==, 1);
+		CHECK_DELTA(&s, MISSES, ==, 0);
 		CT_CHECK(part2->rkey == part->rkey, "exact REMOTE match got "
 			 "another region");
+	} else if (cache_on) {
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CHECK_DELTA(&s, MISSES, ==, 1);
+		CT_CHECK(part2->rkey != part->rkey, "hold-only mode shared "
+			 "the held REMOTE region");
 	}
 	dereg(part2);
 	dereg(part);
@@ -536,6 +554,9 @@ static void test_subranges(void)
 		if (keep_idle) {
 			CHECK_DELTA(&s, HITS, ==, 2);
 			CHECK_DELTA(&s, MISSES, ==, 0);
+		} else if (cache_on) {
+			CHECK_DELTA(&s, HITS, ==, 0);
+			CHECK_DELTA(&s, MISSES, ==, 2);
 		}
 		dereg(a);
 		dereg(b);
@@ -567,9 +588,10 @@ static void test_subranges(void)
 
 /*
  * What a peer can do with an rkey after ibv_dereg_mr. Real verbs revoke
- * it (REM_ACCESS_ERR); a cached region stays registered while idle, so the
- * old rkey may still work. Both are reported; the memory must show
- * whichever happened.
+ * it (REM_ACCESS_ERR), and so do the cache off and hold-only mode (the
+ * registration is really deregistered); in caching mode the region stays
+ * registered while idle, so the old rkey may still work (a NOTE says which
+ * happened). The memory must show whichever happened.
  */
 static void test_rkey_after_dereg(void)
 {
@@ -592,7 +614,8 @@ static void test_rkey_after_dereg(void)
 	wc = ct_poll1(tmp.cqb);
 	CT_CHECK(wc.wr_id == 9, "wr_id %" PRIu64, wc.wr_id);
 	if (wc.status == IBV_WC_SUCCESS) {
-		CT_CHECK(cache_on, "the rkey of a deregistered MR still works "
+		CT_CHECK(keep_idle, "the rkey of a deregistered MR still works "
+			 "%s", cache_on ? "in hold-only mode" :
 			 "with the cache off");
 		ct_expect_pattern(buf, len, 71, "memory written through the "
 				  "old rkey");
@@ -603,7 +626,7 @@ static void test_rkey_after_dereg(void)
 		CT_CHECK(wc.status == IBV_WC_REM_ACCESS_ERR, "status %s",
 			 ibv_wc_status_str(wc.status));
 		ct_expect_zero(buf, len, "memory after a refused WRITE");
-		if (cache_on)
+		if (keep_idle)
 			ct_note("the old rkey was refused after ibv_dereg_mr");
 	}
 	pair_close(&tmp);
@@ -884,8 +907,11 @@ static void stale(const struct stale_case *c)
 /*
  * The registration of the old pages is HELD across the change, with the
  * same access flags as the new one: a held region must not be handed out
- * for the new pages either (it is invalidated while held and deregistered
- * at its last release).
+ * for the new pages either. In caching mode it is invalidated while held
+ * (the hooks or the userfaultfd saw the change) and deregistered at its
+ * last release; in hold-only mode nothing is ever reused, so the new
+ * registration is a real one even when no hook saw the change (glibc
+ * free()).
  */
 static void stale_held(const struct stale_case *c)
 {
@@ -909,20 +935,14 @@ static void stale_held(const struct stale_case *c)
 	fill_new(q, old, len);
 	l = reg(dev.pd, q, len, LOCAL);
 	write_to_rb(l, q, len, "WRITE after the change");
-	if (q == p && !memcmp(rb.p, old, len) && cache_on && !keep_idle &&
-	    !c->hooked) {
-		KNOWN_BUG("hold-only mode (no userfaultfd): the held "
-			  "registration of memory that %s replaced without an "
-			  "interposed call was handed out for the new memory "
-			  "at the same address (stale pages; hits +%lld)",
-			  c->name, delta(&s, HITS));
-	} else {
-		expect_rb(q, old, len, "WRITE after the change");
-		if (cache_on && q == p) {
-			CHECK_DELTA(&s, HITS, ==, 0);
-			CHECK_DELTA(&s, INVALIDATIONS, >=,
-				    keep_idle || c->hooked ? 1 : 0);
-		}
+	expect_rb(q, old, len, "WRITE after the change");
+	if (cache_on && q == p) {
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CHECK_DELTA(&s, MISSES, ==, 1);
+		/* W, held: invalidated in caching mode; in hold-only mode
+		 * only when a hook saw the change. */
+		CHECK_DELTA(&s, INVALIDATIONS, >=,
+			    keep_idle || c->hooked ? 1 : 0);
 	}
 	if (q == p) {
 		write_to_rb(w, q, len, "control WRITE");
@@ -1032,6 +1052,9 @@ static void test_fork(void)
 	if (keep_idle) {
 		CHECK_DELTA(&s, HITS, ==, 1);
 		CT_CHECK(mg->lkey == g_lkey, "idle region not reused");
+	} else if (cache_on) {
+		CHECK_DELTA(&s, HITS, ==, 0);
+		CHECK_DELTA(&s, MISSES, ==, 1);
 	}
 	write_to_rb(mg, g, len, "parent WRITE after fork (idle MR)");
 	expect_rb(g, NULL, len, "parent WRITE after fork (idle MR)");
@@ -1193,10 +1216,11 @@ static void test_evict(void)
 
 /*
  * Closing a context whose PD is still allocated is legal (the kernel frees
- * what is left; LeakSanitizer is off in this sub-run). An idle cached MR of
- * that PD must not be deregistered later through whatever context reuses
- * the closed one's command fd: the first MR of the next context has the
- * same kernel handle.
+ * what is left; LeakSanitizer is off in this sub-run). ibv_close_device
+ * deregisters the context's idle cached MRs before the real close, so
+ * nothing of it stays pinned, and nothing is deregistered later through
+ * whatever context reuses the closed one's command fd: the first MR of the
+ * next context has the same kernel handle as the closed context's idle MR.
  */
 static void test_close_device(void)
 {
@@ -1205,22 +1229,42 @@ static void test_close_device(void)
 	struct ct_dev d1;
 	struct ibv_mr *victim;
 	struct ibv_wc wc;
+	struct snap s;
+	uint32_t closed_handle;
 
 	begin("close_device_setup");
 	ct_open(&d1);
 	victim = reg(d1.pd, a, len, CT_ACCESS_ALL);
+	closed_handle = victim->handle;
 	dereg(victim);		/* idle in the cache */
+	CT_CHECK(cnt(MODE) == 1, "MR cache mode %llu, expected 1 (caching)",
+		 cnt(MODE));
+	CT_CHECK(cnt(PINNED) == len, "pinned %llu with one idle region of "
+		 "%zu bytes", cnt(PINNED), len);
 	CT_OK(ibv_close_device(d1.ctx));	/* the PD is not deallocated */
+	CT_CHECK(cnt(PINNED) == 0, "%llu bytes still pinned after "
+		 "ibv_close_device: the closed context's idle region was not "
+		 "flushed", cnt(PINNED));
 	ct_open(&dev);
 	fill(v, len, 81);
 	victim = reg(dev.pd, v, len, CT_ACCESS_ALL);	/* handle 1 again */
+	if (victim->handle != closed_handle)
+		ct_note("the next context's first MR has handle %u, the "
+			"closed context's idle MR had %u: the handle clash "
+			"this sub-test is about did not happen", victim->handle,
+			closed_handle);
 	pair_open(&dev, &P);
 	ct_buf_alloc(&rb, dev.pd, len);
 	ct_pass();
 
 	begin("close_device_idle_mr");
-	unmap(a, len);		/* invalidates the closed context's region */
-	dereg(reg(dev.pd, t, len, LOCAL));	/* a cache operation drops it */
+	/* What used to drop the closed context's region through the next
+	 * context: its memory unmapped, then a cache operation. The region
+	 * is gone already, so there is nothing left to invalidate. */
+	snap(&s);
+	unmap(a, len);
+	dereg(reg(dev.pd, t, len, LOCAL));
+	CHECK_DELTA(&s, INVALIDATIONS, ==, 0);
 	memset(rb.p, 0, len);
 	{
 		struct ct_buf lb = { .p = v, .len = len, .mr = victim };
@@ -1230,13 +1274,10 @@ static void test_close_device(void)
 				    (uintptr_t)rb.p, rb.mr->rkey, 0));
 	}
 	wc = ct_poll1(P.cqa);
-	if (wc.status != IBV_WC_SUCCESS)
-		KNOWN_BUG("after ibv_close_device of a context with an idle "
-			  "cached MR, dropping that MR deregistered the live "
-			  "MR with the same handle in the next context (WRITE "
-			  "with its lkey: %s)", ibv_wc_status_str(wc.status));
-	else
-		ct_expect_pattern(rb.p, len, 81, "WRITE from the live MR");
+	ct_expect_wc(&wc, 1, IBV_WC_RDMA_WRITE, "WRITE with the lkey of the "
+		     "next context's first MR (same kernel handle as the "
+		     "closed context's idle MR)");
+	ct_expect_pattern(rb.p, len, 81, "WRITE from the live MR");
 	dereg(victim);
 	ct_pass();
 	teardown();
@@ -1313,7 +1354,6 @@ int main(int argc, char **argv)
 	run_name = run;
 	cache_on = !(c && !strcmp(c, "0"));
 	keep_idle = cache_on && strcmp(run, "holdonly") != 0;
-	strict = getenv("CT_MR_STRICT") && !strcmp(getenv("CT_MR_STRICT"), "1");
 	raise_memlock();
 
 	if (!strncmp(run, "evict", 5)) {
