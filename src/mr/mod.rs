@@ -83,7 +83,7 @@ static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
         Err(e) => {
             klog!(
                 Level::Warn,
-                "MR cache: no sound unmap monitor ({e}); registrations are shared only while held"
+                "MR cache: no sound unmap monitor ({e}); every registration is real (no reuse)"
             );
             (None, Mode::HoldOnly)
         }
@@ -105,12 +105,12 @@ static FORK_CHECKED: once_cell::sync::OnceCell<()> = once_cell::sync::OnceCell::
 /// copy-on-fork for pinned pages) marks registered ranges MADV_DONTFORK
 /// until deregistration. An idle cached region would keep that mark after
 /// the application deregistered, and a child would miss memory it expects:
-/// with fork protection on, the cache only shares registrations while held.
+/// with fork protection on, the cache stops reusing registrations.
 pub fn check_fork_protection() {
     const IBV_FORK_ENABLED: libc::c_uint = 1;
     let Some(cache) = CACHE.as_ref() else { return };
     if cache.mode() == Mode::Caching && call_real!(ibv_is_fork_initialized()).ok() == Some(IBV_FORK_ENABLED) {
-        klog!(Level::Info, "MR cache: fork protection is on; registrations are shared only while held");
+        klog!(Level::Info, "MR cache: fork protection is on; every registration is real (no reuse)");
         cache.set_mode(Mode::HoldOnly);
         cache.flush_idle();
     }
