@@ -26,6 +26,7 @@ use crate::stats::{self, Stat};
 use crate::sys::{ibv_access_flags, ibv_mr, ibv_pd};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Registration primitives (real libibverbs, or a test double), plus
 /// whether a range can be watched for unmaps.
@@ -38,7 +39,7 @@ pub trait Backend: Send + Sync {
 
 /// How the cache behaves in this process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u64)]
+#[repr(u8)]
 pub enum Mode {
     /// `KRCORE_MR_CACHE=0`: every registration is real.
     Off = 0,
@@ -99,7 +100,8 @@ pub struct Cache {
     backend: Box<dyn Backend>,
     queue: &'static Queue,
     limits: Limits,
-    mode: Mutex<Mode>,
+    /// A `Mode` as u8; read on every operation, so no lock.
+    mode: AtomicU8,
 }
 
 /// Access flags for which only exact matches may be reused.
@@ -139,18 +141,22 @@ impl Cache {
             backend,
             queue,
             limits,
-            mode: Mutex::new(mode),
+            mode: AtomicU8::new(mode as u8),
         }
     }
 
     pub fn mode(&self) -> Mode {
-        *self.mode.lock()
+        match self.mode.load(Ordering::SeqCst) {
+            0 => Mode::Off,
+            1 => Mode::Caching,
+            2 => Mode::HoldOnly,
+            _ => Mode::ForkedChild,
+        }
     }
 
-    /// After `fork()`, in the child (async-signal-safe enough: one atomic
-    /// store behind an uncontended lock is avoided, see `mr::forked`).
+    /// Switch modes (fork protection turned on; see `mr::check_fork_protection`).
     pub fn set_mode(&self, mode: Mode) {
-        *self.mode.lock() = mode;
+        self.mode.store(mode as u8, Ordering::SeqCst);
         self.queue.set_watching(matches!(mode, Mode::Caching | Mode::HoldOnly));
         stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, mode as u64);
     }
