@@ -262,8 +262,9 @@ impl Cache {
         self.drop_batch(&mut g, &idle, true);
     }
 
-    /// (regions, idle regions, bytes) for tests and statistics.
-    pub fn usage(&self) -> (usize, usize, usize) {
+    /// (regions, idle regions, bytes).
+    #[cfg(test)]
+    fn usage(&self) -> (usize, usize, usize) {
         let g = self.inner.lock();
         (g.regions.len(), g.regions.values().filter(|r| r.refs == 0).count(), g.bytes)
     }

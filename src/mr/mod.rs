@@ -126,8 +126,3 @@ pub fn cache() -> Option<&'static Cache> {
     FORK_CHECKED.get_or_init(check_fork_protection);
     CACHE.as_ref()
 }
-
-/// Whether this process is a fork child of one that used the cache.
-pub fn forked() -> bool {
-    FORKED.load(Ordering::Relaxed)
-}

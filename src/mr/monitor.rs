@@ -128,7 +128,8 @@ impl Queue {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.pending.load(Ordering::SeqCst) == 0 && self.ring.lock().1 == 0 && !self.overflow.load(Ordering::SeqCst)
     }
 }

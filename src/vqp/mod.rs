@@ -162,10 +162,6 @@ impl Forwarder {
             }
         }
     }
-
-    pub fn real(&self) -> *mut ibv_qp {
-        self.real
-    }
 }
 
 // The forwarder is only read after creation; its pointers are to objects
