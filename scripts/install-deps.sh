@@ -30,7 +30,10 @@ fi
 if ! ls "$KDIR"/boot/vmlinuz-* >/dev/null 2>&1; then
     echo "install-deps: fetching $KERNEL_PKG"
     mkdir -p "$KDIR" && tmp="$(mktemp -d)"
-    (cd "$tmp" && apt-get download "$KERNEL_PKG" >/dev/null)
+    # A machine whose packages were all present may never have fetched the
+    # package lists: update once if the first download fails.
+    (cd "$tmp" && { apt-get download "$KERNEL_PKG" >/dev/null 2>&1 ||
+                    { apt-get update -qq && apt-get download "$KERNEL_PKG" >/dev/null; }; })
     dpkg-deb -x "$tmp"/*.deb "$KDIR"
     rm -rf "$tmp"
     kver="$(ls "$KDIR/lib/modules")"
