@@ -68,6 +68,12 @@ enum krcore_stat {
   // MR cache mode (a gauge): 0 off, 1 caching, 2 hold-only (no sound
   // unmap monitor), 3 forked child (cache unused).
   KRCORE_STAT_MR_CACHE_MODE,
+  // Bytes of idle cached registrations (a gauge; what the
+  // `KRCORE_MR_CACHE_BYTES` budget limits).
+  KRCORE_STAT_MR_CACHE_IDLE_BYTES,
+  // Registrations that hit the pinned-memory limit and were retried
+  // after the idle regions were deregistered.
+  KRCORE_STAT_MR_CACHE_LIMIT_RETRIES,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

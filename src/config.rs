@@ -10,8 +10,8 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_STATS_FILE", "", "write the statistics JSON to this path at exit (%p becomes the pid)"),
     ("KRCORE_IBVERBS_LIB", "libibverbs.so.1", "the real libibverbs to dlopen"),
     ("KRCORE_MR_CACHE", "1", "0: no registration cache (every ibv_reg_mr is real)"),
-    ("KRCORE_MR_CACHE_BYTES", "1073741824", "most bytes the MR cache keeps registered (at most RLIMIT_MEMLOCK/2)"),
-    ("KRCORE_MR_CACHE_ENTRIES", "1024", "most regions the MR cache keeps registered"),
+    ("KRCORE_MR_CACHE_BYTES", "1073741824", "most bytes of idle registrations the MR cache keeps (default: at most RLIMIT_MEMLOCK/2 without CAP_IPC_LOCK)"),
+    ("KRCORE_MR_CACHE_ENTRIES", "1024", "most idle registrations the MR cache keeps"),
 ];
 
 #[derive(Debug, Clone)]

@@ -10,8 +10,13 @@
 //! (no merging), so a region never changes once created.
 //!
 //! Regions are reference counted; the last release makes a region idle (not
-//! deregistered). Idle regions are evicted by the MRE policy when the cache
-//! passes its byte or entry limit, one eviction segment per batch. A region
+//! deregistered). The byte and entry limits bound the *idle* regions only:
+//! what the application holds is its own business and never makes the cache
+//! evict a region the moment it goes idle. Idle regions are evicted by the
+//! MRE policy when they pass a limit, one eviction segment per batch. When
+//! a real registration fails for lack of pinnable memory (ENOMEM/EAGAIN),
+//! every idle region is deregistered and the registration retried once, so
+//! the cache never makes a registration fail that would succeed without it. A region
 //! whose memory is unmapped or replaced (monitor.rs) is dropped at the next
 //! cache operation and never handed out again; if the application still
 //! holds it, it is deregistered on release.
@@ -73,6 +78,8 @@ struct Region {
     keep_idle: bool,
     /// Still findable by lookups.
     valid: bool,
+    /// Counted in the idle bytes and entries the limits bound.
+    idle: bool,
     /// Its context was closed: the kernel already freed the MR, so it is
     /// forgotten at release instead of deregistered.
     orphan: bool,
@@ -84,15 +91,57 @@ unsafe impl Send for Region {}
 
 struct Inner {
     regions: HashMap<EntryId, Region>,
-    /// Valid regions by (pd, access, start, id) -> end, for lookups.
+    /// Valid regions by (pd, access, start, id) -> end, for covering lookups.
     index: BTreeMap<(usize, u32, usize, EntryId), usize>,
+    /// Valid regions by exact (pd, access, start, end): the common case of a
+    /// buffer registered again is one hash lookup.
+    exact: HashMap<(usize, u32, usize, usize), EntryId>,
     /// Every live region by (start, id) -> end, for invalidation.
     by_start: BTreeMap<(usize, EntryId), usize>,
     longest: usize,
     policy: Mre,
     next_id: EntryId,
+    /// Bytes of every live region (held and idle).
     bytes: usize,
+    /// Bytes and number of idle regions: what the limits bound.
+    idle_bytes: usize,
+    idle_count: usize,
     scratch: Vec<Range>,
+}
+
+impl Inner {
+    /// A region stops being findable (invalidated, orphaned or dropped).
+    fn unindex(&mut self, id: EntryId) {
+        let Some(r) = self.regions.get_mut(&id) else { return };
+        if !r.valid {
+            return;
+        }
+        r.valid = false;
+        let (pd, access, start, end) = (r.pd, r.access, r.start, r.end);
+        self.index.remove(&(pd, access, start, id));
+        if self.exact.get(&(pd, access, start, end)) == Some(&id) {
+            self.exact.remove(&(pd, access, start, end));
+        }
+    }
+
+    /// Count a region as idle (`true`) or not; idempotent.
+    fn set_idle(&mut self, id: EntryId, idle: bool) {
+        let Some(r) = self.regions.get_mut(&id) else { return };
+        if r.idle == idle {
+            return;
+        }
+        r.idle = idle;
+        let len = r.end - r.start;
+        if idle {
+            self.idle_bytes += len;
+            self.idle_count += 1;
+            stats::add(Stat::KRCORE_STAT_MR_CACHE_IDLE_BYTES, len as u64);
+        } else {
+            self.idle_bytes -= len;
+            self.idle_count -= 1;
+            stats::sub(Stat::KRCORE_STAT_MR_CACHE_IDLE_BYTES, len as u64);
+        }
+    }
 }
 
 pub struct Cache {
@@ -131,11 +180,14 @@ impl Cache {
             inner: Mutex::new(Inner {
                 regions: HashMap::new(),
                 index: BTreeMap::new(),
+                exact: HashMap::new(),
                 by_start: BTreeMap::new(),
                 longest: 0,
                 policy: Mre::new(MreConfig::default()),
                 next_id: 1,
                 bytes: 0,
+                idle_bytes: 0,
+                idle_count: 0,
                 scratch: Vec::with_capacity(64),
             }),
             backend,
@@ -173,6 +225,7 @@ impl Cache {
             let r = g.regions.get_mut(&id).expect("indexed regions exist");
             r.refs += 1;
             let real = r.real;
+            g.set_idle(id, false);
             g.policy.touch(id);
             stats::inc(Stat::KRCORE_STAT_MR_CACHE_HITS);
             return Ok(Lease { id, real, hit: true });
@@ -187,9 +240,11 @@ impl Cache {
         }
         let real = match self.backend.reg(pd, addr, len, access) {
             Ok(r) => r,
-            // Out of pinnable memory: give back what is idle, try once more.
-            Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN) && !g.regions.is_empty() => {
-                self.evict(&mut g, usize::MAX, usize::MAX);
+            // Out of pinnable memory: give back everything idle, try once more.
+            Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN) && g.idle_count > 0 => {
+                stats::inc(Stat::KRCORE_STAT_MR_CACHE_LIMIT_RETRIES);
+                let idle: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.refs == 0).map(|(id, _)| *id).collect();
+                self.drop_batch(&mut g, &idle, true);
                 self.backend.reg(pd, addr, len, access)?
             }
             Err(e) => return Err(e),
@@ -197,15 +252,15 @@ impl Cache {
         let id = g.next_id;
         g.next_id += 1;
         let region =
-            Region { ctx, pd: pd as usize, access, start: addr, end, real, refs: 1, keep_idle, valid: true, orphan: false };
+            Region { ctx, pd: pd as usize, access, start: addr, end, real, refs: 1, keep_idle, valid: true, idle: false, orphan: false };
         g.index.insert((region.pd, access, addr, id), end);
+        g.exact.entry((region.pd, access, addr, end)).or_insert(id);
         g.by_start.insert((addr, id), end);
         g.longest = g.longest.max(len);
         g.regions.insert(id, region);
         g.bytes += len;
         g.policy.insert(id, pages(len));
         stats::add(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, len as u64);
-        self.enforce_limits(&mut g);
         Ok(Lease { id, real, hit: false })
     }
 
@@ -215,11 +270,35 @@ impl Cache {
         self.apply_invalidations(&mut g);
         let r = g.regions.get_mut(&id).ok_or(Errno::EINVAL)?;
         r.refs = r.refs.checked_sub(1).ok_or(Errno::EINVAL)?;
-        if r.refs == 0 && (!r.valid || !r.keep_idle || self.mode() != Mode::Caching) {
-            self.drop_region(&mut g, id, true)?;
+        if r.refs > 0 {
+            return Ok(());
         }
+        if !r.valid || !r.keep_idle || self.mode() != Mode::Caching {
+            return self.drop_region(&mut g, id, true);
+        }
+        g.set_idle(id, true);
         self.enforce_limits(&mut g);
         Ok(())
+    }
+
+    /// Take a region out of the cache for good, if `id` is held by one MR
+    /// only and spans exactly `[start, end)`: its real MR then belongs to
+    /// the caller (for `ibv_rereg_mr`, which must not touch a shared region).
+    pub fn detach(&self, id: EntryId, start: usize, end: usize) -> Option<*mut ibv_mr> {
+        let mut g = self.inner.lock();
+        self.apply_invalidations(&mut g);
+        let r = g.regions.get(&id)?;
+        if r.refs != 1 || r.orphan || (r.start, r.end) != (start, end) {
+            return None;
+        }
+        let real = r.real;
+        g.unindex(id);
+        g.policy.remove(id);
+        let r = g.regions.remove(&id).expect("live");
+        g.by_start.remove(&(r.start, id));
+        g.bytes -= end - start;
+        stats::sub(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, (end - start) as u64);
+        Some(real)
     }
 
     /// Deregister every idle region of `pd` (before `ibv_dealloc_pd`, which
@@ -245,9 +324,7 @@ impl Cache {
                 let _ = self.drop_region(&mut g, id, true);
             } else {
                 r.orphan = true;
-                r.valid = false;
-                let key = (r.pd, r.access, r.start, id);
-                g.index.remove(&key);
+                g.unindex(id);
                 g.policy.remove(id);
             }
         }
@@ -262,20 +339,28 @@ impl Cache {
         self.drop_batch(&mut g, &idle, true);
     }
 
-    /// (regions, idle regions, bytes).
+    /// (regions, idle regions, bytes), checking the idle accounting.
     #[cfg(test)]
     fn usage(&self) -> (usize, usize, usize) {
         let g = self.inner.lock();
-        (g.regions.len(), g.regions.values().filter(|r| r.refs == 0).count(), g.bytes)
+        let idle: Vec<&Region> = g.regions.values().filter(|r| r.refs == 0).collect();
+        assert_eq!(idle.len(), g.idle_count, "idle count");
+        assert_eq!(idle.iter().map(|r| r.end - r.start).sum::<usize>(), g.idle_bytes, "idle bytes");
+        (g.regions.len(), idle.len(), g.bytes)
+    }
+
+    #[cfg(test)]
+    fn idle_usage(&self) -> (usize, usize) {
+        let g = self.inner.lock();
+        (g.idle_count, g.idle_bytes)
     }
 
     fn lookup(g: &Inner, pd: usize, access: u32, addr: usize, end: usize) -> Option<EntryId> {
+        if let Some(&id) = g.exact.get(&(pd, access, addr, end)) {
+            return Some(id);
+        }
         if is_remote(access) {
-            return g
-                .index
-                .range((pd, access, addr, 0)..=(pd, access, addr, EntryId::MAX))
-                .find(|(_, &e)| e == end)
-                .map(|(k, _)| k.3);
+            return None;
         }
         // Covering regions start at or below addr; the nearest starts are
         // the likeliest to cover, and a bounded scan keeps lookups cheap.
@@ -310,11 +395,8 @@ impl Cache {
         hit.dedup();
         for id in hit {
             stats::inc(Stat::KRCORE_STAT_MR_CACHE_INVALIDATIONS);
-            let r = g.regions.get_mut(&id).expect("live");
-            r.valid = false;
-            let key = (r.pd, r.access, r.start, id);
-            let idle = r.refs == 0;
-            g.index.remove(&key);
+            let idle = g.regions[&id].refs == 0;
+            g.unindex(id);
             g.policy.remove(id);
             if idle {
                 // Nothing refers to it: deregister now (we are not in a hook).
@@ -323,12 +405,13 @@ impl Cache {
         }
     }
 
+    /// Idle regions past a limit: evict a batch.
     fn enforce_limits(&self, g: &mut Inner) {
-        if g.bytes <= self.limits.max_bytes && g.regions.len() <= self.limits.max_entries {
+        if g.idle_bytes <= self.limits.max_bytes && g.idle_count <= self.limits.max_entries {
             return;
         }
-        let over_bytes = g.bytes.saturating_sub(self.limits.max_bytes);
-        let over_entries = g.regions.len().saturating_sub(self.limits.max_entries);
+        let over_bytes = g.idle_bytes.saturating_sub(self.limits.max_bytes);
+        let over_entries = g.idle_count.saturating_sub(self.limits.max_entries);
         self.evict(g, over_bytes, over_entries);
     }
 
@@ -357,8 +440,9 @@ impl Cache {
 
     /// Forget a region and deregister its real MR.
     fn drop_region(&self, g: &mut Inner, id: EntryId, from_policy: bool) -> Result<()> {
+        g.unindex(id);
+        g.set_idle(id, false);
         let r = g.regions.remove(&id).ok_or(Errno::EINVAL)?;
-        g.index.remove(&(r.pd, r.access, r.start, id));
         g.by_start.remove(&(r.start, id));
         if from_policy {
             g.policy.remove(id);
@@ -392,12 +476,19 @@ mod tests {
         live: parking_lot::Mutex<HashMap<u32, (usize, usize, usize, u32)>>,
         deregs: AtomicU32,
         watchable: bool,
+        /// Most bytes that may be registered at once (the pinned-memory
+        /// limit); 0: unlimited.
+        pin_limit: usize,
     }
 
     struct Shared(Arc<Fake>);
 
     impl Backend for Shared {
         fn reg(&self, pd: *mut ibv_pd, addr: usize, len: usize, access: u32) -> Result<*mut ibv_mr> {
+            let pinned: usize = self.0.live.lock().values().map(|(_, s, e, _)| e - s).sum();
+            if self.0.pin_limit != 0 && pinned + len > self.0.pin_limit {
+                return Err(Errno(libc::ENOMEM));
+            }
             let lkey = self.0.next.fetch_add(1, Ordering::Relaxed) + 1;
             self.0.live.lock().insert(lkey, (pd as usize, addr, addr + len, access));
             let mut mr: ibv_mr = unsafe { std::mem::zeroed() };
@@ -499,11 +590,81 @@ mod tests {
             c.release(l.id).unwrap();
         }
         let (n, idle, _) = c.usage();
-        assert!(n <= 4, "{n} regions");
+        assert!(idle <= 4, "{idle} idle regions (the limit bounds idle regions only)");
         assert_eq!(n - idle, 3, "held regions survive eviction");
         for l in &held {
             assert!(fake.live.lock().contains_key(&lkey(l)));
         }
+    }
+
+    /// The budget bounds idle regions only: a held registration larger than
+    /// the whole budget does not make every other region go at release.
+    #[test]
+    fn held_registrations_do_not_count_against_the_budget() {
+        let (c, fake, _) = cache(4 * PAGE, 100, Mode::Caching);
+        let big = c.acquire(1, pd(1), 0x100000, 64 * PAGE, REMOTE).unwrap();
+        let first = c.acquire(1, pd(1), 0x10000, 2 * PAGE, REMOTE).unwrap();
+        c.release(first.id).unwrap();
+        for _ in 0..10 {
+            let l = c.acquire(1, pd(1), 0x10000, 2 * PAGE, REMOTE).unwrap();
+            assert!(l.hit && l.id == first.id);
+            c.release(l.id).unwrap();
+        }
+        assert_eq!(fake.deregs.load(Ordering::Relaxed), 0);
+        assert_eq!(c.usage(), (2, 1, 66 * PAGE));
+        // Idle regions past the budget are evicted; held ones never are.
+        for i in 0..4 {
+            let l = c.acquire(1, pd(1), 0x200000 + i * 0x10000, 2 * PAGE, LOCAL).unwrap();
+            c.release(l.id).unwrap();
+            let (n, bytes) = c.idle_usage();
+            assert!(bytes <= 4 * PAGE && n >= 1, "idle {n} regions, {bytes} bytes");
+        }
+        assert!(fake.live.lock().contains_key(&lkey(&big)));
+        c.release(big.id).unwrap();
+        assert!(c.idle_usage().1 <= 4 * PAGE, "a released large region is evicted to fit the budget");
+    }
+
+    /// At the pinned-memory limit the idle regions are given back and the
+    /// registration retried once: the cache never makes a registration
+    /// fail that would succeed without it. What still does not fit fails
+    /// with the provider's errno.
+    #[test]
+    fn pinned_limit_drops_idle_regions_and_retries() {
+        let fake = Arc::new(Fake { watchable: true, pin_limit: 16 * PAGE, ..Default::default() });
+        let q: &'static Queue = Box::leak(Box::new(Queue::new()));
+        let c = Cache::new(Box::new(Shared(fake.clone())), q, Limits { max_bytes: 1 << 30, max_entries: 100 }, Mode::Caching);
+        let held = c.acquire(1, pd(1), 0x100000, 4 * PAGE, LOCAL).unwrap();
+        for i in 0..3 {
+            let l = c.acquire(1, pd(1), 0x200000 + i * 0x10000, 4 * PAGE, LOCAL).unwrap();
+            c.release(l.id).unwrap();
+        }
+        assert_eq!(c.usage(), (4, 3, 16 * PAGE), "at the limit, three idle regions");
+        let l = c.acquire(1, pd(1), 0x300000, 8 * PAGE, LOCAL).expect("idle regions make room");
+        assert!(!l.hit);
+        assert_eq!(c.usage(), (2, 0, 12 * PAGE));
+        assert!(fake.live.lock().contains_key(&lkey(&held)), "held regions are never dropped");
+        let e = c.acquire(1, pd(1), 0x400000, 8 * PAGE, LOCAL).err().expect("does not fit even without the cache");
+        assert_eq!(e.errno(), libc::ENOMEM);
+        c.release(l.id).unwrap();
+        c.release(held.id).unwrap();
+    }
+
+    /// `ibv_rereg_mr` takes a region out only when nothing else shares it.
+    #[test]
+    fn detach_only_an_exclusive_exact_region() {
+        let (c, fake, _) = cache(1 << 30, 100, Mode::Caching);
+        let a = c.acquire(1, pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap();
+        let sub = c.acquire(1, pd(1), 0x11000, PAGE, LOCAL).unwrap();
+        assert!(sub.hit);
+        assert!(c.detach(a.id, 0x10000, 0x14000).is_none(), "shared with a sub-range MR");
+        c.release(sub.id).unwrap();
+        assert!(c.detach(a.id, 0x11000, 0x12000).is_none(), "not the region's exact range");
+        let real = c.detach(a.id, 0x10000, 0x14000).expect("sole holder, exact range");
+        assert_eq!(real, a.real);
+        assert_eq!(c.usage(), (0, 0, 0), "the cache forgot it");
+        assert!(!c.acquire(1, pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap().hit);
+        assert!(c.release(a.id).is_err(), "the lease is gone");
+        assert!(fake.live.lock().contains_key(&lkey(&a)), "not deregistered: the caller owns it");
     }
 
     #[test]
@@ -573,7 +734,8 @@ mod tests {
         const PAGES: usize = 64;
         const BASE: usize = 0x7000_0000;
         for round in 0..40 {
-            let (c, fake, q) = cache(24 * PAGE, 12, Mode::Caching);
+            let (max_bytes, max_entries) = (24 * PAGE, 12);
+            let (c, fake, q) = cache(max_bytes, max_entries, Mode::Caching);
             // Per page: how many times it was unmapped.
             let mut gen = [0u32; PAGES];
             // lkey -> generation snapshot of its pages when registered.
@@ -622,6 +784,8 @@ mod tests {
                     }
                 }
                 let (_, _, bytes) = c.usage();
+                let (idle_n, idle_bytes) = c.idle_usage();
+                assert!(idle_n <= max_entries && idle_bytes <= max_bytes, "round {round}: idle limits");
                 let live: usize = fake.live.lock().values().map(|(_, s, e, _)| e - s).sum();
                 assert_eq!(bytes, live, "pinned-bytes accounting");
             }

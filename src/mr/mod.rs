@@ -57,19 +57,45 @@ extern "C" fn in_forked_child() {
     QUEUE.set_watching(false);
 }
 
+/// Whether the kernel exempts this process from `RLIMIT_MEMLOCK` when it
+/// pins memory (`CAP_IPC_LOCK` in the effective set; root has it).
+fn has_cap_ipc_lock() -> bool {
+    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+    const CAP_IPC_LOCK: u32 = 14;
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut hdr = Header { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget fills one header and two data words for version 3.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut hdr as *mut Header, data.as_mut_ptr()) };
+    rc == 0 && data[0].effective & (1 << CAP_IPC_LOCK) != 0
+}
+
+/// The idle budget: `KRCORE_MR_CACHE_BYTES` as given; by default 1 GiB,
+/// or half of a finite `RLIMIT_MEMLOCK` for a process the kernel holds to
+/// that limit, so that new registrations still fit beside idle regions
+/// (and if they do not, the cache gives its idle regions back; see cache.rs).
 fn default_limits() -> Limits {
     let cfg = crate::config::get();
-    let mut memlock = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes one rlimit.
-    let finite = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut memlock) } == 0
-        && memlock.rlim_cur != libc::RLIM_INFINITY;
-    // Idle regions may take half of what may be pinned, so that new
-    // registrations still fit beside them.
-    let cap = if finite { (memlock.rlim_cur / 2) as usize } else { usize::MAX };
-    Limits {
-        max_bytes: cfg.mr_cache_bytes.unwrap_or(1 << 30).min(cap),
-        max_entries: cfg.mr_cache_entries,
-    }
+    let max_bytes = cfg.mr_cache_bytes.unwrap_or_else(|| {
+        let mut memlock = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes one rlimit.
+        let finite = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut memlock) } == 0
+            && memlock.rlim_cur != libc::RLIM_INFINITY;
+        let cap = if finite && !has_cap_ipc_lock() { (memlock.rlim_cur / 2) as usize } else { usize::MAX };
+        (1usize << 30).min(cap)
+    });
+    Limits { max_bytes, max_entries: cfg.mr_cache_entries }
 }
 
 static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
