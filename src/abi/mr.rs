@@ -93,12 +93,16 @@ pub unsafe extern "C" fn ibv_rereg_mr(
         }
         // SAFETY: ours.
         let m = unsafe { Mr::from_ibv(mr) };
+        // The PD matters only with CHANGE_PD; a NULL one goes to the provider
+        // as it would without the library. Another context's PD (or a
+        // foreign one) cannot be translated.
+        let change_pd = flags as u32 & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_PD.0 != 0;
         // SAFETY: a non-NULL PD from the caller is live.
-        if !pd.is_null() && unsafe { (*pd).context } != m.ibv.context {
+        if change_pd && !pd.is_null() && unsafe { (*pd).context } != m.ibv.context {
             Errno::EINVAL.set();
             return IBV_REREG_MR_ERR_INPUT;
         }
-        // SAFETY: ours; pd checked to be of the same context.
+        // SAFETY: ours; pd checked to be ours, of the same context, when used.
         match unsafe { m.rereg(flags, pd, addr, length, access) } {
             Ok(()) => 0,
             Err(rc) => rc,

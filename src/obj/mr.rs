@@ -11,6 +11,10 @@ use crate::stats::{self, Stat};
 use crate::sys::*;
 use libc::{c_int, c_void};
 
+/// `enum ibv_rereg_mr_err_code` values.
+const REREG_ERR_INPUT: c_int = -1;
+const REREG_ERR_CMD: c_int = -4;
+
 #[repr(C)]
 pub struct Mr {
     pub ibv: ibv_mr,
@@ -101,7 +105,10 @@ impl Mr {
         unsafe { *real }
     }
 
-    /// `ibv_rereg_mr`: `new_pd` is already checked to be one of ours (or NULL).
+    /// `ibv_rereg_mr`, with libibverbs' return convention: 0, or an `enum
+    /// ibv_rereg_mr_err_code` (negative) with errno set. `new_pd` is already
+    /// checked to be one of our PDs of this context when `IBV_REREG_MR_CHANGE_PD`
+    /// is set.
     ///
     /// # Safety
     /// `self` is a live MR of this library.
@@ -113,23 +120,34 @@ impl Mr {
         length: usize,
         access: c_int,
     ) -> std::result::Result<(), c_int> {
-        if self.lease != 0 {
-            return self.rereg_cached(flags, new_pd, addr, length, access);
-        }
-        let real_pd = if new_pd.is_null() {
-            std::ptr::null_mut()
-        } else {
+        let change_pd = flags as u32 & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_PD.0 != 0;
+        let real_pd = if change_pd && !new_pd.is_null() {
             // SAFETY: checked by the caller to be one of our PDs.
             unsafe { Pd::from_ibv(new_pd) }.real
+        } else {
+            // Providers read the PD only with CHANGE_PD (ibv_cmd_rereg_mr).
+            std::ptr::null_mut()
         };
-        let rc = call_real!(ibv_rereg_mr(self.real, flags, real_pd, addr, length, access))
-            .map_err(|e| e.errno())?;
-        // ibv_rereg_mr returns 0 or an enum ibv_rereg_mr_err_code (negative)
-        // with errno set; the real MR is kept either way.
+        let real = if self.lease != 0 { self.exclusive_real(flags, addr, length, access)? } else { self.real };
+        let rc = call_real!(ibv_rereg_mr(real, flags, real_pd, addr, length, access)).map_err(|e| {
+            e.set();
+            REREG_ERR_INPUT
+        })?;
+        if real != self.real {
+            if rc != 0 {
+                // The provider refused: the application's MR stays as it was.
+                let errno = Errno::last();
+                let _ = call_real!(ibv_dereg_mr(real));
+                errno.set();
+                return Err(rc);
+            }
+            self.leave_cache(real);
+        }
+        // On failure the real MR is kept, as libibverbs keeps it.
         if rc != 0 {
             return Err(rc);
         }
-        let (ctx, pd) = (self.ibv.context, if new_pd.is_null() { self.ibv.pd } else { new_pd });
+        let (ctx, pd) = (self.ibv.context, if change_pd { new_pd } else { self.ibv.pd });
         self.ibv = ibv_mr { context: ctx, pd, ..Self::copy(self.real) };
         if flags as u32 & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 != 0 {
             self.access = access as u32;
@@ -137,54 +155,55 @@ impl Mr {
         Ok(())
     }
 
-    /// `ibv_rereg_mr` of a cache-backed MR: a registration with the new
-    /// parameters from the cache, then the old lease is released. The keys
-    /// may change, as they may with a real rereg.
-    fn rereg_cached(
+    /// A cache-backed MR about to be re-registered: libibverbs' own input
+    /// checks first (so that bad input fails exactly as without the cache,
+    /// before anything changes), then a real MR of exactly this registration
+    /// that nothing else shares, for the provider to act on. That is the
+    /// cache's region itself when this MR is its only user and has its
+    /// exact range (taken out of the cache), else a private registration.
+    fn exclusive_real(
         &mut self,
         flags: c_int,
-        new_pd: *mut ibv_pd,
         addr: *mut c_void,
         length: usize,
         access: c_int,
-    ) -> std::result::Result<(), c_int> {
-        const ERR_INPUT: c_int = -1; // IBV_REREG_MR_ERR_INPUT
-        const ERR_CMD: c_int = -4; // IBV_REREG_MR_ERR_CMD
+    ) -> std::result::Result<*mut ibv_mr, c_int> {
         let f = flags as u32;
-        let known = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0
-            | ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_PD.0
-            | ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
-        if f == 0 || f & !known != 0 {
+        let translation = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0;
+        let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
+        let supported = (change_access << 1) - 1; // IBV_REREG_MR_FLAGS_SUPPORTED
+        if f & !supported != 0
+            || (f & translation != 0 && (length == 0 || addr.is_null()))
+            || (access != 0 && f & change_access == 0)
+        {
             Errno::EINVAL.set();
-            return Err(ERR_INPUT);
+            return Err(REREG_ERR_INPUT);
         }
-        let pd = if f & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_PD.0 != 0 { new_pd } else { self.ibv.pd };
-        let (addr, length) = if f & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0 != 0 {
-            (addr, length)
-        } else {
-            (self.ibv.addr, self.ibv.length)
-        };
-        let access = if f & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 != 0 { access as u32 } else { self.access };
-        if pd.is_null() {
-            Errno::EINVAL.set();
-            return Err(ERR_INPUT);
+        let start = self.ibv.addr as usize;
+        if let Some(real) = crate::mr::cache().and_then(|c| c.detach(self.lease, start, start + self.ibv.length)) {
+            self.lease = 0;
+            self.real = real;
+            return Ok(real);
         }
-        // SAFETY: checked by the caller to be one of our PDs of this context.
-        let pd = unsafe { Pd::from_ibv(pd) };
-        let fresh = Mr::register(pd, RegKind::Iova2 { addr, length, iova: addr as u64, access }).map_err(|e| {
-            e.set();
-            ERR_CMD
-        })?;
-        // SAFETY: just created by us; moved into self, its box freed.
-        let fresh = unsafe { Box::from_raw(fresh.cast::<Mr>()) };
-        if let Some(cache) = crate::mr::cache().filter(|_| self.lease != 0) {
+        // SAFETY: an MR's PD outlives it.
+        let pd = unsafe { Pd::from_ibv(self.ibv.pd) }.real;
+        let (addr, len) = (self.ibv.addr, self.ibv.length);
+        call_real!(ibv_reg_mr_iova2(pd, addr, len, addr as u64, self.access))
+            .and_then(non_null)
+            .map_err(|e| {
+                e.set();
+                REREG_ERR_CMD
+            })
+    }
+
+    /// The provider re-registered our private copy: it replaces the cache
+    /// lease behind this MR.
+    fn leave_cache(&mut self, real: *mut ibv_mr) {
+        if let Some(cache) = crate::mr::cache() {
             let _ = cache.release(self.lease);
         }
-        self.ibv = fresh.ibv;
-        self.real = fresh.real;
-        self.lease = fresh.lease;
-        self.access = fresh.access;
-        Ok(())
+        self.lease = 0;
+        self.real = real;
     }
 
     /// # Safety
