@@ -65,6 +65,8 @@
 #include <sys/shm.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <dlfcn.h>
+#include <grp.h>
 #include <unistd.h>
 
 #ifndef HAVE_KRCORE
@@ -139,6 +141,8 @@ static unsigned long long cnt(enum krcore_stat st)
 #define BATCHES KRCORE_STAT_MR_CACHE_DEREG_BATCHES
 #define UNCACHEABLE KRCORE_STAT_MR_CACHE_UNCACHEABLE
 #define MODE KRCORE_STAT_MR_CACHE_MODE
+#define IDLE KRCORE_STAT_MR_CACHE_IDLE_BYTES
+#define RETRIES KRCORE_STAT_MR_CACHE_LIMIT_RETRIES
 
 /* Counter `st` moved by `op want` since `s`. */
 #define CHECK_DELTA(s, st, op, want)                                          \
@@ -1153,15 +1157,15 @@ static void test_evict(void)
 	size_t len = 64 * KiB;
 	size_t max_entries = env_size("KRCORE_MR_CACHE_ENTRIES", 1024);
 	size_t max_bytes = env_size("KRCORE_MR_CACHE_BYTES", (size_t)1 << 30);
-	/* Idle regions that fit beside rb (held). */
-	size_t kept = max_entries - 1;
+	/* Idle regions the limits allow (rb is held: it does not count). */
+	size_t kept = max_entries;
 	uint8_t *buf[N];
 	struct ibv_mr *mr;
 	struct snap s;
 	long long pinned_max = 0;
 
-	if ((max_bytes - rb.len) / len < kept)
-		kept = (max_bytes - rb.len) / len;
+	if (max_bytes / len < kept)
+		kept = max_bytes / len;
 	begin("evict");
 	CT_CHECK(kept < N, "limits too large for this test");
 	snap(&s);
@@ -1181,9 +1185,8 @@ static void test_evict(void)
 			 "after %d registrations %lld bytes pinned, limit "
 			 "%zu + %zu idle regions of %zu", i + 1, pinned,
 			 rb.len, kept, len);
-		CT_CHECK((size_t)pinned <= max_bytes || max_bytes < rb.len,
-			 "pinned %lld > KRCORE_MR_CACHE_BYTES %zu", pinned,
-			 max_bytes);
+		CT_CHECK(cnt(IDLE) <= max_bytes, "%llu idle bytes > "
+			 "KRCORE_MR_CACHE_BYTES %zu", cnt(IDLE), max_bytes);
 	}
 	CHECK_DELTA(&s, MISSES, ==, N);
 	CHECK_DELTA(&s, EVICTIONS, >=, (long long)(N - kept));
@@ -1285,6 +1288,291 @@ static void test_close_device(void)
 	unmap(t, len);
 }
 
+/* ---- a held registration larger than the budget (a sub-run) -------- */
+
+/*
+ * The common RDMA program: one big buffer registered once and held, small
+ * buffers registered and deregistered again and again. The budget bounds
+ * idle regions only, so the small ones keep hitting although the held one
+ * is larger than the whole budget (or than RLIMIT_MEMLOCK/2 for root,
+ * whom the kernel does not hold to that limit).
+ */
+static void test_held_large(void)
+{
+	enum { ROUNDS = 200 };
+	size_t big_len = 8 * MiB, len = 1 * MiB;
+	uint8_t *big = map_anon(big_len), *buf = map_anon(len);
+	struct ibv_mr *held, *mr;
+	struct snap s;
+
+	begin("held_large");
+	fill(big, big_len, 70);
+	held = reg(dev.pd, big, big_len, CT_ACCESS_ALL);
+	snap(&s);
+	for (int i = 0; i < ROUNDS; i++) {
+		mr = reg(dev.pd, buf, len, CT_ACCESS_ALL);
+		if (i == 0 || i == ROUNDS - 1) {
+			fill(buf, len, 71 + (uint32_t)i);
+			write_to_rb(mr, buf, len, "WRITE");
+			expect_rb(buf, NULL, len, "WRITE");
+		}
+		dereg(mr);
+	}
+	CHECK_DELTA(&s, MISSES, ==, 1);
+	CHECK_DELTA(&s, HITS, ==, ROUNDS - 1);
+	CHECK_DELTA(&s, EVICTIONS, ==, 0);
+	ct_note("held %zu MiB, %d pairs of %zu MiB: %lld hits, %lld misses, "
+		"%llu bytes pinned, %llu idle", big_len / MiB, ROUNDS,
+		len / MiB, delta(&s, HITS), delta(&s, MISSES), cnt(PINNED),
+		cnt(IDLE));
+	/* The held region still works. */
+	read_into_rb(held, big, CHUNK, "READ of the held region");
+	expect_rb(big, NULL, CHUNK, "READ of the held region");
+	dereg(held);
+	unmap(big, big_len);
+	unmap(buf, len);
+	ct_pass();
+}
+
+/* ---- the pinned-memory limit (an unprivileged sub-run) --------------- */
+
+#define PIN_LIMIT (4 * MiB)
+
+/*
+ * An unprivileged process (uid nobody, no CAP_IPC_LOCK) with
+ * RLIMIT_MEMLOCK = 4 MiB and an explicit budget far above it: idle regions
+ * fill the pinnable memory, and a registration that fits only without them
+ * still succeeds because the cache gives them back and retries. What does
+ * not fit even without the cache fails with the kernel's errno.
+ */
+static void test_pinned_limit(void)
+{
+	enum { N = 8 };
+	size_t len = 1 * MiB;
+	uint8_t *buf[N], *huge;
+	struct ibv_mr *mr;
+	struct snap s;
+
+	begin("pinned_limit");
+	CT_CHECK(geteuid() != 0, "still root");
+	snap(&s);
+	for (int i = 0; i < N; i++) {
+		buf[i] = map_anon(len);
+		fill(buf[i], len, 80 + (uint32_t)i);
+		mr = reg(dev.pd, buf[i], len, CT_ACCESS_ALL);
+		write_to_rb(mr, buf[i], len, "WRITE");
+		expect_rb(buf[i], NULL, len, "WRITE");
+		dereg(mr);
+		CT_CHECK(cnt(PINNED) <= PIN_LIMIT, "%llu bytes pinned over "
+			 "the %d MiB limit", cnt(PINNED), PIN_LIMIT / MiB);
+	}
+	CHECK_DELTA(&s, MISSES, ==, N);
+	CHECK_DELTA(&s, RETRIES, >=, 1);
+	ct_note("%d registrations of 1 MiB under a %d MiB limit: %lld "
+		"retries after dropping idle regions", N, PIN_LIMIT / MiB,
+		delta(&s, RETRIES));
+	huge = map_anon(2 * PIN_LIMIT);
+	errno = 0;
+	mr = ibv_reg_mr(dev.pd, huge, 2 * PIN_LIMIT, LOCAL);
+	CT_CHECK(!mr && (errno == ENOMEM || errno == EAGAIN),
+		 "registering twice the limit: %p, errno %d", (void *)mr,
+		 errno);
+	unmap(huge, 2 * PIN_LIMIT);
+	for (int i = 0; i < N; i++)
+		unmap(buf[i], len);
+	ct_pass();
+}
+
+/* Become nobody with a 4 MiB RLIMIT_MEMLOCK (before exec of the sub-run). */
+static void drop_privileges(void)
+{
+	struct rlimit r = { PIN_LIMIT, PIN_LIMIT };
+
+	if (geteuid() == 0 &&
+	    (setgroups(0, NULL) || setresgid(65534, 65534, 65534) ||
+	     setresuid(65534, 65534, 65534))) {
+		printf("FAIL pinned_limit: cannot become nobody: %s\n",
+		       strerror(errno));
+		_exit(1);
+	}
+	if (setrlimit(RLIMIT_MEMLOCK, &r)) {
+		printf("FAIL pinned_limit: setrlimit: %s\n", strerror(errno));
+		_exit(1);
+	}
+	/* The suite's stats directory belongs to root. */
+	unsetenv("KRCORE_STATS_FILE");
+}
+
+/* ---- ibv_rereg_mr behaves as the provider does ----------------------- */
+
+/*
+ * Every flag combination on krcore MRs (cache-backed and exclusive,
+ * cache-backed and shared with another registration, uncached) gives the
+ * same return value and errno as the same call on a real libibverbs MR of
+ * the same device, and when it succeeds the keys behave alike. The real
+ * objects come from libibverbs itself (dlopen'd: our exports would wrap).
+ */
+struct real_verbs {
+	struct ibv_device **(*get_device_list)(int *);
+	void (*free_device_list)(struct ibv_device **);
+	struct ibv_context *(*open_device)(struct ibv_device *);
+	int (*close_device)(struct ibv_context *);
+	struct ibv_pd *(*alloc_pd)(struct ibv_context *);
+	int (*dealloc_pd)(struct ibv_pd *);
+	struct ibv_mr *(*reg_mr)(struct ibv_pd *, void *, size_t, int);
+	int (*rereg_mr)(struct ibv_mr *, int, struct ibv_pd *, void *, size_t,
+			int);
+	int (*dereg_mr)(struct ibv_mr *);
+};
+
+static void *real_sym(void *h, const char *name, const char *ver)
+{
+	void *f = dlvsym(h, name, ver);
+
+	CT_CHECK(f, "dlvsym(%s@%s): %s", name, ver, dlerror());
+	return f;
+}
+
+struct rereg_case {
+	int flags, access;
+	int new_pd;		/* pass the second PD */
+	int new_addr;		/* pass a second buffer (else NULL/0) */
+};
+
+static void test_rereg(void)
+{
+	static const struct rereg_case cases[] = {
+		{ 0, 0, 0, 0 },
+		{ IBV_REREG_MR_CHANGE_ACCESS, LOCAL, 0, 0 },
+		{ IBV_REREG_MR_CHANGE_ACCESS, REMOTE_WR, 0, 0 },
+		{ IBV_REREG_MR_CHANGE_PD, 0, 1, 0 },
+		{ IBV_REREG_MR_CHANGE_TRANSLATION, 0, 0, 1 },
+		{ IBV_REREG_MR_CHANGE_TRANSLATION, 0, 0, 0 },
+		{ IBV_REREG_MR_CHANGE_PD | IBV_REREG_MR_CHANGE_ACCESS,
+		  REMOTE_RD, 1, 0 },
+		{ IBV_REREG_MR_CHANGE_TRANSLATION | IBV_REREG_MR_CHANGE_PD |
+			  IBV_REREG_MR_CHANGE_ACCESS, LOCAL, 1, 1 },
+		{ 0, LOCAL, 0, 0 },			/* access without flag */
+		{ 0x8, 0, 0, 0 },			/* unknown flag */
+		{ IBV_REREG_MR_CHANGE_ACCESS | 0x100, LOCAL, 0, 0 },
+	};
+	const char *how[] = { "cached, exclusive", "cached, shared",
+			      "uncached (iova != addr)" };
+	size_t len = 64 * KiB;
+	uint8_t *a = map_anon(len), *b = map_anon(len);
+	struct real_verbs rv;
+	struct ibv_device **list;
+	struct ibv_context *rctx = NULL;
+	struct ibv_pd *rpd, *rpd2, *pd2;
+	void *h;
+	int n;
+
+	begin("rereg_like_provider");
+	h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
+	CT_CHECK(h, "dlopen libibverbs.so.1: %s", dlerror());
+	rv.get_device_list = real_sym(h, "ibv_get_device_list", "IBVERBS_1.1");
+	rv.free_device_list = real_sym(h, "ibv_free_device_list", "IBVERBS_1.1");
+	rv.open_device = real_sym(h, "ibv_open_device", "IBVERBS_1.1");
+	rv.close_device = real_sym(h, "ibv_close_device", "IBVERBS_1.1");
+	rv.alloc_pd = real_sym(h, "ibv_alloc_pd", "IBVERBS_1.1");
+	rv.dealloc_pd = real_sym(h, "ibv_dealloc_pd", "IBVERBS_1.1");
+	rv.reg_mr = real_sym(h, "ibv_reg_mr", "IBVERBS_1.1");
+	rv.rereg_mr = real_sym(h, "ibv_rereg_mr", "IBVERBS_1.1");
+	rv.dereg_mr = real_sym(h, "ibv_dereg_mr", "IBVERBS_1.1");
+	list = rv.get_device_list(&n);
+	CT_CHECK(list, "real ibv_get_device_list: %s", strerror(errno));
+	for (int i = 0; i < n && !rctx; i++)
+		if (!strcmp(ibv_get_device_name(list[i]),
+			    ibv_get_device_name(dev.ctx->device)))
+			rctx = rv.open_device(list[i]);
+	rv.free_device_list(list);
+	CT_CHECK(rctx, "the real libibverbs cannot open %s",
+		 ibv_get_device_name(dev.ctx->device));
+	rpd = rv.alloc_pd(rctx);
+	rpd2 = rv.alloc_pd(rctx);
+	pd2 = CT_PTR(ibv_alloc_pd(dev.ctx));
+	CT_CHECK(rpd && rpd2, "real ibv_alloc_pd");
+
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+		const struct rereg_case *k = &cases[c];
+		void *naddr = k->new_addr ? b : NULL;
+		size_t nlen = k->new_addr ? len : 0;
+		struct ibv_mr *r = rv.reg_mr(rpd, a, len, CT_ACCESS_ALL);
+		uint32_t rl, rr;
+		int rrc, rerr;
+
+		CT_CHECK(r, "real ibv_reg_mr: %s", strerror(errno));
+		rl = r->lkey, rr = r->rkey;
+		errno = 0;
+		rrc = rv.rereg_mr(r, k->flags, k->new_pd ? rpd2 : NULL, naddr,
+				  nlen, k->access);
+		rerr = errno;
+		for (int m = 0; m < 3; m++) {
+			struct ibv_mr *mr, *other = NULL;
+			uint32_t l, rk;
+			int rc, err;
+
+			if (m == 2)
+				mr = CT_PTR(ibv_reg_mr_iova(dev.pd, a, len,
+							    0x1000000,
+							    CT_ACCESS_ALL));
+			else
+				mr = reg(dev.pd, a, len, CT_ACCESS_ALL);
+			if (m == 1)
+				other = reg(dev.pd, a, len, CT_ACCESS_ALL);
+			l = mr->lkey, rk = mr->rkey;
+			errno = 0;
+			rc = ibv_rereg_mr(mr, k->flags, k->new_pd ? pd2 : NULL,
+					  naddr, nlen, k->access);
+			err = errno;
+			CT_CHECK(rc == rrc && (rc == 0 || err == rerr),
+				 "case %zu (flags %#x, access %#x), %s: "
+				 "krcore %d errno %d (%s), provider %d errno "
+				 "%d (%s)", c, k->flags, k->access, how[m], rc,
+				 err, strerror(err), rrc, rerr,
+				 strerror(rerr));
+			if (rc == 0) {
+				CT_CHECK(mr->pd == (k->new_pd ? pd2 : dev.pd) &&
+					 (!k->new_addr || mr->addr == b),
+					 "case %zu, %s: MR fields not updated",
+					 c, how[m]);
+				CT_CHECK((l == mr->lkey) == (rl == r->lkey) &&
+					 (rk == mr->rkey) == (rr == r->rkey),
+					 "case %zu, %s: keys %s as the "
+					 "provider's", c, how[m],
+					 "do not change the same way");
+			} else {
+				CT_CHECK(mr->lkey == l && mr->rkey == rk &&
+					 mr->addr == (m == 2 ? (void *)a : a),
+					 "case %zu, %s: a refused rereg "
+					 "changed the MR", c, how[m]);
+			}
+			/* The MR still moves data with its (new) keys. */
+			if (mr->pd == dev.pd && mr->addr == a) {
+				fill(a, len, 90 + (uint32_t)c);
+				if (m != 2) {
+					write_to_rb(mr, a, len, "WRITE");
+					expect_rb(a, NULL, len, "WRITE");
+				}
+			}
+			dereg(mr);
+			if (other)
+				dereg(other);
+		}
+		CT_CHECK(rv.dereg_mr(r) == 0, "real ibv_dereg_mr");
+		ct_note("case %zu (flags %#x, access %#x): %d, errno %d (%s)",
+			c, k->flags, k->access, rrc, rerr,
+			rrc ? strerror(rerr) : "ok");
+	}
+	CT_OK(ibv_dealloc_pd(pd2));
+	CT_CHECK(!rv.dealloc_pd(rpd2) && !rv.dealloc_pd(rpd) &&
+		 !rv.close_device(rctx), "real teardown");
+	dlclose(h);
+	unmap(a, len);
+	unmap(b, len);
+	ct_pass();
+}
+
 /* ---- sub-runs ------------------------------------------------------- */
 
 /* No userfaultfd (ENOSYS) from here on: the cache falls back to hold-only. */
@@ -1334,6 +1622,8 @@ static void subrun(const char *name, const char *const *env)
 		}
 		if (!strcmp(name, "holdonly"))
 			deny_userfaultfd();
+		if (!strcmp(name, "pinned_limit"))
+			drop_privileges();
 		execv("/proc/self/exe", argv);
 		printf("FAIL %s: execv: %s\n", name, strerror(errno));
 		_exit(127);
@@ -1354,8 +1644,27 @@ int main(int argc, char **argv)
 	run_name = run;
 	cache_on = !(c && !strcmp(c, "0"));
 	keep_idle = cache_on && strcmp(run, "holdonly") != 0;
-	raise_memlock();
+	if (!strcmp(run, "held_large_root")) {
+		/* Debian's default: the kernel ignores it for root. */
+		struct rlimit r = { 8 * MiB, 8 * MiB };
 
+		CT_CHECK(setrlimit(RLIMIT_MEMLOCK, &r) == 0, "setrlimit");
+	} else if (strcmp(run, "pinned_limit") != 0) {
+		raise_memlock();
+	}
+
+	if (!strncmp(run, "held_large", 10)) {
+		setup(CHUNK);
+		test_held_large();
+		teardown();
+		return 0;
+	}
+	if (!strcmp(run, "pinned_limit")) {
+		setup(CHUNK);
+		test_pinned_limit();
+		teardown();
+		return 0;
+	}
 	if (!strncmp(run, "evict", 5)) {
 		setup(64 * KiB);
 		test_evict();
@@ -1373,6 +1682,7 @@ int main(int argc, char **argv)
 	test_stale();
 	test_fork();
 	test_dealloc_pd();
+	test_rereg();
 	teardown();
 	if (*run)
 		return 0;
@@ -1380,6 +1690,11 @@ int main(int argc, char **argv)
 	       (const char *const[]){ "KRCORE_MR_CACHE_ENTRIES=4", NULL });
 	subrun("evict_bytes",
 	       (const char *const[]){ "KRCORE_MR_CACHE_BYTES=262144", NULL });
+	subrun("held_large",
+	       (const char *const[]){ "KRCORE_MR_CACHE_BYTES=2097152", NULL });
+	subrun("held_large_root", (const char *const[]){ NULL });
+	subrun("pinned_limit",
+	       (const char *const[]){ "KRCORE_MR_CACHE_BYTES=1073741824", NULL });
 	subrun("nocache", (const char *const[]){ "KRCORE_MR_CACHE=0", NULL });
 	subrun("holdonly", (const char *const[]){ NULL });
 	/* It leaves a PD behind on purpose: no leak check there. */
