@@ -9,7 +9,8 @@ KDIR="${KRCORE_VM_KERNEL_DIR:-$HOME/.cache/krcore/kernel}"
 
 APT_PKGS=(qemu-system-x86 rdma-core ibverbs-providers ibverbs-utils
           libibverbs-dev librdmacm-dev rdmacm-utils perftest kmod iproute2
-          busybox-static libclang-dev pkg-config python3 gcc make)
+          busybox-static libclang-dev pkg-config python3 gcc make
+          python3-pyverbs)
 
 missing=()
 for p in "${APT_PKGS[@]}"; do

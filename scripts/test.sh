@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's one test command: dependencies, release build, host unit
-# tests, C tests, then the integration suite against real RDMA (Soft-RoCE in
-# a VM unless this machine has an RDMA device). Every stage runs even if an
-# earlier one failed (unless it depends on it), and a summary closes the run.
+# tests, C tests, then the integration suite and rdma-core's own test suite
+# against real RDMA (Soft-RoCE in a VM unless this machine has an RDMA
+# device). Every stage runs even if an earlier one failed (unless it depends
+# on it), and a summary closes the run.
 #   scripts/test.sh            (exit status: 0 only if every stage passed)
 # KRCORE_SUITE_ARGS="-k perftest" passes extra arguments to the suite.
 set -uo pipefail
@@ -41,29 +42,54 @@ integration() {
     fi
 }
 
+# rdma-core's own tests (../shared/rdma-core-tests), baseline vs preloaded in
+# one boot; every test's outcome must be the same in both modes.
+# shellcheck disable=SC2317  # called indirectly through stage
+rdma_core_tests() {
+    local cmd=(python3 tests/integration/rdma_core_tests.py --out target/rdma-core-tests)
+    rm -rf target/rdma-core-tests
+    if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
+        "${cmd[@]}"
+    else
+        scripts/vm-run.sh target/rdma-core-tests "${cmd[@]}" --setup-rxe
+    fi
+}
+
 stage install-deps scripts/install-deps.sh
 if stage build cargo build --release; then
+    stage install bash scripts/install-test.sh
     stage unit-tests cargo test --release
     if [[ -f c-tests/Makefile ]]; then
         stage c-tests make -C c-tests
     fi
     stage integration integration
+    if [[ -f ../shared/rdma-core-tests/run_tests.py ]]; then
+        stage rdma-core-tests rdma_core_tests
+    else
+        # A user's checkout has no ../shared: not a failure.
+        echo "==> [rdma-core-tests] skipped: ../shared/rdma-core-tests not found" \
+             "(rdma-core's own test suite is not part of this checkout)"
+        names+=(rdma-core-tests); secs+=(0); results+=("skipped (no tests dir)")
+    fi
 else
+    skip install "build failed"
     skip unit-tests "build failed"
     skip integration "build failed"
+    skip rdma-core-tests "build failed"
 fi
 
 echo
 echo "==> summary"
 for i in "${!names[@]}"; do
-    printf '  %-14s %-28s %5ss\n' "${names[$i]}" "${results[$i]}" "${secs[$i]}"
+    printf '  %-16s %-28s %5ss\n' "${names[$i]}" "${results[$i]}" "${secs[$i]}"
 done
-printf '  %-14s %-28s %5ss\n' total "" "$SECONDS"
+printf '  %-16s %-28s %5ss\n' total "" "$SECONDS"
 # One closing count over everything: cargo's "test result: ... N passed; M
-# failed" lines plus the suite's "N passed, N failed"; a stage that failed
+# failed" lines plus the suites' "N passed, N failed"; a stage that failed
 # without reporting tests (a build error, say) counts as one failure.
 read -r npass nfail < <(
-    cat "$logs"/unit-tests.log "$logs"/integration.log 2>/dev/null | tr -d '\r' |
+    cat "$logs"/install.log "$logs"/unit-tests.log "$logs"/integration.log "$logs"/rdma-core-tests.log \
+        2>/dev/null | tr -d '\r' |
     sed -nE 's/^test result: .* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/p;
              s/^([0-9]+) passed, ([0-9]+) failed$/\1 \2/p' |
     awk '{p += $1; f += $2} END {print p + 0, f + 0}')
