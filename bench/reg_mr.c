@@ -1,28 +1,56 @@
 /*
- * reg_mr: latency of ibv_reg_mr + ibv_dereg_mr on one buffer, per size.
+ * reg_mr: latency of ibv_reg_mr + ibv_dereg_mr pairs, per size.
  *
- *   reg_mr [-d DEV] [-n ITERS] [-a ACCESS] [SIZE...]
+ *   reg_mr [-d DEV] [-n PAIRS] [-p POOL] [-a ACCESS] [-t tsc|clock] [-S]
+ *          [SIZE...]
  *
- * For each size (default 4 KiB .. 64 MiB in powers of 4) the buffer is
- * mmapped and every page written first; untimed reg/dereg pairs warm up
- * (with krcore's cache on, they leave the region idle in the cache, so
- * the timed registrations are cache hits) and size the batch; then ITERS
- * (default 31) samples, each BATCH ibv_reg_mr of the buffer followed by
- * their BATCH ibv_dereg_mr, timed as a whole (clock_gettime can cost
- * microseconds in an emulated VM) and divided by BATCH. Prints one line
- * per size (times per registration, median / 10th / 90th percentile over
- * the samples):
+ * For each size (default 4 KiB .. 64 MiB in powers of 4) a pool of POOL
+ * separately mmapped buffers is made and every page of every buffer is
+ * written first (pre-faulted). The program then runs register/deregister
+ * pairs, each on the next buffer of the pool in turn (buffer 0, 1, ...,
+ * POOL-1, 0, 1, ...): first untimed warm-up pairs (two rounds of the pool,
+ * at least 8 pairs), then PAIRS (default 101) timed pairs continuing the
+ * same cycle. Every configuration runs the very same sequence, so:
  *
- *   size pages samples batch reg_med_us dereg_med_us pair_med_us
- *   pair_p10_us pair_p90_us hits misses
+ *   plain libibverbs (no preload)        every pair is a real reg + dereg
+ *                                        of memory already faulted in;
+ *   krcore, KRCORE_MR_CACHE_ENTRIES=1    every pair misses (the cache keeps
+ *                                        at most one idle region and the
+ *                                        next buffer is always another
+ *                                        one) and evicts one region: a real
+ *                                        reg plus the cache's real dereg;
+ *   krcore, cache on, default limits     warmed by the first round: every
+ *                                        timed pair is a hit;
+ *   krcore, KRCORE_MR_CACHE=0            every pair real, through krcore.
  *
- * hits/misses are krcore's MR-cache counters moved during the samples
- * (-1 when the program does not run under krcore; with the cache warmed,
- * hits = samples * batch). Links -libverbs only:
- * run it plain, or with LD_PRELOAD=libkrcore.so (KRCORE_MR_CACHE=0/1);
- * bench/reg-mr-compare.sh does all three in one VM boot and prints the
- * table. RLIMIT_MEMLOCK is raised first when allowed (the cache keeps at
- * most half of it).
+ * POOL defaults to 64 MiB / size clamped to [4, 16]; at least 3 buffers
+ * are needed for every pair to miss with one idle region kept.
+ *
+ * Each pair is timed on its own (registration and deregistration apart)
+ * with the CPU's time-stamp counter (x86-64 TSC, aarch64 virtual counter),
+ * calibrated against CLOCK_MONOTONIC at start: clock_gettime in an emulated
+ * VM reads an emulated HPET and costs 2 to 20 us, as much as a cache hit,
+ * whereas the counter costs well under a microsecond (printed). `-t clock`
+ * forces clock_gettime. Prints one line per size:
+ *
+ *   size pages pool pairs reg_med_us dereg_med_us pair_med_us pair_p10_us
+ *   pair_p90_us pair_mean_us hits misses evictions mode
+ *
+ * (medians / percentiles / mean over the timed pairs). hits, misses and
+ * evictions are krcore's MR-cache counters moved during the timed pairs,
+ * mode is mr_cache_mode after them (1: caching); all -1 when the program
+ * does not run under krcore.
+ *
+ * -S (for counting system calls under strace): no timing at all; before
+ * and after the timed pairs of each size the program writes a marker line
+ * "reg_mr-mark begin SIZE PAIRS" / "reg_mr-mark end SIZE PAIRS" to stderr
+ * with one write(2) each, so that everything the calling thread does in
+ * between is the pairs and nothing else.
+ *
+ * Links -libverbs only: run it plain, or with LD_PRELOAD=libkrcore.so;
+ * bench/reg-mr-compare.sh runs every configuration in one VM boot and
+ * prints the table. RLIMIT_MEMLOCK is raised first when allowed (the cache
+ * keeps at most half of it).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -36,33 +64,40 @@
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
 
-/* krcore.h's enum krcore_stat, found at run time (dlsym). */
-#define KRCORE_STAT_NAME_HITS "mr_cache_hits"
-#define KRCORE_STAT_NAME_MISSES "mr_cache_misses"
-
+/* krcore.h's enum krcore_stat, found by name at run time (dlsym). */
 typedef unsigned long long (*stat_get_fn)(unsigned);
 typedef const char *(*stat_name_fn)(unsigned);
 
 static stat_get_fn stat_get;
-static int stat_hits = -1, stat_misses = -1;
+static int stat_hits = -1, stat_misses = -1, stat_evictions = -1,
+	   stat_mode = -1;
 
 static void find_krcore(void)
 {
 	stat_name_fn name = (stat_name_fn)dlsym(RTLD_DEFAULT, "krcore_stat_name");
 
 	stat_get = (stat_get_fn)dlsym(RTLD_DEFAULT, "krcore_stat_get");
-	if (!stat_get || !name)
+	if (!stat_get || !name) {
+		stat_get = NULL;
 		return;
+	}
 	for (unsigned i = 0; i < 256; i++) {
 		const char *n = name(i);
 
 		if (!n)
 			break;
-		if (!strcmp(n, KRCORE_STAT_NAME_HITS))
+		if (!strcmp(n, "mr_cache_hits"))
 			stat_hits = (int)i;
-		if (!strcmp(n, KRCORE_STAT_NAME_MISSES))
+		if (!strcmp(n, "mr_cache_misses"))
 			stat_misses = (int)i;
+		if (!strcmp(n, "mr_cache_evictions"))
+			stat_evictions = (int)i;
+		if (!strcmp(n, "mr_cache_mode"))
+			stat_mode = (int)i;
 	}
 }
 
@@ -71,12 +106,63 @@ static long long counter(int i)
 	return stat_get && i >= 0 ? (long long)stat_get((unsigned)i) : -1;
 }
 
-static double now_us(void)
+static long long moved(int i, long long before)
+{
+	return stat_get && i >= 0 ? counter(i) - before : -1;
+}
+
+static double mono_us(void)
 {
 	struct timespec ts;
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+/* The timer: a cycle counter when there is one (cheap even under
+ * emulation), else clock_gettime in nanoseconds. */
+static int use_counter;
+static double ticks_per_us = 1e3;
+
+static inline uint64_t ticks(void)
+{
+#if defined(__x86_64__)
+	if (use_counter) {
+		_mm_lfence();
+		return __rdtsc();
+	}
+#elif defined(__aarch64__)
+	if (use_counter) {
+		uint64_t v;
+
+		__asm__ __volatile__("isb; mrs %0, cntvct_el0" : "=r"(v) : : "memory");
+		return v;
+	}
+#endif
+	{
+		struct timespec ts;
+
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	}
+}
+
+/* Ticks per microsecond of the counter, against CLOCK_MONOTONIC over a
+ * 200 ms sleep (clock_gettime's own cost is then negligible). */
+static void calibrate(void)
+{
+	struct timespec nap = { 0, 200 * 1000 * 1000 };
+	double m0, m1;
+	uint64_t t0, t1;
+
+	if (!use_counter)
+		return;
+	m0 = mono_us();
+	t0 = ticks();
+	nanosleep(&nap, NULL);
+	t1 = ticks();
+	m1 = mono_us();
+	ticks_per_us = (double)(t1 - t0) / (m1 - m0);
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -93,13 +179,14 @@ static double quantile(double *v, int n, double q)
 	return v[(int)(q * (n - 1) + 0.5)];
 }
 
-/* Each sample times `k` registrations then their `k` deregistrations
- * with one pair of clock reads, k chosen so that a sample lasts about
- * SAMPLE_US: in an emulated VM clock_gettime itself may cost microseconds
- * (an HPET read), as much as a cache hit. */
-#define SAMPLE_US 2000.0
-#define MAX_BATCH 1000
-#define MAX_PINNED ((size_t)256 << 20)	/* k * size at most this */
+static double mean(const double *v, int n)
+{
+	double s = 0;
+
+	for (int i = 0; i < n; i++)
+		s += v[i];
+	return s / n;
+}
 
 static void die(const char *what)
 {
@@ -107,12 +194,26 @@ static void die(const char *what)
 	exit(1);
 }
 
+static void mark(const char *what, size_t size, int pairs)
+{
+	char line[96];
+	int n = snprintf(line, sizeof(line), "reg_mr-mark %s %zu %d\n", what,
+			 size, pairs);
+
+	/* One write(2), no stdio: the marker is one system call. */
+	if (write(STDERR_FILENO, line, (size_t)n) != n)
+		die("write marker");
+}
+
+#define MAX_POOL 64
+#define POOL_BYTES ((size_t)64 << 20)
+
 int main(int argc, char **argv)
 {
 	const char *devname = getenv("CT_DEVICE") ? getenv("CT_DEVICE") : "rxe0";
 	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
 		     IBV_ACCESS_REMOTE_READ;
-	int iters = 0, opt, ndev, i;
+	int iters = 0, pool_opt = 0, syscall_marks = 0, opt, ndev, i;
 	size_t sizes[32];
 	int nsizes = 0;
 	struct ibv_device **list;
@@ -120,18 +221,37 @@ int main(int argc, char **argv)
 	struct ibv_pd *pd;
 	struct rlimit rl = { RLIM_INFINITY, RLIM_INFINITY };
 	long pg = sysconf(_SC_PAGESIZE);
-	double clock_us;
+	double clock_us, timer_us;
 
-	while ((opt = getopt(argc, argv, "d:n:a:")) != -1) {
+#if defined(__x86_64__) || defined(__aarch64__)
+	use_counter = 1;
+#endif
+	while ((opt = getopt(argc, argv, "d:n:p:a:t:S")) != -1) {
 		switch (opt) {
 		case 'd': devname = optarg; break;
 		case 'n': iters = atoi(optarg); break;
+		case 'p': pool_opt = atoi(optarg); break;
 		case 'a': access = (int)strtol(optarg, NULL, 0); break;
+		case 't':
+			if (!strcmp(optarg, "clock"))
+				use_counter = 0;
+			else if (strcmp(optarg, "tsc")) {
+				fprintf(stderr, "reg_mr: -t tsc|clock\n");
+				return 2;
+			}
+			break;
+		case 'S': syscall_marks = 1; break;
 		default:
-			fprintf(stderr, "usage: reg_mr [-d DEV] [-n ITERS] "
-				"[-a ACCESS] [SIZE...]\n");
+			fprintf(stderr, "usage: reg_mr [-d DEV] [-n PAIRS] "
+				"[-p POOL] [-a ACCESS] [-t tsc|clock] [-S] "
+				"[SIZE...]\n");
 			return 2;
 		}
+	}
+	if (pool_opt < 0 || pool_opt > MAX_POOL) {
+		fprintf(stderr, "reg_mr: -p between 1 and %d (0 or none: "
+			"64 MiB / size, clamped to [4, 16])\n", MAX_POOL);
+		return 2;
 	}
 	for (; optind < argc && nsizes < 32; optind++)
 		sizes[nsizes++] = strtoull(argv[optind], NULL, 0);
@@ -161,89 +281,124 @@ int main(int argc, char **argv)
 		die("ibv_alloc_pd");
 
 	{
-		double t0 = now_us();
+		double t0 = mono_us();
+		double d[1001];
 
 		for (i = 0; i < 1000; i++)
-			(void)now_us();
-		clock_us = (now_us() - t0) / 1000;
+			(void)mono_us();
+		clock_us = (mono_us() - t0) / 1000;
+		calibrate();
+		for (i = 0; i < 1001; i++) {
+			uint64_t a = ticks();
+
+			d[i] = (double)(ticks() - a) / ticks_per_us;
+		}
+		timer_us = quantile(d, 1001, 0.5);
 	}
 	printf("# reg_mr device=%s access=%#x krcore=%s KRCORE_MR_CACHE=%s "
-	       "clock_gettime=%.3fus\n", devname, access,
+	       "KRCORE_MR_CACHE_ENTRIES=%s "
+	       "clock_gettime=%.3fus timer=%s ticks_per_us=%.3f "
+	       "timer_cost=%.4fus\n", devname, access,
 	       stat_get ? "yes" : "no",
 	       getenv("KRCORE_MR_CACHE") ? getenv("KRCORE_MR_CACHE") : "unset",
-	       clock_us);
-	printf("# size pages samples batch reg_med_us dereg_med_us "
-	       "pair_med_us pair_p10_us pair_p90_us hits misses\n");
+	       getenv("KRCORE_MR_CACHE_ENTRIES") ?
+		       getenv("KRCORE_MR_CACHE_ENTRIES") : "unset",
+	       clock_us,
+	       syscall_marks ? "none" : use_counter ? "counter" : "clock",
+	       ticks_per_us, timer_us);
+	printf("# size pages pool pairs reg_med_us dereg_med_us pair_med_us "
+	       "pair_p10_us pair_p90_us pair_mean_us hits misses evictions "
+	       "mode\n");
+	fflush(stdout);
 	for (int k = 0; k < nsizes; k++) {
 		size_t size = sizes[k];
-		int n = iters > 0 ? iters : 31, batch;
+		int n = iters > 0 ? iters : 101, np, warm;
 		double *reg = calloc((size_t)n, sizeof(double));
 		double *der = calloc((size_t)n, sizeof(double));
 		double *pair = calloc((size_t)n, sizeof(double));
-		struct ibv_mr *mrs[MAX_BATCH];
-		long long h0, m0;
-		uint8_t *buf;
-		double t0, probe;
+		uint8_t *pool[MAX_POOL];
+		long long h0, m0, e0;
+		struct ibv_mr *mr;
 
 		if (!reg || !der || !pair)
 			die("calloc");
-		buf = mmap(NULL, size, PROT_READ | PROT_WRITE,
-			   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-		if (buf == MAP_FAILED)
-			die("mmap");
-		for (size_t off = 0; off < size; off += (size_t)pg)
-			buf[off] = (uint8_t)off;
-		/* Warm-up (with the cache on, leaves the region idle in it),
-		 * which also sizes the batch. */
-		t0 = now_us();
-		mrs[0] = ibv_reg_mr(pd, buf, size, access);
-		if (!mrs[0] || ibv_dereg_mr(mrs[0]))
-			die("warm-up ibv_reg_mr/ibv_dereg_mr");
-		for (i = 0; i < 3; i++) {
-			double t = now_us();
+		np = pool_opt;
+		if (!np) {
+			size_t p = POOL_BYTES / size;
 
-			mrs[0] = ibv_reg_mr(pd, buf, size, access);
-			if (!mrs[0] || ibv_dereg_mr(mrs[0]))
-				die("warm-up ibv_reg_mr/ibv_dereg_mr");
-			probe = now_us() - t;
-			if (!i || probe < t0)
-				t0 = probe;
+			np = p < 4 ? 4 : p > 16 ? 16 : (int)p;
 		}
-		probe = t0 > 0.01 ? t0 : 0.01;
-		batch = (int)(SAMPLE_US / probe) + 1;
-		if (batch > MAX_BATCH)
-			batch = MAX_BATCH;
-		if ((size_t)batch * size > MAX_PINNED)
-			batch = (int)(MAX_PINNED / size) > 0 ?
-					(int)(MAX_PINNED / size) : 1;
+		for (int b = 0; b < np; b++) {
+			pool[b] = mmap(NULL, size, PROT_READ | PROT_WRITE,
+				       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+			if (pool[b] == MAP_FAILED)
+				die("mmap");
+			for (size_t off = 0; off < size; off += (size_t)pg)
+				pool[b][off] = (uint8_t)(off + (size_t)b);
+		}
+		/* Warm-up: with the cache on, the first round leaves every
+		 * buffer idle in the cache; with a one-entry cache, the
+		 * steady state (one idle region) is reached. */
+		warm = 2 * np < 8 ? 8 : 2 * np;
+		for (i = 0; i < warm; i++) {
+			mr = ibv_reg_mr(pd, pool[i % np], size, access);
+			if (!mr || ibv_dereg_mr(mr))
+				die("warm-up ibv_reg_mr/ibv_dereg_mr");
+		}
 		h0 = counter(stat_hits);
 		m0 = counter(stat_misses);
-		for (i = 0; i < n; i++) {
-			double t1, t2;
-			int j;
-
-			t0 = now_us();
-			for (j = 0; j < batch; j++)
-				if (!(mrs[j] = ibv_reg_mr(pd, buf, size, access)))
+		e0 = counter(stat_evictions);
+		if (syscall_marks) {
+			mark("begin", size, n);
+			for (i = 0; i < n; i++) {
+				mr = ibv_reg_mr(pd, pool[(warm + i) % np], size,
+						access);
+				if (!mr)
 					die("ibv_reg_mr");
-			t1 = now_us();
-			for (j = 0; j < batch; j++)
-				if (ibv_dereg_mr(mrs[j]))
+				if (ibv_dereg_mr(mr))
 					die("ibv_dereg_mr");
-			t2 = now_us();
-			reg[i] = (t1 - t0) / batch;
-			der[i] = (t2 - t1) / batch;
-			pair[i] = (t2 - t0) / batch;
+			}
+			mark("end", size, n);
+			for (i = 0; i < n; i++)
+				reg[i] = der[i] = pair[i] = 0;
+		} else {
+			for (i = 0; i < n; i++) {
+				uint8_t *buf = pool[(warm + i) % np];
+				uint64_t t0, t1, t2;
+
+				t0 = ticks();
+				mr = ibv_reg_mr(pd, buf, size, access);
+				t1 = ticks();
+				if (!mr)
+					die("ibv_reg_mr");
+				if (ibv_dereg_mr(mr))
+					die("ibv_dereg_mr");
+				t2 = ticks();
+				reg[i] = (double)(t1 - t0) / ticks_per_us;
+				der[i] = (double)(t2 - t1) / ticks_per_us;
+				pair[i] = (double)(t2 - t0) / ticks_per_us;
+			}
 		}
-		printf("%zu %zu %d %d %.3f %.3f %.3f %.3f %.3f %lld %lld\n",
-		       size, (size + (size_t)pg - 1) / (size_t)pg, n, batch,
-		       quantile(reg, n, 0.5), quantile(der, n, 0.5),
-		       quantile(pair, n, 0.5), quantile(pair, n, 0.1),
-		       quantile(pair, n, 0.9),
-		       stat_get ? counter(stat_hits) - h0 : -1,
-		       stat_get ? counter(stat_misses) - m0 : -1);
+		h0 = moved(stat_hits, h0);
+		m0 = moved(stat_misses, m0);
+		e0 = moved(stat_evictions, e0);
+		{
+			double pm = mean(pair, n);
+			double rm = quantile(reg, n, 0.5);
+			double dm = quantile(der, n, 0.5);
+			double p50 = quantile(pair, n, 0.5);
+			double p10 = quantile(pair, n, 0.1);
+			double p90 = quantile(pair, n, 0.9);
+
+			printf("%zu %zu %d %d %.3f %.3f %.3f %.3f %.3f %.3f "
+			       "%lld %lld %lld %lld\n",
+			       size, (size + (size_t)pg - 1) / (size_t)pg, np,
+			       n, rm, dm, p50, p10, p90, pm, h0, m0, e0,
+			       counter(stat_mode));
+		}
 		fflush(stdout);
-		munmap(buf, size);
+		for (int b = 0; b < np; b++)
+			munmap(pool[b], size);
 		free(reg);
 		free(der);
 		free(pair);
