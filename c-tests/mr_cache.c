@@ -41,10 +41,22 @@
  *   still has an idle cached MR deregisters that MR before the real close
  *   (nothing stays pinned) and never hurts the next context, whose first
  *   MR has the same kernel handle.
+ * - rereg_like_provider: ibv_rereg_mr on cache-backed (exclusive and
+ *   shared) and uncached MRs gives the return value, errno and key
+ *   behaviour of the real libibverbs (dlopen'd in this process) on the same
+ *   device, for every flag combination.
+ * - held_large, held_large_root (sub-runs): with an 8 MiB registration held
+ *   (larger than a 2 MiB KRCORE_MR_CACHE_BYTES, or with root's 8 MiB
+ *   RLIMIT_MEMLOCK and the default budget), 200 reg/dereg pairs of a 1 MiB
+ *   buffer are 1 miss + 199 hits: the budget bounds idle regions only.
+ * - pinned_limit (a sub-run as user nobody, RLIMIT_MEMLOCK 4 MiB, 1 GiB
+ *   budget): idle regions fill the pinnable memory and later registrations
+ *   still succeed (the cache drops them and retries); twice the limit fails
+ *   with ENOMEM as it would without the library.
  *
  * Sub-runs are this program re-executed (/proc/self/exe --run=NAME) with
  * the variable set; their lines carry a "NAME/" prefix. RLIMIT_MEMLOCK is
- * raised first when allowed: the cache keeps at most half of it.
+ * raised first when allowed (except in held_large_root and pinned_limit).
  * CT_MR_CASE=NAME runs only the stale-memory cases whose name contains
  * NAME (debugging).
  */
