@@ -102,6 +102,12 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
             run_cfg "$cfg" "${args[@]}" "${size_args[@]}" >"$out/$cfg-$i.txt"
             cat "$out/$cfg-$i.txt"
         done
+        # Plain and miss side by side in one process, pair by pair
+        # (reg_mr -I): the miss/plain ratio without between-run noise.
+        echo "== run $i/$repeats: interleaved plain/miss ($(date +%T))"
+        env LD_PRELOAD="$lib" KRCORE_MR_CACHE=1 KRCORE_MR_CACHE_ENTRIES=1 \
+            "$bin" -I "${args[@]}" "${size_args[@]}" >"$out/inter-$i.txt"
+        cat "$out/inter-$i.txt"
     done
     if ((strace_pairs > 0)); then
         # The hit configuration under strace: reg_mr -S writes a marker

@@ -41,6 +41,17 @@
  * mode is mr_cache_mode after them (1: caching); all -1 when the program
  * does not run under krcore.
  *
+ * -I (interleaved, under krcore with KRCORE_MR_CACHE_ENTRIES=1): plain
+ * libibverbs and krcore side by side in ONE process, pair by pair. The
+ * real libibverbs is opened a second time through dlopen (its objects are
+ * its own, krcore never sees them); each timed step is a plain pair on
+ * the real PD and a krcore pair (a miss) on krcore's PD, on the same
+ * buffer, the order alternating every step. Between-run noise of an
+ * emulated VM (often +-30 %) then cancels out of the ratio. Prints per size:
+ *
+ *   I size pages pool pairs plain_pair_med_us krcore_pair_med_us
+ *   ratio_of_medians median_of_step_ratios hits misses evictions
+ *
  * -S (for counting system calls under strace): no timing at all; before
  * and after the timed pairs of each size the program writes a marker line
  * "reg_mr-mark begin SIZE PAIRS" / "reg_mr-mark end SIZE PAIRS" to stderr
@@ -73,6 +84,18 @@ typedef unsigned long long (*stat_get_fn)(unsigned);
 typedef const char *(*stat_name_fn)(unsigned);
 
 static stat_get_fn stat_get;
+
+/* The real libibverbs, for -I. */
+static struct {
+	struct ibv_device **(*get_device_list)(int *);
+	void (*free_device_list)(struct ibv_device **);
+	struct ibv_context *(*open_device)(struct ibv_device *);
+	int (*close_device)(struct ibv_context *);
+	struct ibv_pd *(*alloc_pd)(struct ibv_context *);
+	int (*dealloc_pd)(struct ibv_pd *);
+	struct ibv_mr *(*reg_mr)(struct ibv_pd *, void *, size_t, int);
+	int (*dereg_mr)(struct ibv_mr *);
+} rv;
 static int stat_hits = -1, stat_misses = -1, stat_evictions = -1,
 	   stat_mode = -1;
 
@@ -213,7 +236,10 @@ int main(int argc, char **argv)
 	const char *devname = getenv("CT_DEVICE") ? getenv("CT_DEVICE") : "rxe0";
 	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
 		     IBV_ACCESS_REMOTE_READ;
-	int iters = 0, pool_opt = 0, syscall_marks = 0, opt, ndev, i;
+	int iters = 0, pool_opt = 0, syscall_marks = 0, interleave = 0, opt;
+	int ndev, i;
+	struct ibv_context *rctx = NULL;
+	struct ibv_pd *rpd = NULL;
 	size_t sizes[32];
 	int nsizes = 0;
 	struct ibv_device **list;
@@ -226,7 +252,7 @@ int main(int argc, char **argv)
 #if defined(__x86_64__) || defined(__aarch64__)
 	use_counter = 1;
 #endif
-	while ((opt = getopt(argc, argv, "d:n:p:a:t:S")) != -1) {
+	while ((opt = getopt(argc, argv, "d:n:p:a:t:SI")) != -1) {
 		switch (opt) {
 		case 'd': devname = optarg; break;
 		case 'n': iters = atoi(optarg); break;
@@ -241,6 +267,7 @@ int main(int argc, char **argv)
 			}
 			break;
 		case 'S': syscall_marks = 1; break;
+		case 'I': interleave = 1; break;
 		default:
 			fprintf(stderr, "usage: reg_mr [-d DEV] [-n PAIRS] "
 				"[-p POOL] [-a ACCESS] [-t tsc|clock] [-S] "
@@ -279,6 +306,30 @@ int main(int argc, char **argv)
 	pd = ibv_alloc_pd(ctx);
 	if (!pd)
 		die("ibv_alloc_pd");
+	if (interleave) {
+		void *h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
+
+		if (!stat_get || !h) {
+			fprintf(stderr, "reg_mr: -I needs LD_PRELOAD=libkrcore.so "
+				"and libibverbs.so.1\n");
+			return 2;
+		}
+#define REAL(f) (*(void **)&rv.f = dlvsym(h, "ibv_" #f, "IBVERBS_1.1"))
+		if (!REAL(get_device_list) || !REAL(free_device_list) ||
+		    !REAL(open_device) || !REAL(close_device) ||
+		    !REAL(alloc_pd) || !REAL(dealloc_pd) || !REAL(reg_mr) ||
+		    !REAL(dereg_mr))
+			die("dlvsym");
+#undef REAL
+		list = rv.get_device_list(&ndev);
+		for (i = 0; list && i < ndev && !rctx; i++)
+			if (!strcmp(ibv_get_device_name(list[i]), devname))
+				rctx = rv.open_device(list[i]);
+		if (list)
+			rv.free_device_list(list);
+		if (!rctx || !(rpd = rv.alloc_pd(rctx)))
+			die("real ibv_open_device/ibv_alloc_pd");
+	}
 
 	{
 		double t0 = mono_us();
@@ -348,7 +399,49 @@ int main(int argc, char **argv)
 		h0 = counter(stat_hits);
 		m0 = counter(stat_misses);
 		e0 = counter(stat_evictions);
-		if (syscall_marks) {
+		if (interleave) {
+			/* reg[] and der[]: plain and krcore pair times. */
+			double *ratio = pair;
+
+			for (i = 0; i < n; i++) {
+				uint8_t *buf = pool[(warm + i) % np];
+				uint64_t t0, t1;
+				struct ibv_mr *rmr;
+
+				for (int side = 0; side < 2; side++) {
+					int krc = side ^ (i & 1);
+
+					t0 = ticks();
+					if (krc) {
+						mr = ibv_reg_mr(pd, buf, size, access);
+						if (!mr || ibv_dereg_mr(mr))
+							die("krcore pair");
+					} else {
+						rmr = rv.reg_mr(rpd, buf, size, access);
+						if (!rmr || rv.dereg_mr(rmr))
+							die("plain pair");
+					}
+					t1 = ticks();
+					(krc ? der : reg)[i] =
+						(double)(t1 - t0) / ticks_per_us;
+				}
+				ratio[i] = der[i] / reg[i];
+			}
+			h0 = moved(stat_hits, h0);
+			m0 = moved(stat_misses, m0);
+			e0 = moved(stat_evictions, e0);
+			{
+				double pm = quantile(reg, n, 0.5);
+				double km = quantile(der, n, 0.5);
+
+				printf("I %zu %zu %d %d %.3f %.3f %.4f %.4f %lld "
+				       "%lld %lld\n", size,
+				       (size + (size_t)pg - 1) / (size_t)pg, np,
+				       n, pm, km, km / pm,
+				       quantile(ratio, n, 0.5), h0, m0, e0);
+			}
+			goto next_size;
+		} else if (syscall_marks) {
 			mark("begin", size, n);
 			for (i = 0; i < n; i++) {
 				mr = ibv_reg_mr(pd, pool[(warm + i) % np], size,
@@ -396,6 +489,7 @@ int main(int argc, char **argv)
 			       n, rm, dm, p50, p10, p90, pm, h0, m0, e0,
 			       counter(stat_mode));
 		}
+next_size:
 		fflush(stdout);
 		for (int b = 0; b < np; b++)
 			munmap(pool[b], size);
@@ -403,6 +497,8 @@ int main(int argc, char **argv)
 		free(der);
 		free(pair);
 	}
+	if (rpd && (rv.dealloc_pd(rpd) || rv.close_device(rctx)))
+		die("real ibv_dealloc_pd/ibv_close_device");
 	if (ibv_dealloc_pd(pd))
 		die("ibv_dealloc_pd");
 	ibv_close_device(ctx);

@@ -241,6 +241,32 @@ def main():
               + (f"; against krcore with the cache off: {spread([o / h for o, h in zip(per_repeat('off', one), per_repeat('hit', one))])}x"
                  if "off" in cfgs else "") + ".")
 
+    inter = {}  # size -> [(plain, krcore, ratio of medians, median step ratio, misses, evictions, pairs)]
+    for i in range(1, repeats + 1):
+        p = out / f"inter-{i}.txt"
+        for line in (p.read_text().splitlines() if p.exists() else []):
+            f = line.split()
+            if f and f[0] == "I":
+                inter.setdefault(int(f[1]), []).append(
+                    (float(f[5]), float(f[6]), float(f[7]), float(f[8]), int(f[10]), int(f[11]), int(f[4])))
+    if inter:
+        print()
+        print("Miss vs plain side by side in one process (reg_mr -I: each step one plain libibverbs pair on "
+              "the real PD and one krcore pair, a miss with one eviction, on krcore's PD, same buffer, order "
+              "alternating), us per pair, median over repeats; ratios per repeat: median (min–max):")
+        print()
+        print("| size | plain libibverbs | krcore, miss | miss/plain (ratio of medians) | median of per-step ratios | target 1.1x |")
+        print("| ---: | ---: | ---: | ---: | ---: | --- |")
+        for size in sorted(inter):
+            rows = inter[size]
+            bad = [r for r in rows if r[4] != r[6] or r[5] != r[6]]
+            ratios_ = [r[2] for r in rows]
+            verdict = "met" if max(ratios_) <= 1.1 else "NOT MET" if min(ratios_) > 1.1 else "undecided"
+            print(f"| {human(size)} | {fmt(st.median(r[0] for r in rows))} | "
+                  f"{fmt(st.median(r[1] for r in rows))} | {spread(ratios_)} | "
+                  f"{spread([r[3] for r in rows])} | {verdict}"
+                  + (" (WARNING: not every krcore pair was a miss with one eviction)" if bad else "") + " |")
+
     trace = out / "strace-hit.txt"
     if trace.exists():
         res = syscalls(trace, out / "strace-hit-out.txt")

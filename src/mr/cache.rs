@@ -106,7 +106,52 @@ struct Inner {
     /// Bytes and number of idle regions: what the limits bound.
     idle_bytes: usize,
     idle_count: usize,
+    watched: Watched,
     scratch: Vec<Range>,
+}
+
+/// Ranges known to be watched by the monitor (a miss then skips the
+/// registration system call). Forgetting too much only costs a call.
+#[derive(Default)]
+struct Watched {
+    /// start -> end; ranges may overlap.
+    ranges: BTreeMap<usize, usize>,
+    longest: usize,
+}
+
+impl Watched {
+    /// Bounds the set: past it, everything is forgotten.
+    const MAX: usize = 4096;
+
+    fn covers(&self, start: usize, end: usize) -> bool {
+        self.ranges.range(start.saturating_sub(self.longest)..=start).rev().take(64).any(|(_, &e)| e >= end)
+    }
+
+    fn insert(&mut self, start: usize, end: usize) {
+        if self.ranges.len() >= Self::MAX {
+            self.forget(None);
+        }
+        let e = self.ranges.entry(start).or_insert(end);
+        *e = (*e).max(end);
+        self.longest = self.longest.max(end - start);
+    }
+
+    /// Forget what overlaps `unmapped` (everything for `None`).
+    fn forget(&mut self, unmapped: Option<&[Range]>) {
+        let Some(unmapped) = unmapped else {
+            self.ranges.clear();
+            self.longest = 0;
+            return;
+        };
+        for r in unmapped {
+            let from = r.start.saturating_sub(self.longest);
+            let gone: Vec<usize> =
+                self.ranges.range(from..r.end).filter(|(_, &e)| e > r.start).map(|(&s, _)| s).collect();
+            for s in gone {
+                self.ranges.remove(&s);
+            }
+        }
+    }
 }
 
 impl Inner {
@@ -188,6 +233,7 @@ impl Cache {
                 bytes: 0,
                 idle_bytes: 0,
                 idle_count: 0,
+                watched: Watched::default(),
                 scratch: Vec::with_capacity(64),
             }),
             backend,
@@ -234,7 +280,7 @@ impl Cache {
         // Watch before registering: an unmap racing with the registration
         // is then queued and drops the region at the next operation.
         self.queue.cover(addr, end);
-        let keep_idle = mode == Mode::Caching && self.backend.watch(addr, end);
+        let keep_idle = mode == Mode::Caching && self.watch(&mut g, addr, end);
         if mode == Mode::Caching && !keep_idle {
             stats::inc(Stat::KRCORE_STAT_MR_CACHE_UNCACHEABLE);
         }
@@ -372,12 +418,28 @@ impl Cache {
             .map(|(k, _)| k.3)
     }
 
+    /// Watch `[addr, end)` unless a watched range already covers it: a
+    /// userfaultfd registration lasts until its memory is unmapped or
+    /// moved, and every such event reaches the queue (which is what the
+    /// cache's soundness rests on), which forgets the range again.
+    fn watch(&self, g: &mut Inner, addr: usize, end: usize) -> bool {
+        if g.watched.covers(addr, end) {
+            return true;
+        }
+        let ok = self.backend.watch(addr, end);
+        if ok {
+            g.watched.insert(addr, end);
+        }
+        ok
+    }
+
     /// Drop every region that overlaps a queued unmapped range.
     fn apply_invalidations(&self, g: &mut Inner) {
         let mut ranges = std::mem::take(&mut g.scratch);
         ranges.clear();
         let all = self.queue.drain(&mut ranges).is_none();
         let mut hit: Vec<EntryId> = Vec::new();
+        g.watched.forget(if all { None } else { Some(&ranges) });
         if all {
             hit.extend(g.regions.iter().filter(|(_, r)| r.valid).map(|(id, _)| *id));
         } else {
@@ -475,6 +537,7 @@ mod tests {
         /// lkey -> (pd, start, end, access) of live fake MRs.
         live: parking_lot::Mutex<HashMap<u32, (usize, usize, usize, u32)>>,
         deregs: AtomicU32,
+        watches: AtomicU32,
         watchable: bool,
         /// Most bytes that may be registered at once (the pinned-memory
         /// limit); 0: unlimited.
@@ -504,6 +567,7 @@ mod tests {
             Ok(())
         }
         fn watch(&self, _: usize, _: usize) -> bool {
+            self.0.watches.fetch_add(1, Ordering::Relaxed);
             self.0.watchable
         }
     }
@@ -665,6 +729,35 @@ mod tests {
         assert!(!c.acquire(1, pd(1), 0x10000, 4 * PAGE, LOCAL).unwrap().hit);
         assert!(c.release(a.id).is_err(), "the lease is gone");
         assert!(fake.live.lock().contains_key(&lkey(&a)), "not deregistered: the caller owns it");
+    }
+
+    /// A miss on memory already watched makes no watch call; an unmap of
+    /// any part of it (or a queue overflow) makes the next one watch again.
+    #[test]
+    fn watched_memory_is_not_watched_again_until_unmapped() {
+        let (c, fake, q) = cache(1 << 30, 1, Mode::Caching);
+        let miss = |addr| {
+            let l = c.acquire(1, pd(1), addr, 2 * PAGE, REMOTE).unwrap();
+            assert!(!l.hit);
+            c.release(l.id).unwrap();
+        };
+        let watches = || fake.watches.load(Ordering::Relaxed);
+        for round in 0..3 {
+            miss(0x10000);
+            miss(0x20000); // evicts 0x10000 (one idle entry)
+            assert_eq!(watches(), 2, "round {round}: each range watched once");
+        }
+        q.push(0x11000, 0x12000);
+        miss(0x10000);
+        assert_eq!(watches(), 3, "unmapped: watched again");
+        miss(0x20000);
+        assert_eq!(watches(), 3);
+        for _ in 0..=512 {
+            q.push(0x14000, 0x15000); // between the two ranges; overflows the queue
+        }
+        miss(0x10000);
+        miss(0x20000);
+        assert_eq!(watches(), 5, "after an overflow nothing is known to be watched");
     }
 
     #[test]
