@@ -180,12 +180,11 @@ impl Inner {
         if idle {
             self.idle_bytes += len;
             self.idle_count += 1;
-            stats::add(Stat::KRCORE_STAT_MR_CACHE_IDLE_BYTES, len as u64);
         } else {
             self.idle_bytes -= len;
             self.idle_count -= 1;
-            stats::sub(Stat::KRCORE_STAT_MR_CACHE_IDLE_BYTES, len as u64);
         }
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_IDLE_BYTES, self.idle_bytes as u64);
     }
 }
 
@@ -273,22 +272,22 @@ impl Cache {
             let real = r.real;
             g.set_idle(id, false);
             g.policy.touch(id);
-            stats::inc(Stat::KRCORE_STAT_MR_CACHE_HITS);
+            stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_HITS, 1);
             return Ok(Lease { id, real, hit: true });
         }
-        stats::inc(Stat::KRCORE_STAT_MR_CACHE_MISSES);
+        stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_MISSES, 1);
         // Watch before registering: an unmap racing with the registration
         // is then queued and drops the region at the next operation.
         self.queue.cover(addr, end);
         let keep_idle = mode == Mode::Caching && self.watch(&mut g, addr, end);
         if mode == Mode::Caching && !keep_idle {
-            stats::inc(Stat::KRCORE_STAT_MR_CACHE_UNCACHEABLE);
+            stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_UNCACHEABLE, 1);
         }
         let real = match self.backend.reg(pd, addr, len, access) {
             Ok(r) => r,
             // Out of pinnable memory: give back everything idle, try once more.
             Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN) && g.idle_count > 0 => {
-                stats::inc(Stat::KRCORE_STAT_MR_CACHE_LIMIT_RETRIES);
+                stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_LIMIT_RETRIES, 1);
                 let idle: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.refs == 0).map(|(id, _)| *id).collect();
                 self.drop_batch(&mut g, &idle, true);
                 self.backend.reg(pd, addr, len, access)?
@@ -306,7 +305,7 @@ impl Cache {
         g.regions.insert(id, region);
         g.bytes += len;
         g.policy.insert(id, pages(len));
-        stats::add(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, len as u64);
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, g.bytes as u64);
         Ok(Lease { id, real, hit: false })
     }
 
@@ -343,7 +342,7 @@ impl Cache {
         let r = g.regions.remove(&id).expect("live");
         g.by_start.remove(&(r.start, id));
         g.bytes -= end - start;
-        stats::sub(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, (end - start) as u64);
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, g.bytes as u64);
         Some(real)
     }
 
@@ -456,7 +455,7 @@ impl Cache {
         hit.sort_unstable();
         hit.dedup();
         for id in hit {
-            stats::inc(Stat::KRCORE_STAT_MR_CACHE_INVALIDATIONS);
+            stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_INVALIDATIONS, 1);
             let idle = g.regions[&id].refs == 0;
             g.unindex(id);
             g.policy.remove(id);
@@ -486,8 +485,8 @@ impl Cache {
         if victims.is_empty() {
             return;
         }
-        stats::inc(Stat::KRCORE_STAT_MR_CACHE_DEREG_BATCHES);
-        stats::add(Stat::KRCORE_STAT_MR_CACHE_EVICTIONS, victims.len() as u64);
+        stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_DEREG_BATCHES, 1);
+        stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_EVICTIONS, victims.len() as u64);
         // The policy already forgot them.
         self.drop_batch(g, &victims, false);
     }
@@ -511,7 +510,7 @@ impl Cache {
         }
         let len = r.end - r.start;
         g.bytes -= len;
-        stats::sub(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, len as u64);
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, g.bytes as u64);
         if r.orphan {
             return Ok(());
         }

@@ -69,8 +69,13 @@ impl Queue {
     /// A range is about to be cached: widen the span hooks care about.
     /// Called before the range is watched or handed out.
     pub fn cover(&self, start: usize, end: usize) {
-        self.lo.fetch_min(start, Ordering::SeqCst);
-        self.hi.fetch_max(end, Ordering::SeqCst);
+        // Usually already covered: plain loads, no locked instruction.
+        if start < self.lo.load(Ordering::SeqCst) {
+            self.lo.fetch_min(start, Ordering::SeqCst);
+        }
+        if end > self.hi.load(Ordering::SeqCst) {
+            self.hi.fetch_max(end, Ordering::SeqCst);
+        }
     }
 
     /// Hooks skip all work while the cache holds nothing.
