@@ -2,7 +2,7 @@
 
 use super::{boundary, foreign, owner};
 use crate::error::Errno;
-use crate::obj::mr::RegKind;
+use crate::obj::mr::{RegKind, REREG_ERR_INPUT as IBV_REREG_MR_ERR_INPUT};
 use crate::obj::{Mr, Pd};
 use crate::sys::*;
 use libc::{c_int, c_uint, c_void};
@@ -79,7 +79,6 @@ pub unsafe extern "C" fn ibv_rereg_mr(
     length: usize,
     access: c_int,
 ) -> c_int {
-    const IBV_REREG_MR_ERR_INPUT: c_int = -1;
     boundary::value("ibv_rereg_mr", IBV_REREG_MR_ERR_INPUT, || {
         let ours = match owner!(mr) {
             Ok(o) => o,

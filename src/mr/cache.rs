@@ -169,6 +169,21 @@ impl Inner {
         }
     }
 
+    /// Take a region out of every index and the accounting; its real MR is
+    /// the caller's to deregister (or keep).
+    fn forget(&mut self, id: EntryId, from_policy: bool) -> Option<Region> {
+        self.unindex(id);
+        self.set_idle(id, false);
+        let r = self.regions.remove(&id)?;
+        self.by_start.remove(&(r.start, id));
+        if from_policy {
+            self.policy.remove(id);
+        }
+        self.bytes -= r.end - r.start;
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, self.bytes as u64);
+        Some(r)
+    }
+
     /// Count a region as idle (`true`) or not; idempotent.
     fn set_idle(&mut self, id: EntryId, idle: bool) {
         let Some(r) = self.regions.get_mut(&id) else { return };
@@ -288,8 +303,7 @@ impl Cache {
             // Out of pinnable memory: give back everything idle, try once more.
             Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN) && g.idle_count > 0 => {
                 stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_LIMIT_RETRIES, 1);
-                let idle: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.refs == 0).map(|(id, _)| *id).collect();
-                self.drop_batch(&mut g, &idle, true);
+                self.drop_idle(&mut g);
                 self.backend.reg(pd, addr, len, access)?
             }
             Err(e) => return Err(e),
@@ -336,14 +350,7 @@ impl Cache {
         if r.refs != 1 || r.orphan || (r.start, r.end) != (start, end) {
             return None;
         }
-        let real = r.real;
-        g.unindex(id);
-        g.policy.remove(id);
-        let r = g.regions.remove(&id).expect("live");
-        g.by_start.remove(&(r.start, id));
-        g.bytes -= end - start;
-        stats::set(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, g.bytes as u64);
-        Some(real)
+        g.forget(id, true).map(|r| r.real)
     }
 
     /// Deregister every idle region of `pd` (before `ibv_dealloc_pd`, which
@@ -380,8 +387,12 @@ impl Cache {
     pub fn flush_idle(&self) {
         let mut g = self.inner.lock();
         self.apply_invalidations(&mut g);
+        self.drop_idle(&mut g);
+    }
+
+    fn drop_idle(&self, g: &mut Inner) {
         let idle: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.refs == 0).map(|(id, _)| *id).collect();
-        self.drop_batch(&mut g, &idle, true);
+        self.drop_batch(g, &idle, true);
     }
 
     /// (regions, idle regions, bytes), checking the idle accounting.
@@ -501,16 +512,7 @@ impl Cache {
 
     /// Forget a region and deregister its real MR.
     fn drop_region(&self, g: &mut Inner, id: EntryId, from_policy: bool) -> Result<()> {
-        g.unindex(id);
-        g.set_idle(id, false);
-        let r = g.regions.remove(&id).ok_or(Errno::EINVAL)?;
-        g.by_start.remove(&(r.start, id));
-        if from_policy {
-            g.policy.remove(id);
-        }
-        let len = r.end - r.start;
-        g.bytes -= len;
-        stats::set(Stat::KRCORE_STAT_MR_CACHE_PINNED_BYTES, g.bytes as u64);
+        let r = g.forget(id, from_policy).ok_or(Errno::EINVAL)?;
         if r.orphan {
             return Ok(());
         }

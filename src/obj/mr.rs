@@ -12,7 +12,7 @@ use crate::sys::*;
 use libc::{c_int, c_void};
 
 /// `enum ibv_rereg_mr_err_code` values.
-const REREG_ERR_INPUT: c_int = -1;
+pub(crate) const REREG_ERR_INPUT: c_int = -1;
 const REREG_ERR_CMD: c_int = -4;
 
 #[repr(C)]
