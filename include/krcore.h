@@ -74,6 +74,11 @@ enum krcore_stat {
   // Registrations that hit the pinned-memory limit and were retried
   // after the idle regions were deregistered.
   KRCORE_STAT_MR_CACHE_LIMIT_RETRIES,
+  // Evicted registrations waiting for (or in) deregistration by the
+  // background thread (a gauge).
+  KRCORE_STAT_MR_CACHE_DEREG_PENDING,
+  // Evicted registrations deregistered by the background thread.
+  KRCORE_STAT_MR_CACHE_DEREG_BACKGROUND,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

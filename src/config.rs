@@ -12,6 +12,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_MR_CACHE", "1", "0: no registration cache (every ibv_reg_mr is real)"),
     ("KRCORE_MR_CACHE_BYTES", "1073741824", "most bytes of idle registrations the MR cache keeps (default: at most RLIMIT_MEMLOCK/2 without CAP_IPC_LOCK)"),
     ("KRCORE_MR_CACHE_ENTRIES", "1024", "most idle registrations the MR cache keeps"),
+    ("KRCORE_MR_DEREG_BATCH", "16", "evicted registrations are deregistered by a background thread in batches of this many (0: at once, on the application's thread)"),
 ];
 
 #[derive(Debug, Clone)]
@@ -23,6 +24,7 @@ pub struct Config {
     pub mr_cache: bool,
     pub mr_cache_bytes: Option<usize>,
     pub mr_cache_entries: usize,
+    pub mr_dereg_batch: usize,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -40,6 +42,7 @@ impl Config {
             mr_cache: var("KRCORE_MR_CACHE").is_none_or(|v| v != "0"),
             mr_cache_bytes: var("KRCORE_MR_CACHE_BYTES").and_then(|v| v.parse().ok()),
             mr_cache_entries: var("KRCORE_MR_CACHE_ENTRIES").and_then(|v| v.parse().ok()).unwrap_or(1024),
+            mr_dereg_batch: var("KRCORE_MR_DEREG_BATCH").and_then(|v| v.parse().ok()).unwrap_or(16),
         }
     }
 
@@ -54,6 +57,7 @@ impl Config {
             (self.mr_cache as u8).to_string(),
             self.mr_cache_bytes.map_or("default".into(), |b| b.to_string()),
             self.mr_cache_entries.to_string(),
+            self.mr_dereg_batch.to_string(),
         ];
         VARIABLES
             .iter()

@@ -30,8 +30,10 @@ pub mod vqp;
 /// inside this library they would bind to our own exports).
 pub use rdma_sys as sys;
 
-/// Statistics at process exit (`KRCORE_STATS`, `KRCORE_STATS_FILE`).
+/// Process exit: stop the background deregistration thread, then report
+/// the statistics (`KRCORE_STATS`, `KRCORE_STATS_FILE`).
 #[ctor::dtor]
-fn report_stats_at_exit() {
+fn at_exit() {
+    let _ = std::panic::catch_unwind(mr::shutdown);
     let _ = std::panic::catch_unwind(stats::report_at_exit);
 }

@@ -68,6 +68,11 @@ pub enum krcore_stat {
     /// Registrations that hit the pinned-memory limit and were retried
     /// after the idle regions were deregistered.
     KRCORE_STAT_MR_CACHE_LIMIT_RETRIES,
+    /// Evicted registrations waiting for (or in) deregistration by the
+    /// background thread (a gauge).
+    KRCORE_STAT_MR_CACHE_DEREG_PENDING,
+    /// Evicted registrations deregistered by the background thread.
+    KRCORE_STAT_MR_CACHE_DEREG_BACKGROUND,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -107,6 +112,8 @@ const NAMES_NUL: [&str; COUNT] = [
     "mr_cache_mode\0",
     "mr_cache_idle_bytes\0",
     "mr_cache_limit_retries\0",
+    "mr_cache_dereg_pending\0",
+    "mr_cache_dereg_background\0",
 ];
 
 /// A counter's name ("post_send").

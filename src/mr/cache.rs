@@ -26,12 +26,15 @@
 
 use super::monitor::{Queue, Range};
 use super::policy::{EntryId, Mre, MreConfig, Policy};
+use super::reaper::Reaper;
 use crate::error::{Errno, Result};
 use crate::stats::{self, Stat};
 use crate::sys::{ibv_access_flags, ibv_mr, ibv_pd};
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 
 /// Registration primitives (real libibverbs, or a test double), plus
 /// whether a range can be watched for unmaps.
@@ -90,12 +93,13 @@ struct Region {
 unsafe impl Send for Region {}
 
 struct Inner {
-    regions: HashMap<EntryId, Region>,
-    /// Valid regions by (pd, access, start, id) -> end, for covering lookups.
+    regions: FxHashMap<EntryId, Region>,
+    /// Valid local-access regions by (pd, access, start, id) -> end, for
+    /// covering lookups (remote-access regions match exactly or not at all).
     index: BTreeMap<(usize, u32, usize, EntryId), usize>,
     /// Valid regions by exact (pd, access, start, end): the common case of a
     /// buffer registered again is one hash lookup.
-    exact: HashMap<(usize, u32, usize, usize), EntryId>,
+    exact: FxHashMap<(usize, u32, usize, usize), EntryId>,
     /// Every live region by (start, id) -> end, for invalidation.
     by_start: BTreeMap<(usize, EntryId), usize>,
     longest: usize,
@@ -163,7 +167,9 @@ impl Inner {
         }
         r.valid = false;
         let (pd, access, start, end) = (r.pd, r.access, r.start, r.end);
-        self.index.remove(&(pd, access, start, id));
+        if !is_remote(access) {
+            self.index.remove(&(pd, access, start, id));
+        }
         if self.exact.get(&(pd, access, start, end)) == Some(&id) {
             self.exact.remove(&(pd, access, start, end));
         }
@@ -205,7 +211,9 @@ impl Inner {
 
 pub struct Cache {
     inner: Mutex<Inner>,
-    backend: Box<dyn Backend>,
+    backend: Arc<dyn Backend>,
+    /// Deregisters evicted regions (see reaper.rs).
+    reaper: Reaper,
     queue: &'static Queue,
     limits: Limits,
     /// A `Mode` as u8; read on every operation, so no lock.
@@ -233,13 +241,17 @@ pub struct Lease {
 }
 
 impl Cache {
+    /// A cache that deregisters evicted regions on the caller's thread;
+    /// see [`Cache::with_dereg_thread`].
     pub fn new(backend: Box<dyn Backend>, queue: &'static Queue, limits: Limits, mode: Mode) -> Cache {
+        let backend: Arc<dyn Backend> = Arc::from(backend);
+        let reaper = Reaper::new(Arc::clone(&backend), 0, 0);
         queue.set_watching(matches!(mode, Mode::Caching | Mode::HoldOnly));
         Cache {
             inner: Mutex::new(Inner {
-                regions: HashMap::new(),
+                regions: FxHashMap::default(),
                 index: BTreeMap::new(),
-                exact: HashMap::new(),
+                exact: FxHashMap::default(),
                 by_start: BTreeMap::new(),
                 longest: 0,
                 policy: Mre::new(MreConfig::default()),
@@ -251,10 +263,23 @@ impl Cache {
                 scratch: Vec::with_capacity(64),
             }),
             backend,
+            reaper,
             queue,
             limits,
             mode: AtomicU8::new(mode as u8),
         }
+    }
+
+    /// Evicted regions are deregistered by a background thread, woken at
+    /// `batch` queued regions or an eighth of the byte limit (see reaper.rs).
+    pub fn with_dereg_thread(mut self, batch: usize) -> Cache {
+        self.reaper = Reaper::new(Arc::clone(&self.backend), batch, self.limits.max_bytes / 8);
+        self
+    }
+
+    /// Stop the deregistration thread (process exit).
+    pub fn stop_dereg_thread(&self) {
+        self.reaper.stop(std::time::Duration::from_secs(1));
     }
 
     pub fn mode(&self) -> Mode {
@@ -301,7 +326,9 @@ impl Cache {
         let real = match self.backend.reg(pd, addr, len, access) {
             Ok(r) => r,
             // Out of pinnable memory: give back everything idle, try once more.
-            Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN) && g.idle_count > 0 => {
+            Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN)
+                && (g.idle_count > 0 || self.reaper.pending()) =>
+            {
                 stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_LIMIT_RETRIES, 1);
                 self.drop_idle(&mut g);
                 self.backend.reg(pd, addr, len, access)?
@@ -312,7 +339,9 @@ impl Cache {
         g.next_id += 1;
         let region =
             Region { ctx, pd: pd as usize, access, start: addr, end, real, refs: 1, keep_idle, valid: true, idle: false, orphan: false };
-        g.index.insert((region.pd, access, addr, id), end);
+        if !is_remote(access) {
+            g.index.insert((region.pd, access, addr, id), end);
+        }
         g.exact.entry((region.pd, access, addr, end)).or_insert(id);
         g.by_start.insert((addr, id), end);
         g.longest = g.longest.max(len);
@@ -361,6 +390,7 @@ impl Cache {
         let idle: Vec<EntryId> =
             g.regions.iter().filter(|(_, r)| r.pd == pd as usize && r.refs == 0).map(|(id, _)| *id).collect();
         self.drop_batch(&mut g, &idle, true);
+        self.reaper.drain();
     }
 
     /// Before `ibv_close_device`: deregister the context's idle regions and
@@ -380,6 +410,7 @@ impl Cache {
                 g.policy.remove(id);
             }
         }
+        self.reaper.drain();
     }
 
     /// Deregister every idle region (no region is kept idle afterwards
@@ -393,6 +424,7 @@ impl Cache {
     fn drop_idle(&self, g: &mut Inner) {
         let idle: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.refs == 0).map(|(id, _)| *id).collect();
         self.drop_batch(g, &idle, true);
+        self.reaper.drain();
     }
 
     /// (regions, idle regions, bytes), checking the idle accounting.
@@ -498,8 +530,15 @@ impl Cache {
         }
         stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_DEREG_BATCHES, 1);
         stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_EVICTIONS, victims.len() as u64);
-        // The policy already forgot them.
-        self.drop_batch(g, &victims, false);
+        // The policy already forgot them; nothing can find them once
+        // forgotten, so their deregistration may happen later.
+        let reals: Vec<(*mut ibv_mr, usize)> = victims
+            .iter()
+            .filter_map(|&id| g.forget(id, false))
+            .filter(|r| !r.orphan)
+            .map(|r| (r.real, r.end - r.start))
+            .collect();
+        self.reaper.defer(reals);
     }
 
     fn drop_batch(&self, g: &mut Inner, ids: &[EntryId], from_policy: bool) {
@@ -524,6 +563,7 @@ impl Cache {
 #[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Arc;
 
@@ -890,5 +930,113 @@ mod tests {
             c.flush_pd(pd(2));
             assert!(fake.live.lock().is_empty(), "round {round}: everything deregistered once");
         }
+    }
+
+    /// Waits (bounded) until `cond` holds: the deregistration thread runs
+    /// on its own schedule.
+    fn eventually(what: &str, cond: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !cond() {
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for: {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    /// Caches that keep one idle region and deregister on a thread in
+    /// batches of `batch` (or an eighth of `max_bytes`).
+    fn threaded(batch: usize, max_bytes: usize) -> (Cache, Arc<Fake>) {
+        let (c, fake, _) = cache(max_bytes, 1, Mode::Caching);
+        (c.with_dereg_thread(batch), fake)
+    }
+
+    /// One miss pair on buffer `i`: evicts the previous buffer's region.
+    fn miss_pair(c: &Cache, i: usize, len: usize) {
+        let l = c.acquire(1, pd(1), 0x100000 * (i + 1), len, REMOTE).unwrap();
+        assert!(!l.hit);
+        c.release(l.id).unwrap();
+    }
+
+    #[test]
+    fn evictions_are_deregistered_by_the_thread_a_batch_at_a_time() {
+        let (c, fake) = threaded(4, 1 << 30);
+        let deregs = || fake.deregs.load(Ordering::SeqCst);
+        let background = || stats::get(Stat::KRCORE_STAT_MR_CACHE_DEREG_BACKGROUND as usize).unwrap();
+        let bg0 = background();
+        miss_pair(&c, 0, PAGE); // kept idle, nothing evicted
+        for i in 1..4 {
+            miss_pair(&c, i, PAGE);
+        }
+        // Three evicted, below the batch: queued, still registered.
+        assert_eq!(deregs(), 0);
+        assert_eq!(fake.live.lock().len(), 4);
+        miss_pair(&c, 4, PAGE);
+        eventually("a batch of four deregistered", || deregs() == 4);
+        assert_eq!(fake.live.lock().len(), 1, "only the idle region is left");
+        assert!(background() >= bg0 + 4);
+        // The evicted regions are gone from the cache at once: a pair on
+        // one of them misses again.
+        miss_pair(&c, 0, PAGE);
+    }
+
+    #[test]
+    fn a_byte_threshold_wakes_the_thread_before_the_batch_is_full() {
+        // max_bytes / 8 = 2 pages: one evicted 2-page region is enough.
+        let (c, fake) = threaded(1000, 16 * PAGE);
+        miss_pair(&c, 0, 2 * PAGE);
+        miss_pair(&c, 1, 2 * PAGE);
+        eventually("the byte threshold woke the thread", || fake.deregs.load(Ordering::SeqCst) == 1);
+    }
+
+    #[test]
+    fn flushes_and_the_pinned_limit_retry_wait_for_queued_deregistrations() {
+        let (c, fake) = threaded(1000, 1 << 30);
+        for i in 0..5 {
+            miss_pair(&c, i, PAGE);
+        }
+        assert_eq!(fake.live.lock().len(), 5, "four queued, one idle");
+        // ibv_dealloc_pd needs every MR of the PD gone when flush_pd returns.
+        c.flush_pd(pd(1));
+        assert!(fake.live.lock().is_empty());
+        for i in 0..5 {
+            miss_pair(&c, i, PAGE);
+        }
+        c.flush_context(1);
+        assert!(fake.live.lock().is_empty());
+
+        // Out of pinnable memory: queued regions count against the limit
+        // until deregistered, so the retry must drain them too.
+        let fake = Arc::new(Fake { watchable: true, pin_limit: 4 * PAGE, ..Default::default() });
+        let q: &'static Queue = Box::leak(Box::new(Queue::new()));
+        let limits = Limits { max_bytes: 1 << 30, max_entries: 1 };
+        let c = Cache::new(Box::new(Shared(fake.clone())), q, limits, Mode::Caching).with_dereg_thread(1000);
+        for i in 0..4 {
+            miss_pair(&c, i, PAGE);
+        }
+        assert_eq!(fake.live.lock().len(), 4, "pinned memory is full");
+        miss_pair(&c, 4, PAGE);
+        assert!(stats::get(Stat::KRCORE_STAT_MR_CACHE_LIMIT_RETRIES as usize).unwrap() > 0);
+        assert_eq!(fake.live.lock().len(), 1);
+        // Nothing idle, only queued regions: the retry still happens.
+        let fake = Arc::new(Fake { watchable: true, pin_limit: 4 * PAGE, ..Default::default() });
+        let limits = Limits { max_bytes: 1 << 30, max_entries: 0 };
+        let c = Cache::new(Box::new(Shared(fake.clone())), q, limits, Mode::Caching).with_dereg_thread(1000);
+        for i in 0..4 {
+            miss_pair(&c, i, PAGE);
+        }
+        assert_eq!((c.idle_usage().0, fake.live.lock().len()), (0, 4), "all four queued");
+        miss_pair(&c, 4, PAGE);
+        assert_eq!(fake.live.lock().len(), 1, "the queue was drained for the retry");
+    }
+
+    #[test]
+    fn dropping_the_cache_deregisters_what_is_queued_and_stops_the_thread() {
+        let (c, fake) = threaded(1000, 1 << 30);
+        for i in 0..3 {
+            miss_pair(&c, i, PAGE);
+        }
+        assert_eq!(fake.deregs.load(Ordering::SeqCst), 0);
+        c.stop_dereg_thread();
+        drop(c);
+        assert_eq!(fake.deregs.load(Ordering::SeqCst), 2, "the two queued ones");
     }
 }

@@ -5,6 +5,7 @@
 pub mod cache;
 pub mod monitor;
 pub mod policy;
+mod reaper;
 
 use crate::call_real;
 use crate::error::Result;
@@ -118,7 +119,10 @@ static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
     unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
     let limits = default_limits();
     klog!(Level::Info, "MR cache: {mode:?}, {} bytes, {} entries", limits.max_bytes, limits.max_entries);
-    let cache = Cache::new(Box::new(RealBackend { uffd }), &QUEUE, limits, mode);
+    let mut cache = Cache::new(Box::new(RealBackend { uffd }), &QUEUE, limits, mode);
+    if cfg.mr_dereg_batch > 0 {
+        cache = cache.with_dereg_thread(cfg.mr_dereg_batch);
+    }
     stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, mode as u64);
     Some(cache)
 });
@@ -151,4 +155,16 @@ pub fn cache() -> Option<&'static Cache> {
     }
     FORK_CHECKED.get_or_init(check_fork_protection);
     CACHE.as_ref()
+}
+
+/// Process exit: stop the deregistration thread (what it has not
+/// deregistered yet, the exit reclaims). A forked child has no such thread
+/// and never touches the parent's queue.
+pub fn shutdown() {
+    if FORKED.load(Ordering::Relaxed) {
+        return;
+    }
+    if let Some(Some(cache)) = Lazy::get(&CACHE) {
+        cache.stop_dereg_thread();
+    }
 }

@@ -20,7 +20,8 @@
 //! Complexity: insert, touch and remove are O(log n); evict is O(k log n)
 //! for k victims plus the non-evictable entries it has to step over.
 
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
 
 /// Opaque handle of a cached registration, chosen by the cache.
 pub type EntryId = u64;
@@ -99,7 +100,7 @@ struct Node {
 struct Slab {
     nodes: Vec<Node>,
     free: Vec<usize>,
-    index: HashMap<EntryId, usize>,
+    index: FxHashMap<EntryId, usize>,
 }
 
 impl Slab {
@@ -254,6 +255,8 @@ pub struct Mre {
     /// The global recency value r.
     r: Factor,
     seq: u64,
+    /// Slots chosen by `evict`, kept to avoid an allocation per eviction.
+    chosen: Vec<usize>,
 }
 
 impl Mre {
@@ -267,6 +270,7 @@ impl Mre {
             resorting: BTreeMap::new(),
             r: 0,
             seq: 0,
+            chosen: Vec::new(),
         }
     }
 
@@ -393,7 +397,8 @@ impl Policy for Mre {
         if pages == 0 && entries == 0 {
             return Vec::new();
         }
-        let mut chosen = Vec::new();
+        let mut chosen = std::mem::take(&mut self.chosen);
+        chosen.clear();
         let nodes = &self.slab.nodes;
         // The eviction segment: the bottom of the resorting section, padded
         // to a batch.
@@ -407,13 +412,14 @@ impl Policy for Mre {
         }
         let mut victims = Vec::with_capacity(chosen.len());
         let mut highest = None;
-        for slot in chosen {
+        for &slot in &chosen {
             self.detach(slot);
             let node = &self.slab.nodes[slot];
             highest = highest.max(Some(node.h));
             victims.push(node.id);
             self.slab.release(slot);
         }
+        self.chosen = chosen;
         if let Some(h) = highest {
             self.r = self.r.max(h);
         }
@@ -832,7 +838,7 @@ mod tests {
         let mut reference = VecLru::default();
         let mut m = mre(0.5, 8);
         // Model of the MRE's contents: id -> pages.
-        let mut present: HashMap<EntryId, u64> = HashMap::new();
+        let mut present: std::collections::HashMap<EntryId, u64> = Default::default();
         let mut next_id = 0u64;
         let mut last_r = 0;
         for step in 0..20_000u64 {
