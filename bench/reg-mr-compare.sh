@@ -12,7 +12,8 @@
 # runs first, and right after each other one, equally often):
 #   plain  libibverbs alone, memory pre-faulted
 #   miss   LD_PRELOAD=libkrcore.so KRCORE_MR_CACHE_ENTRIES=1: every pair
-#          misses and the cache evicts (really deregisters) one idle region
+#          misses and the cache evicts one idle region (deregistered by the
+#          background thread, a batch of 16 at a time)
 #   hit    LD_PRELOAD=libkrcore.so, cache warmed: every pair a hit
 #   off    LD_PRELOAD=libkrcore.so KRCORE_MR_CACHE=0: every pair real
 # All four cycle register/deregister pairs through the same pool of
@@ -25,7 +26,10 @@
 # the same repeat, with their median and min-max over repeats), the
 # system-call count and the least-squares fit T = a*pages + b of real
 # registrations (the cost model of `cargo bench --bench mr_trace`).
-# Results: target/bench/reg-mr/{CONFIG}-N.txt, order.txt, strace-hit*.txt
+# After each repeat, reg_mr -I (plain and miss pairs alternating in one
+# process) twice: as is (inter-N.txt) and with KRCORE_MR_DEREG_BATCH=0,
+# the eviction's deregistration on the calling thread (inter0-N.txt).
+# Results: target/bench/reg-mr/{CONFIG}-N.txt, inter*-N.txt, order.txt, strace-hit*.txt
 # and table.md.
 #
 # Environment:
@@ -108,6 +112,11 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
         env LD_PRELOAD="$lib" KRCORE_MR_CACHE=1 KRCORE_MR_CACHE_ENTRIES=1 \
             "$bin" -I "${args[@]}" "${size_args[@]}" >"$out/inter-$i.txt"
         cat "$out/inter-$i.txt"
+        # The same with the eviction's deregistration on the calling thread.
+        echo "== run $i/$repeats: interleaved plain/miss, KRCORE_MR_DEREG_BATCH=0 ($(date +%T))"
+        env LD_PRELOAD="$lib" KRCORE_MR_CACHE=1 KRCORE_MR_CACHE_ENTRIES=1 KRCORE_MR_DEREG_BATCH=0 \
+            "$bin" -I "${args[@]}" "${size_args[@]}" >"$out/inter0-$i.txt"
+        cat "$out/inter0-$i.txt"
     done
     if ((strace_pairs > 0)); then
         # The hit configuration under strace: reg_mr -S writes a marker

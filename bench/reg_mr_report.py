@@ -241,19 +241,22 @@ def main():
               + (f"; against krcore with the cache off: {spread([o / h for o, h in zip(per_repeat('off', one), per_repeat('hit', one))])}x"
                  if "off" in cfgs else "") + ".")
 
-    inter = {}  # size -> [(plain, krcore, ratio of medians, median step ratio, misses, evictions, pairs)]
-    for i in range(1, repeats + 1):
-        p = out / f"inter-{i}.txt"
-        for line in (p.read_text().splitlines() if p.exists() else []):
-            f = line.split()
-            if f and f[0] == "I":
-                inter.setdefault(int(f[1]), []).append(
-                    (float(f[5]), float(f[6]), float(f[7]), float(f[8]), int(f[10]), int(f[11]), int(f[4])))
-    if inter:
+    for prefix, how in (("inter", "evicted regions deregistered by the background thread in batches, the default"),
+                        ("inter0", "KRCORE_MR_DEREG_BATCH=0: the eviction's deregistration on the calling thread")):
+        inter = {}  # size -> [(plain, krcore, ratio of medians, median step ratio, misses, evictions, pairs)]
+        for i in range(1, repeats + 1):
+            p = out / f"{prefix}-{i}.txt"
+            for line in (p.read_text().splitlines() if p.exists() else []):
+                f = line.split()
+                if f and f[0] == "I":
+                    inter.setdefault(int(f[1]), []).append(
+                        (float(f[5]), float(f[6]), float(f[7]), float(f[8]), int(f[10]), int(f[11]), int(f[4])))
+        if not inter:
+            continue
         print()
-        print("Miss vs plain side by side in one process (reg_mr -I: each step one plain libibverbs pair on "
-              "the real PD and one krcore pair, a miss with one eviction, on krcore's PD, same buffer, order "
-              "alternating), us per pair, median over repeats; ratios per repeat: median (min–max):")
+        print(f"Miss vs plain side by side in one process ({how}; reg_mr -I: each step one plain libibverbs "
+              "pair on the real PD and one krcore pair, a miss with one eviction, on krcore's PD, same buffer, "
+              "order alternating), us per pair, median over repeats; ratios per repeat: median (min–max):")
         print()
         print("| size | plain libibverbs | krcore, miss | miss/plain (ratio of medians) | median of per-step ratios | target 1.1x |")
         print("| ---: | ---: | ---: | ---: | ---: | --- |")

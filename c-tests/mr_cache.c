@@ -26,8 +26,12 @@
  *   (with the PD and the held MR still usable) while the application holds
  *   one;
  * - eviction (re-executed with KRCORE_MR_CACHE_ENTRIES=4, then with
- *   KRCORE_MR_CACHE_BYTES=262144): evictions and deregistration batches
- *   happen, pinned bytes stay bounded, evicted regions come back as misses;
+ *   KRCORE_MR_CACHE_BYTES=262144, then with ENTRIES=4 and the background
+ *   deregistration in batches of 2, then inline, KRCORE_MR_DEREG_BATCH=0):
+ *   evictions and deregistration batches happen, pinned bytes (cached and
+ *   queued for deregistration) stay bounded, every full batch is
+ *   deregistered by the thread, evicted regions come back as misses, and
+ *   ibv_dealloc_pd (teardown) waits for the queued ones;
  * - the whole file once more with KRCORE_MR_CACHE=0 (re-executed): no hits,
  *   same data; and once more without userfaultfd (a seccomp filter makes
  *   it ENOSYS): the hold-only fallback (mode 2) reuses nothing, not even a
@@ -67,6 +71,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <malloc.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -155,6 +160,8 @@ static unsigned long long cnt(enum krcore_stat st)
 #define MODE KRCORE_STAT_MR_CACHE_MODE
 #define IDLE KRCORE_STAT_MR_CACHE_IDLE_BYTES
 #define RETRIES KRCORE_STAT_MR_CACHE_LIMIT_RETRIES
+#define PENDING KRCORE_STAT_MR_CACHE_DEREG_PENDING
+#define BACKGROUND KRCORE_STAT_MR_CACHE_DEREG_BACKGROUND
 
 /* Counter `st` moved by `op want` since `s`. */
 #define CHECK_DELTA(s, st, op, want)                                          \
@@ -1169,6 +1176,8 @@ static void test_evict(void)
 	size_t len = 64 * KiB;
 	size_t max_entries = env_size("KRCORE_MR_CACHE_ENTRIES", 1024);
 	size_t max_bytes = env_size("KRCORE_MR_CACHE_BYTES", (size_t)1 << 30);
+	/* Evicted regions the deregistration thread may not have taken yet. */
+	size_t batch = env_size("KRCORE_MR_DEREG_BATCH", 16);
 	/* Idle regions the limits allow (rb is held: it does not count). */
 	size_t kept = max_entries;
 	uint8_t *buf[N];
@@ -1190,13 +1199,14 @@ static void test_evict(void)
 		write_to_rb(mr, buf[i], len, "WRITE");
 		expect_rb(buf[i], NULL, len, "WRITE");
 		dereg(mr);
-		pinned = (long long)cnt(PINNED);
+		/* The cache's regions plus evicted ones not yet deregistered. */
+		pinned = (long long)(cnt(PINNED) + cnt(PENDING) * len);
 		if (pinned > pinned_max)
 			pinned_max = pinned;
-		CT_CHECK(pinned <= (long long)(rb.len + kept * len),
+		CT_CHECK(pinned <= (long long)(rb.len + (kept + batch) * len),
 			 "after %d registrations %lld bytes pinned, limit "
-			 "%zu + %zu idle regions of %zu", i + 1, pinned,
-			 rb.len, kept, len);
+			 "%zu + %zu idle and %zu queued regions of %zu", i + 1,
+			 pinned, rb.len, kept, batch, len);
 		CT_CHECK(cnt(IDLE) <= max_bytes, "%llu idle bytes > "
 			 "KRCORE_MR_CACHE_BYTES %zu", cnt(IDLE), max_bytes);
 	}
@@ -1205,9 +1215,32 @@ static void test_evict(void)
 	CHECK_DELTA(&s, BATCHES, >=, 1);
 	CT_CHECK(delta(&s, BATCHES) <= delta(&s, EVICTIONS), "more batches "
 		 "than evictions");
-	ct_note("limits: %zu entries, %zu bytes; evictions +%lld in %lld "
-		"batches, pinned at most %lld", max_entries, max_bytes,
-		delta(&s, EVICTIONS), delta(&s, BATCHES), pinned_max);
+	if (batch == 0) {
+		CT_CHECK(cnt(PENDING) == 0, "deregistration inline, yet %llu "
+			 "queued", cnt(PENDING));
+		CHECK_DELTA(&s, BACKGROUND, ==, 0);
+	} else {
+		/* Every full batch is deregistered by the thread; less than
+		 * a batch may wait (for ibv_dealloc_pd, in teardown). */
+		uint64_t deadline = ct_now_ns() + 10000000000ull;
+
+		while (delta(&s, BACKGROUND) + (long long)cnt(PENDING) !=
+			       delta(&s, EVICTIONS) ||
+		       cnt(PENDING) >= batch) {
+			CT_CHECK(ct_now_ns() < deadline, "deregistration thread: "
+				 "%lld evicted, %lld deregistered, %llu "
+				 "queued after 10 s", delta(&s, EVICTIONS),
+				 delta(&s, BACKGROUND), cnt(PENDING));
+			sched_yield();
+		}
+		if (delta(&s, EVICTIONS) >= (long long)batch)
+			CHECK_DELTA(&s, BACKGROUND, >=, (long long)batch);
+	}
+	ct_note("limits: %zu entries, %zu bytes, batch %zu; evictions +%lld "
+		"in %lld batches, %lld deregistered by the thread, %llu "
+		"queued, pinned at most %lld", max_entries, max_bytes, batch,
+		delta(&s, EVICTIONS), delta(&s, BATCHES),
+		delta(&s, BACKGROUND), cnt(PENDING), pinned_max);
 	/* The most recent survived; the first one was evicted long ago. */
 	snap(&s);
 	mr = reg(dev.pd, buf[N - 1], len, CT_ACCESS_ALL);
@@ -1702,6 +1735,13 @@ int main(int argc, char **argv)
 	       (const char *const[]){ "KRCORE_MR_CACHE_ENTRIES=4", NULL });
 	subrun("evict_bytes",
 	       (const char *const[]){ "KRCORE_MR_CACHE_BYTES=262144", NULL });
+	/* Batches of 2: the deregistration thread runs several batches. */
+	subrun("evict_thread",
+	       (const char *const[]){ "KRCORE_MR_CACHE_ENTRIES=4",
+				      "KRCORE_MR_DEREG_BATCH=2", NULL });
+	subrun("evict_inline",
+	       (const char *const[]){ "KRCORE_MR_CACHE_ENTRIES=4",
+				      "KRCORE_MR_DEREG_BATCH=0", NULL });
 	subrun("held_large",
 	       (const char *const[]){ "KRCORE_MR_CACHE_BYTES=2097152", NULL });
 	subrun("held_large_root", (const char *const[]){ NULL });
