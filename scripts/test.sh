@@ -55,6 +55,24 @@ rdma_core_tests() {
     fi
 }
 
+# The Rust test binaries of tests/rdma_*.rs (their RDMA tests are ignored on
+# a machine without a device) go to target/rdma-tests, where the integration
+# suite finds them and runs them with --ignored.
+# shellcheck disable=SC2317  # called indirectly through stage
+rdma_tests_build() {
+    rm -rf target/rdma-tests && mkdir -p target/rdma-tests
+    cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") \
+            and m["target"]["name"].startswith("rdma_") and "test" in m["target"]["kind"]:
+        shutil.copy(m["executable"], "target/rdma-tests/" + m["target"]["name"])
+        print("rdma test binary:", m["target"]["name"])
+'
+    [[ -n "$(ls target/rdma-tests)" ]]
+}
+
 stage install-deps scripts/install-deps.sh
 if stage build cargo build --release; then
     stage install bash scripts/install-test.sh
@@ -62,6 +80,7 @@ if stage build cargo build --release; then
     if [[ -f c-tests/Makefile ]]; then
         stage c-tests make -C c-tests
     fi
+    stage rdma-tests-build rdma_tests_build
     stage integration integration
     if [[ -f ../shared/rdma-core-tests/run_tests.py ]]; then
         stage rdma-core-tests rdma_core_tests

@@ -39,3 +39,14 @@ impl fmt::Debug for Errno {
 }
 
 pub type Result<T> = std::result::Result<T, Errno>;
+
+/// A standard I/O error as an errno; a timeout of a socket operation is
+/// ETIMEDOUT whatever the platform reports.
+impl From<std::io::Error> for Errno {
+    fn from(e: std::io::Error) -> Errno {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Errno(libc::ETIMEDOUT),
+            _ => Errno(e.raw_os_error().unwrap_or(libc::EIO)),
+        }
+    }
+}

@@ -5,6 +5,11 @@
 //! QPs, pre-checks, wr_id encoding) replaces this type; the ABI layer only
 //! calls `post_send` / `post_recv` on it and does not change.
 
+pub mod header;
+pub mod precheck;
+pub mod queue;
+pub mod wrid;
+
 use crate::obj::{Ah, Context, Mr, Mw};
 use crate::sys::*;
 use libc::c_int;

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# Emulated nodes the testbed brings up: GID index i is 10.77.0.i.
+NODES = 10
 COUNTERS = ("contexts_opened", "pds_allocated", "mrs_registered", "cqs_created",
             "qps_created", "post_send", "post_recv", "post_srq_recv", "poll_cq",
             "wr_calls", "cq_events", "async_events", "foreign_calls")
@@ -246,6 +248,27 @@ class CTest(Case):
         return {"pass_lines": n_pass, "fail_lines": n_fail}, errs
 
 
+@dataclass
+class RustTest(Case):
+    """A Rust test binary of tests/rdma_*.rs: its RDMA tests are #[ignore]d on
+    machines without a device and run here with --ignored."""
+    path: str = ""
+
+    def argv(self, t, port):
+        return None, [self.path, "--ignored", "--test-threads=1"]
+
+    def check(self, out, base):
+        text = out["client"]
+        m = re.search(r"^test result: (\w+)\. (\d+) passed; (\d+) failed", text, re.M)
+        if not m:
+            return {}, ["no test result line"]
+        passed, failed = int(m.group(2)), int(m.group(3))
+        errs = [] if m.group(1) == "ok" and failed == 0 else [f"{failed} test(s) failed"]
+        if passed == 0:
+            errs.append("no test ran")
+        return {"tests_passed": passed, "tests_failed": failed}, errs
+
+
 def perftest_cases() -> list[Case]:
     # Under TCG a 2-byte round trip costs ~30 us and a 64 KiB message ~4 ms:
     # 1000 iterations keep every run within a few seconds.
@@ -282,7 +305,7 @@ def perftest_cases() -> list[Case]:
     ]
 
 
-def all_cases(ctest_dir: Path) -> list[Case]:
+def all_cases(ctest_dir: Path, rust_test_dir: Path) -> list[Case]:
     cases = perftest_cases()
     cases += [
         Pingpong("ibv_rc_pingpong", "ibverbs-utils", tool="ibv_rc_pingpong", args=("-c",)),
@@ -305,6 +328,11 @@ def all_cases(ctest_dir: Path) -> list[Case]:
             if p.is_file() and os.access(p, os.X_OK) and not p.name.endswith((".so", ".o", ".d")):
                 cases.append(CTest(f"ctest_{p.name}", "c-tests", path=str(p), data=None,
                                    ready="none", preload=False))
+    if rust_test_dir.is_dir():
+        for p in sorted(rust_test_dir.iterdir()):
+            if p.is_file() and os.access(p, os.X_OK):
+                cases.append(RustTest(f"rust_{p.name}", "rust-tests", path=str(p), data=None,
+                                      ready="none", preload=False))
     return cases
 
 
@@ -597,10 +625,13 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "target/integration"))
     ap.add_argument("--lib", default=str(REPO / "target/release/libkrcore.so"))
     ap.add_argument("--ctest-dir", default=str(REPO / "target/c-tests"))
+    ap.add_argument("--rust-test-dir", default=str(REPO / "target/rdma-tests"),
+                    help="Rust test binaries with #[ignore]d RDMA tests (scripts/test.sh puts them there)")
     ap.add_argument("-k", action="append", default=[], metavar="SUBSTR",
                     help="run only cases whose name contains SUBSTR (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
-    ap.add_argument("--setup-rxe", action="store_true", help="run scripts/rxe-up.sh 2 first")
+    ap.add_argument("--setup-rxe", action="store_true",
+                    help=f"run scripts/rxe-up.sh {NODES} first (GID index i is 10.77.0.i)")
     ap.add_argument("--no-preload", action="store_true",
                     help="baseline runs only (for developing the suite without the library)")
     ap.add_argument("--preload-first", action="store_true",
@@ -617,7 +648,7 @@ def main() -> int:
     ap.add_argument("--cli-addr", default="10.77.0.2")
     a = ap.parse_args()
 
-    cases = all_cases(Path(a.ctest_dir))
+    cases = all_cases(Path(a.ctest_dir), Path(a.rust_test_dir))
     for c in cases:
         if isinstance(c, Perftest):
             c.scale = a.scale
@@ -631,7 +662,7 @@ def main() -> int:
         print("no case selected", file=sys.stderr)
         return 2
     if a.setup_rxe:
-        r = subprocess.run(["bash", str(REPO / "scripts/rxe-up.sh"), "2"])
+        r = subprocess.run(["bash", str(REPO / "scripts/rxe-up.sh"), str(NODES)])
         if r.returncode != 0:
             print("rxe-up.sh failed", file=sys.stderr)
             return 2

@@ -1,0 +1,36 @@
+//! The meta server's data and the messages around it: the (GID, port) /
+//! (GID, virtual QPN) -> endpoint table that `krcore-meta` serves from
+//! registered memory and processes look up with one-sided READs (`table`),
+//! each process's own MR table that its linked peers READ to check remote
+//! addresses and keys (`mrtable`), and the messages of the bootstrap,
+//! registration and link-setup protocols (`proto`).
+
+pub mod client;
+pub mod mrtable;
+pub mod proto;
+pub mod server;
+pub mod table;
+
+/// What a meta-table entry is found by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Key {
+    /// A `qbind(gid, port)`.
+    Port { gid: [u8; 16], port: u32 },
+    /// Transparent mode: a virtual QPN published on a GID.
+    Vqpn { gid: [u8; 16], vqpn: u32 },
+}
+
+/// A process's service endpoint (where link requests go), and the VQP a
+/// key names inside that process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub gid: [u8; 16],
+    /// The service endpoint's UD QP number.
+    pub qpn: u32,
+    pub qkey: u32,
+    /// Chosen at random when the process starts its service endpoint:
+    /// tells a restarted process at the same (GID, QPN) from the old one.
+    pub incarnation: u64,
+    /// The virtual QPN of the VQP the key names.
+    pub vqpn: u32,
+}

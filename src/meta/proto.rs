@@ -1,0 +1,1107 @@
+//! Wire formats of the control protocols: fixed-size little-endian messages.
+//!
+//! Three channels, one message family each; every message of a family has
+//! the family's length, so receivers post fixed buffers and a message of the
+//! wrong length is malformed:
+//!
+//! | family | channel | messages | length |
+//! | --- | --- | --- | --- |
+//! | boot | TCP, process <-> `krcore-meta` | [`Hello`] (client), [`Welcome`] (server) | [`BOOT_LEN`] |
+//! | meta | RC SEND, process <-> `krcore-meta` | [`Request`], [`Response`] | [`META_LEN`] |
+//! | link | UD, service endpoint <-> service endpoint | [`LinkRequest`], [`LinkReply`] | [`LINK_LEN`] |
+//!
+//! Every message starts with magic [`MAGIC`] (u16), [`VERSION`] (u8) and a
+//! kind byte that is unique across families, so a message that reaches the
+//! wrong channel is refused too. A service endpoint receives both link
+//! messages on one UD QP and dispatches with [`LinkMessage::decode`]. The
+//! layout of each message is in its documentation (offset: field, u32
+//! unless said otherwise); bytes not listed are reserved and zero. An
+//! [`Endpoint`] takes 40 bytes: +0 gid[16], +16 qpn, +20 qkey,
+//! +24 incarnation (u64), +32 vqpn.
+//!
+//! Decoding never panics and is strict: reserved bytes must be zero, enums
+//! must be known, QPNs and PSNs must fit their 24 bits, statuses must be 0
+//! or an errno. So every buffer that decodes re-encodes to itself. Errors:
+//! EPROTO for another protocol version (checked before the length, so a
+//! future version that grows a message is still told apart), EBADMSG for
+//! anything else.
+
+use super::{Endpoint, Key};
+use crate::error::{Errno, Result};
+
+/// `b"MK"` read as a little-endian u16.
+pub const MAGIC: u16 = 0x4b4d;
+pub const VERSION: u8 = 1;
+
+/// Length of [`Hello`] and [`Welcome`].
+pub const BOOT_LEN: usize = 64;
+/// Length of [`Request`] and [`Response`]: the server's receive buffers.
+/// Two cache lines, with room for a larger key.
+pub const META_LEN: usize = 128;
+/// Length of [`LinkRequest`] and [`LinkReply`] (UD payload, GRH excluded).
+pub const LINK_LEN: usize = 128;
+
+/// The smallest IB path MTU: a link message fits in any UD datagram.
+const UD_MIN_MTU: usize = 256;
+const _: () = assert!(LINK_LEN <= UD_MIN_MTU);
+
+const EBADMSG: Errno = Errno(libc::EBADMSG);
+const EPROTO: Errno = Errno(libc::EPROTO);
+
+const KIND_HELLO: u8 = 1;
+const KIND_WELCOME: u8 = 2;
+const KIND_REQUEST: u8 = 3;
+const KIND_RESPONSE: u8 = 4;
+const KIND_LINK_REQUEST: u8 = 5;
+const KIND_LINK_REPLY: u8 = 6;
+
+const KEY_PORT: u8 = 1;
+const KEY_VQPN: u8 = 2;
+
+/// QPNs and PSNs are 24-bit quantities.
+const U24_LIMIT: u32 = 1 << 24;
+
+/// Client -> meta server over TCP: the client's RC QP that will talk to the
+/// server.
+///
+/// 4: qpn, 8: psn, 16: gid[16].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub gid: [u8; 16],
+    pub qpn: u32,
+    pub psn: u32,
+}
+
+/// Meta server -> client over TCP: the server's RC QP, where its table
+/// lives in its registered memory, and its incarnation.
+///
+/// 4: status, 8: qpn, 12: psn, 16: gid[16], 32: table_addr (u64),
+/// 40: table_rkey, 44: table_slots, 48: incarnation (u64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Welcome {
+    /// 0, or the errno that refused the client.
+    pub status: u32,
+    pub gid: [u8; 16],
+    pub qpn: u32,
+    pub psn: u32,
+    pub table_addr: u64,
+    pub table_rkey: u32,
+    pub table_slots: u32,
+    /// Changes when the server restarts: cached lookups are then stale.
+    pub incarnation: u64,
+}
+
+/// What a [`Request`] asks of the meta server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    /// Publish `key -> endpoint` with a lease.
+    Bind = 1,
+    /// Withdraw `key` (the endpoint must match the entry's).
+    Unbind = 2,
+    /// Extend the lease of `key`.
+    Renew = 3,
+}
+
+impl Op {
+    const ALL: [Op; 3] = [Op::Bind, Op::Unbind, Op::Renew];
+}
+
+/// Process -> meta server, SENT on the process's RC QP.
+///
+/// 4: op (u8), 5: key kind (u8: 1 port, 2 vqpn), 8: req_id, 12: lease_ms,
+/// 16: key gid[16], 32: key port or vqpn, 40: endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    /// Echoed in the [`Response`].
+    pub req_id: u32,
+    pub lease_ms: u32,
+    pub key: Key,
+    pub endpoint: Endpoint,
+}
+
+/// Meta server -> process, SENT on the same RC QP.
+///
+/// 4: req_id, 8: status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Response {
+    pub req_id: u32,
+    /// 0, or an errno such as EADDRINUSE or ENOSPC.
+    pub status: u32,
+}
+
+/// What each side of a link announces: the link request carries the
+/// requester's, the reply the responder's. Each side then moves one warm QP
+/// to RTR with the other's `rc_qpn` and `psn`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// The sender's service endpoint; its `incarnation` tells the receiver
+    /// whether this is the process it knew at (GID, QPN).
+    pub from: Endpoint,
+    pub rc_qpn: u32,
+    pub psn: u32,
+    /// The sender's MR table, READable over the link.
+    pub mr_table_addr: u64,
+    pub mr_table_rkey: u32,
+    pub mr_table_slots: u32,
+    /// Which of the links per peer this is.
+    pub link: u16,
+}
+
+/// Service endpoint -> service endpoint over UD: "connect one link".
+///
+/// 4: link (u16), 8: req_id, 12: status (0 in a request), 16: rc_qpn,
+/// 20: psn, 24: mr_table_addr (u64), 32: mr_table_rkey, 36: mr_table_slots,
+/// 40: from (endpoint).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkRequest {
+    pub req_id: u32,
+    pub info: LinkInfo,
+}
+
+/// The answer to a [`LinkRequest`], same layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkReply {
+    /// The request's.
+    pub req_id: u32,
+    /// 0, or the errno that refused the link (`info` is then the
+    /// responder's endpoint and otherwise meaningless).
+    pub status: u32,
+    pub info: LinkInfo,
+}
+
+/// Either link message, as received on a service endpoint's UD QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkMessage {
+    Request(LinkRequest),
+    Reply(LinkReply),
+}
+
+impl Hello {
+    pub fn encode(&self, out: &mut [u8; BOOT_LEN]) {
+        let mut w = Writer::new(out, KIND_HELLO);
+        w.u24(self.qpn);
+        w.u24(self.psn);
+        w.skip(4);
+        w.bytes(&self.gid);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Hello> {
+        let (mut r, _) = Reader::new(buf, BOOT_LEN, &[KIND_HELLO])?;
+        let qpn = r.u24()?;
+        let psn = r.u24()?;
+        r.reserved(4)?;
+        let gid = r.bytes()?;
+        r.finish()?;
+        Ok(Hello { gid, qpn, psn })
+    }
+}
+
+impl Welcome {
+    pub fn encode(&self, out: &mut [u8; BOOT_LEN]) {
+        let mut w = Writer::new(out, KIND_WELCOME);
+        w.status(self.status);
+        w.u24(self.qpn);
+        w.u24(self.psn);
+        w.bytes(&self.gid);
+        w.u64(self.table_addr);
+        w.u32(self.table_rkey);
+        w.u32(self.table_slots);
+        w.u64(self.incarnation);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Welcome> {
+        let (mut r, _) = Reader::new(buf, BOOT_LEN, &[KIND_WELCOME])?;
+        let welcome = Welcome {
+            status: r.status()?,
+            qpn: r.u24()?,
+            psn: r.u24()?,
+            gid: r.bytes()?,
+            table_addr: r.u64()?,
+            table_rkey: r.u32()?,
+            table_slots: r.u32()?,
+            incarnation: r.u64()?,
+        };
+        r.finish()?;
+        Ok(welcome)
+    }
+}
+
+impl Request {
+    pub fn encode(&self, out: &mut [u8; META_LEN]) {
+        let (key_kind, gid, value) = match self.key {
+            Key::Port { gid, port } => (KEY_PORT, gid, port),
+            Key::Vqpn { gid, vqpn } => (KEY_VQPN, gid, vqpn),
+        };
+        let mut w = Writer::new(out, KIND_REQUEST);
+        w.u8(self.op as u8);
+        w.u8(key_kind);
+        w.skip(2);
+        w.u32(self.req_id);
+        w.u32(self.lease_ms);
+        w.bytes(&gid);
+        w.u32(value);
+        w.skip(4);
+        w.endpoint(&self.endpoint);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Request> {
+        let (mut r, _) = Reader::new(buf, META_LEN, &[KIND_REQUEST])?;
+        let op = r.u8()?;
+        let op = Op::ALL
+            .into_iter()
+            .find(|&o| o as u8 == op)
+            .ok_or(EBADMSG)?;
+        let key_kind = r.u8()?;
+        r.reserved(2)?;
+        let req_id = r.u32()?;
+        let lease_ms = r.u32()?;
+        let gid = r.bytes()?;
+        let value = r.u32()?;
+        let key = match key_kind {
+            KEY_PORT => Key::Port { gid, port: value },
+            KEY_VQPN => Key::Vqpn { gid, vqpn: value },
+            _ => return Err(EBADMSG),
+        };
+        r.reserved(4)?;
+        let endpoint = r.endpoint()?;
+        r.finish()?;
+        Ok(Request {
+            op,
+            req_id,
+            lease_ms,
+            key,
+            endpoint,
+        })
+    }
+}
+
+impl Response {
+    pub fn encode(&self, out: &mut [u8; META_LEN]) {
+        let mut w = Writer::new(out, KIND_RESPONSE);
+        w.u32(self.req_id);
+        w.status(self.status);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Response> {
+        let (mut r, _) = Reader::new(buf, META_LEN, &[KIND_RESPONSE])?;
+        let response = Response {
+            req_id: r.u32()?,
+            status: r.status()?,
+        };
+        r.finish()?;
+        Ok(response)
+    }
+}
+
+impl LinkRequest {
+    pub fn encode(&self, out: &mut [u8; LINK_LEN]) {
+        encode_link(out, KIND_LINK_REQUEST, self.req_id, 0, &self.info);
+    }
+}
+
+impl LinkReply {
+    pub fn encode(&self, out: &mut [u8; LINK_LEN]) {
+        encode_link(out, KIND_LINK_REPLY, self.req_id, self.status, &self.info);
+    }
+}
+
+impl LinkMessage {
+    pub fn decode(buf: &[u8]) -> Result<LinkMessage> {
+        let (mut r, kind) = Reader::new(buf, LINK_LEN, &[KIND_LINK_REQUEST, KIND_LINK_REPLY])?;
+        let link = r.u16()?;
+        r.reserved(2)?;
+        let req_id = r.u32()?;
+        let status = r.status()?;
+        let info = LinkInfo {
+            link,
+            rc_qpn: r.u24()?,
+            psn: r.u24()?,
+            mr_table_addr: r.u64()?,
+            mr_table_rkey: r.u32()?,
+            mr_table_slots: r.u32()?,
+            from: r.endpoint()?,
+        };
+        r.finish()?;
+        match kind {
+            KIND_LINK_REQUEST if status == 0 => {
+                Ok(LinkMessage::Request(LinkRequest { req_id, info }))
+            }
+            KIND_LINK_REPLY => Ok(LinkMessage::Reply(LinkReply {
+                req_id,
+                status,
+                info,
+            })),
+            _ => Err(EBADMSG),
+        }
+    }
+}
+
+/// The one layout of both link messages.
+fn encode_link(out: &mut [u8; LINK_LEN], kind: u8, req_id: u32, status: u32, info: &LinkInfo) {
+    let mut w = Writer::new(out, kind);
+    w.u16(info.link);
+    w.skip(2);
+    w.u32(req_id);
+    w.status(status);
+    w.u24(info.rc_qpn);
+    w.u24(info.psn);
+    w.u64(info.mr_table_addr);
+    w.u32(info.mr_table_rkey);
+    w.u32(info.mr_table_slots);
+    w.endpoint(&info.from);
+}
+
+/// Fills a message front to back over a zeroed buffer. The layouts are
+/// constant and shorter than their buffers (tests encode each one), so
+/// writes stay in bounds; the values are the library's own, so range
+/// violations are bugs caught by debug assertions.
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    pos: usize,
+}
+
+impl<'a> Writer<'a> {
+    /// Zeroes `buf` (reserved bytes and the tail) and writes the prefix.
+    fn new(buf: &'a mut [u8], kind: u8) -> Writer<'a> {
+        buf.fill(0);
+        let mut w = Writer { buf, pos: 0 };
+        w.u16(MAGIC);
+        w.u8(VERSION);
+        w.u8(kind);
+        w
+    }
+
+    fn bytes(&mut self, b: &[u8]) {
+        self.buf[self.pos..self.pos + b.len()].copy_from_slice(b);
+        self.pos += b.len();
+    }
+
+    fn skip(&mut self, n: usize) {
+        self.pos += n;
+    }
+
+    fn u8(&mut self, v: u8) {
+        self.bytes(&[v]);
+    }
+
+    fn u16(&mut self, v: u16) {
+        self.bytes(&v.to_le_bytes());
+    }
+
+    fn u32(&mut self, v: u32) {
+        self.bytes(&v.to_le_bytes());
+    }
+
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+
+    fn u24(&mut self, v: u32) {
+        debug_assert!(v < U24_LIMIT, "QPN or PSN {v:#x}");
+        self.u32(v);
+    }
+
+    fn status(&mut self, v: u32) {
+        debug_assert!(i32::try_from(v).is_ok(), "status {v}");
+        self.u32(v);
+    }
+
+    fn endpoint(&mut self, e: &Endpoint) {
+        self.bytes(&e.gid);
+        self.u24(e.qpn);
+        self.u32(e.qkey);
+        self.u64(e.incarnation);
+        self.u32(e.vqpn);
+        self.skip(4);
+    }
+}
+
+/// Reads a message front to back; every read is bounds-checked, so no
+/// input can make it panic.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    /// Checks the prefix (magic, then version, then a kind among `kinds`),
+    /// then that `buf` is exactly `len` bytes; returns the kind.
+    fn new(buf: &'a [u8], len: usize, kinds: &[u8]) -> Result<(Reader<'a>, u8)> {
+        let mut r = Reader { buf, pos: 0 };
+        if r.u16()? != MAGIC {
+            return Err(EBADMSG);
+        }
+        if r.u8()? != VERSION {
+            return Err(EPROTO);
+        }
+        let kind = r.u8()?;
+        if !kinds.contains(&kind) || buf.len() != len {
+            return Err(EBADMSG);
+        }
+        Ok((r, kind))
+    }
+
+    fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let b = self
+            .buf
+            .get(self.pos..)
+            .and_then(<[u8]>::first_chunk::<N>)
+            .ok_or(EBADMSG)?;
+        self.pos += N;
+        Ok(*b)
+    }
+
+    fn u8(&mut self) -> Result<u8> {
+        self.bytes().map(u8::from_le_bytes)
+    }
+
+    fn u16(&mut self) -> Result<u16> {
+        self.bytes().map(u16::from_le_bytes)
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        self.bytes().map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        self.bytes().map(u64::from_le_bytes)
+    }
+
+    fn u24(&mut self) -> Result<u32> {
+        let v = self.u32()?;
+        if v < U24_LIMIT {
+            Ok(v)
+        } else {
+            Err(EBADMSG)
+        }
+    }
+
+    fn status(&mut self) -> Result<u32> {
+        let v = self.u32()?;
+        if i32::try_from(v).is_ok() {
+            Ok(v)
+        } else {
+            Err(EBADMSG)
+        }
+    }
+
+    fn reserved(&mut self, n: usize) -> Result<()> {
+        let b = self.buf.get(self.pos..self.pos + n).ok_or(EBADMSG)?;
+        self.pos += n;
+        all_zero(b)
+    }
+
+    /// The tail after the last field is reserved.
+    fn finish(self) -> Result<()> {
+        all_zero(self.buf.get(self.pos..).ok_or(EBADMSG)?)
+    }
+
+    fn endpoint(&mut self) -> Result<Endpoint> {
+        let e = Endpoint {
+            gid: self.bytes()?,
+            qpn: self.u24()?,
+            qkey: self.u32()?,
+            incarnation: self.u64()?,
+            vqpn: self.u32()?,
+        };
+        self.reserved(4)?;
+        Ok(e)
+    }
+}
+
+fn all_zero(b: &[u8]) -> Result<()> {
+    if b.iter().all(|&x| x == 0) {
+        Ok(())
+    } else {
+        Err(EBADMSG)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GID: [u8; 16] = [
+        0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
+    ];
+    const MAX_U24: u32 = U24_LIMIT - 1;
+    const ERRNO_MAX: u32 = i32::MAX as u32;
+
+    fn endpoint(fill: u8) -> Endpoint {
+        Endpoint {
+            gid: [fill; 16],
+            qpn: 0x12_3456,
+            qkey: 0x1111_1111,
+            incarnation: 0x0102_0304_0506_0708,
+            vqpn: 0x2233_4455,
+        }
+    }
+
+    fn endpoint_max() -> Endpoint {
+        Endpoint {
+            gid: [0xff; 16],
+            qpn: MAX_U24,
+            qkey: u32::MAX,
+            incarnation: u64::MAX,
+            vqpn: u32::MAX,
+        }
+    }
+
+    fn endpoint_zero() -> Endpoint {
+        Endpoint {
+            gid: [0; 16],
+            qpn: 0,
+            qkey: 0,
+            incarnation: 0,
+            vqpn: 0,
+        }
+    }
+
+    fn info(from: Endpoint) -> LinkInfo {
+        LinkInfo {
+            from,
+            rc_qpn: 0x00ab_cdef,
+            psn: 0x0012_3456,
+            mr_table_addr: 0x7f00_dead_beef_0000,
+            mr_table_rkey: 0x0abc_0def,
+            mr_table_slots: 4096,
+            link: 3,
+        }
+    }
+
+    fn info_max() -> LinkInfo {
+        LinkInfo {
+            from: endpoint_max(),
+            rc_qpn: MAX_U24,
+            psn: MAX_U24,
+            mr_table_addr: u64::MAX,
+            mr_table_rkey: u32::MAX,
+            mr_table_slots: u32::MAX,
+            link: u16::MAX,
+        }
+    }
+
+    fn info_zero() -> LinkInfo {
+        LinkInfo {
+            from: endpoint_zero(),
+            rc_qpn: 0,
+            psn: 0,
+            mr_table_addr: 0,
+            mr_table_rkey: 0,
+            mr_table_slots: 0,
+            link: 0,
+        }
+    }
+
+    fn welcome() -> Welcome {
+        Welcome {
+            status: 0,
+            gid: GID,
+            qpn: 0x11,
+            psn: 0x22_3344,
+            table_addr: 0x5566_7788_99aa_bbcc,
+            table_rkey: 0xdd,
+            table_slots: 1 << 16,
+            incarnation: 0x0123_4567_89ab_cdef,
+        }
+    }
+
+    fn request(op: Op, key: Key) -> Request {
+        Request {
+            op,
+            req_id: 42,
+            lease_ms: 1000,
+            key,
+            endpoint: endpoint(0x66),
+        }
+    }
+
+    fn boot<M>(encode: impl Fn(&M, &mut [u8; BOOT_LEN]), m: &M) -> Vec<u8> {
+        let mut b = [0xee; BOOT_LEN];
+        encode(m, &mut b);
+        b.to_vec()
+    }
+
+    fn meta<M>(encode: impl Fn(&M, &mut [u8; META_LEN]), m: &M) -> Vec<u8> {
+        let mut b = [0xee; META_LEN];
+        encode(m, &mut b);
+        b.to_vec()
+    }
+
+    fn link(m: &LinkMessage) -> Vec<u8> {
+        let mut b = [0xee; LINK_LEN];
+        match m {
+            LinkMessage::Request(r) => r.encode(&mut b),
+            LinkMessage::Reply(r) => r.encode(&mut b),
+        }
+        b.to_vec()
+    }
+
+    /// A buffer of `len` zeros with `parts` written at their offsets.
+    fn image(len: usize, parts: &[(usize, &[u8])]) -> Vec<u8> {
+        let mut b = vec![0; len];
+        for (at, bytes) in parts {
+            b[*at..*at + bytes.len()].copy_from_slice(bytes);
+        }
+        b
+    }
+
+    #[test]
+    fn layouts_are_exact() {
+        let hello = Hello {
+            gid: GID,
+            qpn: 0x12_3456,
+            psn: 0xab_cdef,
+        };
+        assert_eq!(
+            boot(Hello::encode, &hello),
+            image(
+                BOOT_LEN,
+                &[
+                    (0, &[0x4d, 0x4b, 1, 1]),
+                    (4, &[0x56, 0x34, 0x12, 0]),
+                    (8, &[0xef, 0xcd, 0xab, 0]),
+                    (16, &GID),
+                ]
+            )
+        );
+        let w = Welcome {
+            status: libc::EAGAIN as u32,
+            ..welcome()
+        };
+        assert_eq!(
+            boot(Welcome::encode, &w),
+            image(
+                BOOT_LEN,
+                &[
+                    (0, &[0x4d, 0x4b, 1, 2]),
+                    (4, &(libc::EAGAIN as u32).to_le_bytes()),
+                    (8, &[0x11, 0, 0, 0]),
+                    (12, &[0x44, 0x33, 0x22, 0]),
+                    (16, &GID),
+                    (32, &[0xcc, 0xbb, 0xaa, 0x99, 0x88, 0x77, 0x66, 0x55]),
+                    (40, &[0xdd, 0, 0, 0]),
+                    (44, &[0, 0, 1, 0]),
+                    (48, &[0xef, 0xcd, 0xab, 0x89, 0x67, 0x45, 0x23, 0x01]),
+                ]
+            )
+        );
+        let ep: &[u8] = &[
+            0x56, 0x34, 0x12, 0, // qpn
+            0x11, 0x11, 0x11, 0x11, // qkey
+            8, 7, 6, 5, 4, 3, 2, 1, // incarnation
+            0x55, 0x44, 0x33, 0x22, // vqpn
+        ];
+        let r = request(
+            Op::Renew,
+            Key::Vqpn {
+                gid: GID,
+                vqpn: 0x0a0b_0c0d,
+            },
+        );
+        assert_eq!(
+            meta(Request::encode, &r),
+            image(
+                META_LEN,
+                &[
+                    (0, &[0x4d, 0x4b, 1, 3]),
+                    (4, &[3, 2]),
+                    (8, &[42, 0, 0, 0]),
+                    (12, &[0xe8, 0x03, 0, 0]),
+                    (16, &GID),
+                    (32, &[0x0d, 0x0c, 0x0b, 0x0a]),
+                    (40, &[0x66; 16]),
+                    (56, ep),
+                ]
+            )
+        );
+        let resp = Response {
+            req_id: 0x0102_0304,
+            status: libc::ENOSPC as u32,
+        };
+        assert_eq!(
+            meta(Response::encode, &resp),
+            image(
+                META_LEN,
+                &[
+                    (0, &[0x4d, 0x4b, 1, 4]),
+                    (4, &[4, 3, 2, 1]),
+                    (8, &(libc::ENOSPC as u32).to_le_bytes()),
+                ]
+            )
+        );
+        let reply = LinkMessage::Reply(LinkReply {
+            req_id: 0x0102_0304,
+            status: libc::EBUSY as u32,
+            info: info(endpoint(0x77)),
+        });
+        assert_eq!(
+            link(&reply),
+            image(
+                LINK_LEN,
+                &[
+                    (0, &[0x4d, 0x4b, 1, 6]),
+                    (4, &[3, 0]),
+                    (8, &[4, 3, 2, 1]),
+                    (12, &(libc::EBUSY as u32).to_le_bytes()),
+                    (16, &[0xef, 0xcd, 0xab, 0]),
+                    (20, &[0x56, 0x34, 0x12, 0]),
+                    (24, &[0, 0, 0xef, 0xbe, 0xad, 0xde, 0, 0x7f]),
+                    (32, &[0xef, 0x0d, 0xbc, 0x0a]),
+                    (36, &[0, 0x10, 0, 0]),
+                    (40, &[0x77; 16]),
+                    (56, ep),
+                ]
+            )
+        );
+        // A request is the same layout with its own kind and status 0.
+        let LinkMessage::Reply(LinkReply { req_id, info, .. }) = reply else {
+            unreachable!()
+        };
+        let mut as_request = link(&reply);
+        as_request[3] = 5;
+        as_request[12..16].fill(0);
+        assert_eq!(
+            link(&LinkMessage::Request(LinkRequest { req_id, info })),
+            as_request
+        );
+    }
+
+    /// Decodes and re-encodes: `Ok(b)` iff `b` is a valid message.
+    type Recode = fn(&[u8]) -> Result<Vec<u8>>;
+
+    fn re_hello(b: &[u8]) -> Result<Vec<u8>> {
+        Hello::decode(b).map(|m| boot(Hello::encode, &m))
+    }
+
+    fn re_welcome(b: &[u8]) -> Result<Vec<u8>> {
+        Welcome::decode(b).map(|m| boot(Welcome::encode, &m))
+    }
+
+    fn re_request(b: &[u8]) -> Result<Vec<u8>> {
+        Request::decode(b).map(|m| meta(Request::encode, &m))
+    }
+
+    fn re_response(b: &[u8]) -> Result<Vec<u8>> {
+        Response::decode(b).map(|m| meta(Response::encode, &m))
+    }
+
+    fn re_link(b: &[u8]) -> Result<Vec<u8>> {
+        LinkMessage::decode(b).map(|m| link(&m))
+    }
+
+    /// Every message at its field boundaries (zero, max, both key kinds,
+    /// every op, every status extreme), with its decoder.
+    fn all_messages() -> Vec<(Vec<u8>, Recode)> {
+        let mut all: Vec<(Vec<u8>, Recode)> = Vec::new();
+        for (gid, qpn, psn) in [([0; 16], 0, 0), ([0xff; 16], MAX_U24, MAX_U24), (GID, 1, 2)] {
+            all.push((boot(Hello::encode, &Hello { gid, qpn, psn }), re_hello));
+        }
+        let welcomes = [
+            welcome(),
+            Welcome {
+                status: ERRNO_MAX,
+                gid: [0xff; 16],
+                qpn: MAX_U24,
+                psn: MAX_U24,
+                table_addr: u64::MAX,
+                table_rkey: u32::MAX,
+                table_slots: u32::MAX,
+                incarnation: u64::MAX,
+            },
+            Welcome {
+                status: 0,
+                gid: [0; 16],
+                qpn: 0,
+                psn: 0,
+                table_addr: 0,
+                table_rkey: 0,
+                table_slots: 0,
+                incarnation: 0,
+            },
+        ];
+        for w in welcomes {
+            all.push((boot(Welcome::encode, &w), re_welcome));
+        }
+        for op in [Op::Bind, Op::Unbind, Op::Renew] {
+            for key in [
+                Key::Port { gid: GID, port: 0 },
+                Key::Port {
+                    gid: [0xff; 16],
+                    port: u32::MAX,
+                },
+                Key::Vqpn {
+                    gid: [0; 16],
+                    vqpn: 0,
+                },
+                Key::Vqpn {
+                    gid: GID,
+                    vqpn: u32::MAX,
+                },
+            ] {
+                for (lease_ms, endpoint) in [(0, endpoint_zero()), (u32::MAX, endpoint_max())] {
+                    let r = Request {
+                        lease_ms,
+                        endpoint,
+                        req_id: lease_ms,
+                        ..request(op, key)
+                    };
+                    all.push((meta(Request::encode, &r), re_request));
+                }
+            }
+        }
+        for (req_id, status) in [(0, 0), (u32::MAX, ERRNO_MAX), (7, libc::EADDRINUSE as u32)] {
+            all.push((
+                meta(Response::encode, &Response { req_id, status }),
+                re_response,
+            ));
+        }
+        for i in [info_zero(), info_max(), info(endpoint(1))] {
+            for req_id in [0, u32::MAX] {
+                all.push((
+                    link(&LinkMessage::Request(LinkRequest { req_id, info: i })),
+                    re_link,
+                ));
+                for status in [0, 1, ERRNO_MAX] {
+                    let reply = LinkReply {
+                        req_id,
+                        status,
+                        info: i,
+                    };
+                    all.push((link(&LinkMessage::Reply(reply)), re_link));
+                }
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn round_trips_every_message_at_its_boundaries() {
+        let all = all_messages();
+        assert_eq!(all.len(), 3 + 3 + 3 * 4 * 2 + 3 + 3 * 2 * 4);
+        for (bytes, re) in &all {
+            assert_eq!(re(bytes).as_ref(), Ok(bytes));
+        }
+        // And typed: decode gives back the very values.
+        let r = request(
+            Op::Unbind,
+            Key::Port {
+                gid: GID,
+                port: 18515,
+            },
+        );
+        assert_eq!(Request::decode(&meta(Request::encode, &r)), Ok(r));
+        let w = welcome();
+        assert_eq!(Welcome::decode(&boot(Welcome::encode, &w)), Ok(w));
+        let m = LinkMessage::Request(LinkRequest {
+            req_id: 9,
+            info: info_max(),
+        });
+        assert_eq!(LinkMessage::decode(&link(&m)), Ok(m));
+    }
+
+    #[test]
+    fn rejects_wrong_length() {
+        for (bytes, re) in all_messages() {
+            for n in 0..bytes.len() {
+                assert_eq!(re(&bytes[..n]), Err(EBADMSG), "{n} bytes");
+            }
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert_eq!(re(&longer), Err(EBADMSG));
+        }
+    }
+
+    #[test]
+    fn rejects_wrong_magic_version_and_kind() {
+        for (bytes, re) in all_messages() {
+            let with = |i: usize, v: u8| {
+                let mut b = bytes.clone();
+                b[i] = v;
+                re(&b)
+            };
+            assert_eq!(with(0, 0x4c), Err(EBADMSG));
+            assert_eq!(with(1, 0x52), Err(EBADMSG));
+            // The version is judged before the length and the kind.
+            for v in [0, 2, 0xff] {
+                assert_eq!(with(2, v), Err(EPROTO));
+                let mut b = bytes.clone();
+                b[2] = v;
+                b[3] = 0xff;
+                assert_eq!(re(&b[..4]), Err(EPROTO));
+            }
+            let kind = bytes[3];
+            for k in (0..=u8::MAX).filter(|&k| k != kind) {
+                // The two link kinds share a decoder; a request with status
+                // 0 read as a reply is still a valid message.
+                let same_family = matches!((kind, k), (5, 6) | (6, 5));
+                if !same_family {
+                    assert_eq!(with(3, k), Err(EBADMSG), "kind {kind} as {k}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_out_of_range_fields() {
+        let set = |mut b: Vec<u8>, at: usize, v: &[u8]| {
+            b[at..at + v.len()].copy_from_slice(v);
+            b
+        };
+        let too_big = U24_LIMIT.to_le_bytes();
+        let not_errno = (ERRNO_MAX + 1).to_le_bytes();
+        let hello = boot(
+            Hello::encode,
+            &Hello {
+                gid: GID,
+                qpn: 1,
+                psn: 1,
+            },
+        );
+        for at in [4, 8] {
+            assert_eq!(
+                Hello::decode(&set(hello.clone(), at, &too_big)),
+                Err(EBADMSG)
+            );
+        }
+        let w = boot(Welcome::encode, &welcome());
+        for at in [8, 12] {
+            assert_eq!(Welcome::decode(&set(w.clone(), at, &too_big)), Err(EBADMSG));
+        }
+        assert_eq!(Welcome::decode(&set(w, 4, &not_errno)), Err(EBADMSG));
+
+        let r = meta(
+            Request::encode,
+            &request(Op::Bind, Key::Port { gid: GID, port: 1 }),
+        );
+        for op in [0, 4, 0xff] {
+            assert_eq!(Request::decode(&set(r.clone(), 4, &[op])), Err(EBADMSG));
+        }
+        for key_kind in [0, 3, 0xff] {
+            assert_eq!(
+                Request::decode(&set(r.clone(), 5, &[key_kind])),
+                Err(EBADMSG)
+            );
+        }
+        assert_eq!(Request::decode(&set(r, 56, &too_big)), Err(EBADMSG));
+        let resp = meta(
+            Response::encode,
+            &Response {
+                req_id: 1,
+                status: 0,
+            },
+        );
+        assert_eq!(Response::decode(&set(resp, 8, &not_errno)), Err(EBADMSG));
+
+        let req = link(&LinkMessage::Request(LinkRequest {
+            req_id: 1,
+            info: info(endpoint(1)),
+        }));
+        // A request carries no status; a reply's status is an errno.
+        assert_eq!(
+            LinkMessage::decode(&set(req.clone(), 12, &[1, 0, 0, 0])),
+            Err(EBADMSG)
+        );
+        let reply = set(req.clone(), 3, &[KIND_LINK_REPLY]);
+        assert!(LinkMessage::decode(&reply).is_ok());
+        assert_eq!(
+            LinkMessage::decode(&set(reply, 12, &not_errno)),
+            Err(EBADMSG)
+        );
+        for at in [16, 20, 56] {
+            assert_eq!(
+                LinkMessage::decode(&set(req.clone(), at, &too_big)),
+                Err(EBADMSG)
+            );
+        }
+    }
+
+    /// Flipping any bit of any message gives either an error or another
+    /// valid message that encodes to exactly the flipped bytes; flips in
+    /// reserved bytes are always errors.
+    #[test]
+    fn every_bit_flip_is_refused_or_canonical() {
+        // (kind, [start, end) of each reserved run)
+        let reserved: [(u8, &[(usize, usize)]); 6] = [
+            (KIND_HELLO, &[(12, 16), (32, BOOT_LEN)]),
+            (KIND_WELCOME, &[(56, BOOT_LEN)]),
+            (KIND_REQUEST, &[(6, 8), (36, 40), (76, META_LEN)]),
+            (KIND_RESPONSE, &[(12, META_LEN)]),
+            (KIND_LINK_REQUEST, &[(6, 8), (12, 16), (76, LINK_LEN)]),
+            (KIND_LINK_REPLY, &[(6, 8), (76, LINK_LEN)]),
+        ];
+        let mut refused = 0;
+        for (bytes, re) in all_messages() {
+            let (_, ranges) = reserved.iter().find(|(k, _)| *k == bytes[3]).unwrap();
+            for i in 0..bytes.len() {
+                for bit in 0..8 {
+                    let mut b = bytes.clone();
+                    b[i] ^= 1 << bit;
+                    match re(&b) {
+                        Ok(again) => {
+                            assert_eq!(again, b);
+                            assert!(
+                                !ranges.iter().any(|&(s, e)| (s..e).contains(&i)),
+                                "byte {i}"
+                            );
+                        }
+                        Err(_) => refused += 1,
+                    }
+                }
+            }
+        }
+        assert!(refused > 10_000, "{refused}");
+    }
+
+    /// xorshift64: deterministic, no dependencies.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    /// Random bytes of random lengths, often behind a valid prefix and
+    /// mostly zero so that some decode: no decoder panics, and whatever
+    /// decodes re-encodes to the input.
+    #[test]
+    fn random_garbage_never_panics() {
+        let decoders: [Recode; 5] = [re_hello, re_welcome, re_request, re_response, re_link];
+        let mut rng = Rng(0xd1b5_4a32_d192_ed03);
+        let mut decoded = 0;
+        for _ in 0..20_000 {
+            let r = rng.next();
+            let len = match r % 4 {
+                0 => (r >> 8) as usize % 300,
+                1 => BOOT_LEN,
+                _ => META_LEN,
+            };
+            let density = 1 + (r >> 20) % 64;
+            let mut b: Vec<u8> = (0..len)
+                .map(|_| {
+                    let x = rng.next();
+                    if x % density == 0 {
+                        (x >> 32) as u8
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            if r & (1 << 40) != 0 && len >= 4 {
+                b[..4].copy_from_slice(&[0x4d, 0x4b, VERSION, 1 + (r >> 41) as u8 % 6]);
+            }
+            for decode in decoders {
+                if let Ok(again) = decode(&b) {
+                    assert_eq!(again, b);
+                    decoded += 1;
+                }
+            }
+        }
+        assert!(decoded > 100, "{decoded}");
+    }
+}

@@ -1,0 +1,353 @@
+//! `krcore-meta`: serves the (GID, port) / (GID, virtual QPN) -> endpoint
+//! table from registered memory.
+//!
+//! A process connects over TCP to the address the server listens on and
+//! exchanges one `Hello` / `Welcome` pair: its RC QP for one of ours, and
+//! where the table lives (address, rkey, slot count). From then on
+//! everything is RDMA: lookups are one-sided READs of the table (no server
+//! CPU), and registrations are `Request` SENDs answered by `Response`
+//! SENDs. The TCP connection stays open only as a liveness signal: when the
+//! process exits (however it dies, the kernel closes the socket) its
+//! entries are removed at once; a process that stops renewing its leases
+//! loses them when they expire.
+//!
+//! One thread, event driven: `poll(2)` on the listening socket, every
+//! client's socket and the completion channel, with the next lease expiry
+//! as timeout. No locks; nothing spins.
+
+use super::proto::{self, Hello, Op, Request, Response, Welcome};
+use super::table::EndpointTable;
+use super::{Endpoint, Key};
+use crate::error::{Errno, Result};
+use crate::rdma::{self, Caps, Cq, Device, Qp, RcPeer, Region};
+use crate::sys::*;
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddrV4, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Requests a client may have in flight (receive buffers per client).
+const CREDITS: usize = 8;
+
+/// How the server runs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddrV4,
+    /// Home slots of the table (entries it can hold, about).
+    pub slots: u32,
+    /// The longest lease granted, whatever a client asks for.
+    pub max_lease: Duration,
+    /// The RDMA device (the first one when `None`).
+    pub device: Option<String>,
+}
+
+struct Client {
+    tcp: TcpStream,
+    qp: Qp,
+    /// CREDITS receive slots, then CREDITS send slots, of `proto::META_LEN`.
+    bufs: Region,
+}
+
+struct Lease {
+    deadline: Instant,
+    /// The client (its QP number) that holds it.
+    owner: u32,
+    endpoint: Endpoint,
+}
+
+pub struct Server {
+    /// Declared before `table_mem`, whose memory it points into, so that
+    /// it is dropped first.
+    table: EndpointTable<'static>,
+    table_mem: Region,
+    dev: Arc<Device>,
+    sgid_index: u32,
+    gid: rdma::Gid,
+    cq: Arc<Cq>,
+    slots: u32,
+    incarnation: u64,
+    listener: TcpListener,
+    clients: HashMap<u32, Client>,
+    leases: HashMap<Key, Lease>,
+    max_lease: Duration,
+}
+
+impl Server {
+    /// Bind the TCP address and set the table up on the RDMA device whose
+    /// GID table holds the address's RoCE v2 GID.
+    pub fn new(cfg: &Config) -> Result<Server> {
+        let gid = rdma::ipv4_gid(*cfg.listen.ip());
+        let dev = Device::open(cfg.device.as_deref())?;
+        let sgid_index = dev.gid_index(&gid)?;
+        let cq = Arc::new(Cq::new(&dev, 4096)?);
+        let bytes = EndpointTable::bytes_for(cfg.slots);
+        let table_mem = Region::new(&dev, bytes, rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
+        let incarnation = rdma::random_u64();
+        // SAFETY: the slice covers `table_mem`'s heap allocation, which
+        // never moves and lives as long as the server, longer than `table`
+        // (dropped first). Only `table` writes it; the NIC reads it.
+        let mem = unsafe { std::slice::from_raw_parts_mut(table_mem.ptr(), bytes) };
+        let table = EndpointTable::init(mem, cfg.slots, incarnation)?;
+        let listener = TcpListener::bind(cfg.listen)?;
+        Ok(Server {
+            table,
+            table_mem,
+            dev,
+            sgid_index,
+            gid,
+            cq,
+            slots: cfg.slots,
+            incarnation,
+            listener,
+            clients: HashMap::new(),
+            leases: HashMap::new(),
+            max_lease: cfg.max_lease,
+        })
+    }
+
+    /// The address actually bound (port 0 picks one).
+    pub fn local_addr(&self) -> Result<std::net::SocketAddr> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.dev.name
+    }
+
+    pub fn gid_index(&self) -> u32 {
+        self.sgid_index
+    }
+
+    /// Serve until `stop` returns true (checked after every wakeup).
+    pub fn run(&mut self, stop: &dyn Fn() -> bool) -> Result<()> {
+        while !stop() {
+            let mut fds = vec![
+                libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                // SAFETY: a live channel.
+                libc::pollfd { fd: unsafe { (*self.cq.channel).fd }, events: libc::POLLIN, revents: 0 },
+            ];
+            let order: Vec<u32> = self.clients.keys().copied().collect();
+            fds.extend(order.iter().map(|q| libc::pollfd {
+                fd: self.clients[q].tcp.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }));
+            // Wake for the next lease expiry, and at least once a second so
+            // that `stop` is seen.
+            let next = self.leases.values().map(|l| l.deadline).min();
+            let wait = next
+                .map_or(Duration::from_secs(1), |d| d.saturating_duration_since(Instant::now()))
+                .min(Duration::from_secs(1));
+            // SAFETY: fds is a valid array of pollfds.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as i32 + 1) };
+            if rc < 0 && Errno::last().0 != libc::EINTR {
+                return Err(Errno::last());
+            }
+            if fds[0].revents != 0 {
+                self.accept();
+            }
+            if fds[1].revents != 0 {
+                self.cq.wait(Some(Duration::ZERO))?;
+            }
+            // Completions may have arrived since the last event: always poll.
+            self.serve_completions()?;
+            for (i, q) in order.iter().enumerate() {
+                if fds[2 + i].revents != 0 {
+                    self.check_alive(*q);
+                }
+            }
+            self.expire(Instant::now());
+        }
+        Ok(())
+    }
+
+    fn accept(&mut self) {
+        let Ok((tcp, peer)) = self.listener.accept() else { return };
+        match self.handshake(tcp) {
+            Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
+            Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
+        }
+    }
+
+    /// Hello -> a QP for the client -> Welcome.
+    fn handshake(&mut self, mut tcp: TcpStream) -> Result<u32> {
+        // A silent client must not stall the server.
+        tcp.set_read_timeout(Some(Duration::from_secs(2)))?;
+        let _ = tcp.set_nodelay(true);
+        let mut buf = [0u8; proto::BOOT_LEN];
+        tcp.read_exact(&mut buf)?;
+        let hello = Hello::decode(&buf)?;
+        let caps = Caps { send_wr: CREDITS as u32 * 2, recv_wr: CREDITS as u32, send_sge: 1, recv_sge: 1, inline: 0 };
+        let qp = Qp::new(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.cq, &self.cq, caps)?;
+        let bufs = Region::new(&self.dev, 2 * CREDITS * proto::META_LEN, rdma::LOCAL_WRITE)?;
+        let psn = rdma::random_psn();
+        qp.to_init()?;
+        qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: hello.gid, qpn: hello.qpn, psn: hello.psn })?;
+        let qpn = qp.qpn();
+        let client = Client { tcp, qp, bufs };
+        for slot in 0..CREDITS {
+            client.post_recv(slot)?;
+        }
+        let welcome = Welcome {
+            status: 0,
+            gid: self.gid,
+            qpn,
+            psn,
+            table_addr: self.table_mem.addr(),
+            table_rkey: self.table_mem.rkey(),
+            table_slots: self.slots,
+            incarnation: self.incarnation,
+        };
+        let mut out = [0u8; proto::BOOT_LEN];
+        welcome.encode(&mut out);
+        let mut tcp = &client.tcp;
+        tcp.write_all(&out)?;
+        client.tcp.set_read_timeout(None)?;
+        self.clients.insert(qpn, client);
+        Ok(qpn)
+    }
+
+    fn serve_completions(&mut self) -> Result<()> {
+        // SAFETY: ibv_wc is plain C data.
+        let mut wcs: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        loop {
+            let n = self.cq.poll(&mut wcs)?;
+            for wc in &wcs[..n] {
+                self.on_completion(wc);
+            }
+            if n < wcs.len() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn on_completion(&mut self, wc: &ibv_wc) {
+        let qpn = wc.qp_num;
+        if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
+            // Flushes after a client left, or a broken QP: drop the client.
+            if self.clients.contains_key(&qpn) {
+                crate::klog!(crate::log::Level::Info, "meta: client qp {qpn} failed (status {})", wc.status);
+                self.drop_client(qpn);
+            }
+            return;
+        }
+        if wc.opcode != ibv_wc_opcode::IBV_WC_RECV {
+            return; // a response went out
+        }
+        let slot = wc.wr_id as usize;
+        let Some(client) = self.clients.get(&qpn) else { return };
+        // SAFETY: the receive into this slot completed; nothing else uses it.
+        let req = Request::decode(unsafe { client.bufs.bytes(slot * proto::META_LEN, proto::META_LEN) });
+        let (req_id, status) = match req {
+            Ok(r) => (r.req_id, self.apply(qpn, &r)),
+            Err(e) => (0, e),
+        };
+        let client = &self.clients[&qpn];
+        if client.reply(slot, &Response { req_id, status: status.0 as u32 }).and_then(|_| client.post_recv(slot)).is_err()
+        {
+            self.drop_client(qpn);
+        }
+    }
+
+    /// Carry out one request of client `qpn`; the errno to answer (0: done).
+    fn apply(&mut self, qpn: u32, r: &Request) -> Errno {
+        let lease = Duration::from_millis(r.lease_ms as u64).min(self.max_lease);
+        let deadline = Instant::now() + lease;
+        match r.op {
+            Op::Bind | Op::Renew => {
+                // A Renew of an entry this server does not have (it
+                // restarted, or the lease ran out) binds again: renewals
+                // repopulate a restarted server.
+                if let Err(e) = self.table.insert(r.key, r.endpoint) {
+                    return e;
+                }
+                self.leases.insert(r.key, Lease { deadline, owner: qpn, endpoint: r.endpoint });
+                Errno(0)
+            }
+            Op::Unbind => match self.leases.get(&r.key) {
+                Some(l) if l.endpoint == r.endpoint => {
+                    self.table.remove(r.key);
+                    self.leases.remove(&r.key);
+                    Errno(0)
+                }
+                _ => Errno(libc::ENOENT),
+            },
+        }
+    }
+
+    /// A client's socket is readable: data is a protocol error, EOF means
+    /// the process is gone.
+    fn check_alive(&mut self, qpn: u32) {
+        let Some(c) = self.clients.get(&qpn) else { return };
+        let mut b = [0u8; 1];
+        let gone = match (&c.tcp).read(&mut b) {
+            Ok(0) => true,
+            Ok(_) => true, // nothing is ever sent after Hello
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::Interrupted,
+        };
+        if gone {
+            crate::klog!(crate::log::Level::Info, "meta: client qp {qpn} disconnected");
+            self.drop_client(qpn);
+        }
+    }
+
+    /// Forget a client and every entry it holds.
+    fn drop_client(&mut self, qpn: u32) {
+        self.clients.remove(&qpn);
+        let keys: Vec<Key> = self.leases.iter().filter(|(_, l)| l.owner == qpn).map(|(k, _)| *k).collect();
+        self.remove_keys(&keys);
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let keys: Vec<Key> = self.leases.iter().filter(|(_, l)| l.deadline <= now).map(|(k, _)| *k).collect();
+        if !keys.is_empty() {
+            crate::klog!(crate::log::Level::Info, "meta: {} lease(s) expired", keys.len());
+        }
+        self.remove_keys(&keys);
+    }
+
+    fn remove_keys(&mut self, keys: &[Key]) {
+        for k in keys {
+            self.table.remove(*k);
+            self.leases.remove(k);
+        }
+    }
+
+    /// Entries currently served.
+    pub fn entries(&self) -> usize {
+        self.leases.len()
+    }
+}
+
+impl Client {
+    fn post_recv(&self, slot: usize) -> Result<()> {
+        let mut sge = self.bufs.sge(slot * proto::META_LEN, proto::META_LEN);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = slot as u64;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        // SAFETY: one WR over our own registered buffer.
+        unsafe { self.qp.post_recv(&mut wr) }
+    }
+
+    fn reply(&self, slot: usize, resp: &Response) -> Result<()> {
+        let off = (CREDITS + slot) * proto::META_LEN;
+        // SAFETY: the send slot of this request: the client sends its next
+        // request in this slot only after it received this response.
+        let out = unsafe { self.bufs.bytes_mut(off, proto::META_LEN) };
+        resp.encode(out.try_into().expect("a META_LEN slice"));
+        let mut sge = self.bufs.sge(off, proto::META_LEN);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = (CREDITS + slot) as u64;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        // SAFETY: one WR over our own registered buffer.
+        unsafe { self.qp.post_send(&mut wr) }
+    }
+}

@@ -1,0 +1,575 @@
+//! The library's own RDMA objects: real libibverbs objects that the
+//! application never sees (the meta server and its clients, service
+//! endpoints, links). Each type owns one real object and destroys it on
+//! drop; none of them is ever wrapped, so every call goes to the real
+//! library through `call_real!` or the real context's ops.
+//!
+//! Objects hold an `Arc` of their parent, so a parent outlives its
+//! children whatever order the owner drops them in.
+
+use crate::call_real;
+use crate::error::{Errno, Result};
+use crate::obj::{non_null, ok_or_errno};
+use crate::sys::*;
+use libc::{c_int, c_void};
+use std::net::Ipv4Addr;
+use crate::sys::ibv_qp_attr_mask as M;
+use crate::sys::ibv_access_flags as A;
+use std::ptr::null_mut;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub type Gid = [u8; 16];
+
+/// `IBV_LINK_LAYER_ETHERNET` of verbs.h (a macro, not in the bindings).
+const LINK_LAYER_ETHERNET: u8 = 2;
+
+/// `ibv_gid_type_sysfs` value of a RoCE v2 GID (`ibv_query_gid_type`).
+const GID_TYPE_ROCE_V2: u32 = 2;
+
+/// The RoCE v2 GID of an IPv4 address (`::ffff:a.b.c.d`).
+pub fn ipv4_gid(ip: Ipv4Addr) -> Gid {
+    let mut g = [0u8; 16];
+    g[10] = 0xff;
+    g[11] = 0xff;
+    g[12..].copy_from_slice(&ip.octets());
+    g
+}
+
+/// An open device context with one protection domain, on one port.
+pub struct Device {
+    pub ctx: *mut ibv_context,
+    pub pd: *mut ibv_pd,
+    pub port: u8,
+    pub port_attr: ibv_port_attr,
+    pub dev_attr: ibv_device_attr,
+    pub name: String,
+}
+
+// SAFETY: libibverbs contexts and PDs may be used from any thread.
+unsafe impl Send for Device {}
+// SAFETY: as above; the fields are never changed after open.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Open the device named `name` (the first one when `None`), port 1.
+    pub fn open(name: Option<&str>) -> Result<Arc<Device>> {
+        let mut n: c_int = 0;
+        let list = call_real!(ibv_get_device_list(&mut n))?;
+        if list.is_null() {
+            return Err(Errno::last());
+        }
+        let mut found = None;
+        for i in 0..n.max(0) as usize {
+            // SAFETY: the list holds n devices.
+            let dev = unsafe { *list.add(i) };
+            let dname = call_real!(ibv_get_device_name(dev))
+                .ok()
+                .filter(|p| !p.is_null())
+                // SAFETY: a NUL-terminated name owned by the device.
+                .map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if name.is_none_or(|w| w == dname) {
+                found = Some((dev, dname));
+                break;
+            }
+        }
+        let opened = found.map(|(dev, dname)| (call_real!(ibv_open_device(dev)), dname));
+        let _ = call_real!(ibv_free_device_list(list));
+        let (ctx, dname) = opened.ok_or(Errno(libc::ENODEV))?;
+        let ctx = non_null(ctx?)?;
+        Device::from_context(ctx, dname)
+    }
+
+    fn from_context(ctx: *mut ibv_context, name: String) -> Result<Arc<Device>> {
+        let close = |e| {
+            let _ = call_real!(ibv_close_device(ctx));
+            e
+        };
+        // SAFETY: plain C structs, filled by the queries.
+        let (mut port_attr, mut dev_attr): (ibv_port_attr, ibv_device_attr) = unsafe { std::mem::zeroed() };
+        let port = 1u8;
+        ok_or_errno(call_real!(ibv_query_port(ctx, port, &mut port_attr)).map_err(close)?).map_err(close)?;
+        ok_or_errno(call_real!(ibv_query_device(ctx, &mut dev_attr)).map_err(close)?).map_err(close)?;
+        let pd = call_real!(ibv_alloc_pd(ctx)).and_then(non_null).map_err(close)?;
+        Ok(Arc::new(Device { ctx, pd, port, port_attr, dev_attr, name }))
+    }
+
+    /// The GID at `index` of our port.
+    pub fn gid(&self, index: u32) -> Result<Gid> {
+        // SAFETY: a plain C union.
+        let mut g: ibv_gid = unsafe { std::mem::zeroed() };
+        ok_or_errno(call_real!(ibv_query_gid(self.ctx, self.port, index as c_int, &mut g))?)?;
+        // SAFETY: every bit pattern is a valid byte array.
+        Ok(unsafe { g.raw })
+    }
+
+    fn gid_table_len(&self) -> u32 {
+        self.port_attr.gid_tbl_len.max(0) as u32
+    }
+
+    /// The index of `gid` in our port's GID table (EADDRNOTAVAIL if absent).
+    pub fn gid_index(&self, gid: &Gid) -> Result<u32> {
+        (0..self.gid_table_len())
+            .find(|&i| self.gid(i).is_ok_and(|g| &g == gid))
+            .ok_or(Errno(libc::EADDRNOTAVAIL))
+    }
+
+    /// The first usable GID: the first RoCE v2 one on Ethernet, the first
+    /// non-zero one on InfiniBand.
+    pub fn default_gid_index(&self) -> Result<u32> {
+        let ethernet = self.port_attr.link_layer == LINK_LAYER_ETHERNET;
+        (0..self.gid_table_len())
+            .find(|&i| {
+                let nonzero = self.gid(i).is_ok_and(|g| g != [0; 16]);
+                nonzero && (!ethernet || self.gid_type(i) == Some(GID_TYPE_ROCE_V2))
+            })
+            .ok_or(Errno(libc::EADDRNOTAVAIL))
+    }
+
+    fn gid_type(&self, index: u32) -> Option<u32> {
+        let mut t: u32 = 0;
+        let rc = call_real!(ibv_query_gid_type(self.ctx, self.port, index, &mut t)).ok()?;
+        (rc == 0).then_some(t)
+    }
+
+    /// The largest `max_rd_atomic` worth asking for.
+    fn rd_atomic(&self) -> u8 {
+        self.dev_attr.max_qp_rd_atom.clamp(1, 16) as u8
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        let _ = call_real!(ibv_dealloc_pd(self.pd));
+        let _ = call_real!(ibv_close_device(self.ctx));
+    }
+}
+
+/// Page-aligned memory registered on a device.
+pub struct Region {
+    pub mr: *mut ibv_mr,
+    buf: *mut u8,
+    len: usize,
+    _dev: Arc<Device>,
+}
+
+// SAFETY: the memory and the MR handle may be used from any thread; the
+// owner synchronises access to the bytes.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// `len` zeroed bytes, registered with `access`.
+    pub fn new(dev: &Arc<Device>, len: usize, access: u32) -> Result<Region> {
+        let page = 4096;
+        let size = len.max(1).div_ceil(page) * page;
+        // SAFETY: page-aligned allocation of a non-zero size.
+        let buf = unsafe { libc::aligned_alloc(page, size) }.cast::<u8>();
+        if buf.is_null() {
+            return Err(Errno::ENOMEM);
+        }
+        // SAFETY: buf holds size bytes.
+        unsafe { std::ptr::write_bytes(buf, 0, size) };
+        let mr = call_real!(ibv_reg_mr(dev.pd, buf.cast::<c_void>(), len.max(1), access as c_int)).and_then(non_null);
+        match mr {
+            Ok(mr) => Ok(Region { mr, buf, len, _dev: Arc::clone(dev) }),
+            Err(e) => {
+                // SAFETY: allocated above, never registered.
+                unsafe { libc::free(buf.cast()) };
+                Err(e)
+            }
+        }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.buf as u64
+    }
+    pub fn ptr(&self) -> *mut u8 {
+        self.buf
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: a live MR.
+        unsafe { (*self.mr).lkey }
+    }
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: a live MR.
+        unsafe { (*self.mr).rkey }
+    }
+
+    /// The bytes. The NIC may write them at any time the region is the
+    /// target of posted work: read them only after the completion.
+    ///
+    /// # Safety
+    /// No work request writing into `[off, off+len)` is outstanding, and
+    /// no other thread writes that range meanwhile.
+    pub unsafe fn bytes(&self, off: usize, len: usize) -> &[u8] {
+        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "range out of the region");
+        // SAFETY: in bounds (checked); exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.buf.add(off), len) }
+    }
+
+    /// # Safety
+    /// As [`Region::bytes`], and no work request reads the range meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, off: usize, len: usize) -> &mut [u8] {
+        assert!(off.checked_add(len).is_some_and(|e| e <= self.len), "range out of the region");
+        // SAFETY: in bounds (checked); exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.add(off), len) }
+    }
+
+    /// One SGE over `[off, off+len)`.
+    pub fn sge(&self, off: usize, len: usize) -> ibv_sge {
+        debug_assert!(off + len <= self.len);
+        ibv_sge { addr: self.addr() + off as u64, length: len as u32, lkey: self.lkey() }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        let _ = call_real!(ibv_dereg_mr(self.mr));
+        // SAFETY: allocated in new, no longer registered.
+        unsafe { libc::free(self.buf.cast()) };
+    }
+}
+
+/// A completion queue with its own completion channel: its owner sleeps on
+/// the channel's fd (never busy-polls) when there is nothing to do.
+pub struct Cq {
+    pub cq: *mut ibv_cq,
+    pub channel: *mut ibv_comp_channel,
+    _dev: Arc<Device>,
+}
+
+// SAFETY: CQs and channels may be used from any thread.
+unsafe impl Send for Cq {}
+// SAFETY: as above; polling is serialised by the provider's own lock.
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    pub fn new(dev: &Arc<Device>, cqe: u32) -> Result<Cq> {
+        let channel = call_real!(ibv_create_comp_channel(dev.ctx)).and_then(non_null)?;
+        let cq = call_real!(ibv_create_cq(dev.ctx, cqe as c_int, null_mut(), channel, 0)).and_then(non_null);
+        let cq = match cq {
+            Ok(cq) => cq,
+            Err(e) => {
+                let _ = call_real!(ibv_destroy_comp_channel(channel));
+                return Err(e);
+            }
+        };
+        let me = Cq { cq, channel, _dev: Arc::clone(dev) };
+        // Non-blocking fd: `wait` polls it with a timeout.
+        // SAFETY: a live channel's fd.
+        unsafe {
+            let fd = (*channel).fd;
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+        me.arm()?;
+        Ok(me)
+    }
+
+    /// Poll up to `wc.len()` completions.
+    pub fn poll(&self, wc: &mut [ibv_wc]) -> Result<usize> {
+        // SAFETY: a live CQ of the real library; its context's ops are set.
+        let n = unsafe {
+            let poll = (*(*self.cq).context).ops.poll_cq.ok_or(Errno::EOPNOTSUPP)?;
+            poll(self.cq, wc.len() as c_int, wc.as_mut_ptr())
+        };
+        if n < 0 {
+            return Err(Errno(libc::EIO));
+        }
+        Ok(n as usize)
+    }
+
+    /// Ask for an event at the next completion.
+    pub fn arm(&self) -> Result<()> {
+        // SAFETY: a live CQ of the real library.
+        let rc = unsafe {
+            let notify = (*(*self.cq).context).ops.req_notify_cq.ok_or(Errno::EOPNOTSUPP)?;
+            notify(self.cq, 0)
+        };
+        ok_or_errno(rc)
+    }
+
+    /// Sleep until the channel has an event or `timeout` passes; consume
+    /// and acknowledge the event and re-arm. Returns whether an event came.
+    /// Completions may be pending either way: poll after it.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
+        // SAFETY: a live channel.
+        let fd = unsafe { (*self.channel).fd };
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as c_int);
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc < 0 {
+            let e = Errno::last();
+            return if e.0 == libc::EINTR { Ok(false) } else { Err(e) };
+        }
+        if rc == 0 {
+            return Ok(false);
+        }
+        let mut cq = null_mut();
+        let mut ctx = null_mut();
+        if call_real!(ibv_get_cq_event(self.channel, &mut cq, &mut ctx))? == 0 {
+            call_real!(ibv_ack_cq_events(cq, 1))?;
+        }
+        self.arm()?;
+        Ok(true)
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        let _ = call_real!(ibv_destroy_cq(self.cq));
+        let _ = call_real!(ibv_destroy_comp_channel(self.channel));
+    }
+}
+
+/// Queue sizes of a QP.
+#[derive(Clone, Copy, Debug)]
+pub struct Caps {
+    pub send_wr: u32,
+    pub recv_wr: u32,
+    pub send_sge: u32,
+    pub recv_sge: u32,
+    pub inline: u32,
+}
+
+/// What an RC QP needs to know of its peer to reach RTR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RcPeer {
+    pub gid: Gid,
+    pub qpn: u32,
+    pub psn: u32,
+}
+
+/// A QP of the real library (RC or UD).
+pub struct Qp {
+    pub qp: *mut ibv_qp,
+    pub caps: Caps,
+    dev: Arc<Device>,
+    _cqs: (Arc<Cq>, Arc<Cq>),
+}
+
+// SAFETY: QPs may be posted to from any thread (the provider locks).
+unsafe impl Send for Qp {}
+// SAFETY: as above.
+unsafe impl Sync for Qp {}
+
+pub const LOCAL_WRITE: u32 = A::IBV_ACCESS_LOCAL_WRITE.0;
+pub const REMOTE_READ: u32 = A::IBV_ACCESS_REMOTE_READ.0;
+
+/// Access flags the library's RC QPs accept from their peers.
+pub const REMOTE_ALL: u32 = A::IBV_ACCESS_LOCAL_WRITE.0
+    | A::IBV_ACCESS_REMOTE_WRITE.0
+    | A::IBV_ACCESS_REMOTE_READ.0
+    | A::IBV_ACCESS_REMOTE_ATOMIC.0;
+
+impl Qp {
+    /// A QP of `qp_type` (RC or UD), in RESET.
+    pub fn new(dev: &Arc<Device>, qp_type: u32, send_cq: &Arc<Cq>, recv_cq: &Arc<Cq>, caps: Caps) -> Result<Qp> {
+        // SAFETY: a plain C struct.
+        let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        a.send_cq = send_cq.cq;
+        a.recv_cq = recv_cq.cq;
+        a.qp_type = qp_type;
+        a.cap.max_send_wr = caps.send_wr;
+        a.cap.max_recv_wr = caps.recv_wr;
+        a.cap.max_send_sge = caps.send_sge;
+        a.cap.max_recv_sge = caps.recv_sge;
+        a.cap.max_inline_data = caps.inline;
+        let qp = call_real!(ibv_create_qp(dev.pd, &mut a)).and_then(non_null)?;
+        let granted = Caps {
+            send_wr: a.cap.max_send_wr,
+            recv_wr: a.cap.max_recv_wr,
+            send_sge: a.cap.max_send_sge,
+            recv_sge: a.cap.max_recv_sge,
+            inline: a.cap.max_inline_data,
+        };
+        Ok(Qp { qp, caps: granted, dev: Arc::clone(dev), _cqs: (Arc::clone(send_cq), Arc::clone(recv_cq)) })
+    }
+
+    pub fn qpn(&self) -> u32 {
+        // SAFETY: a live QP.
+        unsafe { (*self.qp).qp_num }
+    }
+
+    fn modify(&self, attr: &mut ibv_qp_attr, mask: u32) -> Result<()> {
+        ok_or_errno(call_real!(ibv_modify_qp(self.qp, attr, mask as c_int))?)
+    }
+
+    /// RESET -> INIT (an RC QP accepts every remote access its MRs allow).
+    pub fn to_init(&self) -> Result<()> {
+        // SAFETY: a plain C struct.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = self.dev.port;
+        let mut mask = M::IBV_QP_STATE.0 | M::IBV_QP_PKEY_INDEX.0 | M::IBV_QP_PORT.0;
+        // SAFETY: a live QP.
+        if unsafe { (*self.qp).qp_type } == ibv_qp_type::IBV_QPT_UD {
+            a.qkey = QKEY;
+            mask |= M::IBV_QP_QKEY.0;
+        } else {
+            a.qp_access_flags = REMOTE_ALL;
+            mask |= M::IBV_QP_ACCESS_FLAGS.0;
+        }
+        self.modify(&mut a, mask)
+    }
+
+    /// INIT -> RTR -> RTS towards `peer`, from our GID at `sgid_index`.
+    pub fn rc_connect(&self, sgid_index: u32, my_psn: u32, peer: &RcPeer) -> Result<()> {
+        // SAFETY: a plain C struct.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = self.dev.port_attr.active_mtu;
+        a.dest_qp_num = peer.qpn;
+        a.rq_psn = peer.psn;
+        a.max_dest_rd_atomic = self.dev.rd_atomic();
+        a.min_rnr_timer = 12;
+        a.ah_attr = self.ah_attr(sgid_index, &peer.gid);
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE.0
+                | M::IBV_QP_AV.0
+                | M::IBV_QP_PATH_MTU.0
+                | M::IBV_QP_DEST_QPN.0
+                | M::IBV_QP_RQ_PSN.0
+                | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
+                | M::IBV_QP_MIN_RNR_TIMER.0,
+        )?;
+        // SAFETY: a plain C struct.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.timeout = 14;
+        a.retry_cnt = 7;
+        // Infinite RNR retry: a receiver out of buffers slows the sender
+        // down instead of failing the link.
+        a.rnr_retry = 7;
+        a.sq_psn = my_psn;
+        a.max_rd_atomic = self.dev.rd_atomic();
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE.0 | M::IBV_QP_TIMEOUT.0 | M::IBV_QP_RETRY_CNT.0 | M::IBV_QP_RNR_RETRY.0 | M::IBV_QP_SQ_PSN.0 | M::IBV_QP_MAX_QP_RD_ATOMIC.0,
+        )
+    }
+
+    /// A UD QP: INIT -> RTR -> RTS.
+    pub fn ud_ready(&self) -> Result<()> {
+        self.to_init()?;
+        // SAFETY: a plain C struct.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        self.modify(&mut a, M::IBV_QP_STATE.0)?;
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.sq_psn = 0;
+        self.modify(&mut a, M::IBV_QP_STATE.0 | M::IBV_QP_SQ_PSN.0)
+    }
+
+    /// Move to ERR: outstanding work completes with flush errors.
+    pub fn to_error(&self) -> Result<()> {
+        // SAFETY: a plain C struct.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut a, M::IBV_QP_STATE.0)
+    }
+
+    pub fn ah_attr(&self, sgid_index: u32, dgid: &Gid) -> ibv_ah_attr {
+        // SAFETY: a plain C struct.
+        let mut ah: ibv_ah_attr = unsafe { std::mem::zeroed() };
+        ah.is_global = 1;
+        ah.grh.dgid.raw = *dgid;
+        ah.grh.sgid_index = sgid_index as u8;
+        ah.grh.hop_limit = 64;
+        ah.port_num = self.dev.port;
+        ah
+    }
+
+    /// Post a chain of send work requests.
+    ///
+    /// # Safety
+    /// The chain and its SGEs are valid; the memory they name stays
+    /// registered until the work completes.
+    pub unsafe fn post_send(&self, wr: *mut ibv_send_wr) -> Result<()> {
+        let mut bad = null_mut();
+        // SAFETY: a live QP of the real library; the chain is the caller's.
+        let rc = unsafe {
+            let post = (*(*self.qp).context).ops.post_send.ok_or(Errno::EOPNOTSUPP)?;
+            post(self.qp, wr, &mut bad)
+        };
+        ok_or_errno(rc)
+    }
+
+    /// Post a chain of receive work requests.
+    ///
+    /// # Safety
+    /// As [`Qp::post_send`].
+    pub unsafe fn post_recv(&self, wr: *mut ibv_recv_wr) -> Result<()> {
+        let mut bad = null_mut();
+        // SAFETY: a live QP of the real library; the chain is the caller's.
+        let rc = unsafe {
+            let post = (*(*self.qp).context).ops.post_recv.ok_or(Errno::EOPNOTSUPP)?;
+            post(self.qp, wr, &mut bad)
+        };
+        ok_or_errno(rc)
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let _ = call_real!(ibv_destroy_qp(self.qp));
+    }
+}
+
+/// The Q_Key of the library's UD QPs.
+pub const QKEY: u32 = 0x4b52_0001;
+
+/// An address handle of the real library.
+pub struct Ah {
+    pub ah: *mut ibv_ah,
+    _dev: Arc<Device>,
+}
+
+// SAFETY: AHs may be used from any thread.
+unsafe impl Send for Ah {}
+// SAFETY: as above.
+unsafe impl Sync for Ah {}
+
+impl Ah {
+    pub fn new(dev: &Arc<Device>, attr: &mut ibv_ah_attr) -> Result<Ah> {
+        let ah = call_real!(ibv_create_ah(dev.pd, attr)).and_then(non_null)?;
+        Ok(Ah { ah, _dev: Arc::clone(dev) })
+    }
+}
+
+impl Drop for Ah {
+    fn drop(&mut self) {
+        let _ = call_real!(ibv_destroy_ah(self.ah));
+    }
+}
+
+/// A random 24-bit PSN.
+pub fn random_psn() -> u32 {
+    random_u64() as u32 & 0x00ff_ffff
+}
+
+/// 64 random bits from the kernel (incarnations, PSNs).
+pub fn random_u64() -> u64 {
+    let mut v = 0u64;
+    // SAFETY: getrandom writes at most 8 bytes into v.
+    let n = unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
+    if n != 8 {
+        // No entropy source: time and pid still separate incarnations.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        v = t.as_nanos() as u64 ^ ((std::process::id() as u64) << 40);
+    }
+    v
+}
