@@ -25,6 +25,7 @@ pub mod mr;
 pub mod obj;
 pub mod rdma;
 pub mod real;
+pub mod service;
 pub mod stats;
 pub mod vqp;
 

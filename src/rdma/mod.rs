@@ -44,6 +44,8 @@ pub struct Device {
     pub port_attr: ibv_port_attr,
     pub dev_attr: ibv_device_attr,
     pub name: String,
+    /// Opened here (closed on drop), or the application's (left alone).
+    owned: bool,
 }
 
 // SAFETY: libibverbs contexts and PDs may be used from any thread.
@@ -78,21 +80,41 @@ impl Device {
         let _ = call_real!(ibv_free_device_list(list));
         let (ctx, dname) = opened.ok_or(Errno(libc::ENODEV))?;
         let ctx = non_null(ctx?)?;
-        Device::from_context(ctx, dname)
-    }
-
-    fn from_context(ctx: *mut ibv_context, name: String) -> Result<Arc<Device>> {
         let close = |e| {
             let _ = call_real!(ibv_close_device(ctx));
             e
         };
+        let pd = call_real!(ibv_alloc_pd(ctx)).and_then(non_null).map_err(close)?;
+        Device::describe(ctx, pd, dname, true).inspect_err(|_| {
+            let _ = call_real!(ibv_dealloc_pd(pd));
+            let _ = call_real!(ibv_close_device(ctx));
+        })
+    }
+
+    /// The application's real context and PD, which the library's objects
+    /// then share (their lkeys are the application's). Never closed here.
+    ///
+    /// # Safety
+    /// `ctx` and `pd` are live real objects that outlive the result.
+    pub unsafe fn borrow(ctx: *mut ibv_context, pd: *mut ibv_pd) -> Result<Arc<Device>> {
+        // SAFETY: a live real context (caller contract).
+        let dev = unsafe { (*ctx).device };
+        let name = call_real!(ibv_get_device_name(dev))
+            .ok()
+            .filter(|p| !p.is_null())
+            // SAFETY: a NUL-terminated name owned by the device.
+            .map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Device::describe(ctx, pd, name, false)
+    }
+
+    fn describe(ctx: *mut ibv_context, pd: *mut ibv_pd, name: String, owned: bool) -> Result<Arc<Device>> {
         // SAFETY: plain C structs, filled by the queries.
         let (mut port_attr, mut dev_attr): (ibv_port_attr, ibv_device_attr) = unsafe { std::mem::zeroed() };
         let port = 1u8;
-        ok_or_errno(call_real!(ibv_query_port(ctx, port, &mut port_attr)).map_err(close)?).map_err(close)?;
-        ok_or_errno(call_real!(ibv_query_device(ctx, &mut dev_attr)).map_err(close)?).map_err(close)?;
-        let pd = call_real!(ibv_alloc_pd(ctx)).and_then(non_null).map_err(close)?;
-        Ok(Arc::new(Device { ctx, pd, port, port_attr, dev_attr, name }))
+        ok_or_errno(call_real!(ibv_query_port(ctx, port, &mut port_attr))?)?;
+        ok_or_errno(call_real!(ibv_query_device(ctx, &mut dev_attr))?)?;
+        Ok(Arc::new(Device { ctx, pd, port, port_attr, dev_attr, name, owned }))
     }
 
     /// The GID at `index` of our port.
@@ -141,8 +163,10 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        let _ = call_real!(ibv_dealloc_pd(self.pd));
-        let _ = call_real!(ibv_close_device(self.ctx));
+        if self.owned {
+            let _ = call_real!(ibv_dealloc_pd(self.pd));
+            let _ = call_real!(ibv_close_device(self.ctx));
+        }
     }
 }
 

@@ -1,0 +1,942 @@
+/*
+ * connect: what connecting to a peer costs with raw verbs (the reference
+ * for krcore's qconnect, issue 7).
+ *
+ *   connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT]
+ *   connect -c SERVER_IP [-d DEV] [-g GID_INDEX] [-p TCP_PORT] [-n ROUNDS]
+ *           [-r READS] [-t tsc|clock]
+ *
+ * Server (-s): opens DEV (default $CT_DEVICE, else rxe0), allocates a PD, a
+ * CQ and a 4 KiB buffer filled with a known pattern, registered with remote
+ * read access, and listens on TCP at the IPv4 address of its GID
+ * (GID_INDEX, default 1; a RoCE v2 IPv4-mapped GID) and TCP_PORT (default
+ * 18777). When it listens it prints one line on stdout:
+ *
+ *   connect: server listening on A.B.C.D:PORT ...
+ *
+ * It accepts one client and serves its rounds one after the other; for
+ * each round, as a real server accepting a new client must, it creates an
+ * RC QP, moves it to INIT, RTR (towards the client's QP) and RTS, then
+ * answers with its QPN, PSN, GID, buffer address and rkey (and the time
+ * its own phases took). When the client says the round is over it destroys
+ * that QP and acknowledges. It exits 0 when the client closes the
+ * connection between rounds.
+ *
+ * Client (-c): opens DEV, PD, one CQ (shared by every round, as a real
+ * program creates its CQ once) and an 8-byte landing buffer, connects over
+ * TCP to SERVER_IP:PORT from the IPv4 address of its own GID (GID_INDEX,
+ * default 2), then for each of ROUNDS (default 50) times, with the CPU's
+ * time-stamp counter calibrated against CLOCK_MONOTONIC (as bench/reg_mr.c
+ * does; -t clock forces clock_gettime), the whole cost of connecting and
+ * completing a first 8-byte RDMA READ:
+ *
+ *   create    ibv_create_qp (RC, send/recv depth 16, one SGE)
+ *   init      ibv_modify_qp -> INIT
+ *   exchange  send (QPN, PSN, GID) over the already open TCP connection
+ *             and wait for the server's (QPN, PSN, GID, addr, rkey): this
+ *             includes the server's create + INIT + RTR + RTS (printed
+ *             apart as srv_*) and the TCP round trip
+ *   rtr       ibv_modify_qp -> RTR
+ *   rts       ibv_modify_qp -> RTS
+ *   read      post one signaled 8-byte RDMA READ and busy-poll its
+ *             completion
+ *
+ * The 8 bytes read (from an offset that changes every round) are checked
+ * against the pattern; the landing buffer holds their complement before
+ * the READ. Both sides destroy the round's QP before the next round starts
+ * (destroy_us is the client's ibv_destroy_qp, not part of the total).
+ * Then one more QP is connected the same way (untimed) and READS (default
+ * 1000) 8-byte READs are timed one by one on it, each checked, after 100
+ * untimed warm-up READs: the steady READ latency.
+ *
+ * Output (stdout): a header line "# connect ...", one line per round
+ *
+ *   round N create_us=.. init_us=.. exchange_us=.. rtr_us=.. rts_us=..
+ *     read_us=.. total_us=.. srv_create_us=.. srv_init_us=.. srv_rtr_us=..
+ *     srv_rts_us=.. wire_us=.. destroy_us=..
+ *
+ * (wire_us: exchange minus the server's four phases, i.e. the TCP round
+ * trip and the scheduling around it), a line "steady ..." with the READ
+ * latency's median, p10, p90 and mean, and the summary line of medians:
+ *
+ *   connect_raw_us=M steady_read_us=S connect_minus_read_us=M-S
+ *     create_us=.. init_us=.. exchange_us=.. rtr_us=.. rts_us=..
+ *     first_read_us=.. srv_create_us=.. ... wire_us=.. rounds=..
+ *
+ * Every verbs and socket call is checked; any failure prints what failed
+ * on stderr and exits 1 (2 for a usage error). bench/connect-compare.sh
+ * runs both roles on two emulated nodes of the Soft-RoCE VM.
+ *
+ *   cc -O2 -std=gnu11 -Wall -Wextra -Werror bench/connect.c -libverbs \
+ *      -o target/bench/bin/connect
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <endian.h>
+#include <errno.h>
+#include <infiniband/verbs.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
+#define BUF_SIZE 4096
+#define READ_LEN 8
+#define QP_DEPTH 16
+#define WARMUP_READS 100
+#define POLL_TIMEOUT_US 5000000.0
+#define WIRE_MAGIC 0x4b52434eu /* "KRCN" */
+
+static const char *role = "connect";
+
+static void die(const char *fmt, ...)
+{
+	va_list ap;
+
+	fflush(stdout);
+	fprintf(stderr, "connect %s: ", role);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fprintf(stderr, "\n");
+	exit(1);
+}
+
+/* ---- timer (as bench/reg_mr.c) --------------------------------------- */
+
+static int use_counter;
+static double ticks_per_us = 1e3;
+
+static double mono_us(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static inline uint64_t ticks(void)
+{
+#if defined(__x86_64__)
+	if (use_counter) {
+		_mm_lfence();
+		return __rdtsc();
+	}
+#elif defined(__aarch64__)
+	if (use_counter) {
+		uint64_t v;
+
+		__asm__ __volatile__("isb; mrs %0, cntvct_el0" : "=r"(v) : : "memory");
+		return v;
+	}
+#endif
+	{
+		struct timespec ts;
+
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	}
+}
+
+/* Ticks per microsecond of the counter, against CLOCK_MONOTONIC over a
+ * 200 ms sleep. */
+static void calibrate(void)
+{
+	struct timespec nap = { 0, 200 * 1000 * 1000 };
+	double m0, m1;
+	uint64_t t0, t1;
+
+	if (!use_counter)
+		return;
+	m0 = mono_us();
+	t0 = ticks();
+	nanosleep(&nap, NULL);
+	t1 = ticks();
+	m1 = mono_us();
+	ticks_per_us = (double)(t1 - t0) / (m1 - m0);
+	if (!(ticks_per_us > 0))
+		die("timer calibration failed (%.3f ticks per us)", ticks_per_us);
+}
+
+static double us_of(uint64_t a, uint64_t b)
+{
+	return (double)(b - a) / ticks_per_us;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return (x > y) - (x < y);
+}
+
+/* q in [0,1] of n values (v is left untouched). */
+static double quantile(const double *v, int n, double q)
+{
+	double *c = malloc((size_t)n * sizeof(*c)), r;
+
+	if (!c)
+		die("malloc");
+	memcpy(c, v, (size_t)n * sizeof(*c));
+	qsort(c, (size_t)n, sizeof(*c), cmp_double);
+	if (n % 2 == 0 && q == 0.5)
+		r = (c[n / 2 - 1] + c[n / 2]) / 2;
+	else
+		r = c[(int)(q * (n - 1) + 0.5)];
+	free(c);
+	return r;
+}
+
+static double median(const double *v, int n)
+{
+	return quantile(v, n, 0.5);
+}
+
+/* ---- the pattern in the server's buffer ------------------------------ */
+
+static uint8_t pat(size_t i)
+{
+	uint32_t x = 0x9e3779b1u + (uint32_t)i * 0x85ebca6bu;
+
+	x ^= x >> 13;
+	x *= 0xc2b2ae35u;
+	x ^= x >> 16;
+	return (uint8_t)x;
+}
+
+static uint32_t rng_state;
+
+static uint32_t rand_psn(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 17;
+	rng_state ^= rng_state << 5;
+	return rng_state & 0xffffff;
+}
+
+/* ---- device ---------------------------------------------------------- */
+
+struct dev {
+	struct ibv_context *ctx;
+	struct ibv_pd *pd;
+	struct ibv_cq *cq;
+	struct ibv_mr *mr;
+	uint8_t *buf;
+	union ibv_gid gid;
+	int gid_idx;
+	uint8_t port;
+	enum ibv_mtu mtu;
+	uint8_t rd_atom;
+};
+
+static void open_dev(struct dev *d, const char *name, int gid_idx, int access)
+{
+	static const union ibv_gid zero;
+	struct ibv_device **list;
+	struct ibv_device_attr da;
+	struct ibv_port_attr pa;
+	int n, i, rc;
+
+	memset(d, 0, sizeof(*d));
+	d->port = 1;
+	d->gid_idx = gid_idx;
+	list = ibv_get_device_list(&n);
+	if (!list)
+		die("ibv_get_device_list: %s", strerror(errno));
+	for (i = 0; i < n; i++)
+		if (!strcmp(ibv_get_device_name(list[i]), name))
+			break;
+	if (i == n)
+		die("no RDMA device named %s (%d devices; run scripts/rxe-up.sh "
+		    "first)", name, n);
+	d->ctx = ibv_open_device(list[i]);
+	ibv_free_device_list(list);
+	if (!d->ctx)
+		die("ibv_open_device(%s): %s", name, strerror(errno));
+	if ((rc = ibv_query_device(d->ctx, &da)))
+		die("ibv_query_device: %s", strerror(rc));
+	if ((rc = ibv_query_port(d->ctx, d->port, &pa)))
+		die("ibv_query_port: %s", strerror(rc));
+	if (pa.state != IBV_PORT_ACTIVE)
+		die("%s port %u is not active (state %d)", name, d->port,
+		    pa.state);
+	d->mtu = pa.active_mtu;
+	d->rd_atom = da.max_qp_rd_atom < 16 ? (uint8_t)da.max_qp_rd_atom : 16;
+	if (d->rd_atom < 1)
+		die("%s supports no outstanding RDMA READ (max_qp_rd_atom %d)",
+		    name, da.max_qp_rd_atom);
+	if ((rc = ibv_query_gid(d->ctx, d->port, gid_idx, &d->gid)))
+		die("ibv_query_gid(index %d): %s", gid_idx, strerror(rc));
+	if (!memcmp(&d->gid, &zero, sizeof(zero)))
+		die("GID index %d of %s is empty (run scripts/rxe-up.sh with "
+		    "enough nodes)", gid_idx, name);
+	d->pd = ibv_alloc_pd(d->ctx);
+	if (!d->pd)
+		die("ibv_alloc_pd: %s", strerror(errno));
+	d->cq = ibv_create_cq(d->ctx, 2 * QP_DEPTH, NULL, NULL, 0);
+	if (!d->cq)
+		die("ibv_create_cq: %s", strerror(errno));
+	if (posix_memalign((void **)&d->buf, BUF_SIZE, BUF_SIZE))
+		die("posix_memalign");
+	memset(d->buf, 0, BUF_SIZE);
+	d->mr = ibv_reg_mr(d->pd, d->buf, BUF_SIZE, access);
+	if (!d->mr)
+		die("ibv_reg_mr: %s", strerror(errno));
+}
+
+static void close_dev(struct dev *d)
+{
+	int rc;
+
+	if ((rc = ibv_dereg_mr(d->mr)))
+		die("ibv_dereg_mr: %s", strerror(rc));
+	if ((rc = ibv_destroy_cq(d->cq)))
+		die("ibv_destroy_cq: %s", strerror(rc));
+	if ((rc = ibv_dealloc_pd(d->pd)))
+		die("ibv_dealloc_pd: %s", strerror(rc));
+	if ((rc = ibv_close_device(d->ctx)))
+		die("ibv_close_device: %s", strerror(rc));
+	free(d->buf);
+}
+
+/* The IPv4 address of a RoCE v2 IPv4-mapped GID (::ffff:a.b.c.d). */
+static int gid_ipv4(const union ibv_gid *g, struct in_addr *out)
+{
+	static const uint8_t prefix[12] = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+					    0xff, 0xff };
+
+	if (memcmp(g->raw, prefix, sizeof(prefix)))
+		return -1;
+	memcpy(&out->s_addr, g->raw + 12, 4);
+	return 0;
+}
+
+/* ---- QP steps -------------------------------------------------------- */
+
+static struct ibv_qp *create_qp(struct dev *d)
+{
+	struct ibv_qp_init_attr ia;
+
+	memset(&ia, 0, sizeof(ia));
+	ia.send_cq = d->cq;
+	ia.recv_cq = d->cq;
+	ia.qp_type = IBV_QPT_RC;
+	ia.cap.max_send_wr = QP_DEPTH;
+	ia.cap.max_recv_wr = QP_DEPTH;
+	ia.cap.max_send_sge = 1;
+	ia.cap.max_recv_sge = 1;
+	return ibv_create_qp(d->pd, &ia);
+}
+
+static int to_init(struct dev *d, struct ibv_qp *qp, int access)
+{
+	struct ibv_qp_attr a;
+
+	memset(&a, 0, sizeof(a));
+	a.qp_state = IBV_QPS_INIT;
+	a.pkey_index = 0;
+	a.port_num = d->port;
+	a.qp_access_flags = access;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX |
+					     IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+}
+
+static int to_rtr(struct dev *d, struct ibv_qp *qp, uint32_t dqpn,
+		  uint32_t rq_psn, const union ibv_gid *dgid)
+{
+	struct ibv_qp_attr a;
+
+	memset(&a, 0, sizeof(a));
+	a.qp_state = IBV_QPS_RTR;
+	a.path_mtu = d->mtu;
+	a.dest_qp_num = dqpn;
+	a.rq_psn = rq_psn;
+	a.max_dest_rd_atomic = d->rd_atom;
+	a.min_rnr_timer = 12;
+	a.ah_attr.is_global = 1;
+	a.ah_attr.grh.dgid = *dgid;
+	a.ah_attr.grh.sgid_index = (uint8_t)d->gid_idx;
+	a.ah_attr.grh.hop_limit = 64;
+	a.ah_attr.port_num = d->port;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV |
+					     IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+					     IBV_QP_RQ_PSN |
+					     IBV_QP_MAX_DEST_RD_ATOMIC |
+					     IBV_QP_MIN_RNR_TIMER);
+}
+
+static int to_rts(struct dev *d, struct ibv_qp *qp, uint32_t sq_psn)
+{
+	struct ibv_qp_attr a;
+
+	memset(&a, 0, sizeof(a));
+	a.qp_state = IBV_QPS_RTS;
+	a.timeout = 14;
+	a.retry_cnt = 7;
+	a.rnr_retry = 7;
+	a.sq_psn = sq_psn;
+	a.max_rd_atomic = d->rd_atom;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT |
+					     IBV_QP_RETRY_CNT |
+					     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+					     IBV_QP_MAX_QP_RD_ATOMIC);
+}
+
+/* ---- the TCP exchange ------------------------------------------------ */
+
+enum { MSG_HELLO = 1, MSG_REPLY, MSG_DONE, MSG_DONE_ACK };
+
+/* Host order in memory; big-endian on the wire (wire_put/wire_get). */
+struct msg {
+	uint32_t magic;
+	uint32_t type;
+	uint32_t qpn;
+	uint32_t psn;
+	uint32_t rkey;
+	uint32_t pad;
+	uint64_t addr;
+	uint64_t srv_ns[4]; /* REPLY: server's create, init, rtr, rts */
+	uint8_t gid[16];
+};
+
+static void wire_swap(struct msg *m, int to_wire)
+{
+	uint32_t *w32[] = { &m->magic, &m->type, &m->qpn, &m->psn, &m->rkey,
+			    &m->pad };
+	uint64_t *w64[] = { &m->addr, &m->srv_ns[0], &m->srv_ns[1],
+			    &m->srv_ns[2], &m->srv_ns[3] };
+
+	for (size_t i = 0; i < sizeof(w32) / sizeof(w32[0]); i++)
+		*w32[i] = to_wire ? htobe32(*w32[i]) : be32toh(*w32[i]);
+	for (size_t i = 0; i < sizeof(w64) / sizeof(w64[0]); i++)
+		*w64[i] = to_wire ? htobe64(*w64[i]) : be64toh(*w64[i]);
+}
+
+static void send_msg(int fd, const struct msg *in, const char *what)
+{
+	struct msg m = *in;
+	const char *p = (const char *)&m;
+	size_t left = sizeof(m);
+
+	m.magic = WIRE_MAGIC;
+	wire_swap(&m, 1);
+	while (left) {
+		ssize_t n = send(fd, p, left, MSG_NOSIGNAL);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			die("sending %s: %s", what, n < 0 ? strerror(errno) :
+							     "connection closed");
+		p += n;
+		left -= (size_t)n;
+	}
+}
+
+/* 1: a message of the expected type; 0: the peer closed the connection
+ * before the first byte (allowed only when eof_ok). */
+static int recv_msg(int fd, struct msg *m, uint32_t type, const char *what,
+		    int eof_ok)
+{
+	char *p = (char *)m;
+	size_t got = 0;
+
+	while (got < sizeof(*m)) {
+		ssize_t n = recv(fd, p + got, sizeof(*m) - got, 0);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			die("receiving %s: %s", what, strerror(errno));
+		if (n == 0) {
+			if (got == 0 && eof_ok)
+				return 0;
+			die("receiving %s: the peer closed the connection%s",
+			    what, got ? " in the middle of a message" :
+					" (see its own error output)");
+		}
+		got += (size_t)n;
+	}
+	wire_swap(m, 0);
+	if (m->magic != WIRE_MAGIC)
+		die("receiving %s: bad magic %#x (not a connect peer?)", what,
+		    m->magic);
+	if (m->type != type)
+		die("receiving %s: message type %u, expected %u", what, m->type,
+		    type);
+	return 1;
+}
+
+static void set_nodelay(int fd)
+{
+	int one = 1;
+
+	if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)))
+		die("setsockopt(TCP_NODELAY): %s", strerror(errno));
+}
+
+/* ---- server ---------------------------------------------------------- */
+
+static int run_server(const char *devname, int gid_idx, int port)
+{
+	struct sockaddr_in sa;
+	struct in_addr ip;
+	char ipstr[INET_ADDRSTRLEN];
+	struct dev d;
+	int lfd, fd, one = 1, rounds = 0, rc;
+
+	role = "server";
+	open_dev(&d, devname, gid_idx,
+		 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+	for (size_t i = 0; i < BUF_SIZE; i++)
+		d.buf[i] = pat(i);
+	if (gid_ipv4(&d.gid, &ip))
+		die("GID index %d is not an IPv4-mapped (RoCE v2) GID: no "
+		    "address to listen on", gid_idx);
+	inet_ntop(AF_INET, &ip, ipstr, sizeof(ipstr));
+	calibrate();
+
+	lfd = socket(AF_INET, SOCK_STREAM, 0);
+	if (lfd < 0)
+		die("socket: %s", strerror(errno));
+	if (setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)))
+		die("setsockopt(SO_REUSEADDR): %s", strerror(errno));
+	memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_port = htons((uint16_t)port);
+	sa.sin_addr = ip;
+	if (bind(lfd, (struct sockaddr *)&sa, sizeof(sa)))
+		die("bind %s:%d: %s", ipstr, port, strerror(errno));
+	if (listen(lfd, 1))
+		die("listen: %s", strerror(errno));
+	printf("connect: server listening on %s:%d device=%s gid_index=%d "
+	       "buf=%d qp_depth=%d\n", ipstr, port, devname, gid_idx,
+	       BUF_SIZE, QP_DEPTH);
+	fflush(stdout);
+
+	fd = accept(lfd, NULL, NULL);
+	if (fd < 0)
+		die("accept: %s", strerror(errno));
+	close(lfd);
+	set_nodelay(fd);
+
+	for (;;) {
+		struct msg in, out;
+		struct ibv_qp *qp;
+		uint64_t t0, t1, t2, t3, t4;
+		uint32_t psn = rand_psn();
+
+		if (!recv_msg(fd, &in, MSG_HELLO, "the client's QP info", 1))
+			break;
+		rounds++;
+		t0 = ticks();
+		qp = create_qp(&d);
+		if (!qp)
+			die("round %d: ibv_create_qp: %s", rounds,
+			    strerror(errno));
+		t1 = ticks();
+		if ((rc = to_init(&d, qp, IBV_ACCESS_LOCAL_WRITE |
+						   IBV_ACCESS_REMOTE_READ)))
+			die("round %d: ibv_modify_qp(INIT): %s", rounds,
+			    strerror(rc));
+		t2 = ticks();
+		if ((rc = to_rtr(&d, qp, in.qpn, in.psn,
+				 (const union ibv_gid *)in.gid)))
+			die("round %d: ibv_modify_qp(RTR): %s", rounds,
+			    strerror(rc));
+		t3 = ticks();
+		if ((rc = to_rts(&d, qp, psn)))
+			die("round %d: ibv_modify_qp(RTS): %s", rounds,
+			    strerror(rc));
+		t4 = ticks();
+
+		memset(&out, 0, sizeof(out));
+		out.type = MSG_REPLY;
+		out.qpn = qp->qp_num;
+		out.psn = psn;
+		out.rkey = d.mr->rkey;
+		out.addr = (uintptr_t)d.buf;
+		out.srv_ns[0] = (uint64_t)(us_of(t0, t1) * 1e3);
+		out.srv_ns[1] = (uint64_t)(us_of(t1, t2) * 1e3);
+		out.srv_ns[2] = (uint64_t)(us_of(t2, t3) * 1e3);
+		out.srv_ns[3] = (uint64_t)(us_of(t3, t4) * 1e3);
+		memcpy(out.gid, d.gid.raw, 16);
+		send_msg(fd, &out, "the server's QP info");
+
+		recv_msg(fd, &in, MSG_DONE, "the end of the round", 0);
+		if ((rc = ibv_destroy_qp(qp)))
+			die("round %d: ibv_destroy_qp: %s", rounds,
+			    strerror(rc));
+		memset(&out, 0, sizeof(out));
+		out.type = MSG_DONE_ACK;
+		send_msg(fd, &out, "the end-of-round ack");
+	}
+	close(fd);
+	close_dev(&d);
+	printf("connect: server done, %d connections served\n", rounds);
+	return 0;
+}
+
+/* ---- client ---------------------------------------------------------- */
+
+struct client {
+	struct dev d;
+	int fd;
+	uint64_t raddr;
+	uint32_t rkey;
+};
+
+/* Busy-polls one completion: the READ wr_id, successful. */
+static void poll_read(struct client *c, uint64_t wr_id, const char *what)
+{
+	struct ibv_wc wc;
+	uint64_t start = ticks();
+	uint64_t limit = (uint64_t)(POLL_TIMEOUT_US * ticks_per_us);
+	unsigned spins = 0;
+	int n;
+
+	for (;;) {
+		n = ibv_poll_cq(c->d.cq, 1, &wc);
+		if (n < 0)
+			die("%s: ibv_poll_cq returned %d", what, n);
+		if (n == 1)
+			break;
+		if ((++spins & 1023) == 0 && ticks() - start > limit)
+			die("%s: no completion after %.0f s", what,
+			    POLL_TIMEOUT_US / 1e6);
+	}
+	if (wc.status != IBV_WC_SUCCESS)
+		die("%s: completion status %s (%d), vendor_err %#x", what,
+		    ibv_wc_status_str(wc.status), wc.status, wc.vendor_err);
+	if (wc.wr_id != wr_id || wc.opcode != IBV_WC_RDMA_READ)
+		die("%s: completion wr_id %llu opcode %d, expected %llu "
+		    "RDMA_READ", what, (unsigned long long)wc.wr_id, wc.opcode,
+		    (unsigned long long)wr_id);
+}
+
+static void prep_read(struct client *c, size_t off)
+{
+	for (size_t i = 0; i < READ_LEN; i++)
+		c->d.buf[i] = (uint8_t)~pat(off + i);
+}
+
+static void post_read(struct client *c, struct ibv_qp *qp, uint64_t wr_id,
+		      size_t off, const char *what)
+{
+	struct ibv_sge sge;
+	struct ibv_send_wr wr, *bad = NULL;
+	int rc;
+
+	sge.addr = (uintptr_t)c->d.buf;
+	sge.length = READ_LEN;
+	sge.lkey = c->d.mr->lkey;
+	memset(&wr, 0, sizeof(wr));
+	wr.wr_id = wr_id;
+	wr.sg_list = &sge;
+	wr.num_sge = 1;
+	wr.opcode = IBV_WR_RDMA_READ;
+	wr.send_flags = IBV_SEND_SIGNALED;
+	wr.wr.rdma.remote_addr = c->raddr + off;
+	wr.wr.rdma.rkey = c->rkey;
+	if ((rc = ibv_post_send(qp, &wr, &bad)))
+		die("%s: ibv_post_send(RDMA_READ): %s", what, strerror(rc));
+}
+
+static void check_read(struct client *c, size_t off, const char *what)
+{
+	for (size_t i = 0; i < READ_LEN; i++)
+		if (c->d.buf[i] != pat(off + i))
+			die("%s: byte %zu read from offset %zu is 0x%02x, "
+			    "expected 0x%02x", what, i, off, c->d.buf[i],
+			    pat(off + i));
+}
+
+enum { P_CREATE, P_INIT, P_EXCH, P_RTR, P_RTS, P_READ, P_TOTAL, P_SCREATE,
+       P_SINIT, P_SRTR, P_SRTS, P_WIRE, P_DESTROY, NPHASE };
+static const char *const phase_name[NPHASE] = {
+	"create_us", "init_us", "exchange_us", "rtr_us", "rts_us", "read_us",
+	"total_us", "srv_create_us", "srv_init_us", "srv_rtr_us",
+	"srv_rts_us", "wire_us", "destroy_us",
+};
+
+/* One connection: create, INIT, exchange, RTR, RTS, first READ (checked).
+ * Fills ph[] (when not NULL) and returns the connected QP. */
+static struct ibv_qp *connect_once(struct client *c, int round, double *ph)
+{
+	char what[64];
+	struct msg out, in;
+	struct ibv_qp *qp;
+	uint32_t psn = rand_psn();
+	size_t off = ((size_t)round * READ_LEN) % BUF_SIZE;
+	uint64_t t[7];
+	int rc;
+
+	snprintf(what, sizeof(what), "round %d", round);
+	prep_read(c, off);
+
+	t[0] = ticks();
+	qp = create_qp(&c->d);
+	if (!qp)
+		die("%s: ibv_create_qp: %s", what, strerror(errno));
+	t[1] = ticks();
+	if ((rc = to_init(&c->d, qp, IBV_ACCESS_LOCAL_WRITE)))
+		die("%s: ibv_modify_qp(INIT): %s", what, strerror(rc));
+	t[2] = ticks();
+	memset(&out, 0, sizeof(out));
+	out.type = MSG_HELLO;
+	out.qpn = qp->qp_num;
+	out.psn = psn;
+	memcpy(out.gid, c->d.gid.raw, 16);
+	send_msg(c->fd, &out, "the client's QP info");
+	recv_msg(c->fd, &in, MSG_REPLY, "the server's QP info", 0);
+	c->raddr = in.addr;
+	c->rkey = in.rkey;
+	t[3] = ticks();
+	if ((rc = to_rtr(&c->d, qp, in.qpn, in.psn,
+			 (const union ibv_gid *)in.gid)))
+		die("%s: ibv_modify_qp(RTR): %s", what, strerror(rc));
+	t[4] = ticks();
+	if ((rc = to_rts(&c->d, qp, psn)))
+		die("%s: ibv_modify_qp(RTS): %s", what, strerror(rc));
+	t[5] = ticks();
+	post_read(c, qp, (uint64_t)round, off, what);
+	poll_read(c, (uint64_t)round, what);
+	t[6] = ticks();
+	check_read(c, off, what);
+
+	if (ph) {
+		ph[P_CREATE] = us_of(t[0], t[1]);
+		ph[P_INIT] = us_of(t[1], t[2]);
+		ph[P_EXCH] = us_of(t[2], t[3]);
+		ph[P_RTR] = us_of(t[3], t[4]);
+		ph[P_RTS] = us_of(t[4], t[5]);
+		ph[P_READ] = us_of(t[5], t[6]);
+		ph[P_TOTAL] = us_of(t[0], t[6]);
+		for (int i = 0; i < 4; i++)
+			ph[P_SCREATE + i] = (double)in.srv_ns[i] / 1e3;
+		ph[P_WIRE] = ph[P_EXCH] - ph[P_SCREATE] - ph[P_SINIT] -
+			     ph[P_SRTR] - ph[P_SRTS];
+	}
+	return qp;
+}
+
+/* Destroys the round's QP, tells the server, waits until it destroyed its
+ * own. Returns the client's destroy time. */
+static double end_round(struct client *c, struct ibv_qp *qp, int round)
+{
+	struct msg m;
+	uint64_t t0, t1;
+	int rc;
+
+	t0 = ticks();
+	if ((rc = ibv_destroy_qp(qp)))
+		die("round %d: ibv_destroy_qp: %s", round, strerror(rc));
+	t1 = ticks();
+	memset(&m, 0, sizeof(m));
+	m.type = MSG_DONE;
+	send_msg(c->fd, &m, "the end of the round");
+	recv_msg(c->fd, &m, MSG_DONE_ACK, "the end-of-round ack", 0);
+	return us_of(t0, t1);
+}
+
+static int run_client(const char *devname, int gid_idx, const char *server,
+		      int port, int rounds, int reads)
+{
+	struct client c;
+	struct sockaddr_in sa;
+	struct in_addr me;
+	char mestr[INET_ADDRSTRLEN] = "any";
+	double (*ph)[NPHASE], *steady, med[NPHASE], clock_us, timer_us;
+	struct ibv_qp *qp;
+	int i;
+
+	role = "client";
+	memset(&c, 0, sizeof(c));
+	ph = calloc((size_t)rounds, sizeof(*ph));
+	steady = calloc((size_t)reads, sizeof(*steady));
+	if (!ph || !steady)
+		die("calloc");
+	open_dev(&c.d, devname, gid_idx, IBV_ACCESS_LOCAL_WRITE);
+
+	{
+		double t0 = mono_us(), d[1001];
+
+		for (i = 0; i < 1000; i++)
+			(void)mono_us();
+		clock_us = (mono_us() - t0) / 1000;
+		calibrate();
+		for (i = 0; i < 1001; i++) {
+			uint64_t a = ticks();
+
+			d[i] = us_of(a, ticks());
+		}
+		timer_us = median(d, 1001);
+	}
+
+	c.fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (c.fd < 0)
+		die("socket: %s", strerror(errno));
+	if (!gid_ipv4(&c.d.gid, &me)) {
+		/* Speak TCP from this emulated node's own address. */
+		memset(&sa, 0, sizeof(sa));
+		sa.sin_family = AF_INET;
+		sa.sin_addr = me;
+		if (bind(c.fd, (struct sockaddr *)&sa, sizeof(sa)))
+			die("bind to %s (GID index %d): %s",
+			    inet_ntoa(me), gid_idx, strerror(errno));
+		inet_ntop(AF_INET, &me, mestr, sizeof(mestr));
+	}
+	memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_port = htons((uint16_t)port);
+	if (inet_pton(AF_INET, server, &sa.sin_addr) != 1)
+		die("%s is not an IPv4 address", server);
+	if (connect(c.fd, (struct sockaddr *)&sa, sizeof(sa)))
+		die("connect to %s:%d: %s", server, port, strerror(errno));
+	set_nodelay(c.fd);
+
+	printf("# connect role=client device=%s gid_index=%d local=%s "
+	       "server=%s:%d rounds=%d reads=%d read_len=%d qp_depth=%d "
+	       "timer=%s ticks_per_us=%.3f timer_cost_us=%.4f "
+	       "clock_gettime_us=%.3f\n", devname, gid_idx, mestr, server,
+	       port, rounds, reads, READ_LEN, QP_DEPTH,
+	       use_counter ? "counter" : "clock", ticks_per_us, timer_us,
+	       clock_us);
+	fflush(stdout);
+
+	for (i = 0; i < rounds; i++) {
+		qp = connect_once(&c, i + 1, ph[i]);
+		ph[i][P_DESTROY] = end_round(&c, qp, i + 1);
+		printf("round %d", i + 1);
+		for (int k = 0; k < NPHASE; k++)
+			printf(" %s=%.1f", phase_name[k], ph[i][k]);
+		printf("\n");
+		fflush(stdout);
+	}
+
+	/* Steady READs on one established QP. */
+	qp = connect_once(&c, rounds + 1, NULL);
+	for (i = 0; i < WARMUP_READS + reads; i++) {
+		size_t off = ((size_t)i * READ_LEN) % BUF_SIZE;
+		uint64_t t0, t1;
+
+		prep_read(&c, off);
+		t0 = ticks();
+		post_read(&c, qp, (uint64_t)i, off, "steady READ");
+		poll_read(&c, (uint64_t)i, "steady READ");
+		t1 = ticks();
+		check_read(&c, off, "steady READ");
+		if (i >= WARMUP_READS)
+			steady[i - WARMUP_READS] = us_of(t0, t1);
+	}
+	(void)end_round(&c, qp, rounds + 1);
+	if (close(c.fd))
+		die("close: %s", strerror(errno));
+	close_dev(&c.d);
+
+	{
+		double s_med = median(steady, reads), mean = 0;
+
+		for (i = 0; i < reads; i++)
+			mean += steady[i];
+		mean /= reads;
+		printf("steady reads=%d median_us=%.1f p10_us=%.1f "
+		       "p90_us=%.1f mean_us=%.1f\n", reads, s_med,
+		       quantile(steady, reads, 0.1),
+		       quantile(steady, reads, 0.9), mean);
+		for (int k = 0; k < NPHASE; k++) {
+			double col[rounds];
+
+			for (i = 0; i < rounds; i++)
+				col[i] = ph[i][k];
+			med[k] = median(col, rounds);
+		}
+		printf("connect_raw_us=%.1f steady_read_us=%.1f "
+		       "connect_minus_read_us=%.1f", med[P_TOTAL], s_med,
+		       med[P_TOTAL] - s_med);
+		for (int k = 0; k < NPHASE; k++) {
+			if (k == P_TOTAL)
+				continue;
+			printf(" %s=%.1f", k == P_READ ? "first_read_us" :
+							 phase_name[k], med[k]);
+		}
+		printf(" rounds=%d\n", rounds);
+	}
+	free(ph);
+	free(steady);
+	return 0;
+}
+
+static void usage(void)
+{
+	fprintf(stderr,
+		"usage: connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT]\n"
+		"       connect -c SERVER_IP [-d DEV] [-g GID_INDEX] "
+		"[-p TCP_PORT] [-n ROUNDS] [-r READS] [-t tsc|clock]\n");
+	exit(2);
+}
+
+static int parse_int(const char *s, int lo, int hi, const char *what)
+{
+	char *end;
+	long v;
+
+	errno = 0;
+	v = strtol(s, &end, 10);
+	if (errno || *end || end == s || v < lo || v > hi) {
+		fprintf(stderr, "connect: %s must be an integer in [%d, %d], "
+			"not '%s'\n", what, lo, hi, s);
+		exit(2);
+	}
+	return (int)v;
+}
+
+int main(int argc, char **argv)
+{
+	const char *devname = getenv("CT_DEVICE") && *getenv("CT_DEVICE") ?
+				      getenv("CT_DEVICE") : "rxe0";
+	const char *server = NULL;
+	int is_server = 0, gid_idx = -1, port = 18777, rounds = 50,
+	    reads = 1000, opt;
+
+#if defined(__x86_64__) || defined(__aarch64__)
+	use_counter = 1;
+#endif
+	while ((opt = getopt(argc, argv, "sc:d:g:p:n:r:t:")) != -1) {
+		switch (opt) {
+		case 's': is_server = 1; break;
+		case 'c': server = optarg; break;
+		case 'd': devname = optarg; break;
+		case 'g': gid_idx = parse_int(optarg, 0, 65535, "-g"); break;
+		case 'p': port = parse_int(optarg, 1, 65535, "-p"); break;
+		case 'n': rounds = parse_int(optarg, 1, 100000, "-n"); break;
+		case 'r': reads = parse_int(optarg, 1, 10000000, "-r"); break;
+		case 't':
+			if (!strcmp(optarg, "clock"))
+				use_counter = 0;
+			else if (strcmp(optarg, "tsc"))
+				usage();
+			break;
+		default: usage();
+		}
+	}
+	if (optind != argc || is_server == !!server)
+		usage();
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	rng_state = (uint32_t)getpid() * 2654435761u ^ (uint32_t)ticks();
+	if (!rng_state)
+		rng_state = 1;
+	if (is_server)
+		return run_server(devname, gid_idx < 0 ? 1 : gid_idx, port);
+	return run_client(devname, gid_idx < 0 ? 2 : gid_idx, server, port,
+			  rounds, reads);
+}

@@ -1,0 +1,508 @@
+//! The service endpoint of a protection domain, its progress thread, its
+//! pool of warm QPs and its links to peer processes.
+//!
+//! A *peer* is a service endpoint of another process: (GID, UD QPN, qkey,
+//! incarnation). A *link* is an RC QP pair between two endpoints; every
+//! virtual QP of this PD that talks to that peer shares it. Links are set
+//! up by a two-message handshake over the UD QPs (DESIGN.md, "Link setup"):
+//!
+//! ```text
+//! initiator                                   responder (progress thread)
+//! take a warm QP (INIT)
+//! LinkRequest{rc_qpn, psn, MR table} --UD-->  take a warm QP, RTR + RTS
+//!                                   <--UD--   LinkReply{rc_qpn, psn, MR table}
+//! RTR + RTS
+//! ```
+//!
+//! Nothing on this path creates a QP: QPs wait in the pool already in INIT
+//! and the progress thread refills it after each use. UD is unreliable, so
+//! the initiator sends its request again every `RETRANSMIT` until the reply
+//! comes or its time runs out; the responder answers a repeated request
+//! with the link it already made. The peer's incarnation in the reply must
+//! be the one the initiator expected, or the connect is refused (a new
+//! process now owns that address).
+//!
+//! One progress thread per endpoint answers peers while the application
+//! is busy elsewhere. It sleeps in `poll(2)` on the UD completion channel
+//! and an eventfd (refill, stop), never spinning.
+
+use crate::error::{Errno, Result};
+use crate::klog;
+use crate::log::Level;
+use crate::meta::mrtable::MrTable;
+use crate::meta::proto::{LinkInfo, LinkMessage, LinkReply, LinkRequest, LINK_LEN};
+use crate::meta::Endpoint;
+use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region};
+use crate::sys::*;
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How often an unanswered link request is sent again.
+const RETRANSMIT: Duration = Duration::from_millis(100);
+/// Receive buffers of the UD QP (a GRH then a link message each).
+const UD_RECVS: usize = 64;
+const GRH: usize = 40;
+const UD_SLOT: usize = GRH + LINK_LEN;
+
+/// Sizes of the service endpoint and its links.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// QPs kept in INIT for new links.
+    pub warm_qps: usize,
+    /// Send queue depth of a link.
+    pub link_send_wr: u32,
+    /// Slots of this endpoint's MR table.
+    pub mr_table_slots: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { warm_qps: 4, link_send_wr: 256, mr_table_slots: 4096 }
+    }
+}
+
+/// An RC connection to one peer process, shared by every VQP that talks to
+/// it.
+pub struct Link {
+    pub qp: Qp,
+    pub peer: Endpoint,
+    pub index: u16,
+    /// The peer's MR table: READ it to check remote addresses and keys.
+    pub peer_mr_table: (u64, u32, u32),
+    /// We sent the request (else the peer did).
+    pub initiated: bool,
+    /// The PSN our side starts sending with (told to the peer).
+    psn: u32,
+}
+
+/// Links are found by the peer's endpoint and the link's index.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct LinkKey {
+    gid: Gid,
+    qpn: u32,
+    incarnation: u64,
+    index: u16,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("qpn", &self.qp.qpn())
+            .field("peer", &self.peer)
+            .field("index", &self.index)
+            .field("initiated", &self.initiated)
+            .finish()
+    }
+}
+
+impl LinkKey {
+    fn of(peer: &Endpoint, index: u16) -> LinkKey {
+        LinkKey { gid: peer.gid, qpn: peer.qpn, incarnation: peer.incarnation, index }
+    }
+}
+
+/// State shared with the progress thread.
+struct Shared {
+    dev: Arc<Device>,
+    sgid_index: u32,
+    me: Endpoint,
+    opts: Options,
+    ud_cq: Arc<Cq>,
+    ud: Qp,
+    ud_bufs: Region,
+    /// Address handles to peers' GIDs, for UD sends.
+    ahs: Mutex<HashMap<Gid, Arc<Ah>>>,
+    link_cq: Arc<Cq>,
+    warm: Mutex<Vec<Qp>>,
+    links: Mutex<HashMap<LinkKey, Arc<Link>>>,
+    /// Replies to our requests, by request id, until their waiter takes them.
+    replies: Mutex<HashMap<u32, LinkReply>>,
+    reply_ready: Condvar,
+    next_req: AtomicU32,
+    /// Cold connects one at a time: each is milliseconds of QP modifies.
+    connecting: Mutex<()>,
+    mr_table_mem: Region,
+    mr_table_slots: u32,
+    /// Wakes the progress thread (refill, stop).
+    event_fd: libc::c_int,
+    stop: AtomicBool,
+}
+
+/// A PD's service endpoint: what peers address, and what makes links.
+pub struct Service {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Service {
+    /// Start the endpoint on `dev` from our GID at `sgid_index`.
+    pub fn start(dev: &Arc<Device>, sgid_index: u32, opts: Options) -> Result<Service> {
+        let gid = dev.gid(sgid_index)?;
+        let ud_cq = Arc::new(Cq::new(dev, (2 * UD_RECVS) as u32)?);
+        let caps = Caps { send_wr: UD_RECVS as u32, recv_wr: UD_RECVS as u32, send_sge: 1, recv_sge: 1, inline: LINK_LEN as u32 };
+        let ud = Qp::new(dev, ibv_qp_type::IBV_QPT_UD, &ud_cq, &ud_cq, caps)?;
+        if (ud.caps.inline as usize) < LINK_LEN {
+            return Err(Errno::EOPNOTSUPP);
+        }
+        ud.ud_ready()?;
+        let ud_bufs = Region::new(dev, UD_RECVS * UD_SLOT, rdma::LOCAL_WRITE)?;
+        let link_cq = Arc::new(Cq::new(dev, 4096)?);
+        let slots = opts.mr_table_slots;
+        let mr_table_mem = Region::new(dev, MrTable::bytes_for(slots), rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
+        let incarnation = rdma::random_u64();
+        let len = mr_table_mem.len();
+        // SAFETY: nobody can READ the table before a link hands its key out.
+        MrTable::init(unsafe { mr_table_mem.bytes_mut(0, len) }, slots, incarnation)?;
+        // SAFETY: plain syscall.
+        let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if event_fd < 0 {
+            return Err(Errno::last());
+        }
+        let me = Endpoint { gid, qpn: ud.qpn(), qkey: rdma::QKEY, incarnation, vqpn: 0 };
+        let shared = Arc::new(Shared {
+            dev: Arc::clone(dev),
+            sgid_index,
+            me,
+            opts,
+            ud_cq,
+            ud,
+            ud_bufs,
+            ahs: Mutex::new(HashMap::new()),
+            link_cq,
+            warm: Mutex::new(Vec::new()),
+            links: Mutex::new(HashMap::new()),
+            replies: Mutex::new(HashMap::new()),
+            reply_ready: Condvar::new(),
+            next_req: AtomicU32::new(1),
+            connecting: Mutex::new(()),
+            mr_table_mem,
+            mr_table_slots: slots,
+            event_fd,
+            stop: AtomicBool::new(false),
+        });
+        for slot in 0..UD_RECVS {
+            shared.post_ud_recv(slot)?;
+        }
+        shared.refill();
+        let s2 = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("krcore-service".into())
+            .spawn(move || s2.progress())
+            .map_err(|_| Errno(libc::EAGAIN))?;
+        klog!(Level::Info, "service endpoint: UD QP {} on GID index {sgid_index}", me.qpn);
+        Ok(Service { shared, thread: Some(thread) })
+    }
+
+    /// What peers address to reach this endpoint.
+    pub fn endpoint(&self) -> Endpoint {
+        self.shared.me
+    }
+
+    /// Link number `index` to `peer`: the existing one (no communication at
+    /// all), or a new one made with the UD handshake. ECONNREFUSED when a
+    /// different process (incarnation) answers, ETIMEDOUT when none does
+    /// within `timeout`.
+    pub fn link(&self, peer: &Endpoint, index: u16, timeout: Duration) -> Result<Arc<Link>> {
+        let key = LinkKey::of(peer, index);
+        if let Some(l) = self.shared.links.lock().get(&key) {
+            return Ok(Arc::clone(l));
+        }
+        let _one = self.shared.connecting.lock();
+        if let Some(l) = self.shared.links.lock().get(&key) {
+            return Ok(Arc::clone(l));
+        }
+        self.shared.connect(peer, index, timeout)
+    }
+
+    /// Links currently up (made by either side).
+    pub fn links(&self) -> usize {
+        self.shared.links.lock().len()
+    }
+
+    /// QPs waiting in the pool.
+    pub fn warm_qps(&self) -> usize {
+        self.shared.warm.lock().len()
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.shared.dev
+    }
+
+    /// The completion queue every link posts to (send and receive).
+    pub fn link_cq(&self) -> &Arc<Cq> {
+        &self.shared.link_cq
+    }
+
+    /// Our MR table: (address, rkey, slots).
+    pub fn mr_table(&self) -> (u64, u32, u32) {
+        self.shared.mr_table_info()
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.kick();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: our eventfd, closed once.
+        unsafe { libc::close(self.event_fd) };
+    }
+}
+
+impl Shared {
+    fn mr_table_info(&self) -> (u64, u32, u32) {
+        (self.mr_table_mem.addr(), self.mr_table_mem.rkey(), self.mr_table_slots)
+    }
+
+    fn info(&self, rc_qpn: u32, psn: u32, index: u16) -> LinkInfo {
+        let (addr, rkey, slots) = self.mr_table_info();
+        LinkInfo { from: self.me, rc_qpn, psn, mr_table_addr: addr, mr_table_rkey: rkey, mr_table_slots: slots, link: index }
+    }
+
+    /// A QP in INIT from the pool (or a new one when the pool ran dry).
+    fn take_warm(&self) -> Result<Qp> {
+        let qp = self.warm.lock().pop();
+        self.kick();
+        match qp {
+            Some(qp) => Ok(qp),
+            None => {
+                klog!(Level::Info, "service: the warm QP pool is empty: creating a QP on the connect path");
+                self.new_link_qp()
+            }
+        }
+    }
+
+    fn new_link_qp(&self) -> Result<Qp> {
+        let caps = Caps { send_wr: self.opts.link_send_wr, recv_wr: 64, send_sge: 4, recv_sge: 4, inline: 64 };
+        let qp = Qp::new(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.link_cq, &self.link_cq, caps)?;
+        qp.to_init()?;
+        Ok(qp)
+    }
+
+    fn refill(&self) {
+        while self.warm.lock().len() < self.opts.warm_qps {
+            match self.new_link_qp() {
+                Ok(qp) => self.warm.lock().push(qp),
+                Err(e) => {
+                    klog!(Level::Warn, "service: cannot refill the warm QP pool: {e:?}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Wake the progress thread.
+    fn kick(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes to our eventfd.
+        unsafe { libc::write(self.event_fd, (&one as *const u64).cast(), 8) };
+    }
+
+    fn connect(&self, peer: &Endpoint, index: u16, timeout: Duration) -> Result<Arc<Link>> {
+        let deadline = Instant::now() + timeout;
+        let qp = self.take_warm()?;
+        let psn = rdma::random_psn();
+        let req_id = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index) };
+        let mut msg = [0u8; LINK_LEN];
+        req.encode(&mut msg);
+        let reply = loop {
+            self.send_ud(&peer.gid, peer.qpn, peer.qkey, &msg)?;
+            let until = (Instant::now() + RETRANSMIT).min(deadline);
+            let mut replies = self.replies.lock();
+            while !replies.contains_key(&req_id) && Instant::now() < until {
+                self.reply_ready.wait_until(&mut replies, until);
+            }
+            if let Some(r) = replies.remove(&req_id) {
+                break r;
+            }
+            drop(replies);
+            if Instant::now() >= deadline {
+                return Err(Errno(libc::ETIMEDOUT));
+            }
+        };
+        if reply.status != 0 {
+            return Err(Errno(reply.status as i32));
+        }
+        let theirs = reply.info;
+        if theirs.from.incarnation != peer.incarnation || theirs.from.gid != peer.gid {
+            return Err(Errno(libc::ECONNREFUSED));
+        }
+        qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        let link = Arc::new(Link {
+            qp,
+            peer: *peer,
+            index,
+            peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
+            initiated: true,
+            psn,
+        });
+        let mut links = self.links.lock();
+        Ok(Arc::clone(links.entry(LinkKey::of(peer, index)).or_insert(link)))
+    }
+
+    /// One link message to a peer's UD QP (inline: `msg` may go at once).
+    fn send_ud(&self, gid: &Gid, qpn: u32, qkey: u32, msg: &[u8; LINK_LEN]) -> Result<()> {
+        let ah = {
+            let mut ahs = self.ahs.lock();
+            match ahs.get(gid) {
+                Some(ah) => Arc::clone(ah),
+                None => {
+                    let mut attr = self.ud.ah_attr(self.sgid_index, gid);
+                    let ah = Arc::new(Ah::new(&self.dev, &mut attr)?);
+                    ahs.insert(*gid, Arc::clone(&ah));
+                    ah
+                }
+            }
+        };
+        let mut sge = ibv_sge { addr: msg.as_ptr() as u64, length: LINK_LEN as u32, lkey: 0 };
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        // Signaled: the progress thread reaps every send, so the queue
+        // never fills with completions nobody polls.
+        wr.send_flags = ibv_send_flags::IBV_SEND_INLINE.0 | ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.ud.ah = ah.ah;
+        wr.wr.ud.remote_qpn = qpn;
+        wr.wr.ud.remote_qkey = qkey;
+        // SAFETY: inline data is copied at post time; the AH outlives the
+        // send (cached for the endpoint's life).
+        unsafe { self.ud.post_send(&mut wr) }
+    }
+
+    fn post_ud_recv(&self, slot: usize) -> Result<()> {
+        let mut sge = self.ud_bufs.sge(slot * UD_SLOT, UD_SLOT);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = slot as u64;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        // SAFETY: one WR over our own registered buffer.
+        unsafe { self.ud.post_recv(&mut wr) }
+    }
+
+    /// The progress thread.
+    fn progress(&self) {
+        // SAFETY: a live channel.
+        let cq_fd = unsafe { (*self.ud_cq.channel).fd };
+        while !self.stop.load(Ordering::SeqCst) {
+            let mut fds = [
+                libc::pollfd { fd: cq_fd, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.event_fd, events: libc::POLLIN, revents: 0 },
+            ];
+            // SAFETY: two valid pollfds.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if fds[1].revents != 0 {
+                let mut v = 0u64;
+                // SAFETY: reads 8 bytes from our eventfd.
+                unsafe { libc::read(self.event_fd, (&mut v as *mut u64).cast(), 8) };
+            }
+            if fds[0].revents != 0 {
+                if let Err(e) = self.ud_cq.wait(Some(Duration::ZERO)) {
+                    klog!(Level::Warn, "service: completion channel: {e:?}");
+                }
+            }
+            self.drain_ud();
+            self.refill();
+        }
+    }
+
+    fn drain_ud(&self) {
+        // SAFETY: plain C data.
+        let mut wcs: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
+        loop {
+            let n = match self.ud_cq.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    klog!(Level::Warn, "service: polling the UD CQ: {e:?}");
+                    return;
+                }
+            };
+            for wc in &wcs[..n] {
+                if wc.opcode == ibv_wc_opcode::IBV_WC_RECV {
+                    self.on_recv(wc);
+                } else if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
+                    klog!(Level::Warn, "service: a UD send failed (status {})", wc.status);
+                }
+            }
+            if n < wcs.len() {
+                return;
+            }
+        }
+    }
+
+    fn on_recv(&self, wc: &ibv_wc) {
+        let slot = wc.wr_id as usize;
+        if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
+            // SAFETY: this slot's receive completed; it is reposted below.
+            let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * UD_SLOT + GRH, LINK_LEN) });
+            match msg {
+                Ok(LinkMessage::Request(r)) => self.on_request(&r),
+                Ok(LinkMessage::Reply(r)) => {
+                    self.replies.lock().insert(r.req_id, r);
+                    self.reply_ready.notify_all();
+                }
+                Err(e) => klog!(Level::Warn, "service: dropped a malformed link message: {e:?}"),
+            }
+        }
+        if let Err(e) = self.post_ud_recv(slot) {
+            klog!(Level::Warn, "service: cannot repost a UD receive: {e:?}");
+        }
+    }
+
+    /// A peer asks for a link: make it (or find the one a repeated request
+    /// already made) and answer.
+    fn on_request(&self, r: &LinkRequest) {
+        let peer = r.info.from;
+        let key = LinkKey::of(&peer, r.info.link);
+        let existing = self.links.lock().get(&key).cloned();
+        let reply = match existing {
+            // Only a link the peer asked for answers a repeated request; one
+            // we initiated ourselves is a different QP pair.
+            Some(l) if !l.initiated => Ok(l),
+            _ => self.accept(r),
+        };
+        let reply = match reply {
+            Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link) },
+            Err(e) => {
+                klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
+                LinkReply { req_id: r.req_id, status: e.0 as u32, info: self.info(0, 0, r.info.link) }
+            }
+        };
+        let mut msg = [0u8; LINK_LEN];
+        reply.encode(&mut msg);
+        if let Err(e) = self.send_ud(&peer.gid, peer.qpn, peer.qkey, &msg) {
+            klog!(Level::Warn, "service: cannot answer a link request: {e:?}");
+        }
+    }
+
+    fn accept(&self, r: &LinkRequest) -> Result<Arc<Link>> {
+        let theirs = &r.info;
+        let qp = self.take_warm()?;
+        let psn = rdma::random_psn();
+        qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        let link = Arc::new(Link {
+            qp,
+            peer: theirs.from,
+            index: theirs.link,
+            peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
+            initiated: false,
+            psn,
+        });
+        self.links.lock().insert(LinkKey::of(&theirs.from, theirs.link), Arc::clone(&link));
+        Ok(link)
+    }
+}

@@ -1,0 +1,168 @@
+//! Service endpoints and links against a real RDMA stack: two processes on
+//! two emulated nodes make a link with the UD handshake, move data over it
+//! with a one-sided READ, and reuse it without any communication.
+//!
+//! `#[ignore]`d without an RDMA device; the integration suite runs these in
+//! the VM (scripts/rxe-up.sh: 10.77.0.i is GID index i).
+
+use krcore::error::Errno;
+use krcore::meta::mrtable::RemoteMrTable;
+use krcore::meta::Endpoint;
+use krcore::rdma::{ipv4_gid, Device, Region};
+use krcore::service::{Options, Service};
+use krcore::sys::*;
+use std::io::{BufRead, BufReader, Write};
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn device() -> Arc<Device> {
+    Device::open(std::env::var("CT_DEVICE").ok().as_deref()).expect("open the RDMA device")
+}
+
+fn service_on(dev: &Arc<Device>, node: u8) -> Service {
+    let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, node))).expect("node GID");
+    Service::start(dev, gi, Options::default()).expect("start the service endpoint")
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> [u8; 16] {
+    let mut g = [0u8; 16];
+    for (i, b) in g.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap();
+    }
+    g
+}
+
+/// Wait (bounded) for `cond`.
+fn eventually(what: &str, limit: Duration, cond: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < limit, "timed out after {limit:?} waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// READ `len` bytes at (addr, rkey) over the link into `dst` and wait.
+fn read(svc: &Service, link: &krcore::service::Link, dst: &Region, addr: u64, rkey: u32, len: usize) {
+    let mut sge = dst.sge(0, len);
+    // SAFETY: a plain C struct.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = 7;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.wr.rdma.remote_addr = addr;
+    wr.wr.rdma.rkey = rkey;
+    // SAFETY: one WR into a registered buffer of ours.
+    unsafe { link.qp.post_send(&mut wr) }.expect("post READ");
+    // SAFETY: plain C data.
+    let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
+    let t0 = Instant::now();
+    while svc.link_cq().poll(&mut wc).unwrap() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "READ did not complete");
+    }
+    assert_eq!(wc[0].status, ibv_wc_status::IBV_WC_SUCCESS, "READ status");
+    assert_eq!(wc[0].wr_id, 7);
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn link_handshake_read_and_reuse() {
+    if std::env::var("KRCORE_TEST_ROLE").as_deref() == Ok("peer") {
+        return peer();
+    }
+    let dev = device();
+    let svc = service_on(&dev, 2);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "link_handshake_read_and_reuse", "--nocapture"])
+        .env("KRCORE_TEST_ROLE", "peer")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let ep = loop {
+        let line = lines.next().expect("peer exited").unwrap();
+        if let Some(rest) = line.strip_prefix("peer endpoint ") {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            break Endpoint {
+                gid: unhex(f[0]),
+                qpn: f[1].parse().unwrap(),
+                qkey: f[2].parse().unwrap(),
+                incarnation: f[3].parse().unwrap(),
+                vqpn: 0,
+            };
+        }
+    };
+    assert_eq!(ep.gid, ipv4_gid(Ipv4Addr::new(10, 77, 0, 3)));
+
+    // Cold: the UD handshake and two modifies per side.
+    let t0 = Instant::now();
+    let link = svc.link(&ep, 0, Duration::from_secs(5)).expect("cold link");
+    let cold = t0.elapsed();
+    assert!(link.initiated);
+
+    // Data over it: READ the peer's MR table header (one-sided).
+    let buf = Region::new(&dev, 4096, krcore::rdma::LOCAL_WRITE).unwrap();
+    let (addr, rkey, slots) = link.peer_mr_table;
+    read(&svc, &link, &buf, addr, rkey, 64);
+    // SAFETY: the READ completed.
+    let hdr = RemoteMrTable::parse(unsafe { buf.bytes(0, 64) }).expect("the peer's MR table header");
+    assert_eq!(hdr.nslots(), slots);
+
+    // Warm: the same link, no communication (best of 100: the VM's clock
+    // reads and scheduling are noisy).
+    let mut warm = Duration::MAX;
+    for _ in 0..100 {
+        let t0 = Instant::now();
+        let again = svc.link(&ep, 0, Duration::from_secs(5)).unwrap();
+        warm = warm.min(t0.elapsed());
+        assert!(Arc::ptr_eq(&link, &again), "a second connect reuses the link");
+    }
+
+    // A second link to the same peer, and the pool refilled behind them.
+    let second = svc.link(&ep, 1, Duration::from_secs(5)).expect("link 1");
+    assert!(!Arc::ptr_eq(&link, &second));
+    read(&svc, &second, &buf, addr, rkey, 64);
+    assert_eq!(svc.links(), 2);
+    eventually("the warm pool refilled", Duration::from_secs(5), || svc.warm_qps() == Options::default().warm_qps);
+
+    // Another process at that address (different incarnation): refused.
+    let stale = Endpoint { incarnation: ep.incarnation ^ 1, ..ep };
+    assert_eq!(svc.link(&stale, 0, Duration::from_secs(5)).unwrap_err(), Errno(libc::ECONNREFUSED));
+    // Nobody at that QPN: times out within the bound.
+    let nobody = Endpoint { qpn: 0xfff0, ..ep };
+    let t0 = Instant::now();
+    assert_eq!(svc.link(&nobody, 0, Duration::from_millis(300)).unwrap_err(), Errno(libc::ETIMEDOUT));
+    assert!(t0.elapsed() < Duration::from_secs(2));
+
+    // The peer saw two links (it counts the ones we asked for).
+    child.stdin.as_mut().unwrap().write_all(b"links?\n").unwrap();
+    let line = lines.next().expect("peer answer").unwrap();
+    assert_eq!(line, "peer links 2", "the peer's view");
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    println!("cold link {cold:?}, warm link {warm:?}");
+}
+
+/// The other process: a service endpoint on node 3 that answers link
+/// requests on its progress thread while this thread waits on stdin.
+fn peer() {
+    let dev = device();
+    let svc = service_on(&dev, 3);
+    let ep = svc.endpoint();
+    println!("peer endpoint {} {} {} {}", hex(&ep.gid), ep.qpn, ep.qkey, ep.incarnation);
+    std::io::stdout().flush().unwrap();
+    for line in std::io::stdin().lines().map_while(Result::ok) {
+        if line == "links?" {
+            println!("peer links {}", svc.links());
+            std::io::stdout().flush().unwrap();
+        }
+    }
+}
