@@ -111,17 +111,22 @@ for i in range(1, repeats + 1):
         sys.exit(f"connect-compare: {p} has no summary line (did the run fail?)")
     runs.append({k: float(v) for k, v in (kv.split("=", 1) for kv in summ[-1].split())})
 
+for r in runs:
+    r["connect_over_read"] = r["connect_minus_read_us"] / r["steady_read_us"]
+
 def row(key, label):
     v = [r[key] for r in runs]
     return f"| {label} | {st.median(v):.1f} | {min(v):.1f} – {max(v):.1f} |"
 
 n = int(runs[0]["rounds"])
-print(f"## Connect cost, raw verbs (rxe in the VM; {repeats} repeats, each the median of {n} connections)\n")
+print(f"## Connect cost, raw verbs ({repeats} repeat(s), each the median of {n} connections)\n")
 print("| microseconds | median over repeats | min – max |")
 print("| --- | ---: | ---: |")
 print(row("connect_raw_us", "connect + first 8 B READ (`connect_raw_us`)"))
 print(row("steady_read_us", "steady 8 B READ (`steady_read_us`, median of the run's READs)"))
 print(row("connect_minus_read_us", "**connect cost** (`connect_minus_read_us`)"))
+v = [r["connect_over_read"] for r in runs]
+print(f"| connect cost / steady READ (ratio, per repeat) | {st.median(v):.0f}x | {min(v):.0f}x – {max(v):.0f}x |")
 print()
 print("Phases of a connection (medians of each run's per-round values):\n")
 print("| phase | median over repeats | min – max |")
@@ -130,11 +135,11 @@ for key, label in (
     ("create_us", "client `ibv_create_qp`"),
     ("init_us", "client INIT"),
     ("exchange_us", "exchange (TCP round trip + server's work)"),
-    ("srv_create_us", "  of which server `ibv_create_qp`"),
-    ("srv_init_us", "  of which server INIT"),
-    ("srv_rtr_us", "  of which server RTR"),
-    ("srv_rts_us", "  of which server RTS"),
-    ("wire_us", "  of which the rest (TCP, scheduling)"),
+    ("srv_create_us", "exchange: server `ibv_create_qp`"),
+    ("srv_init_us", "exchange: server INIT"),
+    ("srv_rtr_us", "exchange: server RTR"),
+    ("srv_rts_us", "exchange: server RTS"),
+    ("wire_us", "exchange: the rest (TCP round trip, scheduling)"),
     ("rtr_us", "client RTR"),
     ("rts_us", "client RTS"),
     ("first_read_us", "first READ (post + completion)"),

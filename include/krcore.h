@@ -9,6 +9,13 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <infiniband/verbs.h>
+
+// The `qp_type` that makes `ibv_create_qp` / `ibv_create_qp_ex` return a
+// virtual QP (VQP): reliable and in order like RC, multiplexed with other
+// VQPs on shared physical QPs, connected with `qconnect` or bound with
+// `qbind` (no `ibv_modify_qp` needed). Outside `enum ibv_qp_type`.
+#define KRCORE_VQP 19282
 
 
 
@@ -114,6 +121,56 @@ size_t krcore_stats_json(char *buf, size_t len);
 // # Safety
 // `buf` must be valid for `len` bytes of writes (or NULL with `len == 0`).
 size_t krcore_config_dump(char *buf, size_t len);
+
+// Bind the VQP `qp` to (`gid`, `port`): messages other processes send to
+// that address arrive at it, and come out of `qpop_msgs`. `gid` must be one
+// of the device's GIDs; the binding is published in the meta server
+// (`KRCORE_META`) with a lease the library renews, and removed when the VQP
+// is destroyed or the process exits.
+//
+// Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already bound
+// or connected), EADDRNOTAVAIL (`gid` is not on this device), EADDRINUSE
+// (some VQP anywhere is bound there), ENOTCONN (`KRCORE_META` is unset: a
+// log line says what to set), ECONNREFUSED / ETIMEDOUT (no meta server
+// answers).
+//
+// # Safety
+// `qp` is a QP returned by this library, or NULL (EINVAL).
+int qbind(struct ibv_qp *qp, union ibv_gid gid, int port);
+
+// Connect the VQP `qp` to the VQP bound at (`gid`, `port`): afterwards
+// `ibv_post_send` on `qp` sends messages to it and reads, writes and
+// atomics reach that process's registered memory. Costs a lookup (one
+// RDMA READ of the meta server, then cached) and, for a process this one
+// has no link to yet, a link handshake; with a live link it is pure
+// software.
+//
+// Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already
+// connected or bound), ECONNREFUSED (nothing is bound there), ETIMEDOUT
+// (the peer did not answer within `KRCORE_CONNECT_TIMEOUT_MS`), ENOTCONN
+// (`KRCORE_META` is unset).
+//
+// # Safety
+// `qp` is a QP returned by this library, or NULL (EINVAL).
+int qconnect(struct ibv_qp *qp, union ibv_gid gid, int port);
+
+// Take up to `num_entries` messages received by the bound VQP `qp`:
+// `wc[i]` is the receive completion (of a buffer posted with
+// `ibv_post_recv` on `qp`) and `src_qp[i]` a VQP connected back to the
+// sender, ready for `ibv_post_send` replies. The library owns every
+// `src_qp`: one per sending VQP, reused for all its messages, destroyed
+// when the sender goes away or `qp` is destroyed; never pass one to
+// `ibv_destroy_qp`. A bound VQP's receive completions come out here only,
+// never through `ibv_poll_cq`.
+//
+// Returns the number of entries (0 when none is waiting; it never blocks),
+// or a negative errno: -EINVAL (`qp` is not a bound VQP, `num_entries` < 0,
+// or a NULL array).
+//
+// # Safety
+// `qp` is a QP of this library; `src_qp` and `wc` are valid for
+// `num_entries` writes.
+int qpop_msgs(struct ibv_qp *qp, int num_entries, struct ibv_qp **src_qp, struct ibv_wc *wc);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -13,6 +13,10 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_MR_CACHE_BYTES", "1073741824", "most bytes of idle registrations the MR cache keeps (default: at most RLIMIT_MEMLOCK/2 without CAP_IPC_LOCK)"),
     ("KRCORE_MR_CACHE_ENTRIES", "1024", "most idle registrations the MR cache keeps"),
     ("KRCORE_MR_DEREG_BATCH", "16", "evicted registrations are deregistered by a background thread in batches of this many (0: at once, on the application's thread)"),
+    ("KRCORE_META", "", "the meta server(s) for qbind/qconnect: <ip>:<port>[,<ip>:<port>...] (krcore-meta --listen)"),
+    ("KRCORE_GID_INDEX", "", "GID index of the links (default: the qbind GID, else the first RoCE v2 / IB GID)"),
+    ("KRCORE_CONNECT_TIMEOUT_MS", "2000", "bound on qconnect and on every wait for the meta server or a peer's endpoint"),
+    ("KRCORE_META_LEASE_MS", "3000", "lease of a qbind registration; renewed every third of it, dropped after it when not renewed"),
 ];
 
 #[derive(Debug, Clone)]
@@ -25,6 +29,10 @@ pub struct Config {
     pub mr_cache_bytes: Option<usize>,
     pub mr_cache_entries: usize,
     pub mr_dereg_batch: usize,
+    pub meta: Option<String>,
+    pub gid_index: Option<u32>,
+    pub connect_timeout_ms: u64,
+    pub meta_lease_ms: u64,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -43,6 +51,10 @@ impl Config {
             mr_cache_bytes: var("KRCORE_MR_CACHE_BYTES").and_then(|v| v.parse().ok()),
             mr_cache_entries: var("KRCORE_MR_CACHE_ENTRIES").and_then(|v| v.parse().ok()).unwrap_or(1024),
             mr_dereg_batch: var("KRCORE_MR_DEREG_BATCH").and_then(|v| v.parse().ok()).unwrap_or(16),
+            meta: var("KRCORE_META"),
+            gid_index: var("KRCORE_GID_INDEX").and_then(|v| v.parse().ok()),
+            connect_timeout_ms: var("KRCORE_CONNECT_TIMEOUT_MS").and_then(|v| v.parse().ok()).unwrap_or(2000).max(1),
+            meta_lease_ms: var("KRCORE_META_LEASE_MS").and_then(|v| v.parse().ok()).unwrap_or(3000).max(30),
         }
     }
 
@@ -58,6 +70,10 @@ impl Config {
             self.mr_cache_bytes.map_or("default".into(), |b| b.to_string()),
             self.mr_cache_entries.to_string(),
             self.mr_dereg_batch.to_string(),
+            self.meta.clone().unwrap_or_default(),
+            self.gid_index.map_or("default".into(), |i| i.to_string()),
+            self.connect_timeout_ms.to_string(),
+            self.meta_lease_ms.to_string(),
         ];
         VARIABLES
             .iter()

@@ -3,7 +3,14 @@
 
 use crate::abi::boundary;
 use crate::stats;
-use libc::{c_char, size_t};
+use crate::sys::{ibv_gid, ibv_qp, ibv_wc};
+use libc::{c_char, c_int, size_t};
+
+/// The `qp_type` that makes `ibv_create_qp` / `ibv_create_qp_ex` return a
+/// virtual QP (VQP): reliable and in order like RC, multiplexed with other
+/// VQPs on shared physical QPs, connected with `qconnect` or bound with
+/// `qbind` (no `ibv_modify_qp` needed). Outside `enum ibv_qp_type`.
+pub const KRCORE_VQP: u32 = 0x4b52;
 
 /// The library version as a static NUL-terminated string, e.g. "0.1.0".
 /// Never NULL; the caller must not free it. Thread-safe.
@@ -64,4 +71,66 @@ pub unsafe extern "C" fn krcore_stats_json(buf: *mut c_char, len: size_t) -> siz
 pub unsafe extern "C" fn krcore_config_dump(buf: *mut c_char, len: size_t) -> size_t {
     // SAFETY: caller contract.
     boundary::value("krcore_config_dump", 0, || unsafe { copy_out(&crate::config::get().dump(), buf, len) })
+}
+
+/// Bind the VQP `qp` to (`gid`, `port`): messages other processes send to
+/// that address arrive at it, and come out of `qpop_msgs`. `gid` must be one
+/// of the device's GIDs; the binding is published in the meta server
+/// (`KRCORE_META`) with a lease the library renews, and removed when the VQP
+/// is destroyed or the process exits.
+///
+/// Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already bound
+/// or connected), EADDRNOTAVAIL (`gid` is not on this device), EADDRINUSE
+/// (some VQP anywhere is bound there), ENOTCONN (`KRCORE_META` is unset: a
+/// log line says what to set), ECONNREFUSED / ETIMEDOUT (no meta server
+/// answers).
+///
+/// # Safety
+/// `qp` is a QP returned by this library, or NULL (EINVAL).
+#[no_mangle]
+pub unsafe extern "C" fn qbind(qp: *mut ibv_qp, gid: ibv_gid, port: c_int) -> c_int {
+    // SAFETY: caller contract; ibv_gid is plain bytes.
+    boundary::errno("qbind", || unsafe { crate::vqp::api::qbind(qp, gid.raw, port) })
+}
+
+/// Connect the VQP `qp` to the VQP bound at (`gid`, `port`): afterwards
+/// `ibv_post_send` on `qp` sends messages to it and reads, writes and
+/// atomics reach that process's registered memory. Costs a lookup (one
+/// RDMA READ of the meta server, then cached) and, for a process this one
+/// has no link to yet, a link handshake; with a live link it is pure
+/// software.
+///
+/// Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already
+/// connected or bound), ECONNREFUSED (nothing is bound there), ETIMEDOUT
+/// (the peer did not answer within `KRCORE_CONNECT_TIMEOUT_MS`), ENOTCONN
+/// (`KRCORE_META` is unset).
+///
+/// # Safety
+/// `qp` is a QP returned by this library, or NULL (EINVAL).
+#[no_mangle]
+pub unsafe extern "C" fn qconnect(qp: *mut ibv_qp, gid: ibv_gid, port: c_int) -> c_int {
+    // SAFETY: caller contract; ibv_gid is plain bytes.
+    boundary::errno("qconnect", || unsafe { crate::vqp::api::qconnect(qp, gid.raw, port) })
+}
+
+/// Take up to `num_entries` messages received by the bound VQP `qp`:
+/// `wc[i]` is the receive completion (of a buffer posted with
+/// `ibv_post_recv` on `qp`) and `src_qp[i]` a VQP connected back to the
+/// sender, ready for `ibv_post_send` replies. The library owns every
+/// `src_qp`: one per sending VQP, reused for all its messages, destroyed
+/// when the sender goes away or `qp` is destroyed; never pass one to
+/// `ibv_destroy_qp`. A bound VQP's receive completions come out here only,
+/// never through `ibv_poll_cq`.
+///
+/// Returns the number of entries (0 when none is waiting; it never blocks),
+/// or a negative errno: -EINVAL (`qp` is not a bound VQP, `num_entries` < 0,
+/// or a NULL array).
+///
+/// # Safety
+/// `qp` is a QP of this library; `src_qp` and `wc` are valid for
+/// `num_entries` writes.
+#[no_mangle]
+pub unsafe extern "C" fn qpop_msgs(qp: *mut ibv_qp, num_entries: c_int, src_qp: *mut *mut ibv_qp, wc: *mut ibv_wc) -> c_int {
+    // SAFETY: caller contract.
+    boundary::value("qpop_msgs", -libc::EIO, || unsafe { crate::vqp::api::qpop_msgs(qp, num_entries, src_qp, wc) })
 }

@@ -23,7 +23,13 @@ pub(crate) unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr,
     boundary::value("post_send", libc::EIO, || {
         stats::inc(Stat::KRCORE_STAT_POST_SEND);
         // SAFETY: only our QPs reach our ops; wr/bad are the caller's.
-        let rc = unsafe { Qp::from_qp(qp).path.post_send(wr, bad) };
+        let q = unsafe { Qp::from_qp(qp) };
+        let rc = match &q.vqp {
+            // SAFETY: the caller's list.
+            Some(v) => unsafe { v.post_send(wr, bad) },
+            // SAFETY: as above.
+            None => unsafe { q.path.post_send(wr, bad) },
+        };
         if rc != 0 {
             stats::inc(Stat::KRCORE_STAT_POST_ERRORS);
         }
@@ -35,7 +41,13 @@ pub(crate) unsafe extern "C" fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr,
     boundary::value("post_recv", libc::EIO, || {
         stats::inc(Stat::KRCORE_STAT_POST_RECV);
         // SAFETY: only our QPs reach our ops.
-        let rc = unsafe { Qp::from_qp(qp).path.post_recv(wr, bad) };
+        let q = unsafe { Qp::from_qp(qp) };
+        let rc = match &q.vqp {
+            // SAFETY: the caller's list.
+            Some(v) => unsafe { v.post_recv(wr, bad) },
+            // SAFETY: as above.
+            None => unsafe { q.path.post_recv(wr, bad) },
+        };
         if rc != 0 {
             stats::inc(Stat::KRCORE_STAT_POST_ERRORS);
         }
@@ -69,6 +81,10 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num_entries: c_int, wc:
         stats::inc(Stat::KRCORE_STAT_POLL_CQ);
         // SAFETY: only our CQs reach our ops.
         let c = unsafe { Cq::from_cq(cq) };
+        if c.soft.get().is_some() {
+            // SAFETY: the caller's array of num_entries.
+            return unsafe { c.poll_all(num_entries, wc) };
+        }
         match c.poll {
             // SAFETY: the real CQ with the caller's array.
             Some(f) => unsafe { f(c.real, num_entries, wc) },

@@ -90,6 +90,8 @@ pub struct Cq {
     pub poll: Option<PollCqFn>,
     pub notify: Option<ReqNotifyFn>,
     real_channel: *mut ibv_comp_channel,
+    /// Completions of the VQPs this CQ serves (set at the first VQP).
+    pub soft: once_cell::sync::OnceCell<std::sync::Arc<crate::vqp::runtime::CqSoft>>,
 }
 wrapper!(Cq, ibv_cq_ex);
 
@@ -103,7 +105,47 @@ impl Cq {
             poll: None,
             notify: None,
             real_channel: null_mut(),
+            soft: once_cell::sync::OnceCell::new(),
         })
+    }
+
+    /// The software completion queue VQPs deliver to, made at first use
+    /// with the CQ's capacity.
+    pub fn soft(&self) -> Result<std::sync::Arc<crate::vqp::runtime::CqSoft>> {
+        self.soft
+            .get_or_try_init(|| crate::vqp::runtime::CqSoft::new(self.ibv.cqe.max(1) as u32).map(std::sync::Arc::new))
+            .cloned()
+    }
+
+    /// `ibv_poll_cq`: VQP completions first (after progress), then the
+    /// real CQ's.
+    ///
+    /// # Safety
+    /// `wc` is valid for `n` entries of writes.
+    pub unsafe fn poll_all(&self, n: c_int, wc: *mut ibv_wc) -> c_int {
+        let mut got = 0;
+        if let Some(soft) = self.soft.get() {
+            soft.progress();
+            if n > 0 {
+                // SAFETY: wc holds n entries (caller contract), maybe
+                // uninitialised.
+                let out = unsafe { std::slice::from_raw_parts_mut(wc.cast::<std::mem::MaybeUninit<ibv_wc>>(), n as usize) };
+                got = soft.q.lock().pop_into(out) as c_int;
+            }
+        }
+        if got == n {
+            return got;
+        }
+        match self.poll {
+            // SAFETY: the real CQ with the rest of the caller's array.
+            Some(f) => match unsafe { f(self.real, n - got, wc.add(got as usize)) } {
+                r if r < 0 && got == 0 => r,
+                r if r < 0 => got,
+                r => got + r,
+            },
+            None if got > 0 => got,
+            None => -libc::EOPNOTSUPP,
+        }
     }
 
     /// The wrapper behind an application `ibv_cq *`.

@@ -41,6 +41,24 @@ pub enum RegKind {
 }
 
 impl RegKind {
+    /// The address WRs use for the MR's first byte, for the VQP pre-checks
+    /// (dma-buf and imported MRs are not offered to VQPs).
+    fn iova(&self) -> Option<u64> {
+        match *self {
+            RegKind::Plain { addr, .. } => Some(addr as u64),
+            RegKind::Iova { iova, .. } | RegKind::Iova2 { iova, .. } => Some(iova),
+            _ => None,
+        }
+    }
+
+    fn access(&self) -> u32 {
+        match *self {
+            RegKind::Plain { access, .. } | RegKind::Iova { access, .. } | RegKind::Dmabuf { access, .. } => access as u32,
+            RegKind::Iova2 { access, .. } => access,
+            RegKind::Import { .. } => 0,
+        }
+    }
+
     /// `(addr, length, access)` when the cache may serve this request: a
     /// virtual-address registration with iova == addr.
     fn cacheable(&self) -> Option<(usize, usize, u32)> {
@@ -56,6 +74,19 @@ impl RegKind {
 
 impl Mr {
     pub fn register(pd: &mut Pd, kind: RegKind) -> Result<*mut ibv_mr> {
+        let iova = kind.iova();
+        let access = kind.access();
+        let mr = Self::register_real(pd, kind)?;
+        if let Some(iova) = iova {
+            // SAFETY: just registered, live.
+            let m = unsafe { &*mr };
+            let info = crate::vqp::precheck::MrInfo { addr: iova, len: m.length as u64, access };
+            crate::vqp::mrs::added(pd.real as usize, m.lkey, m.rkey, info);
+        }
+        Ok(mr)
+    }
+
+    fn register_real(pd: &mut Pd, kind: RegKind) -> Result<*mut ibv_mr> {
         if let (Some(cache), Some((addr, length, access))) = (crate::mr::cache(), kind.cacheable()) {
             // SAFETY: a live real PD.
             let real_ctx = unsafe { (*pd.real).context } as usize;
@@ -74,11 +105,7 @@ impl Mr {
             };
             return Ok(Box::new(Mr { ibv, real: lease.real, lease: lease.id, access }).into_ibv());
         }
-        let access = match kind {
-            RegKind::Plain { access, .. } | RegKind::Iova { access, .. } | RegKind::Dmabuf { access, .. } => access as u32,
-            RegKind::Iova2 { access, .. } => access,
-            RegKind::Import { .. } => 0,
-        };
+        let access = kind.access();
         let rp = pd.real;
         let real = match kind {
             RegKind::Plain { addr, length, access } => call_real!(ibv_reg_mr(rp, addr, length, access))?,
@@ -148,10 +175,17 @@ impl Mr {
             return Err(rc);
         }
         let (ctx, pd) = (self.ibv.context, if change_pd { new_pd } else { self.ibv.pd });
+        // SAFETY: an MR's PD outlives it.
+        let old_pd = unsafe { Pd::from_ibv(self.ibv.pd) }.real as usize;
+        crate::vqp::mrs::removed(old_pd, self.ibv.lkey);
         self.ibv = ibv_mr { context: ctx, pd, ..Self::copy(self.real) };
         if flags as u32 & ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 != 0 {
             self.access = access as u32;
         }
+        // SAFETY: as above.
+        let new_pd = unsafe { Pd::from_ibv(pd) }.real as usize;
+        let info = crate::vqp::precheck::MrInfo { addr: self.ibv.addr as u64, len: self.ibv.length as u64, access: self.access };
+        crate::vqp::mrs::added(new_pd, self.ibv.lkey, self.ibv.rkey, info);
         Ok(())
     }
 
@@ -211,6 +245,20 @@ impl Mr {
     pub unsafe fn dereg(p: *mut ibv_mr) -> Result<()> {
         // SAFETY: caller contract.
         let mr = unsafe { Mr::from_ibv(p) };
+        // SAFETY: an MR's PD outlives it.
+        let real_pd = unsafe { Pd::from_ibv(mr.ibv.pd) }.real as usize;
+        let lkey = mr.ibv.lkey;
+        // SAFETY: caller contract.
+        let r = unsafe { Self::dereg_real(mr, p) };
+        if r.is_ok() {
+            crate::vqp::mrs::removed(real_pd, lkey);
+        }
+        r
+    }
+
+    /// # Safety
+    /// `p` is `mr`, an MR of this library.
+    unsafe fn dereg_real(mr: &mut Mr, p: *mut ibv_mr) -> Result<()> {
         if mr.lease != 0 {
             // A forked child never touches the parent's cached regions.
             if let Some(cache) = crate::mr::cache() {

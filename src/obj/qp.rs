@@ -21,6 +21,8 @@ pub struct Qp {
     pub real_ex: *mut ibv_qp_ex,
     /// Posts this QP's work requests.
     pub path: Forwarder,
+    /// A virtual QP (`KRCORE_VQP`): posts go there, `real` is NULL.
+    pub vqp: Option<std::sync::Arc<crate::vqp::qp::Vqp>>,
 }
 wrapper!(Qp, ibv_qp_ex);
 
@@ -60,7 +62,47 @@ impl Qp {
             real: null_mut(),
             real_ex: null_mut(),
             path: Forwarder::default(),
+            vqp: None,
         })
+    }
+
+    /// A VQP for `ibv_create_qp(_ex)` with `qp_type == KRCORE_VQP`.
+    fn create_virtual(pd: &mut Pd, p: &Parents, cap: &mut ibv_qp_cap, sq_sig_all: bool) -> Result<*mut ibv_qp> {
+        if p.send_cq.is_null() || p.recv_cq.is_null() || !p.srq.is_null() {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: the application's CQs of this context (translated above
+        // for the real path; ours by construction here).
+        let (scq, rcq) = unsafe { (Cq::from_cq(p.send_cq), Cq::from_cq(p.recv_cq)) };
+        // SAFETY: our PD's context is our live context.
+        let ctx = unsafe { Context::from_ibv(pd.ibv.context) };
+        let app = crate::vqp::qp::AppRefs {
+            ctx: ctx.as_ibv(),
+            pd: pd.as_ibv(),
+            send_cq: p.send_cq,
+            recv_cq: p.recv_cq,
+            real_ctx: ctx.real,
+            real_pd: pd.real,
+        };
+        let v = crate::vqp::qp::Vqp::new(app, scq.soft()?, rcq.soft()?, cap, sq_sig_all)?;
+        Ok(Qp::wrap_virtual(v, p.qp_context))
+    }
+
+    /// The application object of a VQP.
+    pub fn wrap_virtual(v: std::sync::Arc<crate::vqp::qp::Vqp>, qp_context: *mut c_void) -> *mut ibv_qp {
+        stats::inc(Stat::KRCORE_STAT_QPS_CREATED);
+        let mut qp = Qp::empty();
+        let b = &mut qp.ibv.qp_base;
+        b.context = v.app.ctx;
+        b.qp_context = qp_context;
+        b.pd = v.app.pd;
+        b.send_cq = v.app.send_cq;
+        b.recv_cq = v.app.recv_cq;
+        b.qp_num = v.vqpn;
+        b.state = ibv_qp_state::IBV_QPS_INIT;
+        b.qp_type = crate::abi::ext::KRCORE_VQP;
+        qp.vqp = Some(v);
+        qp.into_ibv().cast()
     }
 
     /// # Safety
@@ -87,6 +129,12 @@ impl Qp {
             srq: a.srq,
             qp_context: a.qp_context,
         };
+        if a.qp_type == crate::abi::ext::KRCORE_VQP {
+            let q = Qp::create_virtual(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
+            // SAFETY: attr is valid for writes.
+            unsafe { (*attr).cap = a.cap };
+            return Ok(q);
+        }
         // SAFETY: the pointers come from the caller's attr.
         unsafe { translate_queues(ctx, &mut a.send_cq, &mut a.recv_cq, &mut a.srq)? };
         let mut qp = Qp::empty();
@@ -120,6 +168,21 @@ impl Qp {
             srq: a.srq,
             qp_context: a.qp_context,
         };
+        if a.qp_type == crate::abi::ext::KRCORE_VQP {
+            if parents.pd.is_null() || mask & !(ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0) != 0 {
+                // Send-ops flags (the ibv_wr_* API) and the rest are not
+                // offered on VQPs yet.
+                return Err(Errno::EINVAL);
+            }
+            // SAFETY: checked to be one of our PDs of this context.
+            unsafe { Pd::real_of(a.pd, me)? };
+            // SAFETY: as above.
+            let pd = unsafe { Pd::from_ibv(a.pd) };
+            let q = Qp::create_virtual(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
+            // SAFETY: attr is valid for writes.
+            unsafe { (*attr).cap = a.cap };
+            return Ok(q);
+        }
         // SAFETY: the pointers come from the caller's attr.
         unsafe {
             if mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 != 0 {
@@ -188,6 +251,10 @@ impl Qp {
     /// # Safety
     /// `attr` is valid for the fields `mask` names.
     pub unsafe fn modify(&mut self, attr: *mut ibv_qp_attr, mask: c_int) -> Result<()> {
+        if self.vqp.is_some() {
+            // A VQP needs no transitions: bind or connect it.
+            return Err(Errno::EINVAL);
+        }
         ok_or_errno(call_real!(ibv_modify_qp(self.real, attr, mask))?)?;
         // SAFETY: the real QP is live; libibverbs updated its state.
         self.ibv.qp_base.state = unsafe { (*self.real).state };
@@ -200,6 +267,36 @@ impl Qp {
     /// # Safety
     /// `attr` and `init` are valid for writes.
     pub unsafe fn query(&mut self, attr: *mut ibv_qp_attr, mask: c_int, init: *mut ibv_qp_init_attr) -> Result<()> {
+        if let Some(v) = &self.vqp {
+            let ready = v.is_bound() || v.is_connected();
+            let state = if ready { ibv_qp_state::IBV_QPS_RTS } else { ibv_qp_state::IBV_QPS_INIT };
+            let b = &mut self.ibv.qp_base;
+            b.state = state;
+            let cap = ibv_qp_cap {
+                max_send_wr: 0,
+                max_recv_wr: 0,
+                max_send_sge: v.caps.max_send_sge,
+                max_recv_sge: v.caps.max_recv_sge,
+                max_inline_data: v.caps.max_inline_data,
+            };
+            // SAFETY: attr and init are valid for writes (caller contract).
+            unsafe {
+                *attr = zeroed();
+                (*attr).qp_state = state;
+                (*attr).cur_qp_state = state;
+                (*attr).cap = cap;
+                if !init.is_null() {
+                    *init = zeroed();
+                    (*init).qp_context = b.qp_context;
+                    (*init).send_cq = b.send_cq;
+                    (*init).recv_cq = b.recv_cq;
+                    (*init).cap = cap;
+                    (*init).qp_type = b.qp_type;
+                }
+            }
+            let _ = mask;
+            return Ok(());
+        }
         ok_or_errno(call_real!(ibv_query_qp(self.real, attr, mask, init))?)?;
         let b = &mut self.ibv.qp_base;
         // SAFETY: init is valid for writes; the real QP is live.
@@ -220,6 +317,15 @@ impl Qp {
     pub unsafe fn destroy(p: *mut ibv_qp) -> Result<()> {
         // SAFETY: caller contract.
         let qp = unsafe { Qp::from_qp(p) };
+        if let Some(v) = qp.vqp.take() {
+            for src in v.destroy() {
+                // SAFETY: VQPs made for qpop_msgs, owned by the library.
+                let _ = unsafe { Qp::destroy(src) };
+            }
+            // SAFETY: nothing refers to the wrapper any more.
+            unsafe { Qp::free(p.cast()) };
+            return Ok(());
+        }
         ok_or_errno(call_real!(ibv_destroy_qp(qp.real))?)?;
         // SAFETY: the real QP is gone.
         unsafe { Qp::free(p.cast()) };

@@ -375,12 +375,53 @@ pub struct RcPeer {
     pub psn: u32,
 }
 
+/// A shared receive queue of the real library.
+pub struct Srq {
+    pub srq: *mut ibv_srq,
+    _dev: Arc<Device>,
+}
+
+// SAFETY: SRQs may be posted to from any thread (the provider locks).
+unsafe impl Send for Srq {}
+// SAFETY: as above.
+unsafe impl Sync for Srq {}
+
+impl Srq {
+    pub fn new(dev: &Arc<Device>, max_wr: u32, max_sge: u32) -> Result<Srq> {
+        // SAFETY: a plain C struct.
+        let mut a: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
+        a.attr.max_wr = max_wr;
+        a.attr.max_sge = max_sge;
+        let srq = call_real!(ibv_create_srq(dev.pd, &mut a)).and_then(non_null)?;
+        Ok(Srq { srq, _dev: Arc::clone(dev) })
+    }
+
+    /// # Safety
+    /// As [`Qp::post_recv`].
+    pub unsafe fn post_recv(&self, wr: *mut ibv_recv_wr) -> Result<()> {
+        let mut bad = null_mut();
+        // SAFETY: a live SRQ of the real library; the chain is the caller's.
+        let rc = unsafe {
+            let post = (*(*self.srq).context).ops.post_srq_recv.ok_or(Errno::EOPNOTSUPP)?;
+            post(self.srq, wr, &mut bad)
+        };
+        ok_or_errno(rc)
+    }
+}
+
+impl Drop for Srq {
+    fn drop(&mut self) {
+        let _ = call_real!(ibv_destroy_srq(self.srq));
+    }
+}
+
 /// A QP of the real library (RC or UD).
 pub struct Qp {
     pub qp: *mut ibv_qp,
     pub caps: Caps,
     dev: Arc<Device>,
     _cqs: (Arc<Cq>, Arc<Cq>),
+    _srq: Option<Arc<Srq>>,
 }
 
 // SAFETY: QPs may be posted to from any thread (the provider locks).
@@ -400,10 +441,23 @@ pub const REMOTE_ALL: u32 = A::IBV_ACCESS_LOCAL_WRITE.0
 impl Qp {
     /// A QP of `qp_type` (RC or UD), in RESET.
     pub fn new(dev: &Arc<Device>, qp_type: u32, send_cq: &Arc<Cq>, recv_cq: &Arc<Cq>, caps: Caps) -> Result<Qp> {
+        Qp::with_srq(dev, qp_type, send_cq, recv_cq, None, caps)
+    }
+
+    /// A QP whose receives come from `srq` (when given).
+    pub fn with_srq(
+        dev: &Arc<Device>,
+        qp_type: u32,
+        send_cq: &Arc<Cq>,
+        recv_cq: &Arc<Cq>,
+        srq: Option<&Arc<Srq>>,
+        caps: Caps,
+    ) -> Result<Qp> {
         // SAFETY: a plain C struct.
         let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         a.send_cq = send_cq.cq;
         a.recv_cq = recv_cq.cq;
+        a.srq = srq.map_or(null_mut(), |s| s.srq);
         a.qp_type = qp_type;
         a.cap.max_send_wr = caps.send_wr;
         a.cap.max_recv_wr = caps.recv_wr;
@@ -418,7 +472,13 @@ impl Qp {
             recv_sge: a.cap.max_recv_sge,
             inline: a.cap.max_inline_data,
         };
-        Ok(Qp { qp, caps: granted, dev: Arc::clone(dev), _cqs: (Arc::clone(send_cq), Arc::clone(recv_cq)) })
+        Ok(Qp {
+            qp,
+            caps: granted,
+            dev: Arc::clone(dev),
+            _cqs: (Arc::clone(send_cq), Arc::clone(recv_cq)),
+            _srq: srq.cloned(),
+        })
     }
 
     pub fn qpn(&self) -> u32 {

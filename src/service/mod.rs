@@ -32,7 +32,8 @@ use crate::log::Level;
 use crate::meta::mrtable::MrTable;
 use crate::meta::proto::{LinkInfo, LinkMessage, LinkReply, LinkRequest, LINK_LEN};
 use crate::meta::Endpoint;
-use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region};
+use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region, Srq};
+use crate::vqp::queue::PhysSq;
 use crate::sys::*;
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -57,13 +58,19 @@ pub struct Options {
     pub link_send_wr: u32,
     /// Slots of this endpoint's MR table.
     pub mr_table_slots: u32,
+    /// Receives of the SRQ all links share.
+    pub srq_wr: u32,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { warm_qps: 4, link_send_wr: 256, mr_table_slots: 4096 }
+        Options { warm_qps: 4, link_send_wr: 256, mr_table_slots: 4096, srq_wr: 256 }
     }
 }
+
+/// Scatter entries of a link's send WRs (one for a message header, the
+/// rest the application's).
+pub const LINK_SEND_SGE: u32 = 4;
 
 /// An RC connection to one peer process, shared by every VQP that talks to
 /// it.
@@ -77,6 +84,9 @@ pub struct Link {
     pub initiated: bool,
     /// The PSN our side starts sending with (told to the peer).
     psn: u32,
+    /// Overflow accounting of the send queue; held while posting, so that
+    /// decisions are in posting order.
+    pub sq: Mutex<PhysSq>,
 }
 
 /// Links are found by the peer's endpoint and the link's index.
@@ -117,6 +127,7 @@ struct Shared {
     /// Address handles to peers' GIDs, for UD sends.
     ahs: Mutex<HashMap<Gid, Arc<Ah>>>,
     link_cq: Arc<Cq>,
+    srq: Arc<Srq>,
     warm: Mutex<Vec<Qp>>,
     links: Mutex<HashMap<LinkKey, Arc<Link>>>,
     /// Replies to our requests, by request id, until their waiter takes them.
@@ -125,6 +136,9 @@ struct Shared {
     next_req: AtomicU32,
     /// Cold connects one at a time: each is milliseconds of QP modifies.
     connecting: Mutex<()>,
+    /// Declared before `mr_table_mem`, whose memory it points into, so
+    /// that it is dropped first.
+    mr_table: Mutex<MrTable<'static>>,
     mr_table_mem: Region,
     mr_table_slots: u32,
     /// Wakes the progress thread (refill, stop).
@@ -151,12 +165,16 @@ impl Service {
         ud.ud_ready()?;
         let ud_bufs = Region::new(dev, UD_RECVS * UD_SLOT, rdma::LOCAL_WRITE)?;
         let link_cq = Arc::new(Cq::new(dev, 4096)?);
+        let srq = Arc::new(Srq::new(dev, opts.srq_wr, 1)?);
         let slots = opts.mr_table_slots;
         let mr_table_mem = Region::new(dev, MrTable::bytes_for(slots), rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
         let incarnation = rdma::random_u64();
         let len = mr_table_mem.len();
-        // SAFETY: nobody can READ the table before a link hands its key out.
-        MrTable::init(unsafe { mr_table_mem.bytes_mut(0, len) }, slots, incarnation)?;
+        // SAFETY: the slice covers `mr_table_mem`'s heap allocation, which
+        // never moves and outlives `mr_table` (dropped first); only
+        // `mr_table` writes it, the NIC reads it.
+        let mem = unsafe { std::slice::from_raw_parts_mut(mr_table_mem.ptr(), len) };
+        let mr_table = Mutex::new(MrTable::init(mem, slots, incarnation)?);
         // SAFETY: plain syscall.
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
@@ -173,12 +191,14 @@ impl Service {
             ud_bufs,
             ahs: Mutex::new(HashMap::new()),
             link_cq,
+            srq,
             warm: Mutex::new(Vec::new()),
             links: Mutex::new(HashMap::new()),
             replies: Mutex::new(HashMap::new()),
             reply_ready: Condvar::new(),
             next_req: AtomicU32::new(1),
             connecting: Mutex::new(()),
+            mr_table,
             mr_table_mem,
             mr_table_slots: slots,
             event_fd,
@@ -237,9 +257,38 @@ impl Service {
         &self.shared.link_cq
     }
 
+    /// The receive queue every link takes its receives from.
+    pub fn srq(&self) -> &Arc<Srq> {
+        &self.shared.srq
+    }
+
+    /// The link whose QP has number `qpn`.
+    pub fn link_by_qpn(&self, qpn: u32) -> Option<Arc<Link>> {
+        self.shared.links.lock().values().find(|l| l.qp.qpn() == qpn).cloned()
+    }
+
     /// Our MR table: (address, rkey, slots).
     pub fn mr_table(&self) -> (u64, u32, u32) {
         self.shared.mr_table_info()
+    }
+
+    /// Publish a change of the PD's MRs to the peers that READ our table.
+    pub fn update_mr_table(&self, change: &crate::vqp::mrs::Change) {
+        let mut t = self.shared.mr_table.lock();
+        match *change {
+            crate::vqp::mrs::Change::Added { rkey, info } => {
+                if let Err(e) = t.insert(rkey, info) {
+                    klog!(Level::Warn, "service: MR rkey {rkey:#x} not published ({e:?}): peers cannot use it");
+                }
+            }
+            crate::vqp::mrs::Change::Removed { rkey } => {
+                t.remove(rkey);
+            }
+        }
+    }
+
+    pub fn gid_index(&self) -> u32 {
+        self.shared.sgid_index
     }
 }
 
@@ -284,8 +333,8 @@ impl Shared {
     }
 
     fn new_link_qp(&self) -> Result<Qp> {
-        let caps = Caps { send_wr: self.opts.link_send_wr, recv_wr: 64, send_sge: 4, recv_sge: 4, inline: 64 };
-        let qp = Qp::new(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.link_cq, &self.link_cq, caps)?;
+        let caps = Caps { send_wr: self.opts.link_send_wr, recv_wr: 0, send_sge: LINK_SEND_SGE, recv_sge: 1, inline: 0 };
+        let qp = Qp::with_srq(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.link_cq, &self.link_cq, Some(&self.srq), caps)?;
         qp.to_init()?;
         Ok(qp)
     }
@@ -340,6 +389,7 @@ impl Shared {
             return Err(Errno(libc::ECONNREFUSED));
         }
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        let qp_depth = qp.caps.send_wr;
         let link = Arc::new(Link {
             qp,
             peer: *peer,
@@ -347,6 +397,7 @@ impl Shared {
             peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
             initiated: true,
             psn,
+            sq: Mutex::new(PhysSq::new(qp_depth)?),
         });
         let mut links = self.links.lock();
         Ok(Arc::clone(links.entry(LinkKey::of(peer, index)).or_insert(link)))
@@ -494,6 +545,7 @@ impl Shared {
         let qp = self.take_warm()?;
         let psn = rdma::random_psn();
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        let qp_depth = qp.caps.send_wr;
         let link = Arc::new(Link {
             qp,
             peer: theirs.from,
@@ -501,6 +553,7 @@ impl Shared {
             peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
             initiated: false,
             psn,
+            sq: Mutex::new(PhysSq::new(qp_depth)?),
         });
         self.links.lock().insert(LinkKey::of(&theirs.from, theirs.link), Arc::clone(&link));
         Ok(link)

@@ -5,9 +5,13 @@
 //! QPs, pre-checks, wr_id encoding) replaces this type; the ABI layer only
 //! calls `post_send` / `post_recv` on it and does not change.
 
+pub mod api;
 pub mod header;
+pub mod mrs;
 pub mod precheck;
 pub mod queue;
+pub mod runtime;
+pub mod qp;
 pub mod wrid;
 
 use crate::obj::{Ah, Context, Mr, Mw};

@@ -87,15 +87,9 @@ pub struct Caps {
     pub max_msg_size: u32,
 }
 
-/// A memory region as the checks see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MrInfo {
-    /// Start of the region in the addresses that WRs use (its iova).
-    pub addr: u64,
-    pub len: u64,
-    /// `ibv_access_flags` bits.
-    pub access: u32,
-}
+/// A memory region as the checks see it: the entry of an MR table (its
+/// `addr` is the start in the addresses that WRs use, its iova).
+pub use crate::meta::mrtable::MrInfo;
 
 /// The process's own MRs, by lkey.
 pub trait LocalMrs {

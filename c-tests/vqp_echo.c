@@ -1,0 +1,488 @@
+/*
+ * Virtual QPs end to end, several processes on several emulated nodes:
+ * an echo server bound with qbind on node 1 (10.77.0.1), CLIENTS client
+ * processes on nodes 2.. connecting with qconnect, krcore-meta started
+ * here on node 1.
+ *
+ * - every client: echoes of 1 B to 4000 B checked byte for byte, the
+ *   replies coming back through the server's src_qp from qpop_msgs;
+ *   one-sided READ, WRITE (read back), FETCH_ADD on a counter every client
+ *   adds to, CMP_SWP, and WRITE_WITH_IMM (the server sees the immediate
+ *   through qpop_msgs) on the server's registered memory;
+ * - error paths: qconnect to a port nobody bound (ECONNREFUSED), qbind of
+ *   a bound address (EADDRINUSE), of a GID not on the device
+ *   (EADDRNOTAVAIL), a send with a bad lkey (EINVAL, *bad_wr, and the VQP
+ *   keeps working), qbind/qconnect on a QP that is not virtual (EINVAL);
+ * - the server: every message arrives once, the counter ends at CLIENTS.
+ *
+ * krcore-meta is found next to the library (target/release/krcore-meta)
+ * or through KRCORE_META_BIN.
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <arpa/inet.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define CLIENTS 3
+#define PORT 5000
+#define BUF 4096
+#define NBUF 32
+#define TARGET (64 * 1024)
+static const size_t sizes[] = { 1, 100, 1000, 4000 };
+#define ROUNDS 3
+/* Per client: echoes, one MR request, one WRITE_WITH_IMM notification. */
+#define MSGS_PER_CLIENT (4 * ROUNDS + 2)
+
+struct node {
+	struct ct_dev d;
+	struct ibv_cq *scq, *rcq;
+	struct ibv_qp *qp;
+	uint8_t *buf;		/* NBUF receive buffers, then NBUF send buffers */
+	struct ibv_mr *mr;
+};
+
+static union ibv_gid node_gid(int node)
+{
+	union ibv_gid g;
+
+	memset(&g, 0, sizeof(g));
+	g.raw[10] = g.raw[11] = 0xff;
+	g.raw[12] = 10;
+	g.raw[13] = 77;
+	g.raw[14] = 0;
+	g.raw[15] = (uint8_t)node;
+	return g;
+}
+
+static void node_open(struct node *n, int node)
+{
+	char idx[16];
+	struct ibv_qp_init_attr a;
+
+	snprintf(idx, sizeof(idx), "%d", node);
+	setenv("CT_GID_A", idx, 1);
+	setenv("KRCORE_GID_INDEX", idx, 1);
+	ct_open(&n->d);
+	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
+	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
+	memset(&a, 0, sizeof(a));
+	a.send_cq = n->scq;
+	a.recv_cq = n->rcq;
+	a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
+	a.cap.max_send_wr = 64;
+	a.cap.max_recv_wr = NBUF;
+	a.cap.max_send_sge = 1;
+	a.cap.max_recv_sge = 1;
+	n->qp = CT_PTR(ibv_create_qp(n->d.pd, &a));
+	CT_CHECK(n->qp->qp_type == (enum ibv_qp_type)KRCORE_VQP, "qp_type");
+	n->buf = aligned_alloc(4096, 2 * NBUF * BUF);
+	CT_CHECK(n->buf != NULL, "alloc");
+	memset(n->buf, 0, 2 * NBUF * BUF);
+	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, 2 * NBUF * BUF,
+				  IBV_ACCESS_LOCAL_WRITE));
+}
+
+static uint8_t *rbuf(struct node *n, int i) { return n->buf + (size_t)i * BUF; }
+static uint8_t *sbuf(struct node *n, int i) { return n->buf + (size_t)(NBUF + i) * BUF; }
+
+static void post_recv(struct node *n, int i)
+{
+	struct ibv_sge sge = { (uintptr_t)rbuf(n, i), BUF, n->mr->lkey };
+	struct ibv_recv_wr wr = { .wr_id = (uint64_t)i, .sg_list = &sge, .num_sge = 1 };
+	struct ibv_recv_wr *bad = NULL;
+
+	CT_OK(ibv_post_recv(n->qp, &wr, &bad));
+}
+
+/* One send WR, signaled, and its completion. */
+static void send_wr(struct node *n, struct ibv_qp *qp, struct ibv_send_wr *wr)
+{
+	struct ibv_send_wr *bad = NULL;
+	struct ibv_wc wc;
+
+	wr->send_flags |= IBV_SEND_SIGNALED;
+	CT_OK(ibv_post_send(qp, wr, &bad));
+	ct_poll_n(n->scq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS, "send status %s (wr_id %llu)",
+		 ibv_wc_status_str(wc.status), (unsigned long long)wc.wr_id);
+	CT_CHECK(wc.wr_id == wr->wr_id, "wr_id %llu, expected %llu",
+		 (unsigned long long)wc.wr_id, (unsigned long long)wr->wr_id);
+	CT_CHECK(wc.qp_num == qp->qp_num, "wc.qp_num %u, VQP %u", wc.qp_num,
+		 qp->qp_num);
+}
+
+static void send_msg(struct node *n, struct ibv_qp *qp, int slot, size_t len,
+		     uint64_t wr_id)
+{
+	struct ibv_sge sge = { (uintptr_t)sbuf(n, slot), (uint32_t)len, n->mr->lkey };
+	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
+				  .opcode = IBV_WR_SEND };
+
+	send_wr(n, qp, &wr);
+}
+
+/* ---- the server ------------------------------------------------------ */
+
+struct target {
+	uint64_t counter;	/* FETCH_ADD by every client */
+	uint64_t swap[CLIENTS];	/* CMP_SWP, one word per client */
+	uint8_t bytes[TARGET];
+};
+
+static int server(int ready_fd)
+{
+	struct node n;
+	struct target *t = aligned_alloc(4096, (sizeof(struct target) + 4095) / 4096 * 4096);
+	struct ibv_mr *tmr;
+	int got = 0, imms = 0, nsenders = 0;
+	struct ibv_qp *sender_qp[CLIENTS];
+
+	ct_begin("vqp_echo server");
+	node_open(&n, 1);
+	CT_CHECK(t != NULL, "alloc");
+	memset(t, 0, sizeof(*t));
+	ct_fill(t->bytes, TARGET, 77);
+	tmr = CT_PTR(ibv_reg_mr(n.d.pd, t, sizeof(*t),
+				IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
+				IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC));
+	for (int i = 0; i < NBUF; i++)
+		post_recv(&n, i);
+	CT_OK(qbind(n.qp, node_gid(1), PORT));
+	CT_CHECK(qpop_msgs(n.qp, -1, NULL, NULL) == -EINVAL, "qpop_msgs(-1)");
+	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
+	close(ready_fd);
+
+	while (got < CLIENTS * MSGS_PER_CLIENT) {
+		struct ibv_qp *src[8];
+		struct ibv_wc wc[8];
+		int k = qpop_msgs(n.qp, 8, src, wc);
+
+		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+		if (k == 0) {
+			sched_yield();
+			continue;
+		}
+		for (int i = 0; i < k; i++) {
+			int slot = (int)wc[i].wr_id;
+
+			CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "recv status %s",
+				 ibv_wc_status_str(wc[i].status));
+			CT_CHECK(wc[i].qp_num == n.qp->qp_num, "recv qp_num");
+			CT_CHECK(src[i] != NULL && src[i]->qp_type == (enum ibv_qp_type)KRCORE_VQP,
+				 "src_qp is a VQP");
+			/* One src_qp per sending VQP, reused: CLIENTS distinct
+			 * ones in all (virtual QP numbers are per process, so
+			 * wc.src_qp alone does not tell senders apart). */
+			{
+				int known = 0;
+
+				for (int j = 0; j < nsenders; j++)
+					known |= sender_qp[j] == src[i];
+				if (!known) {
+					CT_CHECK(nsenders < CLIENTS, "more src_qps than clients");
+					sender_qp[nsenders++] = src[i];
+				}
+			}
+			got++;
+			if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+				CT_CHECK(wc[i].wc_flags & IBV_WC_WITH_IMM, "imm flag");
+				CT_CHECK(ntohl(wc[i].imm_data) >= 0x1000, "imm");
+				imms++;
+			} else if (wc[i].byte_len == 1 && rbuf(&n, slot)[0] == 'M') {
+				/* MR request: answer address and rkey. */
+				uint64_t a = (uintptr_t)t;
+				uint32_t k32 = tmr->rkey;
+
+				memcpy(sbuf(&n, slot), &a, 8);
+				memcpy(sbuf(&n, slot) + 8, &k32, 4);
+				send_msg(&n, src[i], slot, 12, 1000 + (uint64_t)slot);
+			} else {
+				memcpy(sbuf(&n, slot), rbuf(&n, slot), wc[i].byte_len);
+				send_msg(&n, src[i], slot, wc[i].byte_len, 2000 + (uint64_t)slot);
+			}
+			post_recv(&n, slot);
+		}
+	}
+	CT_CHECK(imms == CLIENTS, "WRITE_WITH_IMM notifications: %d", imms);
+	CT_CHECK(nsenders == CLIENTS, "%d senders", nsenders);
+	CT_CHECK(t->counter == CLIENTS, "FETCH_ADD counter %llu, expected %d",
+		 (unsigned long long)t->counter, CLIENTS);
+	ct_note("server: %d messages from %d clients", got, CLIENTS);
+	ct_pass();
+	return 0;
+}
+
+/* ---- a client ---------------------------------------------------------- */
+
+static void onesided(struct node *n, struct ibv_send_wr *wr, enum ibv_wr_opcode op,
+		     uint64_t raddr, uint32_t rkey, void *local, uint32_t len,
+		     uint64_t wr_id)
+{
+	struct ibv_sge sge = { (uintptr_t)local, len, n->mr->lkey };
+
+	memset(wr, 0, sizeof(*wr));
+	wr->wr_id = wr_id;
+	wr->sg_list = &sge;
+	wr->num_sge = 1;
+	wr->opcode = op;
+	if (op == IBV_WR_ATOMIC_FETCH_AND_ADD || op == IBV_WR_ATOMIC_CMP_AND_SWP) {
+		wr->wr.atomic.remote_addr = raddr;
+		wr->wr.atomic.rkey = rkey;
+	} else {
+		wr->wr.rdma.remote_addr = raddr;
+		wr->wr.rdma.rkey = rkey;
+	}
+	send_wr(n, n->qp, wr);
+}
+
+static int client(int id)
+{
+	struct node n;
+	struct ibv_wc wc;
+	struct ibv_send_wr wr, *bad = NULL;
+	uint64_t taddr;
+	uint32_t trkey;
+	int r;
+
+	ct_begin("vqp_echo client");
+	node_open(&n, 2 + id);
+
+	/* Error paths first. */
+	CT_CHECK(qconnect(n.qp, node_gid(1), PORT + 1) == ECONNREFUSED,
+		 "qconnect to an unbound port");
+	r = qbind(n.qp, node_gid(1), PORT);
+	CT_CHECK(r == EADDRINUSE, "qbind of a bound address: %d", r);
+	{
+		union ibv_gid nowhere = node_gid(1);
+
+		nowhere.raw[13] = 99;
+		CT_CHECK(qbind(n.qp, nowhere, PORT) == EADDRNOTAVAIL, "foreign GID");
+	}
+	CT_CHECK(qconnect(NULL, node_gid(1), PORT) == EINVAL, "NULL qp");
+
+	CT_OK(qconnect(n.qp, node_gid(1), PORT));
+	CT_CHECK(qconnect(n.qp, node_gid(1), PORT) == EINVAL, "connected twice");
+
+	/* Echoes. */
+	for (int round = 0; round < ROUNDS; round++)
+		for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+			size_t len = sizes[s];
+			uint32_t seed = (uint32_t)(id * 1000 + round * 10 + (int)s);
+
+			post_recv(&n, 0);
+			ct_fill(sbuf(&n, 0), len, seed);
+			send_msg(&n, n.qp, 0, len, 10 + s);
+			ct_poll_n(n.rcq, &wc, 1, CT_TIMEOUT_MS);
+			CT_CHECK(wc.status == IBV_WC_SUCCESS, "echo recv status");
+			CT_CHECK(wc.opcode == IBV_WC_RECV, "echo recv opcode");
+			CT_CHECK(wc.byte_len == len, "echo length %u, sent %zu",
+				 wc.byte_len, len);
+			CT_CHECK(wc.qp_num == n.qp->qp_num, "echo qp_num");
+			ct_expect_pattern(rbuf(&n, 0), len, seed, "echoed bytes");
+		}
+
+	/* A bad lkey is refused before it reaches the shared link. */
+	{
+		struct ibv_sge sge = { (uintptr_t)sbuf(&n, 1), 8, n.mr->lkey ^ 0x5a5a };
+		struct ibv_send_wr w2 = { .wr_id = 99, .sg_list = &sge, .num_sge = 1,
+					  .opcode = IBV_WR_SEND,
+					  .send_flags = IBV_SEND_SIGNALED };
+
+		bad = NULL;
+		CT_CHECK(ibv_post_send(n.qp, &w2, &bad) == EINVAL, "bad lkey");
+		CT_CHECK(bad == &w2, "*bad_wr");
+	}
+
+	/* The server's memory: ask for it, then one-sided operations. */
+	post_recv(&n, 0);
+	sbuf(&n, 0)[0] = 'M';
+	send_msg(&n, n.qp, 0, 1, 50);
+	ct_poll_n(n.rcq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == 12, "MR answer");
+	memcpy(&taddr, rbuf(&n, 0), 8);
+	memcpy(&trkey, rbuf(&n, 0) + 8, 4);
+	{
+		size_t bytes_off = offsetof(struct target, bytes);
+		uint8_t *local = sbuf(&n, 2);
+		uint64_t *word = (uint64_t *)(void *)sbuf(&n, 3);
+
+		onesided(&n, &wr, IBV_WR_RDMA_READ, taddr + bytes_off, trkey, local, BUF, 60);
+		ct_expect_pattern(local, BUF, 77, "READ of the server's pattern");
+		ct_fill(local, 512, 500 + (uint32_t)id);
+		onesided(&n, &wr, IBV_WR_RDMA_WRITE,
+			 taddr + bytes_off + BUF * (size_t)(1 + id), trkey, local, 512, 61);
+		memset(local, 0, 512);
+		onesided(&n, &wr, IBV_WR_RDMA_READ,
+			 taddr + bytes_off + BUF * (size_t)(1 + id), trkey, local, 512, 62);
+		ct_expect_pattern(local, 512, 500 + (uint32_t)id, "WRITE read back");
+		{
+			struct ibv_sge sge = { (uintptr_t)word, 8, n.mr->lkey };
+			struct ibv_send_wr a = { .wr_id = 63, .sg_list = &sge, .num_sge = 1,
+						 .opcode = IBV_WR_ATOMIC_FETCH_AND_ADD };
+
+			a.wr.atomic.remote_addr = taddr + offsetof(struct target, counter);
+			a.wr.atomic.rkey = trkey;
+			a.wr.atomic.compare_add = 1;
+			send_wr(&n, n.qp, &a);
+			CT_CHECK(*word < CLIENTS, "FETCH_ADD returned %llu",
+				 (unsigned long long)*word);
+			a.wr_id = 64;
+			a.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
+			a.wr.atomic.remote_addr = taddr + offsetof(struct target, swap) + 8 * (size_t)id;
+			a.wr.atomic.compare_add = 0;
+			a.wr.atomic.swap = 0xabc0 + (uint64_t)id;
+			send_wr(&n, n.qp, &a);
+			CT_CHECK(*word == 0, "CMP_SWP returned the old value");
+			a.wr_id = 65;
+			a.wr.atomic.compare_add = 0xabc0 + (uint64_t)id;
+			a.wr.atomic.swap = 7;
+			send_wr(&n, n.qp, &a);
+			CT_CHECK(*word == 0xabc0 + (uint64_t)id, "CMP_SWP saw our swap");
+		}
+		/* A bad rkey is refused too. */
+		{
+			struct ibv_sge sge = { (uintptr_t)local, 8, n.mr->lkey };
+			struct ibv_send_wr w2 = { .wr_id = 66, .sg_list = &sge, .num_sge = 1,
+						  .opcode = IBV_WR_RDMA_READ };
+
+			w2.wr.rdma.remote_addr = taddr;
+			w2.wr.rdma.rkey = trkey ^ 0x777;
+			bad = NULL;
+			CT_CHECK(ibv_post_send(n.qp, &w2, &bad) == EINVAL, "bad rkey");
+			w2.wr.rdma.rkey = trkey;
+			w2.wr.rdma.remote_addr = taddr + sizeof(struct target) - 4;
+			bad = NULL;
+			CT_CHECK(ibv_post_send(n.qp, &w2, &bad) == EINVAL,
+				 "READ past the end of the remote MR");
+		}
+		/* WRITE_WITH_IMM: the data, then the server's notification. */
+		{
+			struct ibv_sge sge = { (uintptr_t)local, 64, n.mr->lkey };
+			struct ibv_send_wr w2 = { .wr_id = 67, .sg_list = &sge, .num_sge = 1,
+						  .opcode = IBV_WR_RDMA_WRITE_WITH_IMM,
+						  .imm_data = htonl(0x1000 + (uint32_t)id) };
+
+			w2.wr.rdma.remote_addr = taddr + bytes_off + BUF * (size_t)(1 + CLIENTS + id);
+			w2.wr.rdma.rkey = trkey;
+			send_wr(&n, n.qp, &w2);
+		}
+	}
+	ct_pass();
+	return 0;
+}
+
+/* ---- orchestration ----------------------------------------------------- */
+
+static pid_t meta_pid;
+
+static void start_meta(void)
+{
+	static char addr[64], path[4096];
+	const char *bin = getenv("KRCORE_META_BIN");
+	int p[2];
+	char line[512];
+	size_t used = 0;
+	struct pollfd pfd;
+
+	if (!bin) {
+		ssize_t k = readlink("/proc/self/exe", path, sizeof(path) - 64);
+
+		CT_CHECK(k > 0, "readlink");
+		path[k] = 0;
+		*strrchr(path, '/') = 0;	/* target/c-tests */
+		strcat(path, "/../release/krcore-meta");
+		bin = path;
+	}
+	snprintf(addr, sizeof(addr), "10.77.0.1:%d", 20000 + getpid() % 20000);
+	CT_CHECK(pipe(p) == 0, "pipe");
+	meta_pid = fork();
+	CT_CHECK(meta_pid >= 0, "fork");
+	if (meta_pid == 0) {
+		dup2(p[1], 1);
+		close(p[0]);
+		execl(bin, "krcore-meta", "--listen", addr, "--slots", "4096", (char *)NULL);
+		_exit(127);
+	}
+	close(p[1]);
+	pfd.fd = p[0];
+	pfd.events = POLLIN;
+	while (!memchr(line, '\n', used)) {
+		ssize_t k;
+
+		CT_CHECK(poll(&pfd, 1, 30000) == 1, "krcore-meta did not start (%s)", bin);
+		k = read(p[0], line + used, sizeof(line) - 1 - used);
+		CT_CHECK(k > 0, "krcore-meta exited (%s)", bin);
+		used += (size_t)k;
+	}
+	line[used] = 0;
+	CT_CHECK(strstr(line, "serving on") != NULL, "krcore-meta said: %s", line);
+	setenv("KRCORE_META", addr, 1);
+}
+
+static int wait_child(pid_t pid, const char *what)
+{
+	int st;
+
+	CT_CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+		fprintf(stderr, "%s failed (status %#x)\n", what, st);
+		return 1;
+	}
+	return 0;
+}
+
+int main(void)
+{
+	int ready[2], fails = 0;
+	pid_t srv, cli[CLIENTS];
+	char c;
+
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	ct_watchdog(120);
+	start_meta();
+	CT_CHECK(pipe(ready) == 0, "pipe");
+	srv = fork();
+	if (srv == 0) {
+		close(ready[0]);
+		_exit(server(ready[1]));
+	}
+	close(ready[1]);
+	CT_CHECK(read(ready[0], &c, 1) == 1, "the server did not bind");
+	for (int i = 0; i < CLIENTS; i++) {
+		cli[i] = fork();
+		if (cli[i] == 0)
+			_exit(client(i));
+	}
+	for (int i = 0; i < CLIENTS; i++)
+		fails += wait_child(cli[i], "client");
+	fails += wait_child(srv, "server");
+	kill(meta_pid, SIGTERM);
+	waitpid(meta_pid, NULL, 0);
+	CT_CHECK(fails == 0, "%d process(es) failed", fails);
+
+	/* Not a VQP: the extended verbs refuse it. */
+	{
+		struct ct_dev d;
+		struct ibv_cq *cq;
+		struct ibv_qp *qp;
+
+		ct_begin("vqp_echo: extended verbs on an RC QP");
+		setenv("CT_GID_A", "2", 1);
+		ct_open(&d);
+		cq = CT_PTR(ibv_create_cq(d.ctx, 16, NULL, NULL, 0));
+		qp = ct_create_rc_qp(&d, cq, cq, NULL, CT_QP_CAPS_DEFAULT);
+		CT_CHECK(qbind(qp, node_gid(2), PORT) == EINVAL, "qbind on RC");
+		CT_CHECK(qconnect(qp, node_gid(1), PORT) == EINVAL, "qconnect on RC");
+		CT_OK(ibv_destroy_qp(qp));
+		CT_OK(ibv_destroy_cq(cq));
+		ct_close(&d);
+		ct_pass();
+	}
+	return 0;
+}

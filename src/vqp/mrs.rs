@@ -1,0 +1,154 @@
+//! The application's MRs by protection domain, as the VQP path needs them:
+//! by lkey for the local pre-checks, and by rkey for the PD's MR table
+//! that linked peers READ (published by the PD's runtime, if it has one).
+//!
+//! `obj::Mr` reports every registration and deregistration here; a
+//! registration is slow anyway, so one lock is no cost.
+
+use super::precheck::{LocalMrs, MrInfo};
+use parking_lot::RwLock;
+use std::collections::HashMap;
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    info: MrInfo,
+    rkey: u32,
+    /// Several application MRs may share one cached registration (the same
+    /// keys): the entry lives while any of them does.
+    refs: u32,
+}
+
+/// One PD's MRs.
+#[derive(Default)]
+pub struct PdMrs {
+    by_lkey: HashMap<u32, Entry>,
+}
+
+impl PdMrs {
+    /// Every (rkey, info) of the PD, for a new MR table.
+    pub fn published(&self) -> Vec<(u32, MrInfo)> {
+        self.by_lkey.values().map(|e| (e.rkey, e.info)).collect()
+    }
+}
+
+impl LocalMrs for PdMrs {
+    fn local(&self, lkey: u32) -> Option<MrInfo> {
+        self.by_lkey.get(&lkey).map(|e| e.info)
+    }
+}
+
+/// What changed in a PD's MR set: the runtime updates its MR table.
+pub enum Change {
+    Added { rkey: u32, info: MrInfo },
+    Removed { rkey: u32 },
+}
+
+static PDS: RwLock<Option<HashMap<usize, PdMrs>>> = RwLock::new(None);
+
+/// Observers of MR changes (the runtimes), by real PD.
+type Observer = Box<dyn Fn(&Change) + Send + Sync>;
+static OBSERVERS: RwLock<Option<HashMap<usize, Observer>>> = RwLock::new(None);
+
+/// An MR of real PD `pd` was registered (`lkey`, `rkey`, range, access).
+pub fn added(pd: usize, lkey: u32, rkey: u32, info: MrInfo) {
+    let mut g = PDS.write();
+    let e = g.get_or_insert_with(HashMap::new).entry(pd).or_default().by_lkey.entry(lkey).or_insert(Entry {
+        info,
+        rkey,
+        refs: 0,
+    });
+    e.refs += 1;
+    let first = e.refs == 1;
+    drop(g);
+    if first {
+        notify(pd, &Change::Added { rkey, info });
+    }
+}
+
+/// An MR of real PD `pd` was deregistered.
+pub fn removed(pd: usize, lkey: u32) {
+    let mut g = PDS.write();
+    let Some(mrs) = g.as_mut().and_then(|m| m.get_mut(&pd)) else { return };
+    let Some(e) = mrs.by_lkey.get_mut(&lkey) else { return };
+    e.refs -= 1;
+    if e.refs > 0 {
+        return;
+    }
+    let rkey = e.rkey;
+    mrs.by_lkey.remove(&lkey);
+    drop(g);
+    notify(pd, &Change::Removed { rkey });
+}
+
+fn notify(pd: usize, c: &Change) {
+    if let Some(f) = OBSERVERS.read().as_ref().and_then(|o| o.get(&pd)) {
+        f(c);
+    }
+}
+
+/// Run `f` with PD `pd`'s MRs (an empty set if it has none).
+pub fn with<R>(pd: usize, f: impl FnOnce(&PdMrs) -> R) -> R {
+    let g = PDS.read();
+    match g.as_ref().and_then(|m| m.get(&pd)) {
+        Some(mrs) => f(mrs),
+        None => f(&PdMrs::default()),
+    }
+}
+
+/// Watch PD `pd`'s changes; `f` first sees every MR it has now. The lock
+/// order (registry, then observer) keeps the two from missing an update.
+pub fn observe(pd: usize, f: Observer) {
+    let g = PDS.read();
+    if let Some(mrs) = g.as_ref().and_then(|m| m.get(&pd)) {
+        for (rkey, info) in mrs.published() {
+            f(&Change::Added { rkey, info });
+        }
+    }
+    OBSERVERS.write().get_or_insert_with(HashMap::new).insert(pd, f);
+    drop(g);
+}
+
+/// Stop watching PD `pd` (its runtime is gone).
+pub fn unobserve(pd: usize) {
+    if let Some(o) = OBSERVERS.write().as_mut() {
+        o.remove(&pd);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    fn info(addr: u64) -> MrInfo {
+        MrInfo { addr, len: 4096, access: 7 }
+    }
+
+    #[test]
+    fn shared_keys_live_while_any_mr_does_and_observers_see_changes() {
+        let pd = 0x5150;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        added(pd, 1, 11, info(0x1000));
+        let s2 = Arc::clone(&seen);
+        observe(
+            pd,
+            Box::new(move |c| {
+                s2.lock().unwrap().push(match c {
+                    Change::Added { rkey, .. } => (true, *rkey),
+                    Change::Removed { rkey } => (false, *rkey),
+                })
+            }),
+        );
+        added(pd, 1, 11, info(0x1000)); // a second MR on the same cached region
+        added(pd, 2, 22, info(0x9000));
+        assert_eq!(with(pd, |m| m.local(1)), Some(info(0x1000)));
+        removed(pd, 1);
+        assert_eq!(with(pd, |m| m.local(1)), Some(info(0x1000)), "still held by the other MR");
+        removed(pd, 1);
+        assert_eq!(with(pd, |m| m.local(1)), None);
+        assert_eq!(with(pd + 1, |m| m.local(2)), None, "other PDs see nothing");
+        unobserve(pd);
+        removed(pd, 2);
+        assert_eq!(*seen.lock().unwrap(), vec![(true, 11), (true, 22), (false, 11)]);
+    }
+}

@@ -1,0 +1,730 @@
+//! A virtual QP: what the application holds (`KRCORE_VQP`), backed by
+//! software queues and, once bound or connected, by a link it shares with
+//! every other VQP of this process that talks to the same peer.
+//!
+//! Where a work request goes: `post_send` pre-checks it (precheck.rs:
+//! local MRs from mrs.rs, the peer's MRs from its MR table, READ once and
+//! cached), records it in the VQP's send ring, and posts it on the link
+//! with a wr_id that names this VQP, its sequence number and what the
+//! physical completion retires (wrid.rs). SENDs carry a 32-byte header in
+//! front of the payload (header.rs); the receiver's progress finds the
+//! destination VQP from it and copies the payload into the buffer the
+//! application posted. Completions come back through `Runtime::progress`
+//! into the send ring, which emits the application's completions in order
+//! into its CQ's software queue.
+//!
+//! Locks: a VQP's state, then its link's send-queue accounting; progress
+//! takes each of them alone, never one inside the other, and never holds
+//! a VQP's lock while waiting for progress.
+
+use super::header::{Flags, Header, HEADER_LEN};
+use super::mrs;
+use super::precheck::{self, Caps, MrInfo, RemoteMrs, SendWr, Verdict};
+use super::queue::{Completion, RecvRing, SendEntry, SendRing};
+use super::runtime::{CqSoft, Runtime, MAX_MSG};
+use super::wrid::{SendId, WrId};
+use crate::error::{Errno, Result};
+use crate::klog;
+use crate::log::Level;
+use crate::meta::mrtable::RemoteMrTable;
+use crate::meta::table::{Lookup, HEADER_SIZE};
+use crate::meta::Endpoint;
+use crate::rdma::{self, Region};
+use crate::service::Link;
+use crate::sys::*;
+use once_cell::sync::OnceCell;
+use parking_lot::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Weak};
+
+/// Application SGEs per send: the link has one more for the header.
+pub const MAX_SEND_SGE: u32 = crate::service::LINK_SEND_SGE - 1;
+pub const MAX_RECV_SGE: u32 = 16;
+/// Inline data a VQP accepts (copied behind the header).
+pub const MAX_INLINE: u32 = 256;
+const HDR_SLOT: usize = HEADER_LEN + MAX_INLINE as usize;
+
+/// The VQP table: slot -> VQP with a generation, so that a completion or
+/// message for a destroyed VQP is recognised as such.
+struct Slots {
+    entries: Vec<(u8, Weak<Vqp>)>,
+    free: Vec<u32>,
+}
+
+static SLOTS: Mutex<Slots> = Mutex::new(Slots { entries: Vec::new(), free: Vec::new() });
+
+/// Virtual QP numbers: bit 23 set (real QPNs of rxe and mlx5 stay far
+/// below), the slot's generation in bits 20-22, the slot in bits 0-19.
+fn vqpn_of(slot: u32, gen: u8) -> u32 {
+    0x80_0000 | (((gen & 7) as u32) << 20) | slot
+}
+
+pub fn lookup(slot: u32, gen: u8) -> Option<Arc<Vqp>> {
+    let s = SLOTS.lock();
+    let (g, w) = s.entries.get(slot as usize)?;
+    if *g != gen {
+        return None;
+    }
+    w.upgrade()
+}
+
+pub fn by_vqpn(vqpn: u32) -> Option<Arc<Vqp>> {
+    if vqpn & 0x80_0000 == 0 {
+        return None;
+    }
+    let slot = vqpn & 0xf_ffff;
+    let s = SLOTS.lock();
+    let (g, w) = s.entries.get(slot as usize)?;
+    if (g & 7) as u32 != (vqpn >> 20) & 7 {
+        return None;
+    }
+    w.upgrade()
+}
+
+/// The application's objects a VQP was created with (wrappers).
+#[derive(Clone, Copy)]
+pub struct AppRefs {
+    pub ctx: *mut ibv_context,
+    pub pd: *mut ibv_pd,
+    pub send_cq: *mut ibv_cq,
+    pub recv_cq: *mut ibv_cq,
+    /// The real context and PD behind them.
+    pub real_ctx: *mut ibv_context,
+    pub real_pd: *mut ibv_pd,
+}
+
+/// Where a connected VQP sends.
+struct Conn {
+    link: Arc<Link>,
+    /// The peer VQP's number.
+    dst: u32,
+}
+
+/// A message that arrived before the application posted a receive.
+struct Held {
+    header: Header,
+    payload: Vec<u8>,
+    peer: Endpoint,
+}
+
+struct State {
+    sq: SendRing,
+    rq: RecvRing,
+    conn: Option<Conn>,
+    bound: Option<crate::meta::Key>,
+    /// Messages for `qpop_msgs` (bound VQPs): (sender, its VQP, completion).
+    inbox: VecDeque<(Endpoint, u32, ibv_wc)>,
+    held: VecDeque<Held>,
+    /// VQPs connected back to senders (bound VQPs), by sender.
+    src_qps: HashMap<(u64, u32), *mut ibv_qp>,
+}
+
+/// The peer's MRs already READ from its MR table (the MRStore).
+#[derive(Default)]
+struct PeerMrs {
+    table: Option<RemoteMrTable>,
+    known: HashMap<u32, MrInfo>,
+}
+
+impl RemoteMrs for PeerMrs {
+    fn remote(&self, rkey: u32) -> Option<MrInfo> {
+        self.known.get(&rkey).copied()
+    }
+}
+
+pub struct Vqp {
+    pub slot: u32,
+    pub gen: u8,
+    pub vqpn: u32,
+    pub app: AppRefs,
+    send_soft: Arc<CqSoft>,
+    recv_soft: Arc<CqSoft>,
+    sq_sig_all: bool,
+    pub caps: Caps,
+    st: Mutex<State>,
+    rt: OnceCell<Arc<Runtime>>,
+    /// Header slots of in-flight SENDs, one per send-ring entry.
+    hdrs: OnceCell<Region>,
+    sq_cap: u32,
+    peer_mrs: Mutex<PeerMrs>,
+    /// Scratch for MR-table READs.
+    scratch: OnceCell<Region>,
+}
+
+// SAFETY: the raw pointers are the application's objects, only passed
+// back to it; all mutable state is behind locks.
+unsafe impl Send for Vqp {}
+// SAFETY: as above.
+unsafe impl Sync for Vqp {}
+
+impl Vqp {
+    /// A new VQP with the granted capabilities (written back into `cap`).
+    pub fn new(app: AppRefs, send_soft: Arc<CqSoft>, recv_soft: Arc<CqSoft>, cap: &mut ibv_qp_cap, sq_sig_all: bool) -> Result<Arc<Vqp>> {
+        if cap.max_send_sge > MAX_SEND_SGE || cap.max_recv_sge > MAX_RECV_SGE || cap.max_inline_data > MAX_INLINE {
+            return Err(Errno::EINVAL);
+        }
+        cap.max_send_sge = cap.max_send_sge.max(1);
+        cap.max_recv_sge = cap.max_recv_sge.max(1);
+        let caps = Caps {
+            max_send_sge: cap.max_send_sge,
+            max_recv_sge: cap.max_recv_sge,
+            max_inline_data: cap.max_inline_data,
+            // One-sided operations: RC's 2 GiB. Messages: see post_one.
+            max_msg_size: 1 << 31,
+        };
+        let st = State {
+            sq: SendRing::new(cap.max_send_wr)?,
+            rq: RecvRing::new(cap.max_recv_wr, cap.max_recv_sge)?,
+            conn: None,
+            bound: None,
+            inbox: VecDeque::new(),
+            held: VecDeque::new(),
+            src_qps: HashMap::new(),
+        };
+        let mut slots = SLOTS.lock();
+        let slot = match slots.free.pop() {
+            Some(s) => s,
+            None => {
+                let s = slots.entries.len() as u32;
+                if s >= super::wrid::MAX_SLOTS {
+                    return Err(Errno::ENOMEM);
+                }
+                slots.entries.push((0, Weak::new()));
+                s
+            }
+        };
+        let gen = slots.entries[slot as usize].0.wrapping_add(1);
+        let v = Arc::new(Vqp {
+            slot,
+            gen,
+            vqpn: vqpn_of(slot, gen),
+            app,
+            send_soft,
+            recv_soft,
+            sq_sig_all,
+            caps,
+            st: Mutex::new(st),
+            rt: OnceCell::new(),
+            hdrs: OnceCell::new(),
+            sq_cap: cap.max_send_wr,
+            peer_mrs: Mutex::new(PeerMrs::default()),
+            scratch: OnceCell::new(),
+        });
+        slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
+        Ok(v)
+    }
+
+    /// The runtime of our PD, started at the first bind or connect.
+    fn runtime(&self, gid_index: Option<u32>) -> Result<&Arc<Runtime>> {
+        self.rt.get_or_try_init(|| {
+            // SAFETY: the application's real context and PD outlive its
+            // VQPs (destroying them first fails with EBUSY).
+            let rt = unsafe { Runtime::get_or_start(self.app.real_ctx, self.app.real_pd, gid_index) }?;
+            self.send_soft.serve(&rt);
+            self.recv_soft.serve(&rt);
+            Ok(rt)
+        })
+    }
+
+    fn hdrs(&self, rt: &Runtime) -> Result<&Region> {
+        self.hdrs.get_or_try_init(|| Region::new(rt.svc.device(), self.sq_cap.max(1) as usize * HDR_SLOT, rdma::LOCAL_WRITE))
+    }
+
+    /// `qbind`: publish (gid, port) -> this VQP.
+    pub fn bind(self: &Arc<Self>, gid: [u8; 16], port: u32) -> Result<()> {
+        {
+            let st = self.st.lock();
+            if st.conn.is_some() || st.bound.is_some() {
+                return Err(Errno::EINVAL);
+            }
+        }
+        let dev_gid_index = {
+            // SAFETY: a plain C union; the application's live real context.
+            let probe = unsafe { rdma::Device::borrow(self.app.real_ctx, self.app.real_pd) }?;
+            probe.gid_index(&gid)?
+        };
+        let rt = self.runtime(Some(dev_gid_index))?;
+        let key = crate::meta::Key::Port { gid, port };
+        let ep = Endpoint { vqpn: self.vqpn, ..rt.svc.endpoint() };
+        rt.meta()?.bind(&key, &ep)?;
+        self.st.lock().bound = Some(key);
+        Ok(())
+    }
+
+    /// `qconnect`: look (gid, port) up and attach to the link to its process.
+    pub fn connect(&self, gid: [u8; 16], port: u32) -> Result<()> {
+        {
+            let st = self.st.lock();
+            if st.conn.is_some() || st.bound.is_some() {
+                return Err(Errno::EINVAL);
+            }
+        }
+        let rt = self.runtime(None)?;
+        let key = crate::meta::Key::Port { gid, port };
+        let meta = rt.meta()?;
+        let ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
+        let link = match rt.svc.link(&ep, 0, rt.connect_timeout()) {
+            Ok(l) => l,
+            Err(e) => {
+                // A stale cached endpoint (its process is gone): look again.
+                meta.invalidate(&key);
+                return Err(if e.0 == libc::ETIMEDOUT || e.0 == libc::ECONNREFUSED { Errno(libc::ECONNREFUSED) } else { e });
+            }
+        };
+        self.attach(link, ep, ep.vqpn);
+        Ok(())
+    }
+
+    /// Connect to `dst` on the far side of `link` (qconnect, or a VQP
+    /// made for `qpop_msgs` to answer a sender).
+    fn attach(&self, link: Arc<Link>, peer: Endpoint, dst: u32) {
+        let _ = peer;
+        self.st.lock().conn = Some(Conn { link, dst });
+    }
+
+    pub fn is_bound(&self) -> bool {
+        self.st.lock().bound.is_some()
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.st.lock().conn.is_some()
+    }
+
+    /// `ibv_post_send`.
+    ///
+    /// # Safety
+    /// `wr` is a valid chain of the application's, `bad` valid for writes.
+    pub unsafe fn post_send(&self, mut wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> i32 {
+        while !wr.is_null() {
+            // SAFETY: caller contract.
+            if let Err(e) = unsafe { self.post_one(&*wr) } {
+                // SAFETY: caller contract.
+                unsafe { *bad = wr };
+                return e.0;
+            }
+            // SAFETY: caller contract.
+            wr = unsafe { (*wr).next };
+        }
+        0
+    }
+
+    /// # Safety
+    /// `w` and its SGE list are the application's valid WR.
+    unsafe fn post_one(&self, w: &ibv_send_wr) -> Result<()> {
+        let Some(rt) = self.rt.get() else { return Err(Errno::EINVAL) };
+        let (link, dst) = match &self.st.lock().conn {
+            Some(c) => (Arc::clone(&c.link), c.dst),
+            None => return Err(Errno::EINVAL),
+        };
+        if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_send_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: num_sge entries of the application's list (checked above).
+        let sges: &[ibv_sge] = if w.num_sge == 0 { &[] } else { unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) } };
+        // SAFETY: the union member the opcode names.
+        let (remote_addr, rkey) = unsafe {
+            if is_atomic(w.opcode) {
+                (w.wr.atomic.remote_addr, w.wr.atomic.rkey)
+            } else {
+                (w.wr.rdma.remote_addr, w.wr.rdma.rkey)
+            }
+        };
+        let sw = SendWr { opcode: w.opcode, send_flags: w.send_flags, sge: sges, remote_addr, rkey };
+        self.precheck(rt, &link, &sw)?;
+        let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
+        let total: u32 = sges.iter().map(|s| s.length).sum();
+        let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
+        if is_send && total as usize > MAX_MSG {
+            // Messages larger than a receive buffer need the large-message
+            // path (the receiver READs the payload), not built yet.
+            return Err(Errno::EINVAL);
+        }
+        let wc_opcode = wc_opcode_of(w.opcode);
+        loop {
+            let mut st = self.st.lock();
+            if st.sq.outstanding() >= self.sq_cap as usize {
+                return Err(Errno::ENOMEM);
+            }
+            let mut sq = link.sq.lock();
+            // WRITE_WITH_IMM is a WRITE and a notification SEND: two WQEs.
+            let need = if w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM { 2 } else { 1 };
+            if link.qp.caps.send_wr as usize - sq.outstanding() < need {
+                drop(sq);
+                drop(st);
+                rt.progress();
+                std::thread::yield_now();
+                continue;
+            }
+            let seq = st.sq.push(SendEntry { wr_id: w.wr_id, signaled, opcode: wc_opcode, byte_len: total })?;
+            klog!(Level::Debug, "vqp {:#x}: post opcode {} len {total} seq {seq} to {dst:#x}", self.vqpn, w.opcode);
+            let r = self.post_physical(&link, &mut sq, w, sges, seq, signaled, dst, total);
+            if let Err(e) = r {
+                // The link refused the WQE: the entry completes in error.
+                let mut emit = |c: Completion| self.deliver(&self.send_soft, c);
+                let _ = st.sq.complete(seq, ibv_wc_status::IBV_WC_GENERAL_ERR, &mut emit);
+                klog!(Level::Warn, "vqp {:#x}: posting on the link failed: {e:?}", self.vqpn);
+            }
+            return Ok(());
+        }
+    }
+
+    /// Post the WQE(s) of one application WR on the link (its accounting
+    /// lock held, so that decisions are in posting order).
+    #[allow(clippy::too_many_arguments)]
+    fn post_physical(
+        &self,
+        link: &Link,
+        sq: &mut super::queue::PhysSq,
+        w: &ibv_send_wr,
+        sges: &[ibv_sge],
+        seq: u16,
+        signaled: bool,
+        dst: u32,
+        total: u32,
+    ) -> Result<()> {
+        // SAFETY: a plain C struct.
+        let mut p: ibv_send_wr = unsafe { std::mem::zeroed() };
+        let mut list = [ibv_sge { addr: 0, length: 0, lkey: 0 }; crate::service::LINK_SEND_SGE as usize];
+        let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
+        let inline = w.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 != 0;
+        if w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM {
+            // The data first, then the notification (RC order: the data
+            // lands before the receiver learns of it). A forced signal on
+            // the WRITE retires what came before this WR only.
+            let d = sq.try_post(false).ok_or(Errno::ENOMEM)?;
+            let id = SendId::new(self.slot, self.gen, seq.wrapping_sub(1), wire_retired(&d), true)?;
+            // SAFETY: a plain C struct.
+            let mut write: ibv_send_wr = unsafe { std::mem::zeroed() };
+            let n = self.fill_sges(&mut list, sges, inline, seq, &[])?;
+            write.wr_id = WrId::Send(id).encode();
+            write.sg_list = list.as_mut_ptr();
+            write.num_sge = n;
+            write.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            write.send_flags = if d.signal { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            // SAFETY: the union member the opcode names.
+            unsafe { write.wr.rdma = w.wr.rdma };
+            // SAFETY: a WR over checked memory (pre-checks) and our header slot.
+            unsafe { link.qp.post_send(&mut write) }?;
+            // SAFETY: the union member the opcode names.
+            let imm = unsafe { w.imm_data_invalidated_rkey_union.imm_data };
+            let h = Header { flags: Flags::WRITE_IMM | Flags::HAS_IMM, src_vqpn: self.vqpn, dst, imm, len: total, ..Header::default() };
+            let n = self.fill_sges(&mut list, &[], false, seq, &header_bytes(&h))?;
+            p.sg_list = list.as_mut_ptr();
+            p.num_sge = n;
+            p.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        } else if is_send {
+            let mut h = Header { src_vqpn: self.vqpn, dst, len: total, ..Header::default() };
+            if w.opcode == ibv_wr_opcode::IBV_WR_SEND_WITH_IMM {
+                h.flags |= Flags::HAS_IMM;
+                // SAFETY: the union member the opcode names.
+                h.imm = unsafe { w.imm_data_invalidated_rkey_union.imm_data };
+            }
+            if w.send_flags & ibv_send_flags::IBV_SEND_SOLICITED.0 != 0 {
+                h.flags |= Flags::SOLICITED;
+            }
+            let n = self.fill_sges(&mut list, sges, inline, seq, &header_bytes(&h))?;
+            p.sg_list = list.as_mut_ptr();
+            p.num_sge = n;
+            p.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        } else {
+            let n = self.fill_sges(&mut list, sges, inline, seq, &[])?;
+            p.sg_list = list.as_mut_ptr();
+            p.num_sge = n;
+            p.opcode = w.opcode;
+            // SAFETY: rdma and atomic share the union; copy it whole.
+            unsafe { std::ptr::copy_nonoverlapping(&w.wr, &mut p.wr, 1) };
+        }
+        let d = sq.try_post(signaled).ok_or(Errno::ENOMEM)?;
+        p.wr_id = WrId::Send(SendId::new(self.slot, self.gen, seq, wire_retired(&d), d.forced)?).encode();
+        p.send_flags = if d.signal { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 }
+            | (w.send_flags & ibv_send_flags::IBV_SEND_FENCE.0);
+        // SAFETY: a WR over checked memory (pre-checks) and our header slot.
+        unsafe { link.qp.post_send(&mut p) }
+    }
+
+    /// The physical SGE list: the header (and inline data, copied behind
+    /// it) in this WR's header slot, then the application's SGEs.
+    fn fill_sges(&self, list: &mut [ibv_sge], sges: &[ibv_sge], inline: bool, seq: u16, header: &[u8]) -> Result<i32> {
+        let mut n = 0;
+        let rt = self.rt.get().ok_or(Errno::EINVAL)?;
+        let hdrs = self.hdrs(rt)?;
+        let off = (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT;
+        let mut used = 0;
+        if !header.is_empty() {
+            // SAFETY: this WR's slot: the ring holds at most sq_cap WRs, so
+            // the slot's previous WR has completed.
+            unsafe { hdrs.bytes_mut(off, header.len()) }.copy_from_slice(header);
+            used = header.len();
+        }
+        if inline {
+            for s in sges {
+                // SAFETY: inline data is read from the application's
+                // addresses at post time, as verbs does.
+                let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
+                // SAFETY: within the slot (inline total <= MAX_INLINE).
+                unsafe { hdrs.bytes_mut(off + used, src.len()) }.copy_from_slice(src);
+                used += src.len();
+            }
+        }
+        if used > 0 {
+            list[0] = hdrs.sge(off, used);
+            n = 1;
+        }
+        if !inline {
+            for s in sges.iter().filter(|s| s.length > 0) {
+                list[n] = *s;
+                n += 1;
+            }
+        }
+        Ok(n as i32)
+    }
+
+    /// Pre-checks, fetching the peer's MR entry once when needed.
+    fn precheck(&self, rt: &Runtime, link: &Link, sw: &SendWr<'_>) -> Result<()> {
+        for _ in 0..2 {
+            let verdict = {
+                let pm = self.peer_mrs.lock();
+                mrs::with(self.app.real_pd as usize, |local| precheck::check_send(sw, &self.caps, local, &*pm))
+            };
+            match verdict {
+                Ok(()) => return Ok(()),
+                Err(Verdict::Reject(r)) => {
+                    klog!(Level::Debug, "vqp {:#x}: rejected a work request: {r}", self.vqpn);
+                    return Err(r.errno());
+                }
+                Err(Verdict::NeedRemote { rkey }) => self.fetch_remote(rt, link, rkey)?,
+            }
+        }
+        klog!(Level::Debug, "vqp {:#x}: rkey unknown to the peer", self.vqpn);
+        Err(Errno::EINVAL)
+    }
+
+    /// READ the peer's MR table entry for `rkey` into the cache.
+    fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32) -> Result<()> {
+        let scratch = self.scratch.get_or_try_init(|| Region::new(rt.svc.device(), 4096, rdma::LOCAL_WRITE))?;
+        let (addr, trkey, _) = link.peer_mr_table;
+        let cached = self.peer_mrs.lock().table;
+        let table = match cached {
+            Some(t) => t,
+            None => {
+                rt.control_read(link, scratch, addr, trkey, HEADER_SIZE)?;
+                // SAFETY: the READ completed; only this VQP uses the scratch.
+                let t = RemoteMrTable::parse(unsafe { scratch.bytes(0, HEADER_SIZE) })?;
+                self.peer_mrs.lock().table = Some(t);
+                t
+            }
+        };
+        let (off, len) = table.neighborhood(rkey);
+        for _ in 0..64 {
+            rt.control_read(link, scratch, addr + off, trkey, len)?;
+            // SAFETY: as above.
+            match table.lookup_in(unsafe { scratch.bytes(0, len) }, rkey) {
+                Lookup::Found(info) => {
+                    self.peer_mrs.lock().known.insert(rkey, info);
+                    return Ok(());
+                }
+                Lookup::Absent => return Ok(()),
+                Lookup::Torn => continue,
+            }
+        }
+        Err(Errno(libc::EAGAIN))
+    }
+
+    /// A physical completion of one of our WRs (progress).
+    pub fn on_send_completion(&self, seq: u16, status: u32) {
+        let mut st = self.st.lock();
+        let mut out = Vec::new();
+        let _ = st.sq.complete(seq, status, &mut |c| out.push(c));
+        drop(st);
+        for c in out {
+            self.deliver(&self.send_soft, c);
+        }
+    }
+
+    fn deliver(&self, cq: &CqSoft, c: Completion) {
+        if cq.q.lock().push(c.to_wc(self.vqpn)).is_err() {
+            klog!(Level::Warn, "vqp {:#x}: completion queue overrun", self.vqpn);
+        }
+    }
+
+    /// `ibv_post_recv`.
+    ///
+    /// # Safety
+    /// As [`Vqp::post_send`].
+    pub unsafe fn post_recv(&self, mut wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> i32 {
+        while !wr.is_null() {
+            // SAFETY: caller contract.
+            let w = unsafe { &*wr };
+            let r = (|| {
+                if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_recv_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
+                    return Err(Errno::EINVAL);
+                }
+                let sges: &[ibv_sge] = if w.num_sge == 0 {
+                    &[]
+                } else {
+                    // SAFETY: num_sge entries of the application's list.
+                    unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
+                };
+                mrs::with(self.app.real_pd as usize, |local| {
+                    precheck::check_recv(&precheck::RecvWr { sge: sges }, &self.caps, local)
+                })
+                .map_err(|r| r.errno())?;
+                self.st.lock().rq.push(w.wr_id, sges)
+            })();
+            if let Err(e) = r {
+                // SAFETY: caller contract.
+                unsafe { *bad = wr };
+                return e.0;
+            }
+            wr = w.next;
+        }
+        self.deliver_held();
+        0
+    }
+
+    /// A message for this VQP (progress).
+    pub fn on_message(&self, h: &Header, payload: &[u8], peer: Endpoint) {
+        klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
+        let mut st = self.st.lock();
+        if !st.held.is_empty() || st.rq.is_empty() {
+            st.held.push_back(Held { header: *h, payload: payload.to_vec(), peer });
+            return;
+        }
+        self.land(&mut st, h, payload, peer);
+    }
+
+    fn deliver_held(&self) {
+        let mut st = self.st.lock();
+        while !st.rq.is_empty() {
+            let Some(m) = st.held.pop_front() else { break };
+            self.land(&mut st, &m.header, &m.payload, m.peer);
+        }
+    }
+
+    /// Copy a message into the next posted receive and complete it.
+    fn land(&self, st: &mut State, h: &Header, payload: &[u8], peer: Endpoint) {
+        let Some(r) = st.rq.pop_front() else { return };
+        // SAFETY: ibv_wc is plain C data.
+        let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
+        wc.wr_id = r.wr_id;
+        wc.qp_num = self.vqpn;
+        wc.src_qp = h.src_vqpn;
+        wc.byte_len = h.len;
+        wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
+        if h.flags.contains(Flags::HAS_IMM) {
+            wc.imm_data_invalidated_rkey_union.imm_data = h.imm;
+            wc.wc_flags = ibv_wc_flags::IBV_WC_WITH_IMM.0;
+        }
+        if h.flags.contains(Flags::WRITE_IMM) {
+            wc.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
+            wc.status = ibv_wc_status::IBV_WC_SUCCESS;
+        } else {
+            match r.scatter(payload.len() as u32) {
+                Ok(pieces) => {
+                    let mut at = 0;
+                    for s in pieces {
+                        // SAFETY: the application's posted buffer, checked
+                        // against its MR at post time.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(payload[at..].as_ptr(), s.addr as *mut u8, s.length as usize);
+                        }
+                        at += s.length as usize;
+                    }
+                    wc.status = ibv_wc_status::IBV_WC_SUCCESS;
+                }
+                Err(status) => wc.status = status,
+            }
+        }
+        if st.bound.is_some() {
+            st.inbox.push_back((peer, h.src_vqpn, wc));
+        } else if self.recv_soft.q.lock().push(wc).is_err() {
+            klog!(Level::Warn, "vqp {:#x}: completion queue overrun", self.vqpn);
+        }
+    }
+
+    /// `qpop_msgs`: up to `n` (sender, completion) pairs. `make_src`
+    /// creates the application object of a VQP connected back to a sender.
+    pub fn pop_msgs(
+        self: &Arc<Self>,
+        n: usize,
+        make_src: &dyn Fn(&Arc<Vqp>) -> Result<*mut ibv_qp>,
+    ) -> Result<Vec<(*mut ibv_qp, ibv_wc)>> {
+        let rt = self.rt.get().ok_or(Errno::EINVAL)?;
+        if !self.is_bound() {
+            return Err(Errno::EINVAL);
+        }
+        rt.progress();
+        let mut out = Vec::new();
+        while out.len() < n {
+            let Some((peer, src, wc)) = self.st.lock().inbox.pop_front() else { break };
+            let key = (peer.incarnation, src);
+            let existing = self.st.lock().src_qps.get(&key).copied();
+            let qp = match existing {
+                Some(qp) => qp,
+                None => {
+                    let link = rt.svc.link(&peer, 0, rt.connect_timeout())?;
+                    let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+                    let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
+                    let _ = v.rt.set(Arc::clone(rt));
+                    v.attach(link, peer, src);
+                    let qp = make_src(&v)?;
+                    self.st.lock().src_qps.insert(key, qp);
+                    qp
+                }
+            };
+            out.push((qp, wc));
+        }
+        Ok(out)
+    }
+
+    /// Destroy: unpublish a binding, flush what is outstanding, free the
+    /// slot. Returns the VQPs made for senders (the caller frees them).
+    pub fn destroy(&self) -> Vec<*mut ibv_qp> {
+        let mut st = self.st.lock();
+        if let (Some(key), Some(rt)) = (st.bound.take(), self.rt.get()) {
+            if let Ok(meta) = rt.meta() {
+                let _ = meta.unbind(&key);
+            }
+        }
+        let mut out = Vec::new();
+        st.sq.flush(&mut |c| out.push(c));
+        st.rq.flush(&mut |c| out.push(c));
+        let srcs: Vec<*mut ibv_qp> = st.src_qps.drain().map(|(_, q)| q).collect();
+        drop(st);
+        let mut slots = SLOTS.lock();
+        slots.entries[self.slot as usize].1 = Weak::new();
+        slots.free.push(self.slot);
+        srcs
+    }
+}
+
+/// What a WQE's wr_id says it retires: the decision's count when it is
+/// signaled; an unsignaled WQE shows its wr_id only when flushed after an
+/// error, when the link's accounting is reset anyway.
+fn wire_retired(d: &super::queue::PostDecision) -> u16 {
+    if d.signal {
+        d.retired
+    } else {
+        1
+    }
+}
+
+fn header_bytes(h: &Header) -> [u8; HEADER_LEN] {
+    let mut b = [0u8; HEADER_LEN];
+    h.encode(&mut b);
+    b
+}
+
+fn is_atomic(op: u32) -> bool {
+    matches!(op, ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP | ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD)
+}
+
+fn wc_opcode_of(op: u32) -> u32 {
+    match op {
+        ibv_wr_opcode::IBV_WR_RDMA_WRITE | ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM => ibv_wc_opcode::IBV_WC_RDMA_WRITE,
+        ibv_wr_opcode::IBV_WR_RDMA_READ => ibv_wc_opcode::IBV_WC_RDMA_READ,
+        ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP => ibv_wc_opcode::IBV_WC_COMP_SWAP,
+        ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD => ibv_wc_opcode::IBV_WC_FETCH_ADD,
+        _ => ibv_wc_opcode::IBV_WC_SEND,
+    }
+}

@@ -1,0 +1,290 @@
+//! The virtual-QP runtime of one protection domain: its service endpoint
+//! and links, its meta-server client, the receive buffers all links share,
+//! and the progress function that turns the links' completions into the
+//! VQPs' completions and received messages.
+//!
+//! Progress runs on whichever thread needs it (an application polling a
+//! CQ that VQPs feed, a post that found its link's queue full,
+//! `qpop_msgs`), one at a time (`try_lock`: a thread that finds progress
+//! already running goes on; the runner delivers for everyone).
+
+use super::header::{Header, HEADER_LEN};
+use super::mrs;
+use super::queue::SoftCq;
+use super::qp as vqp;
+use super::wrid::WrId;
+use crate::error::{Errno, Result};
+use crate::klog;
+use crate::log::Level;
+use crate::meta::client::{self, MetaClient};
+use crate::rdma::{self, Device, Region};
+use crate::service::{self, Service};
+use crate::sys::*;
+use once_cell::sync::OnceCell;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Payload bytes a message may carry (a receive buffer holds the header
+/// and this much).
+pub const MAX_MSG: usize = 4096;
+const RECV_BUF: usize = HEADER_LEN + MAX_MSG;
+
+/// The software completions VQPs deliver to one application CQ, and the
+/// runtimes that must make progress before it is polled.
+pub struct CqSoft {
+    pub q: Mutex<SoftCq>,
+    runtimes: Mutex<Vec<Weak<Runtime>>>,
+}
+
+impl CqSoft {
+    pub fn new(cqe: u32) -> Result<CqSoft> {
+        Ok(CqSoft { q: Mutex::new(SoftCq::new(cqe.max(1))?), runtimes: Mutex::new(Vec::new()) })
+    }
+
+    pub fn serve(&self, rt: &Arc<Runtime>) {
+        let mut r = self.runtimes.lock();
+        if !r.iter().any(|w| w.as_ptr() == Arc::as_ptr(rt)) {
+            r.push(Arc::downgrade(rt));
+        }
+    }
+
+    /// Make progress on every runtime that feeds this CQ.
+    pub fn progress(&self) {
+        let rts: Vec<Arc<Runtime>> = self.runtimes.lock().iter().filter_map(Weak::upgrade).collect();
+        for rt in rts {
+            rt.progress();
+        }
+    }
+}
+
+pub struct Runtime {
+    /// The application's real PD.
+    pub pd: usize,
+    pub svc: Service,
+    meta: OnceCell<Arc<MetaClient>>,
+    recv_bufs: Region,
+    /// Messages that arrived for a VQP with no receive posted, by buffer
+    /// (the buffer is reposted once the message is delivered).
+    progress: Mutex<()>,
+    /// Completions of control READs (MR table fetches), by tag.
+    control: Mutex<HashMap<u32, u32>>,
+    next_tag: std::sync::atomic::AtomicU32,
+}
+
+static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
+
+/// Configuration the extended verbs read.
+fn connect_timeout() -> Duration {
+    Duration::from_millis(crate::config::get().connect_timeout_ms)
+}
+
+impl Runtime {
+    /// The runtime of the application's real `pd` on real `ctx`, started
+    /// at the first need with our GID at `gid_index`.
+    ///
+    /// # Safety
+    /// `ctx` and `pd` are live real objects that outlive the runtime.
+    pub unsafe fn get_or_start(ctx: *mut ibv_context, pd: *mut ibv_pd, gid_index: Option<u32>) -> Result<Arc<Runtime>> {
+        let mut g = RUNTIMES.lock();
+        let map = g.get_or_insert_with(HashMap::new);
+        if let Some(rt) = map.get(&(pd as usize)) {
+            return Ok(Arc::clone(rt));
+        }
+        // SAFETY: caller contract.
+        let dev = unsafe { Device::borrow(ctx, pd) }?;
+        let gi = match gid_index.or(crate::config::get().gid_index) {
+            Some(i) => i,
+            None => dev.default_gid_index()?,
+        };
+        let svc = Service::start(&dev, gi, service::Options::default())?;
+        let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
+        let rt = Arc::new(Runtime {
+            pd: pd as usize,
+            svc,
+            meta: OnceCell::new(),
+            recv_bufs,
+            progress: Mutex::new(()),
+            control: Mutex::new(HashMap::new()),
+            next_tag: std::sync::atomic::AtomicU32::new(1),
+        });
+        for buf in 0..service::Options::default().srq_wr {
+            rt.post_recv_buf(buf)?;
+        }
+        rt.publish_mrs();
+        map.insert(pd as usize, Arc::clone(&rt));
+        Ok(rt)
+    }
+
+    /// The PD's MRs go into the MR table linked peers READ, and follow it.
+    fn publish_mrs(self: &Arc<Self>) {
+        let me = Arc::downgrade(self);
+        mrs::observe(
+            self.pd,
+            Box::new(move |c| {
+                if let Some(rt) = me.upgrade() {
+                    rt.svc.update_mr_table(c);
+                }
+            }),
+        );
+    }
+
+    /// The meta-server client (`KRCORE_META`), connected at first use.
+    pub fn meta(&self) -> Result<Arc<MetaClient>> {
+        self.meta
+            .get_or_try_init(|| {
+                let cfg = crate::config::get();
+                let Some(spec) = cfg.meta.as_deref() else {
+                    klog!(Level::Error, "qbind/qconnect need the meta server: set KRCORE_META=<ip>:<port> (krcore-meta --listen <ip>:<port>)");
+                    return Err(Errno(libc::ENOTCONN));
+                };
+                let addrs = client::parse_addrs(spec)?;
+                let opts = client::Options {
+                    timeout: connect_timeout(),
+                    lease: Duration::from_millis(cfg.meta_lease_ms),
+                };
+                MetaClient::connect(self.svc.device(), self.svc.gid_index(), &addrs, opts)
+            })
+            .cloned()
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        connect_timeout()
+    }
+
+    fn post_recv_buf(&self, buf: u32) -> Result<()> {
+        let mut sge = self.recv_bufs.sge(buf as usize * RECV_BUF, RECV_BUF);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = WrId::Recv { buf }.encode();
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        // SAFETY: one WR over our own registered buffer.
+        unsafe { self.svc.srq().post_recv(&mut wr) }
+    }
+
+    /// Poll the links' completions and deliver them. Returns at once when
+    /// another thread is already doing it.
+    pub fn progress(&self) {
+        let Some(_one) = self.progress.try_lock() else { return };
+        // SAFETY: plain C data.
+        let mut wcs: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        loop {
+            let n = match self.svc.link_cq().poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    klog!(Level::Warn, "vqp: polling the links: {e:?}");
+                    return;
+                }
+            };
+            for wc in &wcs[..n] {
+                self.dispatch(wc);
+            }
+            if n < wcs.len() {
+                return;
+            }
+        }
+    }
+
+    fn dispatch(&self, wc: &ibv_wc) {
+        let id = match WrId::decode(wc.wr_id) {
+            Ok(id) => id,
+            Err(_) => {
+                klog!(Level::Warn, "vqp: a completion with a foreign wr_id {:#x}", wc.wr_id);
+                return;
+            }
+        };
+        match id {
+            WrId::Recv { buf } => self.on_message(buf, wc),
+            WrId::Send(s) => {
+                if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
+                    if let Err(e) = link.sq.lock().on_completion(s.retired()) {
+                        klog!(Level::Warn, "vqp: link accounting: {e:?}");
+                    }
+                }
+                if let Some(v) = vqp::lookup(s.slot(), s.generation()) {
+                    v.on_send_completion(s.seq(), wc.status);
+                }
+            }
+            WrId::Control { tag } => {
+                self.control.lock().insert(tag, wc.status);
+            }
+        }
+    }
+
+    /// A message landed in receive buffer `buf`.
+    fn on_message(&self, buf: u32, wc: &ibv_wc) {
+        if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
+            // Flushed: its link went down; the buffer is gone with it.
+            return;
+        }
+        let off = buf as usize * RECV_BUF;
+        // SAFETY: this buffer's receive completed; it is reposted below
+        // once the message is copied out.
+        let bytes = unsafe { self.recv_bufs.bytes(off, RECV_BUF) };
+        let peer = self.svc.link_by_qpn(wc.qp_num).map(|l| l.peer);
+        match Header::decode(bytes) {
+            Ok(h) => {
+                let payload = &bytes[HEADER_LEN..HEADER_LEN + (h.carried_len() as usize).min(MAX_MSG)];
+                match (vqp::by_vqpn(h.dst), peer) {
+                    (Some(v), Some(peer)) => v.on_message(&h, payload, peer),
+                    _ => klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} (none here)", h.dst),
+                }
+            }
+            Err(e) => klog!(Level::Warn, "vqp: dropped a malformed message: {e:?}"),
+        }
+        if let Err(e) = self.post_recv_buf(buf) {
+            klog!(Level::Warn, "vqp: cannot repost a receive buffer: {e:?}");
+        }
+    }
+
+    /// READ `len` bytes at (addr, rkey) of the peer behind `link` into
+    /// `dst` (a library region), waiting for it.
+    pub fn control_read(&self, link: &service::Link, dst: &Region, addr: u64, rkey: u32, len: usize) -> Result<()> {
+        let tag = self.next_tag.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut sge = dst.sge(0, len);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = WrId::Control { tag }.encode();
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.rdma.remote_addr = addr;
+        wr.wr.rdma.rkey = rkey;
+        // WrId::Control carries no count: what this READ retires is kept
+        // here and accounted when it completes.
+        let retired;
+        {
+            let mut sq = link.sq.lock();
+            let deadline = std::time::Instant::now() + connect_timeout();
+            loop {
+                if let Some(d) = sq.try_post(true) {
+                    retired = d.retired;
+                    break;
+                }
+                drop(sq);
+                self.progress();
+                if std::time::Instant::now() > deadline {
+                    return Err(Errno(libc::ETIMEDOUT));
+                }
+                sq = link.sq.lock();
+            }
+            // SAFETY: one WR into our own registered buffer.
+            unsafe { link.qp.post_send(&mut wr) }?;
+        }
+        let deadline = std::time::Instant::now() + connect_timeout();
+        loop {
+            self.progress();
+            if let Some(status) = self.control.lock().remove(&tag) {
+                let _ = link.sq.lock().on_completion(retired);
+                return if status == ibv_wc_status::IBV_WC_SUCCESS { Ok(()) } else { Err(Errno(libc::EIO)) };
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(Errno(libc::ETIMEDOUT));
+            }
+            std::thread::yield_now();
+        }
+    }
+}
