@@ -9,6 +9,8 @@
  *   one-sided READ, WRITE (read back), FETCH_ADD on a counter every client
  *   adds to, CMP_SWP, and WRITE_WITH_IMM (the server sees the immediate
  *   through qpop_msgs) on the server's registered memory;
+ * - a completion channel on a client's receive CQ: the echo's completion
+ *   raises an event (poll() on the channel's fd, ibv_get_cq_event);
  * - error paths: qconnect to a port nobody bound (ECONNREFUSED), qbind of
  *   a bound address (EADDRINUSE), of a GID not on the device
  *   (EADDRNOTAVAIL), a send with a bad lkey (EINVAL, *bad_wr, and the VQP
@@ -36,11 +38,13 @@
 #define TARGET (64 * 1024)
 static const size_t sizes[] = { 1, 100, 1000, 4000 };
 #define ROUNDS 3
-/* Per client: echoes, one MR request, one WRITE_WITH_IMM notification. */
-#define MSGS_PER_CLIENT (4 * ROUNDS + 2)
+/* Per client: echoes, an evented echo, one MR request, one
+ * WRITE_WITH_IMM notification. */
+#define MSGS_PER_CLIENT (4 * ROUNDS + 3)
 
 struct node {
 	struct ct_dev d;
+	struct ibv_comp_channel *ch;	/* the receive CQ's */
 	struct ibv_cq *scq, *rcq;
 	struct ibv_qp *qp;
 	uint8_t *buf;		/* NBUF receive buffers, then NBUF send buffers */
@@ -70,7 +74,8 @@ static void node_open(struct node *n, int node)
 	setenv("KRCORE_GID_INDEX", idx, 1);
 	ct_open(&n->d);
 	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
-	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
+	n->ch = CT_PTR(ibv_create_comp_channel(n->d.ctx));
+	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, n->ch, 0));
 	memset(&a, 0, sizeof(a));
 	a.send_cq = n->scq;
 	a.recv_cq = n->rcq;
@@ -286,6 +291,28 @@ static int client(int id)
 			CT_CHECK(wc.qp_num == n.qp->qp_num, "echo qp_num");
 			ct_expect_pattern(rbuf(&n, 0), len, seed, "echoed bytes");
 		}
+
+	/* Completion channel: sleep until the echo's receive completes. */
+	{
+		struct pollfd pfd = { .fd = n.ch->fd, .events = POLLIN };
+		struct ibv_cq *ev_cq;
+		void *ev_ctx;
+		int k;
+
+		CT_OK(ibv_req_notify_cq(n.rcq, 0));
+		post_recv(&n, 0);
+		ct_fill(sbuf(&n, 0), 64, 4242);
+		send_msg(&n, n.qp, 0, 64, 40);
+		CT_CHECK(poll(&pfd, 1, CT_TIMEOUT_MS) == 1, "no completion event within %d ms",
+			 CT_TIMEOUT_MS);
+		CT_OK(ibv_get_cq_event(n.ch, &ev_cq, &ev_ctx));
+		CT_CHECK(ev_cq == n.rcq, "event on the receive CQ");
+		ibv_ack_cq_events(ev_cq, 1);
+		k = ibv_poll_cq(n.rcq, 1, &wc);
+		CT_CHECK(k == 1, "the event's completion is there: %d", k);
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == 64, "evented echo");
+		ct_expect_pattern(rbuf(&n, 0), 64, 4242, "evented echo bytes");
+	}
 
 	/* A bad lkey is refused before it reaches the shared link. */
 	{

@@ -98,6 +98,9 @@ pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c
         stats::inc(Stat::KRCORE_STAT_REQ_NOTIFY_CQ);
         // SAFETY: only our CQs reach our ops.
         let c = unsafe { Cq::from_cq(cq) };
+        if let Some(soft) = c.soft.get() {
+            soft.arm();
+        }
         match c.notify {
             // SAFETY: the real CQ.
             Some(f) => unsafe { f(c.real, solicited_only) },

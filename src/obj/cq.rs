@@ -113,7 +113,7 @@ impl Cq {
     /// with the CQ's capacity.
     pub fn soft(&self) -> Result<std::sync::Arc<crate::vqp::runtime::CqSoft>> {
         self.soft
-            .get_or_try_init(|| crate::vqp::runtime::CqSoft::new(self.ibv.cqe.max(1) as u32).map(std::sync::Arc::new))
+            .get_or_try_init(|| crate::vqp::runtime::CqSoft::new(self.ibv.cqe.max(1) as u32, self.real).map(std::sync::Arc::new))
             .cloned()
     }
 
@@ -136,16 +136,25 @@ impl Cq {
         if got == n {
             return got;
         }
-        match self.poll {
-            // SAFETY: the real CQ with the rest of the caller's array.
-            Some(f) => match unsafe { f(self.real, n - got, wc.add(got as usize)) } {
-                r if r < 0 && got == 0 => r,
-                r if r < 0 => got,
-                r => got + r,
-            },
-            None if got > 0 => got,
-            None => -libc::EOPNOTSUPP,
+        let Some(f) = self.poll else { return if got > 0 { got } else { -libc::EOPNOTSUPP } };
+        // SAFETY: the real CQ with the rest of the caller's array.
+        let r = unsafe { f(self.real, n - got, wc.add(got as usize)) };
+        if r < 0 {
+            return if got > 0 { got } else { r };
         }
+        // Drop our event notifications (see CqSoft), keeping the order.
+        let Some(soft) = self.soft.get() else { return got + r };
+        let mut kept = got;
+        for i in got..got + r {
+            // SAFETY: the provider wrote entries got..got+r.
+            let e = unsafe { std::ptr::read(wc.add(i as usize)) };
+            if !soft.is_notification(&e) {
+                // SAFETY: kept <= i, within the caller's array.
+                unsafe { std::ptr::write(wc.add(kept as usize), e) };
+                kept += 1;
+            }
+        }
+        kept
     }
 
     /// The wrapper behind an application `ibv_cq *`.
@@ -248,6 +257,10 @@ impl Cq {
         // SAFETY: caller contract.
         let cq = unsafe { Cq::from_cq(p) };
         let (channel, real_channel) = (cq.ibv.channel, cq.real_channel);
+        if let Some(soft) = cq.soft.get() {
+            // EBUSY while VQPs use it, as a real CQ with QPs.
+            soft.release()?;
+        }
         ok_or_errno(call_real!(ibv_destroy_cq(cq.real))?)?;
         CompChannel::sync_refcnt(channel, real_channel);
         // SAFETY: the real CQ is gone.

@@ -424,6 +424,13 @@ pub struct Qp {
     _srq: Option<Arc<Srq>>,
 }
 
+/// A send CQ for [`Qp::with_send_cq`]: one of ours, or a real CQ that
+/// someone else owns (and keeps alive longer than the QP).
+pub enum SendCq<'a> {
+    Ours(&'a Arc<Cq>),
+    Foreign(*mut ibv_cq),
+}
+
 // SAFETY: QPs may be posted to from any thread (the provider locks).
 unsafe impl Send for Qp {}
 // SAFETY: as above.
@@ -453,9 +460,24 @@ impl Qp {
         srq: Option<&Arc<Srq>>,
         caps: Caps,
     ) -> Result<Qp> {
+        Qp::with_send_cq(dev, qp_type, SendCq::Ours(send_cq), recv_cq, srq, caps)
+    }
+
+    /// A QP whose send completions go to `send_cq`.
+    pub fn with_send_cq(
+        dev: &Arc<Device>,
+        qp_type: u32,
+        send_cq: SendCq<'_>,
+        recv_cq: &Arc<Cq>,
+        srq: Option<&Arc<Srq>>,
+        caps: Caps,
+    ) -> Result<Qp> {
         // SAFETY: a plain C struct.
         let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        a.send_cq = send_cq.cq;
+        a.send_cq = match send_cq {
+            SendCq::Ours(c) => c.cq,
+            SendCq::Foreign(c) => c,
+        };
         a.recv_cq = recv_cq.cq;
         a.srq = srq.map_or(null_mut(), |s| s.srq);
         a.qp_type = qp_type;
@@ -472,13 +494,11 @@ impl Qp {
             recv_sge: a.cap.max_recv_sge,
             inline: a.cap.max_inline_data,
         };
-        Ok(Qp {
-            qp,
-            caps: granted,
-            dev: Arc::clone(dev),
-            _cqs: (Arc::clone(send_cq), Arc::clone(recv_cq)),
-            _srq: srq.cloned(),
-        })
+        let kept_send = match send_cq {
+            SendCq::Ours(c) => Arc::clone(c),
+            SendCq::Foreign(_) => Arc::clone(recv_cq),
+        };
+        Ok(Qp { qp, caps: granted, dev: Arc::clone(dev), _cqs: (kept_send, Arc::clone(recv_cq)), _srq: srq.cloned() })
     }
 
     pub fn qpn(&self) -> u32 {

@@ -143,6 +143,8 @@ struct Shared {
     mr_table_slots: u32,
     /// Wakes the progress thread (refill, stop).
     event_fd: libc::c_int,
+    /// Called by the progress thread when the links have completions.
+    on_link_event: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     stop: AtomicBool,
 }
 
@@ -202,6 +204,7 @@ impl Service {
             mr_table_mem,
             mr_table_slots: slots,
             event_fd,
+            on_link_event: Mutex::new(None),
             stop: AtomicBool::new(false),
         });
         for slot in 0..UD_RECVS {
@@ -260,6 +263,13 @@ impl Service {
     /// The receive queue every link takes its receives from.
     pub fn srq(&self) -> &Arc<Srq> {
         &self.shared.srq
+    }
+
+    /// Run `f` on the progress thread whenever the links' CQ has
+    /// completions (an application may be asleep on a completion channel
+    /// waiting for what they carry).
+    pub fn on_link_event(&self, f: Box<dyn Fn() + Send + Sync>) {
+        *self.shared.on_link_event.lock() = Some(f);
     }
 
     /// The link whose QP has number `qpn`.
@@ -447,15 +457,24 @@ impl Shared {
 
     /// The progress thread.
     fn progress(&self) {
-        // SAFETY: a live channel.
-        let cq_fd = unsafe { (*self.ud_cq.channel).fd };
+        // SAFETY: live channels.
+        let (cq_fd, link_fd) = unsafe { ((*self.ud_cq.channel).fd, (*self.link_cq.channel).fd) };
         while !self.stop.load(Ordering::SeqCst) {
             let mut fds = [
                 libc::pollfd { fd: cq_fd, events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: self.event_fd, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: link_fd, events: libc::POLLIN, revents: 0 },
             ];
-            // SAFETY: two valid pollfds.
-            unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            // SAFETY: three valid pollfds.
+            unsafe { libc::poll(fds.as_mut_ptr(), 3, -1) };
+            if fds[2].revents != 0 {
+                if let Err(e) = self.link_cq.wait(Some(Duration::ZERO)) {
+                    klog!(Level::Warn, "service: link completion channel: {e:?}");
+                }
+                if let Some(f) = self.on_link_event.lock().as_ref() {
+                    f();
+                }
+            }
             if fds[1].revents != 0 {
                 let mut v = 0u64;
                 // SAFETY: reads 8 bytes from our eventfd.

@@ -542,7 +542,7 @@ impl Vqp {
     }
 
     fn deliver(&self, cq: &CqSoft, c: Completion) {
-        if cq.q.lock().push(c.to_wc(self.vqpn)).is_err() {
+        if cq.push(c.to_wc(self.vqpn)).is_err() {
             klog!(Level::Warn, "vqp {:#x}: completion queue overrun", self.vqpn);
         }
     }
@@ -637,7 +637,7 @@ impl Vqp {
         }
         if st.bound.is_some() {
             st.inbox.push_back((peer, h.src_vqpn, wc));
-        } else if self.recv_soft.q.lock().push(wc).is_err() {
+        } else if self.recv_soft.push(wc).is_err() {
             klog!(Level::Warn, "vqp {:#x}: completion queue overrun", self.vqpn);
         }
     }

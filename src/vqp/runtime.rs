@@ -17,12 +17,13 @@ use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
 use crate::meta::client::{self, MetaClient};
-use crate::rdma::{self, Device, Region};
+use crate::rdma::{self, Ah, Caps, Cq, Device, Qp, Region, SendCq};
 use crate::service::{self, Service};
 use crate::sys::*;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -31,16 +32,78 @@ use std::time::Duration;
 pub const MAX_MSG: usize = 4096;
 const RECV_BUF: usize = HEADER_LEN + MAX_MSG;
 
-/// The software completions VQPs deliver to one application CQ, and the
-/// runtimes that must make progress before it is polled.
+/// The wr_id of a notifier's sends (with its QP number, tells them apart
+/// from the application's own completions on the same real CQ).
+pub const NOTIFY_WR_ID: u64 = 0x4b52_4e4f_5449_4659;
+
+/// Raises a completion event on an application's CQ from software: a
+/// zero-length UD send to itself (dropped at the receive side: nothing is
+/// posted there) whose send completion lands in the application's real
+/// CQ, which the kernel then signals on the CQ's completion channel like
+/// any other completion. `ibv_poll_cq` drops that completion.
+struct Notifier {
+    qp: Qp,
+    ah: Ah,
+    _cq: Arc<Cq>,
+}
+
+impl Notifier {
+    fn new(rt: &Runtime, real_cq: *mut ibv_cq) -> Result<Notifier> {
+        let dev = rt.svc.device();
+        let cq = Arc::new(Cq::new(dev, 4)?);
+        let caps = Caps { send_wr: 64, recv_wr: 1, send_sge: 1, recv_sge: 1, inline: 0 };
+        let qp = Qp::with_send_cq(dev, ibv_qp_type::IBV_QPT_UD, SendCq::Foreign(real_cq), &cq, None, caps)?;
+        qp.ud_ready()?;
+        let gid = dev.gid(rt.svc.gid_index())?;
+        let mut attr = qp.ah_attr(rt.svc.gid_index(), &gid);
+        let ah = Ah::new(dev, &mut attr)?;
+        Ok(Notifier { qp, ah, _cq: cq })
+    }
+
+    fn ring(&self) -> Result<()> {
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = NOTIFY_WR_ID;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.ud.ah = self.ah.ah;
+        wr.wr.ud.remote_qpn = self.qp.qpn();
+        wr.wr.ud.remote_qkey = rdma::QKEY;
+        // SAFETY: a zero-length send; the AH lives as long as the QP.
+        unsafe { self.qp.post_send(&mut wr) }
+    }
+}
+
+/// The software completions VQPs deliver to one application CQ, the
+/// runtimes that must make progress before it is polled, and what raises
+/// its completion events.
 pub struct CqSoft {
     pub q: Mutex<SoftCq>,
     runtimes: Mutex<Vec<Weak<Runtime>>>,
+    /// The application's real CQ (where notifications land).
+    real_cq: *mut ibv_cq,
+    /// `ibv_req_notify_cq` was called and no event was raised since.
+    armed: AtomicBool,
+    notifier: Mutex<Option<Notifier>>,
+    notifier_qpn: AtomicU32,
 }
 
+// SAFETY: `real_cq` is only handed to the real library; the rest is
+// behind locks or atomic.
+unsafe impl Send for CqSoft {}
+// SAFETY: as above.
+unsafe impl Sync for CqSoft {}
+
 impl CqSoft {
-    pub fn new(cqe: u32) -> Result<CqSoft> {
-        Ok(CqSoft { q: Mutex::new(SoftCq::new(cqe.max(1))?), runtimes: Mutex::new(Vec::new()) })
+    pub fn new(cqe: u32, real_cq: *mut ibv_cq) -> Result<CqSoft> {
+        Ok(CqSoft {
+            q: Mutex::new(SoftCq::new(cqe.max(1))?),
+            runtimes: Mutex::new(Vec::new()),
+            real_cq,
+            armed: AtomicBool::new(false),
+            notifier: Mutex::new(None),
+            notifier_qpn: AtomicU32::new(u32::MAX),
+        })
     }
 
     pub fn serve(&self, rt: &Arc<Runtime>) {
@@ -56,6 +119,60 @@ impl CqSoft {
         for rt in rts {
             rt.progress();
         }
+    }
+
+    /// A completion for the application: queue it, and raise an event if
+    /// the CQ is armed.
+    pub fn push(&self, wc: ibv_wc) -> std::result::Result<(), super::queue::Overrun> {
+        let r = self.q.lock().push(wc);
+        if self.armed.swap(false, Ordering::AcqRel) {
+            self.raise();
+        }
+        r
+    }
+
+    /// `ibv_req_notify_cq` on the application's CQ: the next VQP
+    /// completion raises an event (the real CQ is armed by the caller).
+    pub fn arm(&self) {
+        self.armed.store(true, Ordering::Release);
+    }
+
+    fn raise(&self) {
+        let mut n = self.notifier.lock();
+        if n.is_none() {
+            let rt = self.runtimes.lock().iter().find_map(Weak::upgrade);
+            let Some(rt) = rt else { return };
+            match Notifier::new(&rt, self.real_cq) {
+                Ok(made) => {
+                    self.notifier_qpn.store(made.qp.qpn(), Ordering::Release);
+                    *n = Some(made);
+                }
+                Err(e) => {
+                    klog!(Level::Warn, "vqp: cannot raise completion events on this CQ: {e:?}");
+                    return;
+                }
+            }
+        }
+        if let Some(made) = n.as_ref() {
+            if let Err(e) = made.ring() {
+                klog!(Level::Warn, "vqp: raising a completion event failed: {e:?}");
+            }
+        }
+    }
+
+    /// Whether a real completion is one of our notifications.
+    pub fn is_notification(&self, wc: &ibv_wc) -> bool {
+        wc.wr_id == NOTIFY_WR_ID && wc.qp_num == self.notifier_qpn.load(Ordering::Acquire)
+    }
+
+    /// Before the application's CQ is destroyed: EBUSY while VQPs use it;
+    /// else the notifier goes (its QP holds the real CQ).
+    pub fn release(self: &Arc<Self>) -> Result<()> {
+        if Arc::strong_count(self) > 1 {
+            return Err(Errno(libc::EBUSY));
+        }
+        self.notifier.lock().take();
+        Ok(())
     }
 }
 
@@ -113,6 +230,14 @@ impl Runtime {
             rt.post_recv_buf(buf)?;
         }
         rt.publish_mrs();
+        // While the application sleeps on a completion channel, the
+        // service thread makes progress when the links have completions.
+        let weak = Arc::downgrade(&rt);
+        rt.svc.on_link_event(Box::new(move || {
+            if let Some(rt) = weak.upgrade() {
+                rt.progress();
+            }
+        }));
         map.insert(pd as usize, Arc::clone(&rt));
         Ok(rt)
     }
