@@ -5,10 +5,12 @@
 #include <endian.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -602,3 +604,78 @@ const char *ct_wc_opcode_str(enum ibv_wc_opcode op)
 	default: return "?";
 	}
 }
+
+/* ---- virtual-QP tests: krcore-meta and emulated nodes ------------------ */
+
+#ifdef HAVE_KRCORE
+union ibv_gid ct_node_gid(int node)
+{
+	union ibv_gid g;
+
+	memset(&g, 0, sizeof(g));
+	g.raw[10] = g.raw[11] = 0xff;
+	g.raw[12] = 10;
+	g.raw[13] = 77;
+	g.raw[14] = 0;
+	g.raw[15] = (uint8_t)node;
+	return g;
+}
+
+pid_t ct_start_meta(void)
+{
+	static char addr[64], path[4096];
+	const char *bin = getenv("KRCORE_META_BIN");
+	int p[2];
+	char line[512];
+	size_t used = 0;
+	struct pollfd pfd;
+	pid_t pid;
+
+	if (!bin) {
+		ssize_t k = readlink("/proc/self/exe", path, sizeof(path) - 64);
+
+		CT_CHECK(k > 0, "readlink");
+		path[k] = 0;
+		*strrchr(path, '/') = 0;	/* target/c-tests */
+		strcat(path, "/../release/krcore-meta");
+		bin = path;
+	}
+	snprintf(addr, sizeof(addr), "10.77.0.1:%d", 20000 + getpid() % 20000);
+	CT_CHECK(pipe(p) == 0, "pipe");
+	pid = fork();
+	CT_CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		dup2(p[1], 1);
+		close(p[0]);
+		execl(bin, "krcore-meta", "--listen", addr, "--slots", "4096", (char *)NULL);
+		_exit(127);
+	}
+	close(p[1]);
+	pfd.fd = p[0];
+	pfd.events = POLLIN;
+	while (!memchr(line, '\n', used)) {
+		ssize_t k;
+
+		CT_CHECK(poll(&pfd, 1, 30000) == 1, "krcore-meta did not start (%s)", bin);
+		k = read(p[0], line + used, sizeof(line) - 1 - used);
+		CT_CHECK(k > 0, "krcore-meta exited (%s)", bin);
+		used += (size_t)k;
+	}
+	line[used] = 0;
+	CT_CHECK(strstr(line, "serving on") != NULL, "krcore-meta said: %s", line);
+	setenv("KRCORE_META", addr, 1);
+	return pid;
+}
+
+int ct_wait_child(pid_t pid, const char *what)
+{
+	int st;
+
+	CT_CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+	if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+		fprintf(stderr, "%s failed (status %#x)\n", what, st);
+		return 1;
+	}
+	return 0;
+}
+#endif

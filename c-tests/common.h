@@ -209,4 +209,18 @@ void ct_expect_quiet_ex(struct ibv_cq_ex *cq, int ms, const char *what);
 uint64_t ct_now_ns(void);
 const char *ct_wc_opcode_str(enum ibv_wc_opcode op);
 
+#ifdef HAVE_KRCORE
+/* ---- virtual-QP tests ---------------------------------------------------- */
+
+#include <sys/types.h>
+
+/* The RoCE v2 GID of emulated node `node` (10.77.0.node). */
+union ibv_gid ct_node_gid(int node);
+/* Start krcore-meta on 10.77.0.1 (next to the library, or
+ * KRCORE_META_BIN), wait for it to serve, set KRCORE_META; its pid. */
+pid_t ct_start_meta(void);
+/* Wait for a child process; 0 if it exited with 0, else 1 (reported). */
+int ct_wait_child(pid_t pid, const char *what);
+#endif
+
 #endif

@@ -51,19 +51,6 @@ struct node {
 	struct ibv_mr *mr;
 };
 
-static union ibv_gid node_gid(int node)
-{
-	union ibv_gid g;
-
-	memset(&g, 0, sizeof(g));
-	g.raw[10] = g.raw[11] = 0xff;
-	g.raw[12] = 10;
-	g.raw[13] = 77;
-	g.raw[14] = 0;
-	g.raw[15] = (uint8_t)node;
-	return g;
-}
-
 static void node_open(struct node *n, int node)
 {
 	char idx[16];
@@ -158,7 +145,7 @@ static int server(int ready_fd)
 				IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC));
 	for (int i = 0; i < NBUF; i++)
 		post_recv(&n, i);
-	CT_OK(qbind(n.qp, node_gid(1), PORT));
+	CT_OK(qbind(n.qp, ct_node_gid(1), PORT));
 	CT_CHECK(qpop_msgs(n.qp, -1, NULL, NULL) == -EINVAL, "qpop_msgs(-1)");
 	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
 	close(ready_fd);
@@ -259,20 +246,20 @@ static int client(int id)
 	node_open(&n, 2 + id);
 
 	/* Error paths first. */
-	CT_CHECK(qconnect(n.qp, node_gid(1), PORT + 1) == ECONNREFUSED,
+	CT_CHECK(qconnect(n.qp, ct_node_gid(1), PORT + 1) == ECONNREFUSED,
 		 "qconnect to an unbound port");
-	r = qbind(n.qp, node_gid(1), PORT);
+	r = qbind(n.qp, ct_node_gid(1), PORT);
 	CT_CHECK(r == EADDRINUSE, "qbind of a bound address: %d", r);
 	{
-		union ibv_gid nowhere = node_gid(1);
+		union ibv_gid nowhere = ct_node_gid(1);
 
 		nowhere.raw[13] = 99;
 		CT_CHECK(qbind(n.qp, nowhere, PORT) == EADDRNOTAVAIL, "foreign GID");
 	}
-	CT_CHECK(qconnect(NULL, node_gid(1), PORT) == EINVAL, "NULL qp");
+	CT_CHECK(qconnect(NULL, ct_node_gid(1), PORT) == EINVAL, "NULL qp");
 
-	CT_OK(qconnect(n.qp, node_gid(1), PORT));
-	CT_CHECK(qconnect(n.qp, node_gid(1), PORT) == EINVAL, "connected twice");
+	CT_OK(qconnect(n.qp, ct_node_gid(1), PORT));
+	CT_CHECK(qconnect(n.qp, ct_node_gid(1), PORT) == EINVAL, "connected twice");
 
 	/* Echoes. */
 	for (int round = 0; round < ROUNDS; round++)
@@ -406,73 +393,17 @@ static int client(int id)
 
 /* ---- orchestration ----------------------------------------------------- */
 
-static pid_t meta_pid;
-
-static void start_meta(void)
-{
-	static char addr[64], path[4096];
-	const char *bin = getenv("KRCORE_META_BIN");
-	int p[2];
-	char line[512];
-	size_t used = 0;
-	struct pollfd pfd;
-
-	if (!bin) {
-		ssize_t k = readlink("/proc/self/exe", path, sizeof(path) - 64);
-
-		CT_CHECK(k > 0, "readlink");
-		path[k] = 0;
-		*strrchr(path, '/') = 0;	/* target/c-tests */
-		strcat(path, "/../release/krcore-meta");
-		bin = path;
-	}
-	snprintf(addr, sizeof(addr), "10.77.0.1:%d", 20000 + getpid() % 20000);
-	CT_CHECK(pipe(p) == 0, "pipe");
-	meta_pid = fork();
-	CT_CHECK(meta_pid >= 0, "fork");
-	if (meta_pid == 0) {
-		dup2(p[1], 1);
-		close(p[0]);
-		execl(bin, "krcore-meta", "--listen", addr, "--slots", "4096", (char *)NULL);
-		_exit(127);
-	}
-	close(p[1]);
-	pfd.fd = p[0];
-	pfd.events = POLLIN;
-	while (!memchr(line, '\n', used)) {
-		ssize_t k;
-
-		CT_CHECK(poll(&pfd, 1, 30000) == 1, "krcore-meta did not start (%s)", bin);
-		k = read(p[0], line + used, sizeof(line) - 1 - used);
-		CT_CHECK(k > 0, "krcore-meta exited (%s)", bin);
-		used += (size_t)k;
-	}
-	line[used] = 0;
-	CT_CHECK(strstr(line, "serving on") != NULL, "krcore-meta said: %s", line);
-	setenv("KRCORE_META", addr, 1);
-}
-
-static int wait_child(pid_t pid, const char *what)
-{
-	int st;
-
-	CT_CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
-	if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-		fprintf(stderr, "%s failed (status %#x)\n", what, st);
-		return 1;
-	}
-	return 0;
-}
-
 int main(void)
 {
+	pid_t meta_pid;
+
 	int ready[2], fails = 0;
 	pid_t srv, cli[CLIENTS];
 	char c;
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	ct_watchdog(120);
-	start_meta();
+	meta_pid = ct_start_meta();
 	CT_CHECK(pipe(ready) == 0, "pipe");
 	srv = fork();
 	if (srv == 0) {
@@ -487,8 +418,8 @@ int main(void)
 			_exit(client(i));
 	}
 	for (int i = 0; i < CLIENTS; i++)
-		fails += wait_child(cli[i], "client");
-	fails += wait_child(srv, "server");
+		fails += ct_wait_child(cli[i], "client");
+	fails += ct_wait_child(srv, "server");
 	kill(meta_pid, SIGTERM);
 	waitpid(meta_pid, NULL, 0);
 	CT_CHECK(fails == 0, "%d process(es) failed", fails);
@@ -504,8 +435,8 @@ int main(void)
 		ct_open(&d);
 		cq = CT_PTR(ibv_create_cq(d.ctx, 16, NULL, NULL, 0));
 		qp = ct_create_rc_qp(&d, cq, cq, NULL, CT_QP_CAPS_DEFAULT);
-		CT_CHECK(qbind(qp, node_gid(2), PORT) == EINVAL, "qbind on RC");
-		CT_CHECK(qconnect(qp, node_gid(1), PORT) == EINVAL, "qconnect on RC");
+		CT_CHECK(qbind(qp, ct_node_gid(2), PORT) == EINVAL, "qbind on RC");
+		CT_CHECK(qconnect(qp, ct_node_gid(1), PORT) == EINVAL, "qconnect on RC");
 		CT_OK(ibv_destroy_qp(qp));
 		CT_OK(ibv_destroy_cq(cq));
 		ct_close(&d);

@@ -27,6 +27,8 @@ pub mod rdma;
 pub mod real;
 pub mod service;
 pub mod stats;
+#[cfg(test)]
+mod testing;
 pub mod vqp;
 
 /// Raw C types of libibverbs (layout only; never call functions from here:

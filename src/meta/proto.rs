@@ -522,6 +522,7 @@ fn all_zero(b: &[u8]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
 
     const GID: [u8; 16] = [
         0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
@@ -1055,16 +1056,6 @@ mod tests {
         assert!(refused > 10_000, "{refused}");
     }
 
-    /// xorshift64: deterministic, no dependencies.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
 
     /// Random bytes of random lengths, often behind a valid prefix and
     /// mostly zero so that some decode: no decoder panics, and whatever

@@ -568,6 +568,7 @@ pub type RemoteEndpointTable = RemoteTable<EndpointSchema>;
 #[cfg(test)]
 pub(super) mod testing {
     use super::*;
+    pub use crate::testing::Rng;
     use std::collections::HashMap;
     use std::fmt::Debug;
     use std::hash::Hash;
@@ -580,21 +581,6 @@ pub(super) mod testing {
         &mut buf[offset..offset + len]
     }
 
-    /// xorshift64: deterministic, no dependencies.
-    pub struct Rng(pub u64);
-
-    impl Rng {
-        pub fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-
-        pub fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
 
     /// The bytes a READ of `key`'s neighborhood would return now.
     pub fn read<'t, S: Schema>(

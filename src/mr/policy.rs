@@ -497,6 +497,7 @@ impl Policy for Lru {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
 
     const ONE: Factor = FACTOR_ONE;
 
@@ -780,19 +781,6 @@ mod tests {
         assert!(p.is_empty());
     }
 
-    /// xorshift64: deterministic, no dependencies.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
 
     /// The LRU reference: a Vec from least to most recently used.
     #[derive(Default)]

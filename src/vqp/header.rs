@@ -228,6 +228,7 @@ fn field<const N: usize>(b: &[u8; HEADER_LEN], offset: usize) -> [u8; N] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
 
     fn round_trip(h: Header) -> Header {
         let mut buf = [0xee; HEADER_LEN];
@@ -454,16 +455,6 @@ mod tests {
         assert!(f.contains(Flags::SOLICITED) && !f.contains(Flags::SOLICITED | Flags::LARGE));
     }
 
-    /// xorshift64: deterministic, no dependencies.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
 
     /// Random headers with a valid prefix, fields zero half the time: every
     /// one that decodes re-encodes to the same bytes, and both outcomes occur.

@@ -576,6 +576,7 @@ impl fmt::Debug for RecvWr<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
     use ibv_wr_opcode::*;
 
     const INLINE: u32 = ibv_send_flags::IBV_SEND_INLINE.0;
@@ -1215,23 +1216,6 @@ mod tests {
         }
     }
 
-    /// xorshift64*: deterministic and good enough to spread test cases.
-    struct Prng(u64);
-
-    impl Prng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-        fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-            items[self.below(items.len() as u64) as usize]
-        }
-    }
 
     /// Whether every byte of `[addr, addr + len)` is a byte of `mr`, for the
     /// reference model: stated on the last byte rather than the end.
@@ -1399,7 +1383,7 @@ mod tests {
 
     /// Keys 1..=4 with MRs that are mostly well formed and permissive, so
     /// that most requests break no rule or exactly one.
-    fn random_table(rng: &mut Prng, all_known: bool) -> Table {
+    fn random_table(rng: &mut Rng, all_known: bool) -> Table {
         let mut t = Table::default();
         for key in 1..=4 {
             let base = rng.pick(&[0, 0x1000, 0x7fff_f000, u64::MAX - 4095, u64::MAX - 63]);
@@ -1419,7 +1403,7 @@ mod tests {
     }
 
     /// A key of the tables most of the time, else one they lack.
-    fn random_key(rng: &mut Prng) -> u32 {
+    fn random_key(rng: &mut Rng) -> u32 {
         if rng.below(10) == 0 {
             rng.pick(&[0, 5])
         } else {
@@ -1429,7 +1413,7 @@ mod tests {
 
     /// An address in the MR of `key` (any MR if there is none): mostly an
     /// aligned one near its start, else one next to either edge.
-    fn random_addr(rng: &mut Prng, t: &Table, key: u32) -> u64 {
+    fn random_addr(rng: &mut Rng, t: &Table, key: u32) -> u64 {
         let (_, mr, _) = *t.mrs.iter().find(|m| m.0 == key).unwrap_or(&t.mrs[0]);
         if rng.below(4) != 0 {
             return mr.addr.wrapping_add(8 * rng.below(mr.len.min(64) / 8 + 1));
@@ -1445,7 +1429,7 @@ mod tests {
     #[test]
     fn random_requests_agree_with_a_reference_model() {
         use std::collections::HashSet;
-        let mut rng = Prng(0x5eed_cafe_f00d_d00d);
+        let mut rng = Rng(0x5eed_cafe_f00d_d00d);
         let opcodes = [
             IBV_WR_SEND,
             IBV_WR_SEND_WITH_IMM,

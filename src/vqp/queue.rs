@@ -577,28 +577,12 @@ impl SoftCq {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
     use ibv_wc_opcode::{IBV_WC_RDMA_WRITE, IBV_WC_RECV, IBV_WC_SEND};
     use ibv_wc_status::{
         IBV_WC_LOC_LEN_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR,
     };
     use std::collections::VecDeque;
-
-    /// xorshift64: deterministic, no dependencies.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-        fn chance(&mut self, percent: u64) -> bool {
-            self.below(100) < percent
-        }
-    }
 
     fn entry(wr_id: u64, signaled: bool) -> SendEntry {
         SendEntry {

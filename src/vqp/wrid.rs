@@ -166,6 +166,7 @@ pub fn seq_in_window(oldest: u16, seq: u16, len: u16) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
 
     fn send(slot: u32, generation: u8, seq: u16, retired: u16, forced: bool) -> WrId {
         WrId::Send(SendId::new(slot, generation, seq, retired, forced).unwrap())
@@ -266,16 +267,6 @@ mod tests {
         }
     }
 
-    /// xorshift64: deterministic, no dependencies.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
 
     #[test]
     fn random_round_trip_and_canonical_decode() {
