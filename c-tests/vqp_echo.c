@@ -375,6 +375,50 @@ static int client(int id)
 			CT_CHECK(ibv_post_send(n.qp, &w2, &bad) == EINVAL,
 				 "READ past the end of the remote MR");
 		}
+		/* A second VQP on the same link (warm qconnect), its send CQ
+		 * smaller than the completions it gets: none is lost, and
+		 * they come in order. */
+		if (id == 0) {
+			struct ibv_cq *tiny = CT_PTR(ibv_create_cq(n.d.ctx, 2, NULL, NULL, 0));
+			struct ibv_qp_init_attr a;
+			struct ibv_qp *q2;
+			int want, got = 0, cqe = tiny->cqe;
+
+			memset(&a, 0, sizeof(a));
+			a.send_cq = tiny;
+			a.recv_cq = n.rcq;
+			a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
+			a.cap.max_send_wr = 32;
+			a.cap.max_recv_wr = 1;
+			a.cap.max_send_sge = 1;
+			a.cap.max_recv_sge = 1;
+			q2 = CT_PTR(ibv_create_qp(n.d.pd, &a));
+			CT_OK(qconnect(q2, ct_node_gid(1), PORT));
+			want = cqe * 3 < 32 ? cqe * 3 : 32;
+			for (int i = 0; i < want; i++) {
+				struct ibv_sge sge = { (uintptr_t)local, 8, n.mr->lkey };
+				struct ibv_send_wr w2 = { .wr_id = 500 + (uint64_t)i, .sg_list = &sge,
+							  .num_sge = 1, .opcode = IBV_WR_RDMA_READ,
+							  .send_flags = IBV_SEND_SIGNALED };
+
+				w2.wr.rdma.remote_addr = taddr + bytes_off;
+				w2.wr.rdma.rkey = trkey;
+				bad = NULL;
+				CT_OK(ibv_post_send(q2, &w2, &bad));
+			}
+			while (got < want) {
+				ct_poll_n(tiny, &wc, 1, CT_TIMEOUT_MS);
+				CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 500 + (uint64_t)got,
+					 "completion %d of %d: wr_id %llu", got, want,
+					 (unsigned long long)wc.wr_id);
+				got++;
+			}
+			CT_CHECK(ibv_destroy_cq(tiny) == EBUSY, "a CQ a VQP uses is busy");
+			CT_OK(ibv_destroy_qp(q2));
+			CT_OK(ibv_destroy_cq(tiny));
+			ct_note("%d completions through a CQ of %d entries", want, cqe);
+		}
+
 		/* WRITE_WITH_IMM: the data, then the server's notification. */
 		{
 			struct ibv_sge sge = { (uintptr_t)local, 64, n.mr->lkey };

@@ -86,6 +86,9 @@ enum krcore_stat {
   KRCORE_STAT_MR_CACHE_DEREG_PENDING,
   // Evicted registrations deregistered by the background thread.
   KRCORE_STAT_MR_CACHE_DEREG_BACKGROUND,
+  // VQP completions kept beyond their CQ's size until polled (a real CQ
+  // would have overrun).
+  KRCORE_STAT_CQ_SPILLS,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

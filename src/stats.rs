@@ -73,6 +73,9 @@ pub enum krcore_stat {
     KRCORE_STAT_MR_CACHE_DEREG_PENDING,
     /// Evicted registrations deregistered by the background thread.
     KRCORE_STAT_MR_CACHE_DEREG_BACKGROUND,
+    /// VQP completions kept beyond their CQ's size until polled (a real CQ
+    /// would have overrun).
+    KRCORE_STAT_CQ_SPILLS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -114,6 +117,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "mr_cache_limit_retries\0",
     "mr_cache_dereg_pending\0",
     "mr_cache_dereg_background\0",
+    "cq_spills\0",
 ];
 
 /// A counter's name ("post_send").

@@ -542,9 +542,7 @@ impl Vqp {
     }
 
     fn deliver(&self, cq: &CqSoft, c: Completion) {
-        if cq.push(c.to_wc(self.vqpn)).is_err() {
-            klog!(Level::Warn, "vqp {:#x}: completion queue overrun", self.vqpn);
-        }
+        cq.push(c.to_wc(self.vqpn));
     }
 
     /// `ibv_post_recv`.
@@ -637,8 +635,8 @@ impl Vqp {
         }
         if st.bound.is_some() {
             st.inbox.push_back((peer, h.src_vqpn, wc));
-        } else if self.recv_soft.push(wc).is_err() {
-            klog!(Level::Warn, "vqp {:#x}: completion queue overrun", self.vqpn);
+        } else {
+            self.recv_soft.push(wc);
         }
     }
 

@@ -78,7 +78,7 @@ impl Notifier {
 /// runtimes that must make progress before it is polled, and what raises
 /// its completion events.
 pub struct CqSoft {
-    pub q: Mutex<SoftCq>,
+    q: Mutex<Spilling>,
     runtimes: Mutex<Vec<Weak<Runtime>>>,
     /// The application's real CQ (where notifications land).
     real_cq: *mut ibv_cq,
@@ -94,10 +94,23 @@ unsafe impl Send for CqSoft {}
 // SAFETY: as above.
 unsafe impl Sync for CqSoft {}
 
+/// A CQ's software completions: the queue of the CQ's size, and behind it
+/// what did not fit. A real CQ would overrun and fail (IBV_EVENT_CQ_ERR);
+/// here nothing is lost: completions wait, in order, until polled.
+struct Spilling {
+    q: SoftCq,
+    cap: usize,
+    spill: std::collections::VecDeque<ibv_wc>,
+}
+
 impl CqSoft {
     pub fn new(cqe: u32, real_cq: *mut ibv_cq) -> Result<CqSoft> {
         Ok(CqSoft {
-            q: Mutex::new(SoftCq::new(cqe.max(1))?),
+            q: Mutex::new(Spilling {
+                q: SoftCq::new(cqe.max(1))?,
+                cap: cqe.max(1) as usize,
+                spill: std::collections::VecDeque::new(),
+            }),
             runtimes: Mutex::new(Vec::new()),
             real_cq,
             armed: AtomicBool::new(false),
@@ -123,12 +136,35 @@ impl CqSoft {
 
     /// A completion for the application: queue it, and raise an event if
     /// the CQ is armed.
-    pub fn push(&self, wc: ibv_wc) -> std::result::Result<(), super::queue::Overrun> {
-        let r = self.q.lock().push(wc);
+    pub fn push(&self, wc: ibv_wc) {
+        {
+            let mut g = self.q.lock();
+            // Behind what already spilled, to keep the order.
+            if !g.spill.is_empty() || g.q.len() >= g.cap {
+                if g.spill.is_empty() {
+                    klog!(Level::Debug, "vqp: more completions than the CQ holds: keeping them until polled");
+                }
+                g.spill.push_back(wc);
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_CQ_SPILLS);
+            } else if g.q.push(wc).is_err() {
+                debug_assert!(false, "room was checked");
+            }
+        }
         if self.armed.swap(false, Ordering::AcqRel) {
             self.raise();
         }
-        r
+    }
+
+    /// Take up to `out.len()` completions, oldest first.
+    pub fn pop_into(&self, out: &mut [std::mem::MaybeUninit<ibv_wc>]) -> usize {
+        let mut g = self.q.lock();
+        let mut n = g.q.pop_into(out);
+        while n < out.len() {
+            let Some(wc) = g.spill.pop_front() else { break };
+            out[n].write(wc);
+            n += 1;
+        }
+        n
     }
 
     /// `ibv_req_notify_cq` on the application's CQ: the next VQP
