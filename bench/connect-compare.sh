@@ -1,27 +1,49 @@
 #!/usr/bin/env bash
 # Connect cost (issue 7): what it takes to connect to a peer and complete a
-# first 8-byte RDMA READ, minus a steady READ's latency. Today: raw verbs
-# only; krcore's qconnect (warm and cold) joins in run_krcore below once
-# the library has it, in the same VM boot, so that ratios come from one run.
+# first 8-byte RDMA READ, minus a steady READ's latency, with raw verbs and
+# with krcore's qconnect (warm and cold), alternating in one VM boot so
+# that the ratios come from one run.
 #   bench/connect-compare.sh [REPEATS]         (default 3)
 #   bench/connect-compare.sh --report REPEATS  (the table again, no new runs)
-# Builds bench/connect.c (cc, linked -libverbs; no cargo needed for the raw
-# half), boots the Soft-RoCE VM once (or uses this machine's RDMA device
-# when /sys/class/infiniband is not empty, CT_DEVICE, default rxe0), brings
-# up rxe with 10 emulated nodes and, REPEATS times: starts the server
-# (bench/connect -s) on GID index 1 (10.77.0.1), waits (bounded) for its
-# "listening" line, and runs the client (bench/connect -c) from GID index 2:
-# ROUNDS connections, each create QP + INIT + (QPN, PSN, GID, addr, rkey)
-# exchange over TCP, the server creating and connecting its own QP, + RTR
-# + RTS + first READ, then READS steady READs on one established QP.
-# Results: target/bench/connect/raw-N.txt (client), server-N.txt (server)
-# and table.md: median and min-max over the repeats of each run's medians.
+# Builds bench/connect.c twice (cc): target/bench/bin/connect linked
+# -libverbs (raw) and target/bench/bin/connect-krcore (-DKRCORE) linked
+# against a snapshot of target/release/libkrcore.so (copied, with
+# krcore-meta, to target/bench/krcore-lib, so that a cargo build during the
+# run cannot change the library under it; its sha256 goes to
+# target/bench/connect/krcore-lib.txt). The library is not built here: run
+# `cargo build --release` first (the script refuses a missing library and
+# warns when src/ is newer). Then boots the Soft-RoCE VM once (or uses this
+# machine's RDMA device when /sys/class/infiniband is not empty, CT_DEVICE,
+# default rxe0), brings up rxe with 10 emulated nodes and, REPEATS times,
+# raw and krcore in alternating order (raw first in odd repeats):
+#   raw: starts the server (bench/connect -s) on GID index 1 (10.77.0.1),
+#     waits (bounded) for its "listening" line, and runs the client
+#     (bench/connect -c) from GID index 2: ROUNDS connections, each create
+#     QP + INIT + (QPN, PSN, GID, addr, rkey) exchange over TCP, the server
+#     creating and connecting its own QP, + RTR + RTS + first READ, then
+#     READS steady READs on one established QP.
+#   krcore: starts krcore-meta --listen <GID 1's IPv4>:META_PORT (waits for
+#     "serving on"), the qbind server (connect-krcore -s, GID index 1,
+#     KRCORE_GID_INDEX=1), then from GID index 2 (KRCORE_GID_INDEX=2) the
+#     warm client (ROUNDS VQPs create + qconnect + first READ over a live
+#     link, READS steady READs on a VQP) and the cold client (COLD_ROUNDS
+#     fresh processes of each kind, see bench/connect.c), then stops both
+#     servers.
+# Results in target/bench/connect: raw-N.txt, server-N.txt, krcore-warm-N.txt,
+# krcore-cold-N.txt, krcore-server-N.txt, meta-N.txt, and table.md (by
+# bench/connect_report.py): medians and min-max over the repeats of each
+# run's medians, the ratios raw/krcore per repeat (connect cost) and
+# krcore/raw (steady READ).
 #
 # Environment:
-#   KRCORE_BENCH_ROUNDS   connections per run (connect -n, default 50)
-#   KRCORE_BENCH_READS    timed steady READs per run (connect -r, default 1000)
-#   KRCORE_BENCH_PORT     the server's TCP port (default 18777)
-#   KRCORE_BENCH_READY_S  how long to wait for the server to listen (default 60)
+#   KRCORE_BENCH_ROUNDS       connections per run, raw and krcore warm
+#                             (connect -n, default 50)
+#   KRCORE_BENCH_COLD_ROUNDS  cold processes of each kind per run (default 20)
+#   KRCORE_BENCH_READS        timed steady READs per run (connect -r, default 1000)
+#   KRCORE_BENCH_PORT         the raw server's TCP port and the krcore
+#                             server's qbind port (default 18777)
+#   KRCORE_BENCH_META_PORT    krcore-meta's TCP port (default 18790)
+#   KRCORE_BENCH_READY_S      how long to wait for a server to be ready (default 60)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 report_only=0
@@ -31,27 +53,45 @@ repeats="${1:-3}"
 out=target/bench/connect
 # Not target/bench/connect: that is the results directory.
 bin=target/bench/bin/connect
+kbin=target/bench/bin/connect-krcore
+# The snapshot of the library (and krcore-meta) the krcore half runs on.
+klib=target/bench/krcore-lib
 rounds="${KRCORE_BENCH_ROUNDS:-50}"
+cold_rounds="${KRCORE_BENCH_COLD_ROUNDS:-20}"
 reads="${KRCORE_BENCH_READS:-1000}"
 port="${KRCORE_BENCH_PORT:-18777}"
+meta_port="${KRCORE_BENCH_META_PORT:-18790}"
 ready_s="${KRCORE_BENCH_READY_S:-60}"
 server_gid=1
 client_gid=2
 
-# Waits until the server's log ($1) has its "listening" line, the server
-# (pid $2) is gone, or $ready_s seconds have passed. Prints the address.
-wait_listening() {
-    local log="$1" pid="$2" deadline=$((SECONDS + ready_s)) addr
+# Waits until the log ($1) of the server (pid $2) has its ready line, which
+# the sed expression $3 turns into what is printed (an address), the server
+# is gone, or $ready_s seconds have passed.
+wait_ready() {
+    local log="$1" pid="$2" expr="$3" deadline=$((SECONDS + ready_s)) addr
     while ((SECONDS < deadline)); do
-        addr="$(sed -n 's/^connect: server listening on \([0-9.]*\):.*/\1/p' "$log")"
+        addr="$(sed -n "$expr" "$log")"
         if [[ -n "$addr" ]]; then echo "$addr"; return 0; fi
-        kill -0 "$pid" 2>/dev/null || { echo "connect-compare: the server exited before listening:" >&2; cat "$log" >&2; return 1; }
+        kill -0 "$pid" 2>/dev/null || { echo "connect-compare: $log: the server exited before it was ready:" >&2; cat "$log" >&2; return 1; }
         sleep 0.05
     done
-    echo "connect-compare: the server did not listen within ${ready_s} s:" >&2
+    echo "connect-compare: $log: the server was not ready within ${ready_s} s:" >&2
     cat "$log" >&2
     kill "$pid" 2>/dev/null || true
     return 1
+}
+
+wait_listening() {
+    wait_ready "$1" "$2" 's/^connect: server listening on \([0-9.]*\):.*/\1/p'
+}
+
+# The IPv4 address of the RoCE v2 GID at index $1 (::ffff:a.b.c.d).
+gid_ipv4() {
+    local g
+    g="$(cat "/sys/class/infiniband/${CT_DEVICE:-rxe0}/ports/1/gids/$1")"
+    [[ "$g" == 0000:0000:0000:0000:0000:ffff:* ]] || { echo "connect-compare: GID index $1 ($g) is not IPv4-mapped" >&2; return 1; }
+    printf '%d.%d.%d.%d\n' "0x${g:30:2}" "0x${g:32:2}" "0x${g:35:2}" "0x${g:37:2}"
 }
 
 # Raw verbs: one server, one client, repeat $1.
@@ -71,85 +111,44 @@ run_raw() {
     fi
 }
 
-# ---------------------------------------------------------------------------
-# THE KRCORE CONFIGURATION GOES HERE (issue 7), once libkrcore.so has
-# qconnect/qbind. Not written yet, on purpose: nothing below measures krcore
-# and no krcore figure is produced. What it is to do, repeat $1, in the same
-# VM boot right after run_raw (the order alternating between repeats):
-#   - start krcore-meta on 10.77.0.1, a qbind server (GID index 1) under
-#     KRCORE_META, and a client (KRCORE_GID_INDEX=2) that times, per round,
-#     qconnect start -> first 8-byte READ completed (checked), and a steady
-#     8-byte READ on a VQP (median of 1000), printing the same summary keys
-#     as bench/connect (connect_*_us, steady_read_us, connect_minus_read_us);
-#   - warm: a live link to the server process (DCCache filled, link up):
-#     qconnect is pure software; target: connect_minus_read at least 100x
-#     below raw verbs' (issue 7);
-#   - cold: first contact (DCCache empty, no link): meta-server lookup +
-#     UD link handshake + the warm pool's two modifies per side;
-#   - files: krcore-warm-$1.txt and krcore-cold-$1.txt next to raw-$1.txt,
-#     and report_table gains the ratios against raw-$1.txt of the same repeat.
-# Also: build the library (cargo build --release) before booting the VM.
-# ---------------------------------------------------------------------------
+# krcore, repeat $1: krcore-meta and the qbind server on GID index 1, the
+# warm client then the cold client on GID index 2, each process with
+# KRCORE_GID_INDEX of its node and KRCORE_META; then both servers stop
+# (SIGTERM). Output: krcore-warm-$1.txt, krcore-cold-$1.txt,
+# krcore-server-$1.txt, meta-$1.txt.
 run_krcore() {
-    :   # intentionally empty until the library has qconnect
+    local i="$1" mpid spid mip addr wrc=0 crc=0 src=0 mrc=0
+    mip="$(gid_ipv4 "$server_gid")" || return 1
+    "$klib/krcore-meta" --listen "$mip:$meta_port" >"$out/meta-$i.txt" 2>&1 &
+    mpid=$!
+    wait_ready "$out/meta-$i.txt" "$mpid" '/serving on/p' >/dev/null || return 1
+    export KRCORE_META="$mip:$meta_port"
+    KRCORE_GID_INDEX="$server_gid" "$kbin" -s -g "$server_gid" -p "$port" \
+        >"$out/krcore-server-$i.txt" 2>&1 &
+    spid=$!
+    addr="$(wait_ready "$out/krcore-server-$i.txt" "$spid" 's/^connect: server bound on \([0-9.]*\) .*/\1/p')" \
+        || { kill "$mpid"; wait "$mpid" || true; return 1; }
+    KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m warm -g "$client_gid" \
+        -p "$port" -n "$rounds" -r "$reads" >"$out/krcore-warm-$i.txt" || wrc=$?
+    if ((!wrc)); then
+        KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
+            -p "$port" -n "$cold_rounds" -r "$reads" >"$out/krcore-cold-$i.txt" || crc=$?
+    fi
+    kill -TERM "$spid" 2>/dev/null || true
+    wait "$spid" || src=$?
+    kill -TERM "$mpid" 2>/dev/null || true
+    wait "$mpid" || mrc=$?
+    unset KRCORE_META
+    grep -v -e '^round ' -e '^cold ' "$out/krcore-warm-$i.txt" "$out/krcore-cold-$i.txt" 2>/dev/null || true
+    if ((wrc || crc || src)); then
+        echo "connect-compare: krcore repeat $i failed (warm client exit $wrc, cold client exit $crc, server exit $src, krcore-meta exit $mrc); server and meta output:" >&2
+        cat "$out/krcore-server-$i.txt" "$out/meta-$i.txt" >&2
+        return 1
+    fi
 }
 
 report_table() {
-    python3 - "$out" "$repeats" <<'EOF'
-import statistics as st
-import sys
-from pathlib import Path
-
-out, repeats = Path(sys.argv[1]), int(sys.argv[2])
-runs = []
-for i in range(1, repeats + 1):
-    p = out / f"raw-{i}.txt"
-    if not p.exists():
-        sys.exit(f"connect-compare: {p} is missing")
-    summ = [l for l in p.read_text().splitlines() if l.startswith("connect_raw_us=")]
-    if not summ:
-        sys.exit(f"connect-compare: {p} has no summary line (did the run fail?)")
-    runs.append({k: float(v) for k, v in (kv.split("=", 1) for kv in summ[-1].split())})
-
-for r in runs:
-    r["connect_over_read"] = r["connect_minus_read_us"] / r["steady_read_us"]
-
-def row(key, label):
-    v = [r[key] for r in runs]
-    return f"| {label} | {st.median(v):.1f} | {min(v):.1f} – {max(v):.1f} |"
-
-n = int(runs[0]["rounds"])
-print(f"## Connect cost, raw verbs ({repeats} repeat(s), each the median of {n} connections)\n")
-print("| microseconds | median over repeats | min – max |")
-print("| --- | ---: | ---: |")
-print(row("connect_raw_us", "connect + first 8 B READ (`connect_raw_us`)"))
-print(row("steady_read_us", "steady 8 B READ (`steady_read_us`, median of the run's READs)"))
-print(row("connect_minus_read_us", "**connect cost** (`connect_minus_read_us`)"))
-v = [r["connect_over_read"] for r in runs]
-print(f"| connect cost / steady READ (ratio, per repeat) | {st.median(v):.0f}x | {min(v):.0f}x – {max(v):.0f}x |")
-print()
-print("Phases of a connection (medians of each run's per-round values):\n")
-print("| phase | median over repeats | min – max |")
-print("| --- | ---: | ---: |")
-for key, label in (
-    ("create_us", "client `ibv_create_qp`"),
-    ("init_us", "client INIT"),
-    ("exchange_us", "exchange (TCP round trip + server's work)"),
-    ("srv_create_us", "exchange: server `ibv_create_qp`"),
-    ("srv_init_us", "exchange: server INIT"),
-    ("srv_rtr_us", "exchange: server RTR"),
-    ("srv_rts_us", "exchange: server RTS"),
-    ("wire_us", "exchange: the rest (TCP round trip, scheduling)"),
-    ("rtr_us", "client RTR"),
-    ("rts_us", "client RTS"),
-    ("first_read_us", "first READ (post + completion)"),
-    ("destroy_us", "client `ibv_destroy_qp` (not in the total)"),
-):
-    print(row(key, label))
-print()
-print("krcore `qconnect` (warm, cold): not measured yet; the library has no "
-      "qconnect (issue 7). See run_krcore in bench/connect-compare.sh.")
-EOF
+    python3 bench/connect_report.py "$out" "$repeats"
 }
 
 if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
@@ -158,9 +157,17 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
         bash scripts/rxe-up.sh 10
     fi
     for i in $(seq 1 "$repeats"); do
-        echo "== run $i/$repeats: raw verbs ($(date +%T))"
-        run_raw "$i"
-        run_krcore "$i"
+        if ((i % 2)); then
+            echo "== run $i/$repeats: raw verbs ($(date +%T))"
+            run_raw "$i"
+            echo "== run $i/$repeats: krcore ($(date +%T))"
+            run_krcore "$i"
+        else
+            echo "== run $i/$repeats: krcore ($(date +%T))"
+            run_krcore "$i"
+            echo "== run $i/$repeats: raw verbs ($(date +%T))"
+            run_raw "$i"
+        fi
     done
     echo "== done ($(date +%T))"
     exit 0
@@ -170,15 +177,33 @@ if ((!report_only)); then
     for tool in cc python3; do
         command -v "$tool" >/dev/null || { echo "connect-compare: $tool not found (scripts/install-deps.sh)" >&2; exit 2; }
     done
-    mkdir -p "$(dirname "$bin")"
+    for f in target/release/libkrcore.so target/release/krcore-meta; do
+        [[ -f "$f" ]] || { echo "connect-compare: $f is missing: run cargo build --release first" >&2; exit 2; }
+    done
+    if [[ -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
+        echo "connect-compare: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
+    fi
+    mkdir -p "$(dirname "$bin")" "$klib"
+    cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
     cc -O2 -std=gnu11 -Wall -Wextra -Werror bench/connect.c -libverbs -o "$bin"
+    cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include bench/connect.c \
+        -L "$klib" -lkrcore -Wl,-rpath,"$PWD/$klib" -o "$kbin"
     rm -rf "$out" && mkdir -p "$out"
+    {
+        echo "library: target/release/libkrcore.so, copied $(date -u +%FT%TZ)"
+        echo "built: $(date -u -r target/release/libkrcore.so +%FT%TZ)"
+        (cd "$klib" && sha256sum libkrcore.so krcore-meta)
+        echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?'), uncommitted changes in src/: $(git --no-optional-locks status --porcelain -- src 2>/dev/null | wc -l) file(s)"
+        echo "host load average before the run: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPU(s) (other VMs on this host skew both halves)"
+    } >"$out/krcore-lib.txt"
     if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
         KRCORE_IN_VM=1 bash "$0" "$repeats"
     else
         scripts/vm-run.sh "$out" env KRCORE_IN_VM=1 \
             KRCORE_BENCH_ROUNDS="$rounds" KRCORE_BENCH_READS="$reads" \
-            KRCORE_BENCH_PORT="$port" KRCORE_BENCH_READY_S="$ready_s" \
+            KRCORE_BENCH_COLD_ROUNDS="$cold_rounds" \
+            KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
+            KRCORE_BENCH_READY_S="$ready_s" \
             bash bench/connect-compare.sh "$repeats"
     fi
 fi

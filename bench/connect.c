@@ -1,6 +1,8 @@
 /*
- * connect: what connecting to a peer costs with raw verbs (the reference
- * for krcore's qconnect, issue 7).
+ * connect: what connecting to a peer costs, with raw verbs (the reference)
+ * and, built with -DKRCORE against libkrcore, with krcore's virtual QPs
+ * (qbind / qconnect, issue 7). The raw mode is described first; the krcore
+ * mode ("connect-krcore") after it.
  *
  *   connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT]
  *   connect -c SERVER_IP [-d DEV] [-g GID_INDEX] [-p TCP_PORT] [-n ROUNDS]
@@ -69,6 +71,65 @@
  *
  *   cc -O2 -std=gnu11 -Wall -Wextra -Werror bench/connect.c -libverbs \
  *      -o target/bench/bin/connect
+ *
+ * krcore mode (-DKRCORE; every verb goes through libkrcore):
+ *
+ *   connect-krcore -s [-d DEV] [-g GID_INDEX] [-p PORT]
+ *   connect-krcore -c SERVER_IP [-m warm|cold] [-d DEV] [-g GID_INDEX]
+ *                  [-p PORT] [-n ROUNDS] [-r READS] [-t tsc|clock]
+ *
+ * Both need KRCORE_META (a running krcore-meta) and, for the client,
+ * KRCORE_GID_INDEX equal to GID_INDEX (checked: the library reads it).
+ * Server (-s): the same pattern buffer, a VQP bound with qbind at (the GID
+ * at GID_INDEX, default 1; PORT, default 18777); it prints
+ *
+ *   connect: server bound on A.B.C.D port PORT ...
+ *
+ * and answers every 1-byte request message ('M', through qpop_msgs and an
+ * ibv_post_send on its src_qp) with its buffer's address and rkey, until
+ * SIGTERM or SIGINT (exit 0). Client (-c, GID_INDEX default 2): a control
+ * VQP qconnects to (SERVER_IP's GID, PORT) (this process's first contact,
+ * printed as first_contact_us), asks for the address and rkey (once per
+ * process, outside every timed part, as a real program learns them once)
+ * and READs once. Then per round:
+ *
+ *   create    ibv_create_qp(KRCORE_VQP)
+ *   qconnect  qconnect to (SERVER_IP's GID, PORT)
+ *   post      ibv_post_send of one signaled 8-byte READ (the library's
+ *             pre-checks, including the peer's MR table on a miss)
+ *   poll      busy-poll its completion (read_us = post + poll)
+ *   destroy   ibv_destroy_qp (not in the total)
+ *
+ * total_us is create + qconnect + read (the span of raw's total_us);
+ * from_qconnect_us leaves the create out. The 8 bytes are checked as in
+ * the raw mode.
+ *   -m warm (default): ROUNDS rounds in this process, over the link the
+ *      control VQP made: DCCache hit, live link.
+ *   -m cold: 2 x ROUNDS rounds, each in a fresh process spawned from this
+ *      one (-X, internal), which has never talked to the server; it gets
+ *      the address and rkey from its parent. The kinds alternate:
+ *      kind=cold: the child's library is up first (untimed: a qconnect to
+ *      the unbound PORT+1, ECONNREFUSED, starts its runtime and meta
+ *      client without caching anything about the server; prewarm_us), so
+ *      the round pays the lookup, the link handshake and the peer's MR
+ *      table; kind=first: the round's qconnect is the process's first
+ *      extended verb and pays the runtime's start and the meta-server
+ *      bootstrap too.
+ * Then READS steady 8-byte READs on the control VQP (after 100 warm-up
+ * READs). Output: round lines ("round N" warm, "cold N kind=..." cold),
+ * the "steady" line, and the summary of medians
+ *
+ *   connect_krcore_us=M steady_read_us=S connect_minus_read_us=M-S
+ *     create_us=.. qconnect_us=.. post_us=.. poll_us=.. first_read_us=..
+ *     from_qconnect_us=.. destroy_us=.. [prewarm_us=..] rounds=..
+ *
+ * (cold: of kind=cold; a second line "first_verb connect_krcore_us=..."
+ * has kind=first). bench/connect-compare.sh starts krcore-meta and runs
+ * both modes side by side.
+ *
+ *   cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include \
+ *      bench/connect.c -L target/release -lkrcore \
+ *      -Wl,-rpath,$PWD/target/release -o target/bench/bin/connect-krcore
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -87,6 +148,14 @@
 #include <unistd.h>
 #if defined(__x86_64__)
 #include <x86intrin.h>
+#endif
+#ifdef KRCORE
+#include <fcntl.h>
+#include <krcore.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #endif
 
 #define BUF_SIZE 4096
@@ -213,16 +282,6 @@ static uint8_t pat(size_t i)
 	return (uint8_t)x;
 }
 
-static uint32_t rng_state;
-
-static uint32_t rand_psn(void)
-{
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 17;
-	rng_state ^= rng_state << 5;
-	return rng_state & 0xffffff;
-}
-
 /* ---- device ---------------------------------------------------------- */
 
 struct dev {
@@ -301,8 +360,26 @@ static void close_dev(struct dev *d)
 		die("ibv_dereg_mr: %s", strerror(rc));
 	if ((rc = ibv_destroy_cq(d->cq)))
 		die("ibv_destroy_cq: %s", strerror(rc));
-	if ((rc = ibv_dealloc_pd(d->pd)))
+	if ((rc = ibv_dealloc_pd(d->pd))) {
+#ifdef KRCORE
+		/* libkrcore keeps the runtime it started for the PD's VQPs
+		 * (service endpoint, links, registered memory) after the last
+		 * VQP is destroyed, so the PD cannot go: say so (not in the
+		 * cold children, which would say it every round), leave the PD
+		 * and the device open. */
+		if (rc == EBUSY) {
+			if (strcmp(role, "cold child"))
+				fprintf(stderr, "connect %s: note: ibv_dealloc_pd "
+					"fails with EBUSY after every VQP was "
+					"destroyed (libkrcore keeps the PD's "
+					"VQP runtime); PD and device left "
+					"open\n", role);
+			free(d->buf);
+			return;
+		}
+#endif
 		die("ibv_dealloc_pd: %s", strerror(rc));
+	}
 	if ((rc = ibv_close_device(d->ctx)))
 		die("ibv_close_device: %s", strerror(rc));
 	free(d->buf);
@@ -318,6 +395,159 @@ static int gid_ipv4(const union ibv_gid *g, struct in_addr *out)
 		return -1;
 	memcpy(&out->s_addr, g->raw + 12, 4);
 	return 0;
+}
+
+/* ---- client helpers (both modes) -------------------------------------- */
+
+struct client {
+	struct dev d;
+	int fd;
+	uint64_t raddr;
+	uint32_t rkey;
+#ifdef KRCORE
+	struct ibv_cq *rcq;	/* receive CQ of the VQPs (the MR answer) */
+	struct ibv_qp *ctl;	/* the control VQP: MR request, steady READs */
+	union ibv_gid sgid;	/* the server's (GID, port) */
+	int sport;
+#endif
+};
+
+/* Busy-polls one successful completion of cq into *wc. */
+static void poll_wc(struct ibv_cq *cq, struct ibv_wc *wc, const char *what)
+{
+	uint64_t start = ticks();
+	uint64_t limit = (uint64_t)(POLL_TIMEOUT_US * ticks_per_us);
+	unsigned spins = 0;
+	int n;
+
+	for (;;) {
+		n = ibv_poll_cq(cq, 1, wc);
+		if (n < 0)
+			die("%s: ibv_poll_cq returned %d", what, n);
+		if (n == 1)
+			break;
+		if ((++spins & 1023) == 0 && ticks() - start > limit)
+			die("%s: no completion after %.0f s", what,
+			    POLL_TIMEOUT_US / 1e6);
+	}
+	if (wc->status != IBV_WC_SUCCESS)
+		die("%s: completion status %s (%d), vendor_err %#x", what,
+		    ibv_wc_status_str(wc->status), wc->status, wc->vendor_err);
+}
+
+/* Busy-polls one completion: the READ wr_id, successful. */
+static void poll_read(struct client *c, uint64_t wr_id, const char *what)
+{
+	struct ibv_wc wc;
+
+	poll_wc(c->d.cq, &wc, what);
+	if (wc.wr_id != wr_id || wc.opcode != IBV_WC_RDMA_READ)
+		die("%s: completion wr_id %llu opcode %d, expected %llu "
+		    "RDMA_READ", what, (unsigned long long)wc.wr_id, wc.opcode,
+		    (unsigned long long)wr_id);
+}
+
+static void prep_read(struct client *c, size_t off)
+{
+	for (size_t i = 0; i < READ_LEN; i++)
+		c->d.buf[i] = (uint8_t)~pat(off + i);
+}
+
+static void post_read(struct client *c, struct ibv_qp *qp, uint64_t wr_id,
+		      size_t off, const char *what)
+{
+	struct ibv_sge sge;
+	struct ibv_send_wr wr, *bad = NULL;
+	int rc;
+
+	sge.addr = (uintptr_t)c->d.buf;
+	sge.length = READ_LEN;
+	sge.lkey = c->d.mr->lkey;
+	memset(&wr, 0, sizeof(wr));
+	wr.wr_id = wr_id;
+	wr.sg_list = &sge;
+	wr.num_sge = 1;
+	wr.opcode = IBV_WR_RDMA_READ;
+	wr.send_flags = IBV_SEND_SIGNALED;
+	wr.wr.rdma.remote_addr = c->raddr + off;
+	wr.wr.rdma.rkey = c->rkey;
+	if ((rc = ibv_post_send(qp, &wr, &bad)))
+		die("%s: ibv_post_send(RDMA_READ): %s", what, strerror(rc));
+}
+
+static void check_read(struct client *c, size_t off, const char *what)
+{
+	for (size_t i = 0; i < READ_LEN; i++)
+		if (c->d.buf[i] != pat(off + i))
+			die("%s: byte %zu read from offset %zu is 0x%02x, "
+			    "expected 0x%02x", what, i, off, c->d.buf[i],
+			    pat(off + i));
+}
+
+/* Cost of the clock and of the timer, then the timer's calibration. */
+static void timer_setup(double *clock_us, double *timer_us)
+{
+	double t0 = mono_us(), d[1001];
+	int i;
+
+	for (i = 0; i < 1000; i++)
+		(void)mono_us();
+	*clock_us = (mono_us() - t0) / 1000;
+	calibrate();
+	for (i = 0; i < 1001; i++) {
+		uint64_t a = ticks();
+
+		d[i] = us_of(a, ticks());
+	}
+	*timer_us = median(d, 1001);
+}
+
+/* READS 8-byte READs timed one by one on the established qp, each
+ * checked, after WARMUP_READS untimed ones. */
+static void steady_reads(struct client *c, struct ibv_qp *qp, int reads,
+			 double *steady)
+{
+	for (int i = 0; i < WARMUP_READS + reads; i++) {
+		size_t off = ((size_t)i * READ_LEN) % BUF_SIZE;
+		uint64_t t0, t1;
+
+		prep_read(c, off);
+		t0 = ticks();
+		post_read(c, qp, (uint64_t)i, off, "steady READ");
+		poll_read(c, (uint64_t)i, "steady READ");
+		t1 = ticks();
+		check_read(c, off, "steady READ");
+		if (i >= WARMUP_READS)
+			steady[i - WARMUP_READS] = us_of(t0, t1);
+	}
+}
+
+/* The "steady" line; returns the median. */
+static double print_steady(const double *steady, int reads)
+{
+	double s_med = median(steady, reads), mean = 0;
+
+	for (int i = 0; i < reads; i++)
+		mean += steady[i];
+	mean /= reads;
+	printf("steady reads=%d median_us=%.1f p10_us=%.1f p90_us=%.1f "
+	       "mean_us=%.1f\n", reads, s_med, quantile(steady, reads, 0.1),
+	       quantile(steady, reads, 0.9), mean);
+	return s_med;
+}
+
+#ifndef KRCORE
+
+/* ---- raw verbs -------------------------------------------------------- */
+
+static uint32_t rng_state;
+
+static uint32_t rand_psn(void)
+{
+	rng_state ^= rng_state << 13;
+	rng_state ^= rng_state >> 17;
+	rng_state ^= rng_state << 5;
+	return rng_state & 0xffffff;
 }
 
 /* ---- QP steps -------------------------------------------------------- */
@@ -586,79 +816,7 @@ static int run_server(const char *devname, int gid_idx, int port)
 	return 0;
 }
 
-/* ---- client ---------------------------------------------------------- */
-
-struct client {
-	struct dev d;
-	int fd;
-	uint64_t raddr;
-	uint32_t rkey;
-};
-
-/* Busy-polls one completion: the READ wr_id, successful. */
-static void poll_read(struct client *c, uint64_t wr_id, const char *what)
-{
-	struct ibv_wc wc;
-	uint64_t start = ticks();
-	uint64_t limit = (uint64_t)(POLL_TIMEOUT_US * ticks_per_us);
-	unsigned spins = 0;
-	int n;
-
-	for (;;) {
-		n = ibv_poll_cq(c->d.cq, 1, &wc);
-		if (n < 0)
-			die("%s: ibv_poll_cq returned %d", what, n);
-		if (n == 1)
-			break;
-		if ((++spins & 1023) == 0 && ticks() - start > limit)
-			die("%s: no completion after %.0f s", what,
-			    POLL_TIMEOUT_US / 1e6);
-	}
-	if (wc.status != IBV_WC_SUCCESS)
-		die("%s: completion status %s (%d), vendor_err %#x", what,
-		    ibv_wc_status_str(wc.status), wc.status, wc.vendor_err);
-	if (wc.wr_id != wr_id || wc.opcode != IBV_WC_RDMA_READ)
-		die("%s: completion wr_id %llu opcode %d, expected %llu "
-		    "RDMA_READ", what, (unsigned long long)wc.wr_id, wc.opcode,
-		    (unsigned long long)wr_id);
-}
-
-static void prep_read(struct client *c, size_t off)
-{
-	for (size_t i = 0; i < READ_LEN; i++)
-		c->d.buf[i] = (uint8_t)~pat(off + i);
-}
-
-static void post_read(struct client *c, struct ibv_qp *qp, uint64_t wr_id,
-		      size_t off, const char *what)
-{
-	struct ibv_sge sge;
-	struct ibv_send_wr wr, *bad = NULL;
-	int rc;
-
-	sge.addr = (uintptr_t)c->d.buf;
-	sge.length = READ_LEN;
-	sge.lkey = c->d.mr->lkey;
-	memset(&wr, 0, sizeof(wr));
-	wr.wr_id = wr_id;
-	wr.sg_list = &sge;
-	wr.num_sge = 1;
-	wr.opcode = IBV_WR_RDMA_READ;
-	wr.send_flags = IBV_SEND_SIGNALED;
-	wr.wr.rdma.remote_addr = c->raddr + off;
-	wr.wr.rdma.rkey = c->rkey;
-	if ((rc = ibv_post_send(qp, &wr, &bad)))
-		die("%s: ibv_post_send(RDMA_READ): %s", what, strerror(rc));
-}
-
-static void check_read(struct client *c, size_t off, const char *what)
-{
-	for (size_t i = 0; i < READ_LEN; i++)
-		if (c->d.buf[i] != pat(off + i))
-			die("%s: byte %zu read from offset %zu is 0x%02x, "
-			    "expected 0x%02x", what, i, off, c->d.buf[i],
-			    pat(off + i));
-}
+/* ---- raw client ------------------------------------------------------- */
 
 enum { P_CREATE, P_INIT, P_EXCH, P_RTR, P_RTS, P_READ, P_TOTAL, P_SCREATE,
        P_SINIT, P_SRTR, P_SRTS, P_WIRE, P_DESTROY, NPHASE };
@@ -767,20 +925,7 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 		die("calloc");
 	open_dev(&c.d, devname, gid_idx, IBV_ACCESS_LOCAL_WRITE);
 
-	{
-		double t0 = mono_us(), d[1001];
-
-		for (i = 0; i < 1000; i++)
-			(void)mono_us();
-		clock_us = (mono_us() - t0) / 1000;
-		calibrate();
-		for (i = 0; i < 1001; i++) {
-			uint64_t a = ticks();
-
-			d[i] = us_of(a, ticks());
-		}
-		timer_us = median(d, 1001);
-	}
+	timer_setup(&clock_us, &timer_us);
 
 	c.fd = socket(AF_INET, SOCK_STREAM, 0);
 	if (c.fd < 0)
@@ -825,34 +970,15 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 
 	/* Steady READs on one established QP. */
 	qp = connect_once(&c, rounds + 1, NULL);
-	for (i = 0; i < WARMUP_READS + reads; i++) {
-		size_t off = ((size_t)i * READ_LEN) % BUF_SIZE;
-		uint64_t t0, t1;
-
-		prep_read(&c, off);
-		t0 = ticks();
-		post_read(&c, qp, (uint64_t)i, off, "steady READ");
-		poll_read(&c, (uint64_t)i, "steady READ");
-		t1 = ticks();
-		check_read(&c, off, "steady READ");
-		if (i >= WARMUP_READS)
-			steady[i - WARMUP_READS] = us_of(t0, t1);
-	}
+	steady_reads(&c, qp, reads, steady);
 	(void)end_round(&c, qp, rounds + 1);
 	if (close(c.fd))
 		die("close: %s", strerror(errno));
 	close_dev(&c.d);
 
 	{
-		double s_med = median(steady, reads), mean = 0;
+		double s_med = print_steady(steady, reads);
 
-		for (i = 0; i < reads; i++)
-			mean += steady[i];
-		mean /= reads;
-		printf("steady reads=%d median_us=%.1f p10_us=%.1f "
-		       "p90_us=%.1f mean_us=%.1f\n", reads, s_med,
-		       quantile(steady, reads, 0.1),
-		       quantile(steady, reads, 0.9), mean);
 		for (int k = 0; k < NPHASE; k++) {
 			double col[rounds];
 
@@ -876,12 +1002,618 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 	return 0;
 }
 
+#else /* KRCORE */
+
+/* ---- krcore: VQPs, qbind / qconnect ------------------------------------ */
+
+#define KR_NRECV 64		/* server: receives posted on the bound VQP */
+#define KR_SLOT 64		/* server: bytes per message buffer */
+#define KR_OFF_SEND 1024	/* client, in d.buf: the MR request byte */
+#define KR_OFF_RECV 2048	/* client, in d.buf: the server's answer */
+#define KR_MR_REQUEST 'M'
+#define KR_ANSWER_LEN 12	/* address (8 bytes), rkey (4) */
+#define KR_CHILD_TIMEOUT_MS 60000
+#define KR_SETTLE_MS 20
+
+extern char **environ;
+
+static volatile sig_atomic_t stop_flag;
+
+static void on_stop(int sig)
+{
+	(void)sig;
+	stop_flag = 1;
+}
+
+/* The RoCE v2 GID of an IPv4 address (::ffff:a.b.c.d). */
+static union ibv_gid gid_of_ipv4(const char *ip)
+{
+	union ibv_gid g;
+	struct in_addr a;
+
+	if (inet_pton(AF_INET, ip, &a) != 1)
+		die("%s is not an IPv4 address", ip);
+	memset(&g, 0, sizeof(g));
+	g.raw[10] = g.raw[11] = 0xff;
+	memcpy(g.raw + 12, &a.s_addr, 4);
+	return g;
+}
+
+static struct ibv_qp *create_vqp(struct dev *d, struct ibv_cq *rcq,
+				 int recv_wr)
+{
+	struct ibv_qp_init_attr ia;
+
+	memset(&ia, 0, sizeof(ia));
+	ia.send_cq = d->cq;
+	ia.recv_cq = rcq;
+	ia.qp_type = (enum ibv_qp_type)KRCORE_VQP;
+	ia.cap.max_send_wr = QP_DEPTH;
+	ia.cap.max_recv_wr = (uint32_t)recv_wr;
+	ia.cap.max_send_sge = 1;
+	ia.cap.max_recv_sge = 1;
+	return ibv_create_qp(d->pd, &ia);
+}
+
+static void post_recv_at(struct ibv_qp *qp, struct ibv_mr *mr, uint8_t *buf,
+			 uint32_t len, uint64_t wr_id, const char *what)
+{
+	struct ibv_sge sge = { (uintptr_t)buf, len, mr->lkey };
+	struct ibv_recv_wr wr, *bad = NULL;
+	int rc;
+
+	memset(&wr, 0, sizeof(wr));
+	wr.wr_id = wr_id;
+	wr.sg_list = &sge;
+	wr.num_sge = 1;
+	if ((rc = ibv_post_recv(qp, &wr, &bad)))
+		die("%s: ibv_post_recv: %s", what, strerror(rc));
+}
+
+/* One signaled SEND and its completion (send CQ cq). */
+static void send_at(struct ibv_qp *qp, struct ibv_cq *cq, struct ibv_mr *mr,
+		    uint8_t *buf, uint32_t len, uint64_t wr_id,
+		    const char *what)
+{
+	struct ibv_sge sge = { (uintptr_t)buf, len, mr->lkey };
+	struct ibv_send_wr wr, *bad = NULL;
+	struct ibv_wc wc;
+	int rc;
+
+	memset(&wr, 0, sizeof(wr));
+	wr.wr_id = wr_id;
+	wr.sg_list = &sge;
+	wr.num_sge = 1;
+	wr.opcode = IBV_WR_SEND;
+	wr.send_flags = IBV_SEND_SIGNALED;
+	if ((rc = ibv_post_send(qp, &wr, &bad)))
+		die("%s: ibv_post_send(SEND): %s", what, strerror(rc));
+	poll_wc(cq, &wc, what);
+	if (wc.wr_id != wr_id || wc.opcode != IBV_WC_SEND)
+		die("%s: completion wr_id %llu opcode %d, expected %llu SEND",
+		    what, (unsigned long long)wc.wr_id, wc.opcode,
+		    (unsigned long long)wr_id);
+}
+
+/* Dies unless the library knows a meta server and makes this process's
+ * links from GID index gid_idx (KRCORE_GID_INDEX, read by the library
+ * itself: setting it here would be too late). */
+static void check_env(int gid_idx)
+{
+	char dump[4096], want[64];
+	const char *m = getenv("KRCORE_META");
+
+	if (!m || !*m)
+		die("KRCORE_META is not set (start krcore-meta --listen IP:PORT "
+		    "and export KRCORE_META=IP:PORT; bench/connect-compare.sh "
+		    "does both)");
+	(void)krcore_config_dump(dump, sizeof(dump));
+	snprintf(want, sizeof(want), "KRCORE_GID_INDEX=%d\n", gid_idx);
+	if (!strstr(dump, want))
+		die("the library does not make this process's links from GID "
+		    "index %d: export KRCORE_GID_INDEX=%d", gid_idx, gid_idx);
+}
+
+/* ---- krcore server ---------------------------------------------------- */
+
+static int kr_server(const char *devname, int gid_idx, int port)
+{
+	struct dev d;
+	struct ibv_cq *rcq;
+	struct ibv_mr *mmr;
+	struct ibv_qp *qp;
+	struct in_addr ip;
+	struct sigaction sa;
+	char ipstr[INET_ADDRSTRLEN];
+	uint8_t *mbuf, *answer;
+	size_t mlen = (KR_NRECV + 1) * KR_SLOT;
+	long answered = 0;
+	int rc;
+
+	role = "server";
+	open_dev(&d, devname, gid_idx,
+		 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+	for (size_t i = 0; i < BUF_SIZE; i++)
+		d.buf[i] = pat(i);
+	if (gid_ipv4(&d.gid, &ip))
+		die("GID index %d is not an IPv4-mapped (RoCE v2) GID", gid_idx);
+	inet_ntop(AF_INET, &ip, ipstr, sizeof(ipstr));
+	calibrate();
+
+	rcq = ibv_create_cq(d.ctx, KR_NRECV, NULL, NULL, 0);
+	if (!rcq)
+		die("ibv_create_cq: %s", strerror(errno));
+	if (posix_memalign((void **)&mbuf, 4096, mlen))
+		die("posix_memalign");
+	memset(mbuf, 0, mlen);
+	answer = mbuf + KR_NRECV * KR_SLOT;
+	mmr = ibv_reg_mr(d.pd, mbuf, mlen, IBV_ACCESS_LOCAL_WRITE);
+	if (!mmr)
+		die("ibv_reg_mr: %s", strerror(errno));
+	qp = create_vqp(&d, rcq, KR_NRECV);
+	if (!qp)
+		die("ibv_create_qp(KRCORE_VQP): %s", strerror(errno));
+	for (int i = 0; i < KR_NRECV; i++)
+		post_recv_at(qp, mmr, mbuf + i * KR_SLOT, KR_SLOT, (uint64_t)i,
+			     "the server's receives");
+
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_stop;
+	sigemptyset(&sa.sa_mask);
+	if (sigaction(SIGTERM, &sa, NULL) || sigaction(SIGINT, &sa, NULL))
+		die("sigaction: %s", strerror(errno));
+	if ((rc = qbind(qp, d.gid, port)))
+		die("qbind(%s, port %d): %s", ipstr, port, strerror(rc));
+	printf("connect: server bound on %s port %d device=%s gid_index=%d "
+	       "buf=%d (krcore qbind, KRCORE_META=%s)\n", ipstr, port, devname,
+	       gid_idx, BUF_SIZE, getenv("KRCORE_META"));
+	fflush(stdout);
+
+	/* Serves MR requests until SIGTERM; sleeps 5 ms between empty polls
+	 * (a bound VQP's messages come out of qpop_msgs only, nothing to
+	 * block on; the requests are outside every timed part, and a
+	 * spinning or often-waking server would take CPU from the client,
+	 * which the raw server, blocked in recv(2), does not). */
+	while (!stop_flag) {
+		struct ibv_qp *src[8];
+		struct ibv_wc wc[8];
+		int k = qpop_msgs(qp, 8, src, wc);
+
+		if (k < 0)
+			die("qpop_msgs: %s", strerror(-k));
+		if (k == 0) {
+			struct timespec nap = { 0, 5 * 1000 * 1000 };
+
+			nanosleep(&nap, NULL);
+			continue;
+		}
+		for (int i = 0; i < k; i++) {
+			uint64_t slot = wc[i].wr_id, a = (uintptr_t)d.buf;
+			uint32_t rkey = d.mr->rkey;
+
+			if (wc[i].status != IBV_WC_SUCCESS)
+				die("a message: status %s",
+				    ibv_wc_status_str(wc[i].status));
+			if (slot >= KR_NRECV || wc[i].byte_len != 1 ||
+			    mbuf[slot * KR_SLOT] != KR_MR_REQUEST)
+				die("an unexpected message (wr_id %llu, %u bytes)",
+				    (unsigned long long)slot, wc[i].byte_len);
+			memcpy(answer, &a, 8);
+			memcpy(answer + 8, &rkey, 4);
+			send_at(src[i], d.cq, mmr, answer, KR_ANSWER_LEN,
+				1000 + slot, "the MR answer");
+			post_recv_at(qp, mmr, mbuf + slot * KR_SLOT, KR_SLOT,
+				     slot, "a receive");
+			answered++;
+		}
+	}
+	if ((rc = ibv_destroy_qp(qp)))
+		die("ibv_destroy_qp: %s", strerror(rc));
+	if ((rc = ibv_dereg_mr(mmr)))
+		die("ibv_dereg_mr: %s", strerror(rc));
+	if ((rc = ibv_destroy_cq(rcq)))
+		die("ibv_destroy_cq: %s", strerror(rc));
+	free(mbuf);
+	close_dev(&d);
+	printf("connect: server done, %ld MR requests answered\n", answered);
+	return 0;
+}
+
+/* ---- krcore client ------------------------------------------------------ */
+
+enum { K_CREATE, K_QCONNECT, K_POST, K_POLL, K_READ, K_TOTAL, K_FROMQC,
+       K_DESTROY, KPHASE };
+static const char *const kphase_name[KPHASE] = {
+	"create_us", "qconnect_us", "post_us", "poll_us", "read_us",
+	"total_us", "from_qconnect_us", "destroy_us",
+};
+
+static void kr_open(struct client *c, const char *devname, int gid_idx,
+		    const char *server, int port)
+{
+	memset(c, 0, sizeof(*c));
+	c->fd = -1;
+	open_dev(&c->d, devname, gid_idx, IBV_ACCESS_LOCAL_WRITE);
+	check_env(gid_idx);
+	c->rcq = ibv_create_cq(c->d.ctx, QP_DEPTH, NULL, NULL, 0);
+	if (!c->rcq)
+		die("ibv_create_cq: %s", strerror(errno));
+	c->sgid = gid_of_ipv4(server);
+	c->sport = port;
+}
+
+static void kr_close(struct client *c)
+{
+	int rc;
+
+	if (c->ctl && (rc = ibv_destroy_qp(c->ctl)))
+		die("ibv_destroy_qp (the control VQP): %s", strerror(rc));
+	if ((rc = ibv_destroy_cq(c->rcq)))
+		die("ibv_destroy_cq: %s", strerror(rc));
+	close_dev(&c->d);
+}
+
+/* The control VQP: qconnect (this process's first contact with the
+ * server; returns its time), ask the server for its buffer's address and
+ * rkey (once per process, outside every timed part, as a real program
+ * learns them once), then one checked READ through it. */
+static double kr_control(struct client *c)
+{
+	struct ibv_wc wc;
+	uint64_t t0, t1;
+	int rc;
+
+	c->ctl = create_vqp(&c->d, c->rcq, QP_DEPTH);
+	if (!c->ctl)
+		die("ibv_create_qp(KRCORE_VQP): %s", strerror(errno));
+	t0 = ticks();
+	rc = qconnect(c->ctl, c->sgid, c->sport);
+	t1 = ticks();
+	if (rc)
+		die("qconnect (the control VQP) to port %d: %s", c->sport,
+		    strerror(rc));
+	post_recv_at(c->ctl, c->d.mr, c->d.buf + KR_OFF_RECV, 64, 1,
+		     "the MR answer's receive");
+	c->d.buf[KR_OFF_SEND] = KR_MR_REQUEST;
+	send_at(c->ctl, c->d.cq, c->d.mr, c->d.buf + KR_OFF_SEND, 1, 2,
+		"the MR request");
+	poll_wc(c->rcq, &wc, "the MR answer");
+	if (wc.opcode != IBV_WC_RECV || wc.byte_len != KR_ANSWER_LEN)
+		die("the MR answer: opcode %d, %u bytes", wc.opcode,
+		    wc.byte_len);
+	memcpy(&c->raddr, c->d.buf + KR_OFF_RECV, 8);
+	memcpy(&c->rkey, c->d.buf + KR_OFF_RECV + 8, 4);
+	prep_read(c, 0);
+	post_read(c, c->ctl, 3, 0, "the control VQP's READ");
+	poll_read(c, 3, "the control VQP's READ");
+	check_read(c, 0, "the control VQP's READ");
+	return us_of(t0, t1);
+}
+
+/* One connection: create a VQP, qconnect it, first 8-byte READ (checked),
+ * destroy it (destroy_us is not in the total). */
+static void kr_connect_once(struct client *c, int round, double *ph)
+{
+	char what[64];
+	struct ibv_qp *qp;
+	size_t off = ((size_t)round * READ_LEN) % BUF_SIZE;
+	uint64_t t[7];
+	int rc;
+
+	snprintf(what, sizeof(what), "round %d", round);
+	prep_read(c, off);
+	t[0] = ticks();
+	qp = create_vqp(&c->d, c->rcq, QP_DEPTH);
+	if (!qp)
+		die("%s: ibv_create_qp(KRCORE_VQP): %s", what, strerror(errno));
+	t[1] = ticks();
+	if ((rc = qconnect(qp, c->sgid, c->sport)))
+		die("%s: qconnect: %s", what, strerror(rc));
+	t[2] = ticks();
+	post_read(c, qp, (uint64_t)round, off, what);
+	t[3] = ticks();
+	poll_read(c, (uint64_t)round, what);
+	t[4] = ticks();
+	check_read(c, off, what);
+	t[5] = ticks();
+	if ((rc = ibv_destroy_qp(qp)))
+		die("%s: ibv_destroy_qp: %s", what, strerror(rc));
+	t[6] = ticks();
+	ph[K_CREATE] = us_of(t[0], t[1]);
+	ph[K_QCONNECT] = us_of(t[1], t[2]);
+	ph[K_POST] = us_of(t[2], t[3]);
+	ph[K_POLL] = us_of(t[3], t[4]);
+	ph[K_READ] = us_of(t[2], t[4]);
+	ph[K_TOTAL] = us_of(t[0], t[4]);
+	ph[K_FROMQC] = us_of(t[1], t[4]);
+	ph[K_DESTROY] = us_of(t[5], t[6]);
+}
+
+static void print_phases(const char *prefix, const double *ph)
+{
+	printf("%s", prefix);
+	for (int k = 0; k < KPHASE; k++)
+		printf(" %s=%.1f", kphase_name[k], ph[k]);
+}
+
+/* Medians of each phase over n rounds, and the summary keys. */
+static void print_summary(const char *prefix, double (*ph)[KPHASE], int n,
+			  double s_med, const char *extra)
+{
+	double med[KPHASE];
+
+	for (int k = 0; k < KPHASE; k++) {
+		double col[n];
+
+		for (int i = 0; i < n; i++)
+			col[i] = ph[i][k];
+		med[k] = median(col, n);
+	}
+	printf("%sconnect_krcore_us=%.1f steady_read_us=%.1f "
+	       "connect_minus_read_us=%.1f", prefix, med[K_TOTAL], s_med,
+	       med[K_TOTAL] - s_med);
+	for (int k = 0; k < KPHASE; k++) {
+		if (k == K_TOTAL)
+			continue;
+		printf(" %s=%.1f", k == K_READ ? "first_read_us" :
+						 kphase_name[k], med[k]);
+	}
+	printf("%s rounds=%d\n", extra, n);
+}
+
+static void kr_header(struct client *c, const char *mode, const char *devname,
+		      int gid_idx, const char *server, int rounds, int reads,
+		      double first_us, double clock_us, double timer_us)
+{
+	printf("# connect role=client mode=%s device=%s gid_index=%d "
+	       "server=%s port=%d rounds=%d reads=%d read_len=%d qp_depth=%d "
+	       "timer=%s ticks_per_us=%.3f timer_cost_us=%.4f "
+	       "clock_gettime_us=%.3f first_contact_us=%.1f "
+	       "remote_buf=%#llx rkey=%#x (address and rkey learned once per "
+	       "process, by an MR request on a control VQP, outside every "
+	       "timed part)\n", mode, devname, gid_idx, server, c->sport,
+	       rounds, reads, READ_LEN, QP_DEPTH,
+	       use_counter ? "counter" : "clock", ticks_per_us, timer_us,
+	       clock_us, first_us, (unsigned long long)c->raddr, c->rkey);
+	fflush(stdout);
+}
+
+/* Warm: a link to the server process is up (the control VQP's connect,
+ * untimed); every round connects a new VQP over it. */
+static int kr_client_warm(const char *devname, int gid_idx,
+			  const char *server, int port, int rounds, int reads)
+{
+	struct client c;
+	double (*ph)[KPHASE], *steady, clock_us, timer_us, first_us, s_med;
+	char line[32];
+
+	role = "client";
+	ph = calloc((size_t)rounds, sizeof(*ph));
+	steady = calloc((size_t)reads, sizeof(*steady));
+	if (!ph || !steady)
+		die("calloc");
+	kr_open(&c, devname, gid_idx, server, port);
+	timer_setup(&clock_us, &timer_us);
+	first_us = kr_control(&c);
+	kr_header(&c, "krcore-warm", devname, gid_idx, server, rounds, reads,
+		  first_us, clock_us, timer_us);
+	for (int i = 0; i < rounds; i++) {
+		kr_connect_once(&c, i + 1, ph[i]);
+		snprintf(line, sizeof(line), "round %d", i + 1);
+		print_phases(line, ph[i]);
+		printf("\n");
+	}
+	steady_reads(&c, c.ctl, reads, steady);
+	kr_close(&c);
+	s_med = print_steady(steady, reads);
+	print_summary("", ph, rounds, s_med, "");
+	free(ph);
+	free(steady);
+	return 0;
+}
+
+/* Runs one cold child (a fresh process: DCCache empty, no link), returns
+ * its phases and prewarm time. */
+static void kr_spawn_child(struct client *c, const char *self,
+			   const char *devname, int gid_idx,
+			   const char *server, int first, int round,
+			   double *ph, double *prewarm)
+{
+	char spec[160], gs[16], ps[16], out[4096], *line;
+	char *argv[] = { (char *)self, "-c", (char *)server, "-d",
+			 (char *)devname, "-g", gs, "-p", ps, "-X", spec, NULL };
+	posix_spawn_file_actions_t fa;
+	struct pollfd pfd;
+	size_t used = 0;
+	pid_t pid;
+	int p[2], st, rc;
+
+	snprintf(gs, sizeof(gs), "%d", gid_idx);
+	snprintf(ps, sizeof(ps), "%d", c->sport);
+	snprintf(spec, sizeof(spec), "%s,%d,%llu,%u,%d,%.9g",
+		 first ? "first" : "cold", round,
+		 (unsigned long long)c->raddr, c->rkey, use_counter,
+		 ticks_per_us);
+	if (pipe2(p, O_CLOEXEC))
+		die("pipe2: %s", strerror(errno));
+	if ((rc = posix_spawn_file_actions_init(&fa)) ||
+	    (rc = posix_spawn_file_actions_adddup2(&fa, p[1], 1)))
+		die("posix_spawn_file_actions: %s", strerror(rc));
+	if ((rc = posix_spawn(&pid, self, &fa, NULL, argv, environ)))
+		die("posix_spawn(%s): %s", self, strerror(rc));
+	posix_spawn_file_actions_destroy(&fa);
+	close(p[1]);
+	pfd.fd = p[0];
+	pfd.events = POLLIN;
+	for (;;) {
+		ssize_t n;
+
+		rc = poll(&pfd, 1, KR_CHILD_TIMEOUT_MS);
+		if (rc < 0 && errno == EINTR)
+			continue;
+		if (rc == 0) {
+			kill(pid, SIGKILL);
+			die("cold round %d: the child did not finish within %d s",
+			    round, KR_CHILD_TIMEOUT_MS / 1000);
+		}
+		n = read(p[0], out + used, sizeof(out) - 1 - used);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			die("reading the child's output: %s", strerror(errno));
+		if (n == 0)
+			break;
+		used += (size_t)n;
+		if (used == sizeof(out) - 1)
+			die("the child's output is too long");
+	}
+	out[used] = 0;
+	close(p[0]);
+	if (waitpid(pid, &st, 0) != pid)
+		die("waitpid: %s", strerror(errno));
+	if (!WIFEXITED(st) || WEXITSTATUS(st))
+		die("cold round %d: the child failed (status %#x; its error "
+		    "is above)", round, st);
+	line = strstr(out, "child ");
+	if (!line || sscanf(line, "child create_us=%lf qconnect_us=%lf "
+				  "post_us=%lf poll_us=%lf read_us=%lf "
+				  "total_us=%lf from_qconnect_us=%lf "
+				  "destroy_us=%lf prewarm_us=%lf",
+			    &ph[K_CREATE], &ph[K_QCONNECT], &ph[K_POST],
+			    &ph[K_POLL], &ph[K_READ], &ph[K_TOTAL],
+			    &ph[K_FROMQC], &ph[K_DESTROY], prewarm) != 9)
+		die("cold round %d: the child printed no result: %s", round,
+		    out);
+}
+
+/* Cold: each round is a fresh process (spawned here) that has never
+ * talked to the server. Kind "cold": its library is already up (a
+ * qconnect to an unbound port first, untimed: runtime started, meta
+ * server bootstrapped, no lookup of the server cached), so the round pays
+ * the lookup, the link handshake and the peer's MR table. Kind "first":
+ * the round's qconnect is the process's first extended verb and also
+ * pays the runtime's start and the meta-server bootstrap. The kinds
+ * alternate; ROUNDS of each. */
+static int kr_client_cold(const char *devname, int gid_idx,
+			  const char *server, int port, int rounds, int reads)
+{
+	struct client c;
+	double (*ph[2])[KPHASE], *pre[2], *steady, clock_us, timer_us,
+		first_us, s_med;
+	char self[4096], line[48], extra[64];
+	ssize_t k;
+
+	role = "client";
+	k = readlink("/proc/self/exe", self, sizeof(self) - 1);
+	if (k <= 0)
+		die("readlink(/proc/self/exe): %s", strerror(errno));
+	self[k] = 0;
+	for (int f = 0; f < 2; f++) {
+		ph[f] = calloc((size_t)rounds, sizeof(*ph[f]));
+		pre[f] = calloc((size_t)rounds, sizeof(*pre[f]));
+		if (!ph[f] || !pre[f])
+			die("calloc");
+	}
+	steady = calloc((size_t)reads, sizeof(*steady));
+	if (!steady)
+		die("calloc");
+	kr_open(&c, devname, gid_idx, server, port);
+	timer_setup(&clock_us, &timer_us);
+	first_us = kr_control(&c);
+	kr_header(&c, "krcore-cold", devname, gid_idx, server, rounds, reads,
+		  first_us, clock_us, timer_us);
+	for (int i = 0; i < 2 * rounds; i++) {
+		int f = i % 2, r = i / 2;
+
+		kr_spawn_child(&c, self, devname, gid_idx, server, f, i + 1,
+			       ph[f][r], &pre[f][r]);
+		snprintf(line, sizeof(line), "cold %d kind=%s", r + 1,
+			 f ? "first" : "cold");
+		print_phases(line, ph[f][r]);
+		printf(" prewarm_us=%.1f\n", pre[f][r]);
+	}
+	steady_reads(&c, c.ctl, reads, steady);
+	kr_close(&c);
+	s_med = print_steady(steady, reads);
+	snprintf(extra, sizeof(extra), " prewarm_us=%.1f",
+		 median(pre[0], rounds));
+	print_summary("", ph[0], rounds, s_med, extra);
+	print_summary("first_verb ", ph[1], rounds, s_med, "");
+	for (int f = 0; f < 2; f++) {
+		free(ph[f]);
+		free(pre[f]);
+	}
+	free(steady);
+	return 0;
+}
+
+/* A cold child: SPEC is KIND,ROUND,ADDR,RKEY,USE_COUNTER,TICKS_PER_US
+ * (the server's buffer as its parent learned it; the parent's timer). */
+static int kr_cold_child(const char *devname, int gid_idx,
+			 const char *server, int port, const char *spec)
+{
+	struct client c;
+	struct ibv_qp *probe;
+	double ph[KPHASE], prewarm = 0;
+	char kind[8];
+	unsigned long long raddr;
+	unsigned rkey;
+	int round, counter, rc;
+
+	role = "cold child";
+	if (sscanf(spec, "%7[a-z],%d,%llu,%u,%d,%lf", kind, &round, &raddr,
+		   &rkey, &counter, &ticks_per_us) != 6 ||
+	    (strcmp(kind, "cold") && strcmp(kind, "first")) ||
+	    !(ticks_per_us > 0))
+		die("bad -X %s", spec);
+	use_counter = counter;
+	kr_open(&c, devname, gid_idx, server, port);
+	c.raddr = raddr;
+	c.rkey = rkey;
+	if (!strcmp(kind, "cold")) {
+		struct timespec nap = { 0, KR_SETTLE_MS * 1000 * 1000 };
+		uint64_t t0, t1;
+
+		probe = create_vqp(&c.d, c.rcq, QP_DEPTH);
+		if (!probe)
+			die("ibv_create_qp(KRCORE_VQP): %s", strerror(errno));
+		t0 = ticks();
+		rc = qconnect(probe, c.sgid, port + 1);
+		t1 = ticks();
+		if (rc != ECONNREFUSED)
+			die("prewarm: qconnect to the unbound port %d returned "
+			    "%d (%s), expected ECONNREFUSED", port + 1, rc,
+			    strerror(rc));
+		if ((rc = ibv_destroy_qp(probe)))
+			die("ibv_destroy_qp (probe): %s", strerror(rc));
+		prewarm = us_of(t0, t1);
+		nanosleep(&nap, NULL);
+	}
+	kr_connect_once(&c, round, ph);
+	print_phases("child", ph);
+	printf(" prewarm_us=%.1f\n", prewarm);
+	fflush(stdout);
+	kr_close(&c);
+	return 0;
+}
+
+#endif /* KRCORE */
+
 static void usage(void)
 {
+#ifndef KRCORE
 	fprintf(stderr,
 		"usage: connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT]\n"
 		"       connect -c SERVER_IP [-d DEV] [-g GID_INDEX] "
 		"[-p TCP_PORT] [-n ROUNDS] [-r READS] [-t tsc|clock]\n");
+#else
+	fprintf(stderr,
+		"usage: connect-krcore -s [-d DEV] [-g GID_INDEX] [-p PORT]\n"
+		"       connect-krcore -c SERVER_IP [-m warm|cold] [-d DEV] "
+		"[-g GID_INDEX] [-p PORT] [-n ROUNDS] [-r READS] "
+		"[-t tsc|clock]\n"
+		"(KRCORE_META and KRCORE_GID_INDEX=GID_INDEX must be set)\n");
+#endif
 	exit(2);
 }
 
@@ -907,11 +1639,17 @@ int main(int argc, char **argv)
 	const char *server = NULL;
 	int is_server = 0, gid_idx = -1, port = 18777, rounds = 50,
 	    reads = 1000, opt;
+#ifdef KRCORE
+	const char *mode = "warm", *child = NULL;
+#define MODE_OPTS "m:X:"
+#else
+#define MODE_OPTS ""
+#endif
 
 #if defined(__x86_64__) || defined(__aarch64__)
 	use_counter = 1;
 #endif
-	while ((opt = getopt(argc, argv, "sc:d:g:p:n:r:t:")) != -1) {
+	while ((opt = getopt(argc, argv, "sc:d:g:p:n:r:t:" MODE_OPTS)) != -1) {
 		switch (opt) {
 		case 's': is_server = 1; break;
 		case 'c': server = optarg; break;
@@ -926,12 +1664,21 @@ int main(int argc, char **argv)
 			else if (strcmp(optarg, "tsc"))
 				usage();
 			break;
+#ifdef KRCORE
+		case 'm':
+			if (strcmp(optarg, "warm") && strcmp(optarg, "cold"))
+				usage();
+			mode = optarg;
+			break;
+		case 'X': child = optarg; break;
+#endif
 		default: usage();
 		}
 	}
 	if (optind != argc || is_server == !!server)
 		usage();
 	setvbuf(stdout, NULL, _IOLBF, 0);
+#ifndef KRCORE
 	rng_state = (uint32_t)getpid() * 2654435761u ^ (uint32_t)ticks();
 	if (!rng_state)
 		rng_state = 1;
@@ -939,4 +1686,16 @@ int main(int argc, char **argv)
 		return run_server(devname, gid_idx < 0 ? 1 : gid_idx, port);
 	return run_client(devname, gid_idx < 0 ? 2 : gid_idx, server, port,
 			  rounds, reads);
+#else
+	if (is_server)
+		return kr_server(devname, gid_idx < 0 ? 1 : gid_idx, port);
+	if (gid_idx < 0)
+		gid_idx = 2;
+	if (child)
+		return kr_cold_child(devname, gid_idx, server, port, child);
+	if (!strcmp(mode, "cold"))
+		return kr_client_cold(devname, gid_idx, server, port, rounds,
+				      reads);
+	return kr_client_warm(devname, gid_idx, server, port, rounds, reads);
+#endif
 }

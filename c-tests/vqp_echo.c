@@ -11,6 +11,8 @@
  *   through qpop_msgs) on the server's registered memory;
  * - a completion channel on a client's receive CQ: the echo's completion
  *   raises an event (poll() on the channel's fd, ibv_get_cq_event);
+ * - without a meta server: ENOTCONN when KRCORE_META is unset,
+ *   ECONNREFUSED when nothing listens there;
  * - error paths: qconnect to a port nobody bound (ECONNREFUSED), qbind of
  *   a bound address (EADDRINUSE), of a GID not on the device
  *   (EADDRNOTAVAIL), a send with a bad lkey (EINVAL, *bad_wr, and the VQP
@@ -467,6 +469,70 @@ int main(void)
 	kill(meta_pid, SIGTERM);
 	waitpid(meta_pid, NULL, 0);
 	CT_CHECK(fails == 0, "%d process(es) failed", fails);
+
+	/* No meta server configured (this process has not used the library
+	 * yet, so it reads the environment now): ENOTCONN. One configured
+	 * but not running: ECONNREFUSED (a child: the configuration is read
+	 * once per process). */
+	{
+		pid_t child = fork();
+
+		if (child == 0) {
+			struct ct_dev d;
+			struct ibv_cq *cq;
+			struct ibv_qp_init_attr a;
+			struct ibv_qp *q;
+
+			ct_begin("vqp_echo: meta server not running");
+			setenv("KRCORE_META", "10.77.0.1:1", 1);
+			setenv("CT_GID_A", "2", 1);
+			ct_open(&d);
+			cq = CT_PTR(ibv_create_cq(d.ctx, 16, NULL, NULL, 0));
+			memset(&a, 0, sizeof(a));
+			a.send_cq = a.recv_cq = cq;
+			a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
+			a.cap.max_send_wr = a.cap.max_recv_wr = 4;
+			a.cap.max_send_sge = a.cap.max_recv_sge = 1;
+			q = CT_PTR(ibv_create_qp(d.pd, &a));
+			{
+				int rc = qconnect(q, ct_node_gid(1), PORT);
+
+				CT_CHECK(rc == ECONNREFUSED, "no meta server: %d (%s)", rc, strerror(rc));
+				rc = qbind(q, ct_node_gid(2), PORT);
+				CT_CHECK(rc == ECONNREFUSED, "no meta server (bind): %d (%s)", rc, strerror(rc));
+			}
+			CT_OK(ibv_destroy_qp(q));
+			CT_OK(ibv_destroy_cq(cq));
+			ct_close(&d);
+			ct_pass();
+			_exit(0);
+		}
+		fails += ct_wait_child(child, "no-meta-server child");
+		CT_CHECK(fails == 0, "the no-meta-server child failed");
+	}
+	unsetenv("KRCORE_META");
+	{
+		struct ct_dev d;
+		struct ibv_cq *cq;
+		struct ibv_qp_init_attr a;
+		struct ibv_qp *q;
+
+		ct_begin("vqp_echo: KRCORE_META unset");
+		setenv("CT_GID_A", "2", 1);
+		ct_open(&d);
+		cq = CT_PTR(ibv_create_cq(d.ctx, 16, NULL, NULL, 0));
+		memset(&a, 0, sizeof(a));
+		a.send_cq = a.recv_cq = cq;
+		a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
+		a.cap.max_send_wr = a.cap.max_recv_wr = 4;
+		a.cap.max_send_sge = a.cap.max_recv_sge = 1;
+		q = CT_PTR(ibv_create_qp(d.pd, &a));
+		CT_CHECK(qconnect(q, ct_node_gid(1), PORT) == ENOTCONN, "KRCORE_META unset");
+		CT_OK(ibv_destroy_qp(q));
+		CT_OK(ibv_destroy_cq(cq));
+		ct_close(&d);
+		ct_pass();
+	}
 
 	/* Not a VQP: the extended verbs refuse it. */
 	{

@@ -67,6 +67,7 @@ pub unsafe extern "C" fn ibv_close_device(context: *mut ibv_context) -> c_int {
         }
         // SAFETY: ours.
         let real = unsafe { Context::from_ibv(context) }.real;
+        crate::vqp::runtime::release_context(real);
         if let Some(cache) = crate::mr::cache() {
             cache.flush_context(real as usize);
         }

@@ -51,7 +51,9 @@ impl Pd {
     pub unsafe fn dealloc(p: *mut ibv_pd) -> Result<()> {
         // SAFETY: caller contract.
         let pd = unsafe { Pd::from_ibv(p) };
-        // Idle cached MRs of this PD would make the real dealloc fail.
+        // The VQP runtime's objects and idle cached MRs of this PD would
+        // make the real dealloc fail.
+        crate::vqp::runtime::release_pd(pd.real)?;
         if let Some(cache) = crate::mr::cache() {
             cache.flush_pd(pd.real);
         }

@@ -24,8 +24,10 @@ pub type Gid = [u8; 16];
 /// `IBV_LINK_LAYER_ETHERNET` of verbs.h (a macro, not in the bindings).
 const LINK_LAYER_ETHERNET: u8 = 2;
 
-/// `ibv_gid_type_sysfs` value of a RoCE v2 GID (`ibv_query_gid_type`).
-const GID_TYPE_ROCE_V2: u32 = 2;
+/// `IBV_GID_TYPE_SYSFS_ROCE_V2` of rdma-core's driver.h: what
+/// `ibv_query_gid_type` reports for a RoCE v2 GID (not `enum ibv_gid_type`,
+/// where RoCE v2 is 2).
+const GID_TYPE_ROCE_V2: u32 = 1;
 
 /// The RoCE v2 GID of an IPv4 address (`::ffff:a.b.c.d`).
 pub fn ipv4_gid(ip: Ipv4Addr) -> Gid {

@@ -492,15 +492,21 @@ impl Vqp {
                     klog!(Level::Debug, "vqp {:#x}: rejected a work request: {r}", self.vqpn);
                     return Err(r.errno());
                 }
-                Err(Verdict::NeedRemote { rkey }) => self.fetch_remote(rt, link, rkey)?,
+                Err(Verdict::NeedRemote { rkey }) => {
+                    if !self.fetch_remote(rt, link, rkey)? {
+                        // The peer has no such MR: one READ said so.
+                        break;
+                    }
+                }
             }
         }
         klog!(Level::Debug, "vqp {:#x}: rkey unknown to the peer", self.vqpn);
         Err(Errno::EINVAL)
     }
 
-    /// READ the peer's MR table entry for `rkey` into the cache.
-    fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32) -> Result<()> {
+    /// READ the peer's MR table entry for `rkey` into the cache; whether
+    /// the peer has it.
+    fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32) -> Result<bool> {
         let scratch = self.scratch.get_or_try_init(|| Region::new(rt.svc.device(), 4096, rdma::LOCAL_WRITE))?;
         let (addr, trkey, _) = link.peer_mr_table;
         let cached = self.peer_mrs.lock().table;
@@ -521,9 +527,9 @@ impl Vqp {
             match table.lookup_in(unsafe { scratch.bytes(0, len) }, rkey) {
                 Lookup::Found(info) => {
                     self.peer_mrs.lock().known.insert(rkey, info);
-                    return Ok(());
+                    return Ok(true);
                 }
-                Lookup::Absent => return Ok(()),
+                Lookup::Absent => return Ok(false),
                 Lookup::Torn => continue,
             }
         }

@@ -119,10 +119,11 @@ impl CqSoft {
         })
     }
 
-    pub fn serve(&self, rt: &Arc<Runtime>) {
+    pub fn serve(self: &Arc<Self>, rt: &Arc<Runtime>) {
         let mut r = self.runtimes.lock();
         if !r.iter().any(|w| w.as_ptr() == Arc::as_ptr(rt)) {
             r.push(Arc::downgrade(rt));
+            rt.cqs.lock().push(Arc::downgrade(self));
         }
     }
 
@@ -221,6 +222,9 @@ pub struct Runtime {
     /// Messages that arrived for a VQP with no receive posted, by buffer
     /// (the buffer is reposted once the message is delivered).
     progress: Mutex<()>,
+    /// The CQs this runtime's VQPs deliver to (their notifiers live on
+    /// this PD).
+    cqs: Mutex<Vec<Weak<CqSoft>>>,
     /// Completions of control READs (MR table fetches), by tag.
     control: Mutex<HashMap<u32, u32>>,
     next_tag: std::sync::atomic::AtomicU32,
@@ -259,6 +263,7 @@ impl Runtime {
             meta: OnceCell::new(),
             recv_bufs,
             progress: Mutex::new(()),
+            cqs: Mutex::new(Vec::new()),
             control: Mutex::new(HashMap::new()),
             next_tag: std::sync::atomic::AtomicU32::new(1),
         });
@@ -447,5 +452,46 @@ impl Runtime {
             }
             std::thread::yield_now();
         }
+    }
+}
+
+/// Before `ibv_dealloc_pd` of real `pd`: tear its runtime down (service
+/// endpoint, links, receive buffers, meta client), which holds objects on
+/// the PD. EBUSY while a VQP of the PD is alive, as the real verb with
+/// QPs on the PD.
+pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
+    let mut g = RUNTIMES.lock();
+    let Some(map) = g.as_mut() else { return Ok(()) };
+    let Some(rt) = map.get(&(pd as usize)) else { return Ok(()) };
+    // The map's reference is the only one when no VQP holds the runtime.
+    if Arc::strong_count(rt) > 1 {
+        return Err(Errno(libc::EBUSY));
+    }
+    let rt = map.remove(&(pd as usize)).expect("present");
+    drop(g);
+    mrs::unobserve(pd as usize);
+    if let Some(meta) = rt.meta.get() {
+        meta.shutdown();
+    }
+    // Notifiers are QPs on this PD; a CQ that needs one again makes it
+    // again (with the next runtime).
+    for cq in rt.cqs.lock().iter().filter_map(Weak::upgrade) {
+        cq.notifier.lock().take();
+    }
+    drop(rt);
+    Ok(())
+}
+
+/// Before `ibv_close_device` of real `ctx`: tear down the runtimes of its
+/// PDs that no VQP uses any more (closing the device frees the rest in the
+/// kernel).
+pub fn release_context(ctx: *mut ibv_context) {
+    let pds: Vec<usize> = RUNTIMES
+        .lock()
+        .as_ref()
+        .map(|m| m.iter().filter(|(_, rt)| rt.svc.device().ctx == ctx).map(|(pd, _)| *pd).collect())
+        .unwrap_or_default();
+    for pd in pds {
+        let _ = release_pd(pd as *mut ibv_pd);
     }
 }

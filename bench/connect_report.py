@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The table of bench/connect-compare.sh: raw verbs vs krcore's qconnect.
+
+    python3 bench/connect_report.py OUT_DIR REPEATS
+
+Reads, for each repeat N, OUT_DIR/raw-N.txt, krcore-warm-N.txt and
+krcore-cold-N.txt (their summary lines of medians, see bench/connect.c) and
+prints markdown: each figure as the median over the repeats with its
+min-max, and the ratios computed per repeat (raw and krcore of the same
+repeat, in the same VM boot), then summarised the same way.
+"""
+import statistics as st
+import sys
+from pathlib import Path
+
+WARM_TARGET = 100.0  # issue 7: warm at least 100x cheaper than verbs
+READ_TARGET = 1.2    # issue 7: a VQP's READ latency at most 1.2x raw
+
+
+def parse(line):
+    out = {}
+    for kv in line.split():
+        if "=" not in kv:
+            continue
+        k, v = kv.split("=", 1)
+        try:
+            out[k] = float(v)
+        except ValueError:
+            pass
+    return out
+
+
+def summary(path, prefix):
+    if not path.exists():
+        sys.exit(f"connect-compare: {path} is missing")
+    lines = [l for l in path.read_text().splitlines() if l.startswith(prefix)]
+    if not lines:
+        sys.exit(f"connect-compare: {path} has no line '{prefix}...' (did the run fail?)")
+    return parse(lines[-1][len(prefix):] if prefix.endswith(" ") else lines[-1])
+
+
+def header(path):
+    for l in path.read_text().splitlines():
+        if l.startswith("# connect "):
+            return parse(l)
+    return {}
+
+
+def spread(v, fmt="{:.1f}"):
+    return f"{fmt.format(st.median(v))} | {fmt.format(min(v))} – {fmt.format(max(v))}"
+
+
+def ratio(a, b):
+    return a / b if b > 0 else float("inf")
+
+
+def fmt_ratio(v):
+    if any(x == float("inf") for x in v):
+        return "n/a (krcore's figure ≤ 0 in some repeat: below the steady READ's noise)"
+    return f"{st.median(v):.1f}x | {min(v):.1f}x – {max(v):.1f}x"
+
+
+def main():
+    out, repeats = Path(sys.argv[1]), int(sys.argv[2])
+    raw, warm, cold, first, warm_h, cold_h = [], [], [], [], [], []
+    for i in range(1, repeats + 1):
+        raw.append(summary(out / f"raw-{i}.txt", "connect_raw_us="))
+        warm.append(summary(out / f"krcore-warm-{i}.txt", "connect_krcore_us="))
+        cold.append(summary(out / f"krcore-cold-{i}.txt", "connect_krcore_us="))
+        first.append(summary(out / f"krcore-cold-{i}.txt", "first_verb "))
+        warm_h.append(header(out / f"krcore-warm-{i}.txt"))
+        cold_h.append(header(out / f"krcore-cold-{i}.txt"))
+
+    n_raw, n_warm, n_cold = int(raw[0]["rounds"]), int(warm[0]["rounds"]), int(cold[0]["rounds"])
+    cmr = "connect_minus_read_us"
+    print(f"## Connect cost: raw verbs vs krcore ({repeats} repeat(s) in one VM boot, "
+          f"raw and krcore alternating; each run the median of {n_raw} raw connections, "
+          f"{n_warm} warm krcore connections, {n_cold} cold processes of each kind)\n")
+    print("Connect cost = (connect start → first 8 B READ completed) − the steady 8 B READ. "
+          "raw: create QP + INIT + TCP exchange (server creates and connects its QP) + RTR + RTS. "
+          "krcore: `ibv_create_qp(KRCORE_VQP)` + `qconnect`. The server's buffer address and rkey "
+          "are learned once per process, outside the timed part (a real program learns them once).\n")
+    print("| microseconds | median over repeats | min – max |")
+    print("| --- | ---: | ---: |")
+    print(f"| raw verbs: connect + first READ (`connect_raw_us`) | {spread([r['connect_raw_us'] for r in raw])} |")
+    print(f"| raw verbs: **connect cost** | {spread([r[cmr] for r in raw])} |")
+    print(f"| krcore warm (live link, DCCache hit): connect + first READ | {spread([r['connect_krcore_us'] for r in warm])} |")
+    print(f"| krcore warm: **connect cost** | {spread([r[cmr] for r in warm])} |")
+    print(f"| krcore cold (fresh process, library up; lookup + link handshake): connect + first READ | {spread([r['connect_krcore_us'] for r in cold])} |")
+    print(f"| krcore cold: **connect cost** | {spread([r[cmr] for r in cold])} |")
+    print(f"| krcore cold, first extended verb of the process (+ runtime start + meta bootstrap): **connect cost** | {spread([r[cmr] for r in first])} |")
+    print()
+    rw = [ratio(r[cmr], w[cmr]) for r, w in zip(raw, warm)]
+    rc = [ratio(r[cmr], c[cmr]) for r, c in zip(raw, cold)]
+    rf = [ratio(r[cmr], f[cmr]) for r, f in zip(raw, first)]
+    ok = "met" if all(x >= WARM_TARGET for x in rw) else "**not met**"
+    print("| connect cost, raw / krcore (per repeat) | median | min – max | target |")
+    print("| --- | ---: | ---: | --- |")
+    print(f"| warm | {fmt_ratio(rw)} | ≥ {WARM_TARGET:.0f}x: {ok} |")
+    print(f"| cold | {fmt_ratio(rc)} | (reported) |")
+    print(f"| cold, first verb of the process | {fmt_ratio(rf)} | (reported) |")
+    print()
+    sr = [ratio(w["steady_read_us"], r["steady_read_us"]) for r, w in zip(raw, warm)]
+    ok = "met" if all(x <= READ_TARGET for x in sr) else "**not met**"
+    print("| steady 8 B READ (data path) | median over repeats | min – max |")
+    print("| --- | ---: | ---: |")
+    print(f"| raw RC QP (µs) | {spread([r['steady_read_us'] for r in raw])} |")
+    print(f"| krcore VQP (µs, warm run's control VQP) | {spread([w['steady_read_us'] for w in warm])} |")
+    print(f"| krcore VQP (µs, cold run's control VQP) | {spread([c['steady_read_us'] for c in cold])} |")
+    print(f"| krcore / raw (per repeat; target ≤ {READ_TARGET}x: {ok}) | {fmt_ratio(sr)} |")
+    v = [r[cmr] / r["steady_read_us"] for r in raw]
+    print(f"| raw connect cost / raw steady READ | {spread(v, '{:.0f}x')} |")
+    print()
+
+    print("krcore phases (medians of each run's per-round values):\n")
+    print("| phase (µs) | warm: median over repeats | min – max | cold: median over repeats | min – max | cold, first verb: median | min – max |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for key, label in (
+        ("create_us", "`ibv_create_qp(KRCORE_VQP)`"),
+        ("qconnect_us", "`qconnect`"),
+        ("post_us", "first READ: `ibv_post_send` (pre-checks, peer MR table on a miss)"),
+        ("poll_us", "first READ: completion"),
+        ("first_read_us", "first READ (post + completion)"),
+        ("from_qconnect_us", "`qconnect` start → READ completed"),
+        ("destroy_us", "`ibv_destroy_qp` (not in the total)"),
+    ):
+        print(f"| {label} | {spread([w[key] for w in warm])} | {spread([c[key] for c in cold])} | {spread([f[key] for f in first])} |")
+    print(f"| cold child's untimed prewarm (runtime start + meta bootstrap + a lookup) | – | – | {spread([c['prewarm_us'] for c in cold])} | – | – |")
+    fc = [h["first_contact_us"] for h in warm_h + cold_h if "first_contact_us" in h]
+    if fc:
+        print(f"| control VQP's `qconnect` (the client's first contact, untimed) | {spread(fc)} | | | | |")
+    print()
+
+    print("Raw verbs phases (medians of each run's per-round values):\n")
+    print("| phase | median over repeats | min – max |")
+    print("| --- | ---: | ---: |")
+    for key, label in (
+        ("create_us", "client `ibv_create_qp`"),
+        ("init_us", "client INIT"),
+        ("exchange_us", "exchange (TCP round trip + server's work)"),
+        ("srv_create_us", "exchange: server `ibv_create_qp`"),
+        ("srv_init_us", "exchange: server INIT"),
+        ("srv_rtr_us", "exchange: server RTR"),
+        ("srv_rts_us", "exchange: server RTS"),
+        ("wire_us", "exchange: the rest (TCP round trip, scheduling)"),
+        ("rtr_us", "client RTR"),
+        ("rts_us", "client RTS"),
+        ("first_read_us", "first READ (post + completion)"),
+        ("destroy_us", "client `ibv_destroy_qp` (not in the total)"),
+    ):
+        print(f"| {label} | {spread([r[key] for r in raw])} |")
+    lib = out / "krcore-lib.txt"
+    if lib.exists():
+        print()
+        print("Library measured:\n")
+        print("```")
+        print(lib.read_text().rstrip())
+        print("```")
+
+
+if __name__ == "__main__":
+    main()
