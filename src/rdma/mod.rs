@@ -325,6 +325,17 @@ impl Cq {
         ok_or_errno(rc)
     }
 
+    /// Take and acknowledge the channel's pending event, if any, without
+    /// arming again.
+    pub fn consume_event(&self) -> Result<()> {
+        let mut cq = null_mut();
+        let mut ctx = null_mut();
+        if call_real!(ibv_get_cq_event(self.channel, &mut cq, &mut ctx))? == 0 {
+            call_real!(ibv_ack_cq_events(cq, 1))?;
+        }
+        Ok(())
+    }
+
     /// Sleep until the channel has an event or `timeout` passes; consume
     /// and acknowledge the event and re-arm. Returns whether an event came.
     /// Completions may be pending either way: poll after it.

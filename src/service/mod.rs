@@ -143,8 +143,9 @@ struct Shared {
     mr_table_slots: u32,
     /// Wakes the progress thread (refill, stop).
     event_fd: libc::c_int,
-    /// Called by the progress thread when the links have completions.
-    on_link_event: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
+    /// Called by the progress thread when the links have completions;
+    /// returns whether to keep waking on them.
+    on_link_event: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
     stop: AtomicBool,
 }
 
@@ -265,11 +266,17 @@ impl Service {
         &self.shared.srq
     }
 
-    /// Run `f` on the progress thread whenever the links' CQ has
-    /// completions (an application may be asleep on a completion channel
-    /// waiting for what they carry).
-    pub fn on_link_event(&self, f: Box<dyn Fn() + Send + Sync>) {
+    /// Run `f` on the progress thread when the links' CQ has completions
+    /// while events are wanted (an application asleep on a completion
+    /// channel waits for what they carry); `f` says whether they still are.
+    pub fn on_link_event(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
         *self.shared.on_link_event.lock() = Some(f);
+    }
+
+    /// Wake the progress thread at the next link completion (one event;
+    /// the handler decides whether to go on).
+    pub fn want_link_events(&self) -> Result<()> {
+        self.shared.link_cq.arm()
     }
 
     /// The link whose QP has number `qpn`.
@@ -468,11 +475,22 @@ impl Shared {
             // SAFETY: three valid pollfds.
             unsafe { libc::poll(fds.as_mut_ptr(), 3, -1) };
             if fds[2].revents != 0 {
-                if let Err(e) = self.link_cq.wait(Some(Duration::ZERO)) {
+                // Not re-armed unless the handler wants more: an armed link
+                // CQ would wake this thread at every completion and race
+                // the application's own polling.
+                if let Err(e) = self.link_cq.consume_event() {
                     klog!(Level::Warn, "service: link completion channel: {e:?}");
                 }
-                if let Some(f) = self.on_link_event.lock().as_ref() {
-                    f();
+                let more = self.on_link_event.lock().as_ref().is_some_and(|f| f());
+                if more {
+                    if let Err(e) = self.link_cq.arm() {
+                        klog!(Level::Warn, "service: arming the links' CQ: {e:?}");
+                    }
+                    // Completions between the handler's poll and the arm
+                    // raise no event: one more pass.
+                    if let Some(f) = self.on_link_event.lock().as_ref() {
+                        f();
+                    }
                 }
             }
             if fds[1].revents != 0 {

@@ -19,9 +19,9 @@
 
 use super::header::{Flags, Header, HEADER_LEN};
 use super::mrs;
-use super::precheck::{self, Caps, MrInfo, RemoteMrs, SendWr, Verdict};
+use super::precheck::{self, Caps, SendWr, Verdict};
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
-use super::runtime::{CqSoft, Runtime, MAX_MSG};
+use super::runtime::{CqSoft, PeerMrs, Runtime, HDR_SLOT, MAX_MSG};
 use super::wrid::{SendId, WrId};
 use crate::error::{Errno, Result};
 use crate::klog;
@@ -42,7 +42,6 @@ pub const MAX_SEND_SGE: u32 = crate::service::LINK_SEND_SGE - 1;
 pub const MAX_RECV_SGE: u32 = 16;
 /// Inline data a VQP accepts (copied behind the header).
 pub const MAX_INLINE: u32 = 256;
-const HDR_SLOT: usize = HEADER_LEN + MAX_INLINE as usize;
 
 /// The VQP table: slot -> VQP with a generation, so that a completion or
 /// message for a destroyed VQP is recognised as such.
@@ -119,17 +118,11 @@ struct State {
     src_qps: HashMap<(u64, u32), *mut ibv_qp>,
 }
 
-/// The peer's MRs already READ from its MR table (the MRStore).
-#[derive(Default)]
-struct PeerMrs {
-    table: Option<RemoteMrTable>,
-    known: HashMap<u32, MrInfo>,
-}
-
-impl RemoteMrs for PeerMrs {
-    fn remote(&self, rkey: u32) -> Option<MrInfo> {
-        self.known.get(&rkey).copied()
-    }
+/// Where a VQP's header slots live: in the runtime's arena, or (arena
+/// full) in a registration of its own.
+enum Hdrs {
+    Arena { start: u32 },
+    Own(Region),
 }
 
 pub struct Vqp {
@@ -144,11 +137,10 @@ pub struct Vqp {
     st: Mutex<State>,
     rt: OnceCell<Arc<Runtime>>,
     /// Header slots of in-flight SENDs, one per send-ring entry.
-    hdrs: OnceCell<Region>,
+    hdrs: OnceCell<Hdrs>,
     sq_cap: u32,
-    peer_mrs: Mutex<PeerMrs>,
-    /// Scratch for MR-table READs.
-    scratch: OnceCell<Region>,
+    /// The connected peer's MRStore (shared with the runtime's other VQPs).
+    peer_mrs: OnceCell<Arc<Mutex<PeerMrs>>>,
 }
 
 // SAFETY: the raw pointers are the application's objects, only passed
@@ -207,8 +199,7 @@ impl Vqp {
             rt: OnceCell::new(),
             hdrs: OnceCell::new(),
             sq_cap: cap.max_send_wr,
-            peer_mrs: Mutex::new(PeerMrs::default()),
-            scratch: OnceCell::new(),
+            peer_mrs: OnceCell::new(),
         });
         slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
         Ok(v)
@@ -226,8 +217,17 @@ impl Vqp {
         })
     }
 
-    fn hdrs(&self, rt: &Runtime) -> Result<&Region> {
-        self.hdrs.get_or_try_init(|| Region::new(rt.svc.device(), self.sq_cap.max(1) as usize * HDR_SLOT, rdma::LOCAL_WRITE))
+    /// The header slots' region and the offset of the first.
+    fn hdrs<'a>(&'a self, rt: &'a Runtime) -> Result<(&'a Region, usize)> {
+        let n = self.sq_cap.max(1);
+        let h = self.hdrs.get_or_try_init(|| match rt.alloc_hdrs(n) {
+            Some(start) => Ok(Hdrs::Arena { start }),
+            None => Region::new(rt.svc.device(), n as usize * HDR_SLOT, rdma::LOCAL_WRITE).map(Hdrs::Own),
+        })?;
+        Ok(match h {
+            Hdrs::Arena { start } => (&rt.hdr_arena, *start as usize * HDR_SLOT),
+            Hdrs::Own(r) => (r, 0),
+        })
     }
 
     /// `qbind`: publish (gid, port) -> this VQP.
@@ -271,14 +271,14 @@ impl Vqp {
                 return Err(if e.0 == libc::ETIMEDOUT || e.0 == libc::ECONNREFUSED { Errno(libc::ECONNREFUSED) } else { e });
             }
         };
-        self.attach(link, ep, ep.vqpn);
+        self.attach(rt, link, ep, ep.vqpn);
         Ok(())
     }
 
     /// Connect to `dst` on the far side of `link` (qconnect, or a VQP
     /// made for `qpop_msgs` to answer a sender).
-    fn attach(&self, link: Arc<Link>, peer: Endpoint, dst: u32) {
-        let _ = peer;
+    fn attach(&self, rt: &Runtime, link: Arc<Link>, peer: Endpoint, dst: u32) {
+        let _ = self.peer_mrs.set(rt.peer_mrs(peer.incarnation));
         self.st.lock().conn = Some(Conn { link, dst });
     }
 
@@ -447,8 +447,8 @@ impl Vqp {
     fn fill_sges(&self, list: &mut [ibv_sge], sges: &[ibv_sge], inline: bool, seq: u16, header: &[u8]) -> Result<i32> {
         let mut n = 0;
         let rt = self.rt.get().ok_or(Errno::EINVAL)?;
-        let hdrs = self.hdrs(rt)?;
-        let off = (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT;
+        let (hdrs, base) = self.hdrs(rt)?;
+        let off = base + (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT;
         let mut used = 0;
         if !header.is_empty() {
             // SAFETY: this WR's slot: the ring holds at most sq_cap WRs, so
@@ -482,8 +482,9 @@ impl Vqp {
     /// Pre-checks, fetching the peer's MR entry once when needed.
     fn precheck(&self, rt: &Runtime, link: &Link, sw: &SendWr<'_>) -> Result<()> {
         for _ in 0..2 {
+            let pm = self.peer_mrs.get().ok_or(Errno::EINVAL)?;
             let verdict = {
-                let pm = self.peer_mrs.lock();
+                let pm = pm.lock();
                 mrs::with(self.app.real_pd as usize, |local| precheck::check_send(sw, &self.caps, local, &*pm))
             };
             match verdict {
@@ -507,26 +508,27 @@ impl Vqp {
     /// READ the peer's MR table entry for `rkey` into the cache; whether
     /// the peer has it.
     fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32) -> Result<bool> {
-        let scratch = self.scratch.get_or_try_init(|| Region::new(rt.svc.device(), 4096, rdma::LOCAL_WRITE))?;
+        let pm = self.peer_mrs.get().ok_or(Errno::EINVAL)?;
+        let scratch = rt.scratch.lock();
         let (addr, trkey, _) = link.peer_mr_table;
-        let cached = self.peer_mrs.lock().table;
+        let cached = pm.lock().table;
         let table = match cached {
             Some(t) => t,
             None => {
-                rt.control_read(link, scratch, addr, trkey, HEADER_SIZE)?;
-                // SAFETY: the READ completed; only this VQP uses the scratch.
+                rt.control_read(link, &scratch, addr, trkey, HEADER_SIZE)?;
+                // SAFETY: the READ completed; the scratch is ours while locked.
                 let t = RemoteMrTable::parse(unsafe { scratch.bytes(0, HEADER_SIZE) })?;
-                self.peer_mrs.lock().table = Some(t);
+                pm.lock().table = Some(t);
                 t
             }
         };
         let (off, len) = table.neighborhood(rkey);
         for _ in 0..64 {
-            rt.control_read(link, scratch, addr + off, trkey, len)?;
+            rt.control_read(link, &scratch, addr + off, trkey, len)?;
             // SAFETY: as above.
             match table.lookup_in(unsafe { scratch.bytes(0, len) }, rkey) {
                 Lookup::Found(info) => {
-                    self.peer_mrs.lock().known.insert(rkey, info);
+                    pm.lock().known.insert(rkey, info);
                     return Ok(true);
                 }
                 Lookup::Absent => return Ok(false),
@@ -670,7 +672,7 @@ impl Vqp {
                     let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
                     let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
                     let _ = v.rt.set(Arc::clone(rt));
-                    v.attach(link, peer, src);
+                    v.attach(rt, link, peer, src);
                     let qp = make_src(&v)?;
                     self.st.lock().src_qps.insert(key, qp);
                     qp
@@ -695,6 +697,9 @@ impl Vqp {
         st.rq.flush(&mut |c| out.push(c));
         let srcs: Vec<*mut ibv_qp> = st.src_qps.drain().map(|(_, q)| q).collect();
         drop(st);
+        if let (Some(Hdrs::Arena { start }), Some(rt)) = (self.hdrs.get(), self.rt.get()) {
+            rt.free_hdrs(*start, self.sq_cap.max(1));
+        }
         let mut slots = SLOTS.lock();
         slots.entries[self.slot as usize].1 = Weak::new();
         slots.free.push(self.slot);

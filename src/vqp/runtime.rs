@@ -138,6 +138,7 @@ impl CqSoft {
     /// A completion for the application: queue it, and raise an event if
     /// the CQ is armed.
     pub fn push(&self, wc: ibv_wc) {
+        let raise = self.armed.swap(false, Ordering::AcqRel);
         {
             let mut g = self.q.lock();
             // Behind what already spilled, to keep the order.
@@ -151,8 +152,15 @@ impl CqSoft {
                 debug_assert!(false, "room was checked");
             }
         }
-        if self.armed.swap(false, Ordering::AcqRel) {
+        if raise {
+            self.disarmed();
             self.raise();
+        }
+    }
+
+    fn disarmed(&self) {
+        for rt in self.runtimes.lock().iter().filter_map(Weak::upgrade) {
+            rt.armed_cqs.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
@@ -171,7 +179,21 @@ impl CqSoft {
     /// `ibv_req_notify_cq` on the application's CQ: the next VQP
     /// completion raises an event (the real CQ is armed by the caller).
     pub fn arm(&self) {
-        self.armed.store(true, Ordering::Release);
+        if self.armed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let rts: Vec<Arc<Runtime>> = self.runtimes.lock().iter().filter_map(Weak::upgrade).collect();
+        for rt in &rts {
+            rt.armed_cqs.fetch_add(1, Ordering::AcqRel);
+            if let Err(e) = rt.svc.want_link_events() {
+                klog!(Level::Warn, "vqp: arming the links' CQ: {e:?}");
+            }
+        }
+        // What completed before the links' CQ was armed raises no event:
+        // deliver it now (an armed CQ then raises its own).
+        for rt in rts {
+            rt.progress();
+        }
     }
 
     fn raise(&self) {
@@ -213,9 +235,68 @@ impl CqSoft {
     }
 }
 
+/// Header slots of in-flight SENDs, carved per VQP out of one registered
+/// arena (a registration per VQP would cost a kernel call on its first
+/// send).
+pub const HDR_SLOT: usize = HEADER_LEN + super::qp::MAX_INLINE as usize;
+const HDR_ARENA_SLOTS: u32 = 8192;
+
+/// Free ranges of slots, first fit, merged on free.
+struct Ranges(Vec<(u32, u32)>);
+
+impl Ranges {
+    fn new(n: u32) -> Ranges {
+        Ranges(vec![(0, n)])
+    }
+
+    fn alloc(&mut self, n: u32) -> Option<u32> {
+        let i = self.0.iter().position(|&(_, len)| len >= n)?;
+        let (start, len) = self.0[i];
+        if len == n {
+            self.0.remove(i);
+        } else {
+            self.0[i] = (start + n, len - n);
+        }
+        Some(start)
+    }
+
+    fn free(&mut self, start: u32, n: u32) {
+        let f = &mut self.0;
+        let i = f.partition_point(|&(s, _)| s < start);
+        f.insert(i, (start, n));
+        if i + 1 < f.len() && f[i].0 + f[i].1 == f[i + 1].0 {
+            f[i].1 += f[i + 1].1;
+            f.remove(i + 1);
+        }
+        if i > 0 && f[i - 1].0 + f[i - 1].1 == f[i].0 {
+            f[i - 1].1 += f[i].1;
+            f.remove(i);
+        }
+    }
+}
+
+/// The peer's MRs already READ from its MR table (the MRStore), shared by
+/// every VQP that talks to that peer.
+#[derive(Default)]
+pub struct PeerMrs {
+    pub table: Option<crate::meta::mrtable::RemoteMrTable>,
+    pub known: HashMap<u32, super::precheck::MrInfo>,
+}
+
+impl super::precheck::RemoteMrs for PeerMrs {
+    fn remote(&self, rkey: u32) -> Option<super::precheck::MrInfo> {
+        self.known.get(&rkey).copied()
+    }
+}
+
 pub struct Runtime {
     /// The application's real PD.
     pub pd: usize,
+    pub hdr_arena: Region,
+    hdr_free: Mutex<Ranges>,
+    /// Landing buffer of control READs (rare: one at a time).
+    pub scratch: Mutex<Region>,
+    peer_mrs: Mutex<HashMap<u64, Arc<Mutex<PeerMrs>>>>,
     pub svc: Service,
     meta: OnceCell<Arc<MetaClient>>,
     recv_bufs: Region,
@@ -225,6 +306,9 @@ pub struct Runtime {
     /// The CQs this runtime's VQPs deliver to (their notifiers live on
     /// this PD).
     cqs: Mutex<Vec<Weak<CqSoft>>>,
+    /// How many of those CQs are armed: the service thread wakes on link
+    /// completions only while some are.
+    armed_cqs: std::sync::atomic::AtomicUsize,
     /// Completions of control READs (MR table fetches), by tag.
     control: Mutex<HashMap<u32, u32>>,
     next_tag: std::sync::atomic::AtomicU32,
@@ -257,13 +341,20 @@ impl Runtime {
         };
         let svc = Service::start(&dev, gi, service::Options::default())?;
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
+        let hdr_arena = Region::new(&dev, HDR_ARENA_SLOTS as usize * HDR_SLOT, rdma::LOCAL_WRITE)?;
+        let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let rt = Arc::new(Runtime {
             pd: pd as usize,
+            hdr_arena,
+            hdr_free: Mutex::new(Ranges::new(HDR_ARENA_SLOTS)),
+            scratch,
+            peer_mrs: Mutex::new(HashMap::new()),
             svc,
             meta: OnceCell::new(),
             recv_bufs,
             progress: Mutex::new(()),
             cqs: Mutex::new(Vec::new()),
+            armed_cqs: std::sync::atomic::AtomicUsize::new(0),
             control: Mutex::new(HashMap::new()),
             next_tag: std::sync::atomic::AtomicU32::new(1),
         });
@@ -275,9 +366,9 @@ impl Runtime {
         // service thread makes progress when the links have completions.
         let weak = Arc::downgrade(&rt);
         rt.svc.on_link_event(Box::new(move || {
-            if let Some(rt) = weak.upgrade() {
-                rt.progress();
-            }
+            let Some(rt) = weak.upgrade() else { return false };
+            rt.progress();
+            rt.armed_cqs.load(Ordering::Acquire) > 0
         }));
         map.insert(pd as usize, Arc::clone(&rt));
         Ok(rt)
@@ -317,6 +408,21 @@ impl Runtime {
 
     pub fn connect_timeout(&self) -> Duration {
         connect_timeout()
+    }
+
+    /// `n` contiguous header slots of the arena; None when it has no such
+    /// range.
+    pub fn alloc_hdrs(&self, n: u32) -> Option<u32> {
+        self.hdr_free.lock().alloc(n)
+    }
+
+    pub fn free_hdrs(&self, start: u32, n: u32) {
+        self.hdr_free.lock().free(start, n)
+    }
+
+    /// The MRStore of the peer with `incarnation`.
+    pub fn peer_mrs(&self, incarnation: u64) -> Arc<Mutex<PeerMrs>> {
+        Arc::clone(self.peer_mrs.lock().entry(incarnation).or_default())
     }
 
     fn post_recv_buf(&self, buf: u32) -> Result<()> {
@@ -493,5 +599,47 @@ pub fn release_context(ctx: *mut ibv_context) {
         .unwrap_or_default();
     for pd in pds {
         let _ = release_pd(pd as *mut ibv_pd);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ranges;
+    use crate::testing::Rng;
+
+    #[test]
+    fn slot_ranges_allocate_first_fit_and_merge_back() {
+        let mut r = Ranges::new(100);
+        assert_eq!(r.alloc(30), Some(0));
+        assert_eq!(r.alloc(30), Some(30));
+        assert_eq!(r.alloc(50), None, "40 left");
+        r.free(0, 30);
+        assert_eq!(r.alloc(40), Some(60));
+        r.free(30, 30);
+        assert_eq!(r.0, vec![(0, 60)], "neighbours merged");
+        r.free(60, 40);
+        assert_eq!(r.0, vec![(0, 100)]);
+        // Random alloc/free against a bitmap model: no slot twice.
+        let mut rng = Rng(7);
+        let mut used = [false; 100];
+        let mut live: Vec<(u32, u32)> = Vec::new();
+        for _ in 0..10_000 {
+            if rng.chance(50) && !live.is_empty() {
+                let (s, n) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                (s..s + n).for_each(|i| used[i as usize] = false);
+                r.free(s, n);
+            } else {
+                let n = 1 + rng.below(10) as u32;
+                if let Some(s) = r.alloc(n) {
+                    assert!((s..s + n).all(|i| !used[i as usize]), "slot handed out twice");
+                    (s..s + n).for_each(|i| used[i as usize] = true);
+                    live.push((s, n));
+                }
+            }
+        }
+        for (s, n) in live {
+            r.free(s, n);
+        }
+        assert_eq!(r.0, vec![(0, 100)], "everything merged back");
     }
 }
