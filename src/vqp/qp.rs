@@ -263,7 +263,7 @@ impl Vqp {
         let key = crate::meta::Key::Port { gid, port };
         let meta = rt.meta()?;
         let ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
-        let link = match rt.svc.link(&ep, 0, rt.connect_timeout()) {
+        let link = match rt.svc.link(&ep, 0, super::runtime::connect_timeout()) {
             Ok(l) => l,
             Err(e) => {
                 // A stale cached endpoint (its process is gone): look again.
@@ -668,7 +668,7 @@ impl Vqp {
             let qp = match existing {
                 Some(qp) => qp,
                 None => {
-                    let link = rt.svc.link(&peer, 0, rt.connect_timeout())?;
+                    let link = rt.svc.link(&peer, 0, super::runtime::connect_timeout())?;
                     let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
                     let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
                     let _ = v.rt.set(Arc::clone(rt));

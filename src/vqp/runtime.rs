@@ -5,8 +5,9 @@
 //!
 //! Progress runs on whichever thread needs it (an application polling a
 //! CQ that VQPs feed, a post that found its link's queue full,
-//! `qpop_msgs`), one at a time (`try_lock`: a thread that finds progress
-//! already running goes on; the runner delivers for everyone).
+//! `qpop_msgs`, and the service thread while a CQ that VQPs feed is armed
+//! for a completion event), one at a time (`try_lock`: a thread that finds
+//! progress already running goes on; the runner delivers for everyone).
 
 use super::header::{Header, HEADER_LEN};
 use super::mrs;
@@ -292,16 +293,17 @@ impl super::precheck::RemoteMrs for PeerMrs {
 pub struct Runtime {
     /// The application's real PD.
     pub pd: usize,
+    /// Header slots of every VQP's in-flight SENDs, and the free ones.
     pub hdr_arena: Region,
     hdr_free: Mutex<Ranges>,
     /// Landing buffer of control READs (rare: one at a time).
     pub scratch: Mutex<Region>,
+    /// The MRStore of each peer, by the peer's incarnation.
     peer_mrs: Mutex<HashMap<u64, Arc<Mutex<PeerMrs>>>>,
     pub svc: Service,
     meta: OnceCell<Arc<MetaClient>>,
     recv_bufs: Region,
-    /// Messages that arrived for a VQP with no receive posted, by buffer
-    /// (the buffer is reposted once the message is delivered).
+    /// Held by the one thread making progress (see the module doc).
     progress: Mutex<()>,
     /// The CQs this runtime's VQPs deliver to (their notifiers live on
     /// this PD).
@@ -316,8 +318,9 @@ pub struct Runtime {
 
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
 
-/// Configuration the extended verbs read.
-fn connect_timeout() -> Duration {
+/// `KRCORE_CONNECT_TIMEOUT_MS`: the bound on every wait for a peer or the
+/// meta server.
+pub fn connect_timeout() -> Duration {
     Duration::from_millis(crate::config::get().connect_timeout_ms)
 }
 
@@ -406,9 +409,6 @@ impl Runtime {
             .cloned()
     }
 
-    pub fn connect_timeout(&self) -> Duration {
-        connect_timeout()
-    }
 
     /// `n` contiguous header slots of the arena; None when it has no such
     /// range.
