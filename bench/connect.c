@@ -146,9 +146,7 @@
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__)
-#include <x86intrin.h>
-#endif
+#include "timer.h"
 #ifdef KRCORE
 #include <fcntl.h>
 #include <krcore.h>
@@ -181,60 +179,6 @@ static void die(const char *fmt, ...)
 }
 
 /* ---- timer (as bench/reg_mr.c) --------------------------------------- */
-
-static int use_counter;
-static double ticks_per_us = 1e3;
-
-static double mono_us(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static inline uint64_t ticks(void)
-{
-#if defined(__x86_64__)
-	if (use_counter) {
-		_mm_lfence();
-		return __rdtsc();
-	}
-#elif defined(__aarch64__)
-	if (use_counter) {
-		uint64_t v;
-
-		__asm__ __volatile__("isb; mrs %0, cntvct_el0" : "=r"(v) : : "memory");
-		return v;
-	}
-#endif
-	{
-		struct timespec ts;
-
-		clock_gettime(CLOCK_MONOTONIC, &ts);
-		return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-	}
-}
-
-/* Ticks per microsecond of the counter, against CLOCK_MONOTONIC over a
- * 200 ms sleep. */
-static void calibrate(void)
-{
-	struct timespec nap = { 0, 200 * 1000 * 1000 };
-	double m0, m1;
-	uint64_t t0, t1;
-
-	if (!use_counter)
-		return;
-	m0 = mono_us();
-	t0 = ticks();
-	nanosleep(&nap, NULL);
-	t1 = ticks();
-	m1 = mono_us();
-	ticks_per_us = (double)(t1 - t0) / (m1 - m0);
-	if (!(ticks_per_us > 0))
-		die("timer calibration failed (%.3f ticks per us)", ticks_per_us);
-}
 
 static double us_of(uint64_t a, uint64_t b)
 {
@@ -493,7 +437,8 @@ static void timer_setup(double *clock_us, double *timer_us)
 	for (i = 0; i < 1000; i++)
 		(void)mono_us();
 	*clock_us = (mono_us() - t0) / 1000;
-	calibrate();
+	if (!calibrate())
+		die("timer calibration failed (%.3f ticks per us)", ticks_per_us);
 	for (i = 0; i < 1001; i++) {
 		uint64_t a = ticks();
 
@@ -733,7 +678,8 @@ static int run_server(const char *devname, int gid_idx, int port)
 		die("GID index %d is not an IPv4-mapped (RoCE v2) GID: no "
 		    "address to listen on", gid_idx);
 	inet_ntop(AF_INET, &ip, ipstr, sizeof(ipstr));
-	calibrate();
+	if (!calibrate())
+		die("timer calibration failed (%.3f ticks per us)", ticks_per_us);
 
 	lfd = socket(AF_INET, SOCK_STREAM, 0);
 	if (lfd < 0)
@@ -1138,7 +1084,8 @@ static int kr_server(const char *devname, int gid_idx, int port)
 	if (gid_ipv4(&d.gid, &ip))
 		die("GID index %d is not an IPv4-mapped (RoCE v2) GID", gid_idx);
 	inet_ntop(AF_INET, &ip, ipstr, sizeof(ipstr));
-	calibrate();
+	if (!calibrate())
+		die("timer calibration failed (%.3f ticks per us)", ticks_per_us);
 
 	rcq = ibv_create_cq(d.ctx, KR_NRECV, NULL, NULL, 0);
 	if (!rcq)

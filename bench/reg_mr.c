@@ -75,9 +75,7 @@
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__)
-#include <x86intrin.h>
-#endif
+#include "timer.h"
 
 /* krcore.h's enum krcore_stat, found by name at run time (dlsym). */
 typedef unsigned long long (*stat_get_fn)(unsigned);
@@ -132,60 +130,6 @@ static long long counter(int i)
 static long long moved(int i, long long before)
 {
 	return stat_get && i >= 0 ? counter(i) - before : -1;
-}
-
-static double mono_us(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-/* The timer: a cycle counter when there is one (cheap even under
- * emulation), else clock_gettime in nanoseconds. */
-static int use_counter;
-static double ticks_per_us = 1e3;
-
-static inline uint64_t ticks(void)
-{
-#if defined(__x86_64__)
-	if (use_counter) {
-		_mm_lfence();
-		return __rdtsc();
-	}
-#elif defined(__aarch64__)
-	if (use_counter) {
-		uint64_t v;
-
-		__asm__ __volatile__("isb; mrs %0, cntvct_el0" : "=r"(v) : : "memory");
-		return v;
-	}
-#endif
-	{
-		struct timespec ts;
-
-		clock_gettime(CLOCK_MONOTONIC, &ts);
-		return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-	}
-}
-
-/* Ticks per microsecond of the counter, against CLOCK_MONOTONIC over a
- * 200 ms sleep (clock_gettime's own cost is then negligible). */
-static void calibrate(void)
-{
-	struct timespec nap = { 0, 200 * 1000 * 1000 };
-	double m0, m1;
-	uint64_t t0, t1;
-
-	if (!use_counter)
-		return;
-	m0 = mono_us();
-	t0 = ticks();
-	nanosleep(&nap, NULL);
-	t1 = ticks();
-	m1 = mono_us();
-	ticks_per_us = (double)(t1 - t0) / (m1 - m0);
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -338,7 +282,8 @@ int main(int argc, char **argv)
 		for (i = 0; i < 1000; i++)
 			(void)mono_us();
 		clock_us = (mono_us() - t0) / 1000;
-		calibrate();
+		if (!calibrate())
+			die("timer calibration failed");
 		for (i = 0; i < 1001; i++) {
 			uint64_t a = ticks();
 

@@ -667,6 +667,48 @@ pid_t ct_start_meta(void)
 	return pid;
 }
 
+struct ibv_qp *ct_create_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_cq *rcq,
+			     struct ct_qp_caps caps, struct ibv_qp_cap *granted)
+{
+	struct ibv_qp_init_attr a;
+	struct ibv_qp *qp;
+
+	memset(&a, 0, sizeof(a));
+	a.send_cq = scq;
+	a.recv_cq = rcq;
+	a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
+	a.sq_sig_all = caps.sq_sig_all;
+	a.cap.max_send_wr = caps.max_send_wr;
+	a.cap.max_recv_wr = caps.max_recv_wr;
+	a.cap.max_send_sge = caps.max_send_sge;
+	a.cap.max_recv_sge = caps.max_recv_sge;
+	a.cap.max_inline_data = caps.max_inline;
+	qp = CT_PTR(ibv_create_qp(d->pd, &a));
+	CT_CHECK(qp->qp_type == (enum ibv_qp_type)KRCORE_VQP, "qp_type");
+	if (granted)
+		*granted = a.cap;
+	return qp;
+}
+
+pid_t ct_fork_ready(int (*role)(int ready_fd), const char *what)
+{
+	int ready[2];
+	pid_t pid;
+	char c;
+
+	CT_CHECK(pipe(ready) == 0, "pipe");
+	pid = fork();
+	CT_CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		close(ready[0]);
+		_exit(role(ready[1]));
+	}
+	close(ready[1]);
+	CT_CHECK(read(ready[0], &c, 1) == 1, "%s did not become ready", what);
+	close(ready[0]);
+	return pid;
+}
+
 int ct_wait_child(pid_t pid, const char *what)
 {
 	int st;

@@ -219,6 +219,13 @@ union ibv_gid ct_node_gid(int node);
 /* Start krcore-meta on 10.77.0.1 (next to the library, or
  * KRCORE_META_BIN), wait for it to serve, set KRCORE_META; its pid. */
 pid_t ct_start_meta(void);
+/* A VQP (KRCORE_VQP) with these capabilities; the granted ones in
+ * *granted when not NULL. */
+struct ibv_qp *ct_create_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_cq *rcq,
+			     struct ct_qp_caps caps, struct ibv_qp_cap *granted);
+/* Fork a process running role(ready_fd); return once it has written a
+ * byte to ready_fd (bounded by the watchdog). */
+pid_t ct_fork_ready(int (*role)(int ready_fd), const char *what);
 /* Wait for a child process; 0 if it exited with 0, else 1 (reported). */
 int ct_wait_child(pid_t pid, const char *what);
 #endif

@@ -56,7 +56,6 @@ struct node {
 static void node_open(struct node *n, int node)
 {
 	char idx[16];
-	struct ibv_qp_init_attr a;
 
 	snprintf(idx, sizeof(idx), "%d", node);
 	setenv("CT_GID_A", idx, 1);
@@ -65,16 +64,8 @@ static void node_open(struct node *n, int node)
 	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
 	n->ch = CT_PTR(ibv_create_comp_channel(n->d.ctx));
 	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, n->ch, 0));
-	memset(&a, 0, sizeof(a));
-	a.send_cq = n->scq;
-	a.recv_cq = n->rcq;
-	a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
-	a.cap.max_send_wr = 64;
-	a.cap.max_recv_wr = NBUF;
-	a.cap.max_send_sge = 1;
-	a.cap.max_recv_sge = 1;
-	n->qp = CT_PTR(ibv_create_qp(n->d.pd, &a));
-	CT_CHECK(n->qp->qp_type == (enum ibv_qp_type)KRCORE_VQP, "qp_type");
+	n->qp = ct_create_vqp(&n->d, n->scq, n->rcq,
+			      (struct ct_qp_caps){ 64, NBUF, 1, 1, 0, 0 }, NULL);
 	n->buf = aligned_alloc(4096, 2 * NBUF * BUF);
 	CT_CHECK(n->buf != NULL, "alloc");
 	memset(n->buf, 0, 2 * NBUF * BUF);
@@ -382,19 +373,10 @@ static int client(int id)
 		 * they come in order. */
 		if (id == 0) {
 			struct ibv_cq *tiny = CT_PTR(ibv_create_cq(n.d.ctx, 2, NULL, NULL, 0));
-			struct ibv_qp_init_attr a;
-			struct ibv_qp *q2;
+			struct ibv_qp *q2 = ct_create_vqp(&n.d, tiny, n.rcq,
+							  (struct ct_qp_caps){ 32, 1, 1, 1, 0, 0 }, NULL);
 			int want, got = 0, cqe = tiny->cqe;
 
-			memset(&a, 0, sizeof(a));
-			a.send_cq = tiny;
-			a.recv_cq = n.rcq;
-			a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
-			a.cap.max_send_wr = 32;
-			a.cap.max_recv_wr = 1;
-			a.cap.max_send_sge = 1;
-			a.cap.max_recv_sge = 1;
-			q2 = CT_PTR(ibv_create_qp(n.d.pd, &a));
 			CT_OK(qconnect(q2, ct_node_gid(1), PORT));
 			want = cqe * 3 < 32 ? cqe * 3 : 32;
 			for (int i = 0; i < want; i++) {
@@ -441,23 +423,13 @@ static int client(int id)
 
 int main(void)
 {
-	pid_t meta_pid;
-
-	int ready[2], fails = 0;
-	pid_t srv, cli[CLIENTS];
-	char c;
+	pid_t meta_pid, srv, cli[CLIENTS];
+	int fails = 0;
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	ct_watchdog(120);
 	meta_pid = ct_start_meta();
-	CT_CHECK(pipe(ready) == 0, "pipe");
-	srv = fork();
-	if (srv == 0) {
-		close(ready[0]);
-		_exit(server(ready[1]));
-	}
-	close(ready[1]);
-	CT_CHECK(read(ready[0], &c, 1) == 1, "the server did not bind");
+	srv = ct_fork_ready(server, "the server (qbind)");
 	for (int i = 0; i < CLIENTS; i++) {
 		cli[i] = fork();
 		if (cli[i] == 0)
@@ -480,7 +452,6 @@ int main(void)
 		if (child == 0) {
 			struct ct_dev d;
 			struct ibv_cq *cq;
-			struct ibv_qp_init_attr a;
 			struct ibv_qp *q;
 
 			ct_begin("vqp_echo: meta server not running");
@@ -488,12 +459,7 @@ int main(void)
 			setenv("CT_GID_A", "2", 1);
 			ct_open(&d);
 			cq = CT_PTR(ibv_create_cq(d.ctx, 16, NULL, NULL, 0));
-			memset(&a, 0, sizeof(a));
-			a.send_cq = a.recv_cq = cq;
-			a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
-			a.cap.max_send_wr = a.cap.max_recv_wr = 4;
-			a.cap.max_send_sge = a.cap.max_recv_sge = 1;
-			q = CT_PTR(ibv_create_qp(d.pd, &a));
+			q = ct_create_vqp(&d, cq, cq, (struct ct_qp_caps){ 4, 4, 1, 1, 0, 0 }, NULL);
 			{
 				int rc = qconnect(q, ct_node_gid(1), PORT);
 
@@ -514,19 +480,13 @@ int main(void)
 	{
 		struct ct_dev d;
 		struct ibv_cq *cq;
-		struct ibv_qp_init_attr a;
 		struct ibv_qp *q;
 
 		ct_begin("vqp_echo: KRCORE_META unset");
 		setenv("CT_GID_A", "2", 1);
 		ct_open(&d);
 		cq = CT_PTR(ibv_create_cq(d.ctx, 16, NULL, NULL, 0));
-		memset(&a, 0, sizeof(a));
-		a.send_cq = a.recv_cq = cq;
-		a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
-		a.cap.max_send_wr = a.cap.max_recv_wr = 4;
-		a.cap.max_send_sge = a.cap.max_recv_sge = 1;
-		q = CT_PTR(ibv_create_qp(d.pd, &a));
+		q = ct_create_vqp(&d, cq, cq, (struct ct_qp_caps){ 4, 4, 1, 1, 0, 0 }, NULL);
 		CT_CHECK(qconnect(q, ct_node_gid(1), PORT) == ENOTCONN, "KRCORE_META unset");
 		CT_OK(ibv_destroy_qp(q));
 		CT_OK(ibv_destroy_cq(cq));

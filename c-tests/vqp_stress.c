@@ -155,24 +155,9 @@ static struct ibv_qp *make_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_
 			       uint32_t send_wr, uint32_t recv_wr, uint32_t send_sge,
 			       uint32_t inline_max, struct ibv_qp_cap *granted)
 {
-	struct ibv_qp_init_attr a;
-	struct ibv_qp *qp;
-
-	memset(&a, 0, sizeof(a));
-	a.send_cq = scq;
-	a.recv_cq = rcq;
-	a.qp_type = (enum ibv_qp_type)KRCORE_VQP;
-	a.sq_sig_all = 0;
-	a.cap.max_send_wr = send_wr;
-	a.cap.max_recv_wr = recv_wr;
-	a.cap.max_send_sge = send_sge;
-	a.cap.max_recv_sge = 1;
-	a.cap.max_inline_data = inline_max;
-	qp = CT_PTR(ibv_create_qp(d->pd, &a));
-	CT_CHECK(qp->qp_type == (enum ibv_qp_type)KRCORE_VQP, "qp_type");
-	if (granted)
-		*granted = a.cap;
-	return qp;
+	return ct_create_vqp(d, scq, rcq,
+			     (struct ct_qp_caps){ send_wr, recv_wr, send_sge, 1, inline_max, 0 },
+			     granted);
 }
 
 static void open_node(struct ct_dev *d, int node)
@@ -1587,24 +1572,14 @@ static int client(void)
 
 int main(void)
 {
-	pid_t meta_pid;
-
-	int ready[2], fails = 0;
-	pid_t srv, cli;
-	char ch;
+	pid_t meta_pid, srv, cli;
+	int fails = 0;
 	uint64_t t0 = ct_now_ns();
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	ct_watchdog(120);
 	meta_pid = ct_start_meta();
-	CT_CHECK(pipe(ready) == 0, "pipe");
-	srv = fork();
-	if (srv == 0) {
-		close(ready[0]);
-		_exit(server(ready[1]));
-	}
-	close(ready[1]);
-	CT_CHECK(read(ready[0], &ch, 1) == 1, "the server did not bind");
+	srv = ct_fork_ready(server, "the server (qbind)");
 	cli = fork();
 	if (cli == 0)
 		_exit(client());
