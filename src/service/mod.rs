@@ -115,6 +115,22 @@ impl LinkKey {
     }
 }
 
+/// Every link, by peer and index (what a connect looks for) and by QP
+/// number (what a completion names: looked up once per completion).
+#[derive(Default)]
+struct Links {
+    by_key: HashMap<LinkKey, Arc<Link>>,
+    /// Also links replaced under their key: VQPs may still use them.
+    by_qpn: HashMap<u32, Arc<Link>>,
+}
+
+impl Links {
+    fn insert(&mut self, key: LinkKey, link: Arc<Link>) {
+        self.by_qpn.insert(link.qp.qpn(), Arc::clone(&link));
+        self.by_key.insert(key, link);
+    }
+}
+
 /// State shared with the progress thread.
 struct Shared {
     dev: Arc<Device>,
@@ -129,7 +145,7 @@ struct Shared {
     link_cq: Arc<Cq>,
     srq: Arc<Srq>,
     warm: Mutex<Vec<Qp>>,
-    links: Mutex<HashMap<LinkKey, Arc<Link>>>,
+    links: Mutex<Links>,
     /// Replies to our requests, by request id, until their waiter takes them.
     replies: Mutex<HashMap<u32, LinkReply>>,
     reply_ready: Condvar,
@@ -196,7 +212,7 @@ impl Service {
             link_cq,
             srq,
             warm: Mutex::new(Vec::new()),
-            links: Mutex::new(HashMap::new()),
+            links: Mutex::new(Links::default()),
             replies: Mutex::new(HashMap::new()),
             reply_ready: Condvar::new(),
             next_req: AtomicU32::new(1),
@@ -232,11 +248,11 @@ impl Service {
     /// within `timeout`.
     pub fn link(&self, peer: &Endpoint, index: u16, timeout: Duration) -> Result<Arc<Link>> {
         let key = LinkKey::of(peer, index);
-        if let Some(l) = self.shared.links.lock().get(&key) {
+        if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
         let _one = self.shared.connecting.lock();
-        if let Some(l) = self.shared.links.lock().get(&key) {
+        if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
         self.shared.connect(peer, index, timeout)
@@ -244,7 +260,7 @@ impl Service {
 
     /// Links currently up (made by either side).
     pub fn links(&self) -> usize {
-        self.shared.links.lock().len()
+        self.shared.links.lock().by_key.len()
     }
 
     /// QPs waiting in the pool.
@@ -281,7 +297,7 @@ impl Service {
 
     /// The link whose QP has number `qpn`.
     pub fn link_by_qpn(&self, qpn: u32) -> Option<Arc<Link>> {
-        self.shared.links.lock().values().find(|l| l.qp.qpn() == qpn).cloned()
+        self.shared.links.lock().by_qpn.get(&qpn).cloned()
     }
 
     /// Our MR table: (address, rkey, slots).
@@ -417,7 +433,12 @@ impl Shared {
             sq: Mutex::new(PhysSq::new(qp_depth)?),
         });
         let mut links = self.links.lock();
-        Ok(Arc::clone(links.entry(LinkKey::of(peer, index)).or_insert(link)))
+        if let Some(l) = links.by_key.get(&LinkKey::of(peer, index)) {
+            // Made meanwhile by a request from the peer: use that one.
+            return Ok(Arc::clone(l));
+        }
+        links.insert(LinkKey::of(peer, index), Arc::clone(&link));
+        Ok(link)
     }
 
     /// One link message to a peer's UD QP (inline: `msg` may go at once).
@@ -556,7 +577,7 @@ impl Shared {
     fn on_request(&self, r: &LinkRequest) {
         let peer = r.info.from;
         let key = LinkKey::of(&peer, r.info.link);
-        let existing = self.links.lock().get(&key).cloned();
+        let existing = self.links.lock().by_key.get(&key).cloned();
         let reply = match existing {
             // Only a link the peer asked for answers a repeated request; one
             // we initiated ourselves is a different QP pair.
