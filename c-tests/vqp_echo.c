@@ -4,8 +4,10 @@
  * processes on nodes 2.. connecting with qconnect, krcore-meta started
  * here on node 1.
  *
- * - every client: echoes of 1 B to 4000 B checked byte for byte, the
+ * - every client: echoes of 1 B to 1 MiB checked byte for byte, the
  *   replies coming back through the server's src_qp from qpop_msgs;
+ *   above 4 KiB (a receive buffer of the library) the receiver READs the
+ *   payload: the client sends those from 3 SGEs and receives them into 2;
  *   one-sided READ, WRITE (read back), FETCH_ADD on a counter every client
  *   adds to, CMP_SWP, and WRITE_WITH_IMM (the server sees the immediate
  *   through qpop_msgs) on the server's registered memory;
@@ -33,16 +35,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define CLIENTS 3
+#define CLIENTS 8
 #define PORT 5000
-#define BUF 4096
-#define NBUF 32
-#define TARGET (64 * 1024)
-static const size_t sizes[] = { 1, 100, 1000, 4000 };
-#define ROUNDS 3
+#define MSG (1 << 20)		/* the largest echo */
+#define NBUF 16
+#define BUF 4096		/* one-sided operations */
+#define TARGET (128 * 1024)
+static const size_t sizes[] = { 1, 100, 1000, 4000, 4096, 4097, 65536, 300001, MSG };
+#define NSIZES (sizeof(sizes) / sizeof(sizes[0]))
+#define ROUNDS 2
 /* Per client: echoes, an evented echo, one MR request, one
  * WRITE_WITH_IMM notification. */
-#define MSGS_PER_CLIENT (4 * ROUNDS + 3)
+#define MSGS_PER_CLIENT ((int)NSIZES * ROUNDS + 3)
 
 struct node {
 	struct ct_dev d;
@@ -65,21 +69,24 @@ static void node_open(struct node *n, int node)
 	n->ch = CT_PTR(ibv_create_comp_channel(n->d.ctx));
 	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, n->ch, 0));
 	n->qp = ct_create_vqp(&n->d, n->scq, n->rcq,
-			      (struct ct_qp_caps){ 64, NBUF, 1, 1, 0, 0 }, NULL);
-	n->buf = aligned_alloc(4096, 2 * NBUF * BUF);
+			      (struct ct_qp_caps){ 64, NBUF, 3, 2, 0, 0 }, NULL);
+	n->buf = aligned_alloc(4096, 2 * NBUF * (size_t)MSG);
 	CT_CHECK(n->buf != NULL, "alloc");
-	memset(n->buf, 0, 2 * NBUF * BUF);
-	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, 2 * NBUF * BUF,
+	memset(n->buf, 0, 2 * NBUF * (size_t)MSG);
+	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, 2 * NBUF * (size_t)MSG,
 				  IBV_ACCESS_LOCAL_WRITE));
 }
 
-static uint8_t *rbuf(struct node *n, int i) { return n->buf + (size_t)i * BUF; }
-static uint8_t *sbuf(struct node *n, int i) { return n->buf + (size_t)(NBUF + i) * BUF; }
+static uint8_t *rbuf(struct node *n, int i) { return n->buf + (size_t)i * MSG; }
+static uint8_t *sbuf(struct node *n, int i) { return n->buf + (size_t)(NBUF + i) * MSG; }
 
+/* Receive buffer i, as two SGEs (contiguous: the bytes read back as one). */
 static void post_recv(struct node *n, int i)
 {
-	struct ibv_sge sge = { (uintptr_t)rbuf(n, i), BUF, n->mr->lkey };
-	struct ibv_recv_wr wr = { .wr_id = (uint64_t)i, .sg_list = &sge, .num_sge = 1 };
+	struct ibv_sge sge[2] = { { (uintptr_t)rbuf(n, i), MSG / 2 - 1000, n->mr->lkey },
+				  { (uintptr_t)rbuf(n, i) + MSG / 2 - 1000, MSG / 2 + 1000,
+				    n->mr->lkey } };
+	struct ibv_recv_wr wr = { .wr_id = (uint64_t)i, .sg_list = sge, .num_sge = 2 };
 	struct ibv_recv_wr *bad = NULL;
 
 	CT_OK(ibv_post_recv(n->qp, &wr, &bad));
@@ -102,14 +109,30 @@ static void send_wr(struct node *n, struct ibv_qp *qp, struct ibv_send_wr *wr)
 		 qp->qp_num);
 }
 
+/* A message from send buffer `slot`: one SGE, or (nsge 3, len >= 3)
+ * three contiguous pieces of it. */
+static void send_msg_sges(struct node *n, struct ibv_qp *qp, int slot, size_t len,
+			  uint64_t wr_id, int nsge)
+{
+	uintptr_t a = (uintptr_t)sbuf(n, slot);
+	size_t third = len / 3;
+	struct ibv_sge sge[3] = { { a, (uint32_t)len, n->mr->lkey } };
+	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = sge, .num_sge = 1,
+				  .opcode = IBV_WR_SEND };
+
+	if (nsge == 3 && len >= 3) {
+		sge[0].length = (uint32_t)third;
+		sge[1] = (struct ibv_sge){ a + third, (uint32_t)third, n->mr->lkey };
+		sge[2] = (struct ibv_sge){ a + 2 * third, (uint32_t)(len - 2 * third), n->mr->lkey };
+		wr.num_sge = 3;
+	}
+	send_wr(n, qp, &wr);
+}
+
 static void send_msg(struct node *n, struct ibv_qp *qp, int slot, size_t len,
 		     uint64_t wr_id)
 {
-	struct ibv_sge sge = { (uintptr_t)sbuf(n, slot), (uint32_t)len, n->mr->lkey };
-	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
-				  .opcode = IBV_WR_SEND };
-
-	send_wr(n, qp, &wr);
+	send_msg_sges(n, qp, slot, len, wr_id, 1);
 }
 
 /* ---- the server ------------------------------------------------------ */
@@ -256,13 +279,13 @@ static int client(int id)
 
 	/* Echoes. */
 	for (int round = 0; round < ROUNDS; round++)
-		for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+		for (size_t s = 0; s < NSIZES; s++) {
 			size_t len = sizes[s];
 			uint32_t seed = (uint32_t)(id * 1000 + round * 10 + (int)s);
 
 			post_recv(&n, 0);
 			ct_fill(sbuf(&n, 0), len, seed);
-			send_msg(&n, n.qp, 0, len, 10 + s);
+			send_msg_sges(&n, n.qp, 0, len, 10 + s, round == 1 ? 3 : 1);
 			ct_poll_n(n.rcq, &wc, 1, CT_TIMEOUT_MS);
 			CT_CHECK(wc.status == IBV_WC_SUCCESS, "echo recv status");
 			CT_CHECK(wc.opcode == IBV_WC_RECV, "echo recv opcode");

@@ -17,6 +17,8 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_GID_INDEX", "", "GID index of the links (default: the qbind GID, else the first RoCE v2 / IB GID)"),
     ("KRCORE_CONNECT_TIMEOUT_MS", "2000", "bound on qconnect and on every wait for the meta server or a peer's endpoint"),
     ("KRCORE_META_LEASE_MS", "3000", "lease of a qbind registration; renewed every third of it, dropped after it when not renewed"),
+    ("KRCORE_MR_LEASE_MS", "1000", "how long a peer may use a remote MR it checked; the real ibv_dereg_mr of an MR peers can access waits this long"),
+    ("KRCORE_STAGING_BYTES", "4194304", "per link: registered memory that holds messages above 4 KiB until the receiver READs them (larger ones get a registration each)"),
 ];
 
 #[derive(Debug, Clone)]
@@ -33,6 +35,8 @@ pub struct Config {
     pub gid_index: Option<u32>,
     pub connect_timeout_ms: u64,
     pub meta_lease_ms: u64,
+    pub mr_lease_ms: u64,
+    pub staging_bytes: usize,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -55,6 +59,8 @@ impl Config {
             gid_index: var("KRCORE_GID_INDEX").and_then(|v| v.parse().ok()),
             connect_timeout_ms: var("KRCORE_CONNECT_TIMEOUT_MS").and_then(|v| v.parse().ok()).unwrap_or(2000).max(1),
             meta_lease_ms: var("KRCORE_META_LEASE_MS").and_then(|v| v.parse().ok()).unwrap_or(3000).max(30),
+            mr_lease_ms: var("KRCORE_MR_LEASE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
+            staging_bytes: var("KRCORE_STAGING_BYTES").and_then(|v| v.parse().ok()).unwrap_or(4 << 20),
         }
     }
 
@@ -74,6 +80,8 @@ impl Config {
             self.gid_index.map_or("default".into(), |i| i.to_string()),
             self.connect_timeout_ms.to_string(),
             self.meta_lease_ms.to_string(),
+            self.mr_lease_ms.to_string(),
+            self.staging_bytes.to_string(),
         ];
         VARIABLES
             .iter()

@@ -76,6 +76,11 @@ pub enum krcore_stat {
     /// VQP completions kept beyond their CQ's size until polled (a real CQ
     /// would have overrun).
     KRCORE_STAT_CQ_SPILLS,
+    /// VQP messages above 4 KiB sent (the receiver READs their payload).
+    KRCORE_STAT_LARGE_SENT,
+    /// Of those, the ones that did not fit the link's staging and were
+    /// registered on their own (`KRCORE_STAGING_BYTES`).
+    KRCORE_STAT_LARGE_OWN_REGISTRATIONS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -118,6 +123,8 @@ const NAMES_NUL: [&str; COUNT] = [
     "mr_cache_dereg_pending\0",
     "mr_cache_dereg_background\0",
     "cq_spills\0",
+    "large_sent\0",
+    "large_own_registrations\0",
 ];
 
 /// A counter's name ("post_send").

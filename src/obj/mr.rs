@@ -26,6 +26,11 @@ pub struct Mr {
 }
 wrapper!(Mr, ibv_mr);
 
+/// Access that lets peers use an MR.
+const REMOTE_ACCESS: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+    | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+
 /// Which real registration verb to use.
 pub enum RegKind {
     /// `ibv_reg_mr(pd, addr, length, access)`
@@ -248,6 +253,26 @@ impl Mr {
         // SAFETY: an MR's PD outlives it.
         let real_pd = unsafe { Pd::from_ibv(mr.ibv.pd) }.real as usize;
         let lkey = mr.ibv.lkey;
+        if mr.access & REMOTE_ACCESS != 0 {
+            if let Some(at) = crate::vqp::runtime::mr_lease_end(real_pd) {
+                // Linked peers may have checked this MR within their lease
+                // and still use its rkey: an access to a deregistered key
+                // would break the link they share with every other VQP.
+                // Unpublished now, deregistered when their leases ran out.
+                crate::vqp::mrs::removed(real_pd, lkey);
+                let addr = p as usize;
+                crate::vqp::runtime::defer(real_pd, at, Box::new(move || {
+                    let p = addr as *mut ibv_mr;
+                    // SAFETY: the application gave the MR up at its
+                    // ibv_dereg_mr; nobody else frees it.
+                    let r = unsafe { Self::dereg_real(Mr::from_ibv(p), p) };
+                    if let Err(e) = r {
+                        crate::klog!(crate::log::Level::Warn, "mr: delayed deregistration failed: {e:?}");
+                    }
+                }));
+                return Ok(());
+            }
+        }
         // SAFETY: caller contract.
         let r = unsafe { Self::dereg_real(mr, p) };
         if r.is_ok() {

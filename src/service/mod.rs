@@ -71,6 +71,9 @@ impl Default for Options {
 /// Scatter entries of a link's send WRs (one for a message header, the
 /// rest the application's).
 pub const LINK_SEND_SGE: u32 = 4;
+/// Inline bytes of a link's send WRs: a bare message header (a DONE) needs
+/// no registered memory.
+pub const LINK_INLINE: u32 = crate::vqp::header::HEADER_LEN as u32;
 
 /// An RC connection to one peer process, shared by every VQP that talks to
 /// it.
@@ -162,8 +165,14 @@ struct Shared {
     /// Called by the progress thread when the links have completions;
     /// returns whether to keep waking on them.
     on_link_event: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
+    /// Work due at a time (delayed deregistrations), run by the progress
+    /// thread, or at once when the service stops.
+    deferred: Mutex<Vec<(Instant, Deferred)>>,
     stop: AtomicBool,
 }
+
+/// Work for the progress thread.
+pub type Deferred = Box<dyn FnOnce() + Send>;
 
 /// A PD's service endpoint: what peers address, and what makes links.
 pub struct Service {
@@ -222,6 +231,7 @@ impl Service {
             mr_table_slots: slots,
             event_fd,
             on_link_event: Mutex::new(None),
+            deferred: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
         });
         for slot in 0..UD_RECVS {
@@ -289,10 +299,30 @@ impl Service {
         *self.shared.on_link_event.lock() = Some(f);
     }
 
+    /// Run `f` on the progress thread at `at` (or when the service stops,
+    /// whichever comes first).
+    pub fn defer(&self, at: Instant, f: Deferred) {
+        self.shared.deferred.lock().push((at, f));
+        self.shared.kick();
+    }
+
+    /// Run every deferred work now (before the PD they hold goes).
+    pub fn run_deferred_now(&self) {
+        let due: Vec<(Instant, Deferred)> = std::mem::take(&mut *self.shared.deferred.lock());
+        for (_, f) in due {
+            f();
+        }
+    }
+
     /// Wake the progress thread at the next link completion (one event;
     /// the handler decides whether to go on).
     pub fn want_link_events(&self) -> Result<()> {
         self.shared.link_cq.arm()
+    }
+
+    /// Whether any peer has a link to us (and so may hold our MRs' keys).
+    pub fn has_links(&self) -> bool {
+        !self.shared.links.lock().by_qpn.is_empty()
     }
 
     /// The link whose QP has number `qpn`.
@@ -332,6 +362,7 @@ impl Drop for Service {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        self.run_deferred_now();
     }
 }
 
@@ -366,7 +397,7 @@ impl Shared {
     }
 
     fn new_link_qp(&self) -> Result<Qp> {
-        let caps = Caps { send_wr: self.opts.link_send_wr, recv_wr: 0, send_sge: LINK_SEND_SGE, recv_sge: 1, inline: 0 };
+        let caps = Caps { send_wr: self.opts.link_send_wr, recv_wr: 0, send_sge: LINK_SEND_SGE, recv_sge: 1, inline: LINK_INLINE };
         let qp = Qp::with_srq(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.link_cq, &self.link_cq, Some(&self.srq), caps)?;
         qp.to_init()?;
         Ok(qp)
@@ -493,8 +524,13 @@ impl Shared {
                 libc::pollfd { fd: self.event_fd, events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: link_fd, events: libc::POLLIN, revents: 0 },
             ];
+            let timeout = self.next_deferred().map_or(-1, |at| {
+                let ms = at.saturating_duration_since(Instant::now()).as_millis();
+                ms.min(i32::MAX as u128) as libc::c_int + 1
+            });
             // SAFETY: three valid pollfds.
-            unsafe { libc::poll(fds.as_mut_ptr(), 3, -1) };
+            unsafe { libc::poll(fds.as_mut_ptr(), 3, timeout) };
+            self.run_due();
             if fds[2].revents != 0 {
                 // Not re-armed unless the handler wants more: an armed link
                 // CQ would wake this thread at every completion and race
@@ -526,6 +562,24 @@ impl Shared {
             }
             self.drain_ud();
             self.refill();
+        }
+    }
+
+    fn next_deferred(&self) -> Option<Instant> {
+        self.deferred.lock().iter().map(|(at, _)| *at).min()
+    }
+
+    /// Run the deferred work that is due (outside the lock: it may defer more).
+    fn run_due(&self) {
+        let now = Instant::now();
+        let due: Vec<Deferred> = {
+            let mut d = self.deferred.lock();
+            let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut *d).into_iter().partition(|(at, _)| *at <= now);
+            *d = later;
+            due.into_iter().map(|(_, f)| f).collect()
+        };
+        for f in due {
+            f();
         }
     }
 

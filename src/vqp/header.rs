@@ -17,8 +17,8 @@
 //!      8     4  dst         destination virtual QPN, or the qbind port (TO_PORT)
 //!     12     4  imm         __be32 bytes as they lie in ibv_send_wr.imm_data
 //!     16     4  len         payload bytes
-//!     20     4  rkey        LARGE only, else 0
-//!     24     8  addr        LARGE only, else 0
+//!     20     4  rkey        LARGE and DONE only, else 0
+//!     24     8  addr        LARGE and DONE only, else 0
 //! ```
 //!
 //! `imm` is copied in memory order, not converted: it is already in network
@@ -33,10 +33,12 @@
 //! - LARGE: a data message whose payload stays at the sender: the receiver
 //!   READs `len > 0` bytes from (`addr`, `rkey`) into the posted receive
 //!   buffer, then answers DONE.
-//! - DONE: the receiver finished READing a LARGE payload; same `src_vqpn`
-//!   and `dst` as the LARGE message (and its TO_PORT), `len` the bytes READ,
-//!   and in `imm` a 32-bit cookie that the large-message protocol defines
-//!   (so HAS_IMM and SOLICITED are meaningless and refused).
+//! - DONE: the receiver is finished with a LARGE payload (the sender may
+//!   complete its send and reuse the memory); `src_vqpn` the receiving VQP,
+//!   `dst` the sending VQP, `addr` and `rkey` as in the LARGE message (they
+//!   name it at the sender), `len` the bytes READ, and in `imm` 0 when the
+//!   payload landed, else the receiver's `ibv_wc_status` (HAS_IMM and
+//!   SOLICITED are meaningless and refused).
 //!
 //! Decoding is strict (unknown flag bits, a second message kind, fields that
 //! the message does not use left non-zero are all refused), so every buffer
@@ -135,7 +137,7 @@ pub struct Header {
     pub flags: Flags,
     pub src_vqpn: u32,
     pub dst: u32,
-    /// `ibv_send_wr.imm_data` as is (`__be32`), or DONE's cookie.
+    /// `ibv_send_wr.imm_data` as is (`__be32`), or DONE's status.
     pub imm: u32,
     pub len: u32,
     pub rkey: u32,
@@ -209,7 +211,7 @@ impl Header {
             && if f.contains(Flags::LARGE) {
                 self.len != 0
             } else {
-                self.rkey == 0 && self.addr == 0
+                f.contains(Flags::DONE) || (self.rkey == 0 && self.addr == 0)
             };
         if consistent {
             Ok(())
@@ -307,7 +309,8 @@ mod tests {
             dst: 0x0506_0708,
             imm: 0xdead_beef,
             len: 0x0910_1112,
-            ..Header::default()
+            rkey: 0x1314_1516,
+            addr: 0x1718_1920_2122_2324,
         };
         for h in [data, data_imm_port, write_imm, large(), large_min, done] {
             assert_eq!(round_trip(h), h);
@@ -397,7 +400,7 @@ mod tests {
                 flags: Flags::WRITE_IMM,
                 ..data
             },
-            // DONE's imm is the cookie.
+            // DONE's imm is its status.
             Header {
                 flags: Flags::DONE | Flags::HAS_IMM,
                 ..data
@@ -414,11 +417,11 @@ mod tests {
             },
             // imm without HAS_IMM.
             Header { imm: 1, ..data },
-            // rkey or addr without LARGE.
+            // rkey or addr without LARGE or DONE.
             Header { rkey: 1, ..data },
             Header { addr: 1, ..data },
             Header {
-                flags: Flags::DONE,
+                flags: Flags::WRITE_IMM | Flags::HAS_IMM,
                 addr: 1 << 63,
                 ..data
             },

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod header;
+pub mod large;
 pub mod mrs;
 pub mod precheck;
 pub mod queue;

@@ -22,6 +22,7 @@ use super::mrs;
 use super::precheck::{self, Caps, SendWr, Verdict};
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
 use super::runtime::{CqSoft, PeerMrs, Runtime, HDR_SLOT, MAX_MSG};
+use super::large::Control;
 use super::wrid::{SendId, WrId};
 use crate::error::{Errno, Result};
 use crate::klog;
@@ -99,10 +100,30 @@ struct Conn {
     dst: u32,
 }
 
-/// A message that arrived before the application posted a receive.
+/// A message that arrived before the application posted a receive (or
+/// behind a large one still being READ).
 struct Held {
     header: Header,
     payload: Vec<u8>,
+    link: Arc<Link>,
+}
+
+/// A large message being READ into a posted receive buffer.
+struct Reading {
+    /// Its completion, filled in but for the status of the READs.
+    wc: ibv_wc,
+    /// Where the payload lands (the buffer's pieces) and the next to READ.
+    pieces: Vec<ibv_sge>,
+    next: usize,
+    /// The sender's staged payload at the next piece.
+    remote: u64,
+    rkey: u32,
+    /// READs posted and not completed.
+    inflight: u32,
+    link: Arc<Link>,
+    /// The answer, sent when every READ completed (`imm`: the status).
+    done: Header,
+    /// The sender of a bound VQP's message (for `qpop_msgs`).
     peer: Endpoint,
 }
 
@@ -114,6 +135,7 @@ struct State {
     /// Messages for `qpop_msgs` (bound VQPs): (sender, its VQP, completion).
     inbox: VecDeque<(Endpoint, u32, ibv_wc)>,
     held: VecDeque<Held>,
+    reading: Option<Reading>,
     /// VQPs connected back to senders (bound VQPs), by sender.
     src_qps: HashMap<(u64, u32), *mut ibv_qp>,
 }
@@ -171,6 +193,7 @@ impl Vqp {
             bound: None,
             inbox: VecDeque::new(),
             held: VecDeque::new(),
+            reading: None,
             src_qps: HashMap::new(),
         };
         let mut slots = SLOTS.lock();
@@ -334,16 +357,27 @@ impl Vqp {
         let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
         let total: u32 = sges.iter().map(|s| s.length).sum();
         let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
-        if is_send && total as usize > MAX_MSG {
-            // Messages larger than a receive buffer need the large-message
-            // path (the receiver READs the payload), not built yet.
-            return Err(Errno::EINVAL);
-        }
+        // Above a receive buffer the receiver READs the payload: stage it
+        // now, outside the locks (inline data is at most MAX_INLINE).
+        let mut staged = if is_send && total as usize > MAX_MSG {
+            Some(rt.large.stage(rt.svc.device(), link.qp.qpn(), sges, total as usize)?)
+        } else {
+            None
+        };
         let wc_opcode = wc_opcode_of(w.opcode);
         loop {
             let mut st = self.st.lock();
             if st.sq.outstanding() >= self.sq_cap as usize {
                 return Err(Errno::ENOMEM);
+            }
+            if st.sq.is_error() {
+                // As an RC QP in error: accepted, then flushed.
+                st.sq.push(SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false })?;
+                let mut out = Vec::new();
+                st.sq.take_flushed(&mut |c| out.push(c));
+                drop(st);
+                out.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
+                return Ok(());
             }
             let mut sq = link.sq.lock();
             // WRITE_WITH_IMM is a WRITE and a notification SEND: two WQEs.
@@ -355,10 +389,19 @@ impl Vqp {
                 std::thread::yield_now();
                 continue;
             }
-            let seq = st.sq.push(SendEntry { wr_id: w.wr_id, signaled, opcode: wc_opcode, byte_len: total })?;
+            let entry = SendEntry { wr_id: w.wr_id, signaled, opcode: wc_opcode, byte_len: total, awaits_done: staged.is_some() };
+            let seq = st.sq.push(entry)?;
             klog!(Level::Debug, "vqp {:#x}: post opcode {} len {total} seq {seq} to {dst:#x}", self.vqpn, w.opcode);
-            let r = self.post_physical(&link, &mut sq, w, sges, seq, signaled, dst, total);
+            let large = staged.as_ref().map(|s| (s.addr(), s.rkey()));
+            if let Some(s) = staged.take() {
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LARGE_SENT);
+                rt.large.sent(s, self.slot, self.gen, seq, link.qp.qpn());
+            }
+            let r = self.post_physical(&link, &mut sq, w, sges, seq, signaled, dst, total, large);
             if let Err(e) = r {
+                if let Some((addr, _)) = large {
+                    rt.large.unsend(addr);
+                }
                 // The link refused the WQE: the entry completes in error.
                 let mut emit = |c: Completion| self.deliver(&self.send_soft, c);
                 let _ = st.sq.complete(seq, ibv_wc_status::IBV_WC_GENERAL_ERR, &mut emit);
@@ -381,6 +424,7 @@ impl Vqp {
         signaled: bool,
         dst: u32,
         total: u32,
+        large: Option<(u64, u32)>,
     ) -> Result<()> {
         // SAFETY: a plain C struct.
         let mut p: ibv_send_wr = unsafe { std::mem::zeroed() };
@@ -422,7 +466,16 @@ impl Vqp {
             if w.send_flags & ibv_send_flags::IBV_SEND_SOLICITED.0 != 0 {
                 h.flags |= Flags::SOLICITED;
             }
-            let n = self.fill_sges(&mut list, sges, inline, seq, &header_bytes(&h))?;
+            // A large message's payload stays behind, staged.
+            let payload = match large {
+                Some((addr, rkey)) => {
+                    h.flags |= Flags::LARGE;
+                    (h.addr, h.rkey) = (addr, rkey);
+                    &[][..]
+                }
+                None => sges,
+            };
+            let n = self.fill_sges(&mut list, payload, inline, seq, &header_bytes(&h))?;
             p.sg_list = list.as_mut_ptr();
             p.num_sge = n;
             p.opcode = ibv_wr_opcode::IBV_WR_SEND;
@@ -528,7 +581,7 @@ impl Vqp {
             // SAFETY: as above.
             match table.lookup_in(unsafe { scratch.bytes(0, len) }, rkey) {
                 Lookup::Found(info) => {
-                    pm.lock().known.insert(rkey, info);
+                    pm.lock().learn(rkey, info);
                     return Ok(true);
                 }
                 Lookup::Absent => return Ok(false),
@@ -588,27 +641,35 @@ impl Vqp {
         0
     }
 
-    /// A message for this VQP (progress).
-    pub fn on_message(&self, h: &Header, payload: &[u8], peer: Endpoint) {
+    /// A message for this VQP, arrived on `link` (progress).
+    pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>) {
         klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
         let mut st = self.st.lock();
-        if !st.held.is_empty() || st.rq.is_empty() {
-            st.held.push_back(Held { header: *h, payload: payload.to_vec(), peer });
+        // Behind held messages or a large one being READ: RC order.
+        if !st.held.is_empty() || st.reading.is_some() || st.rq.is_empty() {
+            st.held.push_back(Held { header: *h, payload: payload.to_vec(), link: Arc::clone(link) });
             return;
         }
-        self.land(&mut st, h, payload, peer);
+        self.land(&mut st, h, payload, link);
     }
 
+    /// Land held messages while there are receive buffers (and no large
+    /// message is being READ).
     fn deliver_held(&self) {
         let mut st = self.st.lock();
-        while !st.rq.is_empty() {
+        self.drain_held(&mut st);
+    }
+
+    fn drain_held(&self, st: &mut State) {
+        while !st.rq.is_empty() && st.reading.is_none() {
             let Some(m) = st.held.pop_front() else { break };
-            self.land(&mut st, &m.header, &m.payload, m.peer);
+            self.land(st, &m.header, &m.payload, &m.link);
         }
     }
 
-    /// Copy a message into the next posted receive and complete it.
-    fn land(&self, st: &mut State, h: &Header, payload: &[u8], peer: Endpoint) {
+    /// Complete a message into the next posted receive: copy a small one,
+    /// start READing a large one.
+    fn land(&self, st: &mut State, h: &Header, payload: &[u8], link: &Arc<Link>) {
         let Some(r) = st.rq.pop_front() else { return };
         // SAFETY: ibv_wc is plain C data.
         let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
@@ -617,13 +678,26 @@ impl Vqp {
         wc.src_qp = h.src_vqpn;
         wc.byte_len = h.len;
         wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
+        wc.status = ibv_wc_status::IBV_WC_SUCCESS;
         if h.flags.contains(Flags::HAS_IMM) {
             wc.imm_data_invalidated_rkey_union.imm_data = h.imm;
             wc.wc_flags = ibv_wc_flags::IBV_WC_WITH_IMM.0;
         }
         if h.flags.contains(Flags::WRITE_IMM) {
             wc.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
-            wc.status = ibv_wc_status::IBV_WC_SUCCESS;
+        } else if h.flags.contains(Flags::LARGE) {
+            let mut done = Header { flags: Flags::DONE, src_vqpn: self.vqpn, dst: h.src_vqpn, len: h.len, rkey: h.rkey, addr: h.addr, imm: 0 };
+            let pieces = match r.scatter(h.len) {
+                Ok(p) => p.collect(),
+                Err(status) => {
+                    wc.status = status;
+                    done.imm = status;
+                    Vec::new()
+                }
+            };
+            st.reading = Some(Reading { wc, pieces, next: 0, remote: h.addr, rkey: h.rkey, inflight: 0, link: Arc::clone(link), done, peer: link.peer });
+            self.pump(st);
+            return;
         } else {
             match r.scatter(payload.len() as u32) {
                 Ok(pieces) => {
@@ -636,15 +710,114 @@ impl Vqp {
                         }
                         at += s.length as usize;
                     }
-                    wc.status = ibv_wc_status::IBV_WC_SUCCESS;
                 }
                 Err(status) => wc.status = status,
             }
         }
+        self.complete_recv(st, wc, link.peer);
+    }
+
+    fn complete_recv(&self, st: &mut State, wc: ibv_wc, peer: Endpoint) {
         if st.bound.is_some() {
-            st.inbox.push_back((peer, h.src_vqpn, wc));
+            st.inbox.push_back((peer, wc.src_qp, wc));
         } else {
             self.recv_soft.push(wc);
+        }
+    }
+
+    /// Progress of the large message being READ: post its READs and then
+    /// its DONE as the link has room, and complete it when both are done.
+    fn pump(&self, st: &mut State) {
+        let Some(rt) = self.rt.get() else { return };
+        let Some(rd) = st.reading.as_mut() else { return };
+        while rd.next < rd.pieces.len() {
+            let mut sq = rd.link.sq.lock();
+            let Some(d) = sq.try_post(true) else {
+                rt.large.wait_for_room(self.slot, self.gen);
+                return;
+            };
+            let n = (rd.pieces.len() - rd.next).min(crate::service::LINK_SEND_SGE as usize);
+            let chunk = &mut rd.pieces[rd.next..rd.next + n];
+            let len: u64 = chunk.iter().map(|s| u64::from(s.length)).sum();
+            let tag = rt.next_tag();
+            rt.large.track(tag, Control::Read { slot: self.slot, gen: self.gen, retired: d.retired });
+            // SAFETY: a plain C struct.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = WrId::Control { tag }.encode();
+            wr.sg_list = chunk.as_mut_ptr();
+            wr.num_sge = n as i32;
+            wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+            wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.wr.rdma.remote_addr = rd.remote;
+            wr.wr.rdma.rkey = rd.rkey;
+            // SAFETY: READ into the application's posted buffer (checked
+            // against its MRs at post_recv) from the sender's staging.
+            if let Err(e) = unsafe { rd.link.qp.post_send(&mut wr) } {
+                klog!(Level::Warn, "vqp {:#x}: cannot READ a large message: {e:?}", self.vqpn);
+                rt.large.take(tag);
+                rd.wc.status = ibv_wc_status::IBV_WC_LOC_QP_OP_ERR;
+                rd.done.imm = rd.wc.status;
+                rd.next = rd.pieces.len();
+                break;
+            }
+            rd.next += n;
+            rd.remote += len;
+            rd.inflight += 1;
+        }
+        if rd.inflight > 0 {
+            return;
+        }
+        if !post_done(rt, &rd.link, &rd.done) {
+            rt.large.wait_for_room(self.slot, self.gen);
+            return;
+        }
+        let Some(rd) = st.reading.take() else { return };
+        self.complete_recv(st, rd.wc, rd.peer);
+        self.drain_held(st);
+    }
+
+    /// The link had room again (progress).
+    pub fn pump_large(&self) {
+        let mut st = self.st.lock();
+        self.pump(&mut st);
+    }
+
+    /// One READ of the large message being received completed.
+    pub fn on_large_read(&self, status: u32) {
+        let mut st = self.st.lock();
+        let Some(rd) = st.reading.as_mut() else { return };
+        rd.inflight = rd.inflight.saturating_sub(1);
+        if status != ibv_wc_status::IBV_WC_SUCCESS && rd.wc.status == ibv_wc_status::IBV_WC_SUCCESS {
+            klog!(Level::Warn, "vqp {:#x}: READing a large message failed with status {status}", self.vqpn);
+            rd.wc.status = status;
+            rd.done.imm = status;
+            rd.next = rd.pieces.len();
+        }
+        self.pump(&mut st);
+    }
+
+    /// The receiver's DONE for our large message `seq`: `status` 0 when it
+    /// landed, else the receiver's status.
+    pub fn on_large_done(&self, seq: u16, status: u32) {
+        let mut st = self.st.lock();
+        let mut out = Vec::new();
+        let r = if status == ibv_wc_status::IBV_WC_SUCCESS {
+            st.sq.done(seq, &mut |c| out.push(c))
+        } else {
+            // What RC reports to the sender when the receiver cannot take it.
+            let mine = if status == ibv_wc_status::IBV_WC_LOC_LEN_ERR {
+                ibv_wc_status::IBV_WC_REM_INV_REQ_ERR
+            } else {
+                ibv_wc_status::IBV_WC_REM_OP_ERR
+            };
+            st.sq.complete(seq, mine, &mut |c| out.push(c))
+        };
+        drop(st);
+        if r.is_err() {
+            klog!(Level::Debug, "vqp {:#x}: a DONE for a WR no longer outstanding", self.vqpn);
+        }
+        for c in out {
+            self.deliver(&self.send_soft, c);
         }
     }
 
@@ -696,7 +869,20 @@ impl Vqp {
         st.sq.flush(&mut |c| out.push(c));
         st.rq.flush(&mut |c| out.push(c));
         let srcs: Vec<*mut ibv_qp> = st.src_qps.drain().map(|(_, q)| q).collect();
+        // Large messages it will not finish READing: their senders are told
+        // (best effort), so that their sends complete and copies go.
+        let mut unread: Vec<(Arc<Link>, Header)> = st.reading.take().map(|r| (r.link, r.done)).into_iter().collect();
+        for m in st.held.drain(..).filter(|m| m.header.flags.contains(Flags::LARGE)) {
+            let h = m.header;
+            unread.push((m.link, Header { flags: Flags::DONE, src_vqpn: self.vqpn, dst: h.src_vqpn, len: h.len, rkey: h.rkey, addr: h.addr, imm: 0 }));
+        }
         drop(st);
+        if let Some(rt) = self.rt.get() {
+            for (link, mut done) in unread {
+                done.imm = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+                post_done(rt, &link, &done);
+            }
+        }
         if let (Some(Hdrs::Arena { start }), Some(rt)) = (self.hdrs.get(), self.rt.get()) {
             rt.free_hdrs(*start, self.sq_cap.max(1));
         }
@@ -705,6 +891,31 @@ impl Vqp {
         slots.free.push(self.slot);
         srcs
     }
+}
+
+/// Post a DONE (inline, signaled) on `link`; false when the link has no
+/// room now.
+fn post_done(rt: &Runtime, link: &Link, done: &Header) -> bool {
+    let mut sq = link.sq.lock();
+    let Some(d) = sq.try_post(true) else { return false };
+    let tag = rt.next_tag();
+    rt.large.track(tag, Control::Done { retired: d.retired });
+    let mut bytes = header_bytes(done);
+    let mut sge = ibv_sge { addr: bytes.as_mut_ptr() as u64, length: HEADER_LEN as u32, lkey: 0 };
+    // SAFETY: a plain C struct.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = WrId::Control { tag }.encode();
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0 | ibv_send_flags::IBV_SEND_INLINE.0;
+    // SAFETY: inline data is copied at post time; links allow HEADER_LEN.
+    if let Err(e) = unsafe { link.qp.post_send(&mut wr) } {
+        // The link is gone: the sender learns it from its own completions.
+        klog!(Level::Warn, "vqp: cannot answer a large message: {e:?}");
+        rt.large.take(tag);
+    }
+    true
 }
 
 /// What a WQE's wr_id says it retires: the decision's count when it is

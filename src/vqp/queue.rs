@@ -136,6 +136,10 @@ pub struct SendEntry {
     /// The opcode its completion reports.
     pub opcode: ibv_wc_opcode::Type,
     pub byte_len: u32,
+    /// A large message: its physical completion only says the receiver
+    /// has the header; the WR completes when the receiver's DONE says the
+    /// payload was READ ([`SendRing::done`]).
+    pub awaits_done: bool,
 }
 
 impl SendEntry {
@@ -163,6 +167,8 @@ pub struct SendRing {
     fifo: Fifo,
     /// Sequence number of the front entry.
     head_seq: u16,
+    /// Front entries completed on the wire, some held by one awaiting DONE.
+    acked: usize,
     error: bool,
 }
 
@@ -178,6 +184,7 @@ impl SendRing {
             entries: alloc_slots(cap, SendEntry::default)?,
             fifo: Fifo::new(cap),
             head_seq: 0,
+            acked: 0,
             error: false,
         })
     }
@@ -191,12 +198,16 @@ impl SendRing {
         Ok(self.head_seq.wrapping_add((self.fifo.len - 1) as u16))
     }
 
-    /// A physical completion for the WR `seq`: retires every WR up to and
-    /// including it. With `IBV_WC_SUCCESS` only signaled WRs are reported
-    /// (an unsignaled WR's slot is freed silently). With an error the WRs
-    /// before `seq` succeeded (RC completes in order), `seq` is reported with
-    /// `status` whether signaled or not, every WR behind it is flushed, and
-    /// the queue enters the error state.
+    /// A physical completion for the WR `seq`: every WR up to and
+    /// including it has completed on the wire (RC completes in order). With
+    /// `IBV_WC_SUCCESS` they are retired, oldest first, up to the first
+    /// that still awaits its DONE (the ones behind it wait, in order); only
+    /// signaled WRs are reported (an unsignaled WR's slot is freed
+    /// silently). With an error the WRs before `seq` succeeded, except that
+    /// the first one still awaiting a DONE never gets it and takes the
+    /// error instead; the failing WR is reported with `status` whether
+    /// signaled or not, every WR behind it is flushed, and the queue enters
+    /// the error state.
     ///
     /// `EINVAL`, with nothing retired or reported, when `seq` is not
     /// outstanding: a stale or corrupt completion (in the error state every
@@ -211,18 +222,53 @@ impl SendRing {
         if self.error || pos >= self.fifo.len {
             return Err(Errno::EINVAL);
         }
-        for i in 0..=pos {
-            let Some(entry) = self.pop_front() else { break };
-            if i < pos || status == ibv_wc_status::IBV_WC_SUCCESS {
-                if entry.signaled {
+        if status != ibv_wc_status::IBV_WC_SUCCESS {
+            let fail = (0..pos).find(|&i| self.entries[self.fifo.slot(i)].awaits_done).unwrap_or(pos);
+            for i in 0..=fail {
+                let Some(entry) = self.pop_front() else { break };
+                if i == fail {
+                    emit(entry.completion(status));
+                } else if entry.signaled {
                     emit(entry.completion(ibv_wc_status::IBV_WC_SUCCESS));
                 }
-            } else {
-                emit(entry.completion(status));
-                self.flush(emit);
+            }
+            self.flush(emit);
+            return Ok(());
+        }
+        self.acked = self.acked.max(pos + 1);
+        self.retire(emit);
+        Ok(())
+    }
+
+    /// The receiver's DONE for the large message `seq`: it completes once
+    /// its own physical completion (and those before it) arrived too.
+    /// `EINVAL` when `seq` is not an outstanding large message.
+    pub fn done(&mut self, seq: u16, emit: &mut impl FnMut(Completion)) -> Result<()> {
+        let pos = usize::from(seq.wrapping_sub(self.head_seq));
+        if self.error || pos >= self.fifo.len {
+            return Err(Errno::EINVAL);
+        }
+        let slot = self.fifo.slot(pos);
+        if !self.entries[slot].awaits_done {
+            return Err(Errno::EINVAL);
+        }
+        self.entries[slot].awaits_done = false;
+        self.retire(emit);
+        Ok(())
+    }
+
+    /// Report the completed WRs at the front, up to the first awaiting a DONE.
+    fn retire(&mut self, emit: &mut impl FnMut(Completion)) {
+        while self.acked > 0 && self.fifo.len > 0 {
+            if self.entries[self.fifo.slot(0)].awaits_done {
+                return;
+            }
+            let Some(entry) = self.pop_front() else { return };
+            self.acked -= 1;
+            if entry.signaled {
+                emit(entry.completion(ibv_wc_status::IBV_WC_SUCCESS));
             }
         }
-        Ok(())
     }
 
     /// Reports every WR in the queue with `IBV_WC_WR_FLUSH_ERR`, FIFO, and
@@ -230,6 +276,7 @@ impl SendRing {
     /// Their physical completions, if any arrive, are stale from now on.
     pub fn flush(&mut self, emit: &mut impl FnMut(Completion)) {
         self.error = true;
+        self.acked = 0;
         while let Some(entry) = self.pop_front() {
             emit(entry.completion(ibv_wc_status::IBV_WC_WR_FLUSH_ERR));
         }
@@ -580,7 +627,7 @@ mod tests {
     use crate::testing::Rng;
     use ibv_wc_opcode::{IBV_WC_RDMA_WRITE, IBV_WC_RECV, IBV_WC_SEND};
     use ibv_wc_status::{
-        IBV_WC_LOC_LEN_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR,
+        IBV_WC_LOC_LEN_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_RETRY_EXC_ERR, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR,
     };
     use std::collections::VecDeque;
 
@@ -590,7 +637,58 @@ mod tests {
             signaled,
             opcode: IBV_WC_SEND,
             byte_len: wr_id as u32 * 10,
+            awaits_done: false,
         }
+    }
+
+    fn large(wr_id: u64) -> SendEntry {
+        SendEntry { awaits_done: true, ..entry(wr_id, true) }
+    }
+
+    fn done(r: &mut SendRing, seq: u16) -> (Result<()>, Vec<(u64, u32)>) {
+        let mut out = Vec::new();
+        let res = r.done(seq, &mut |c| out.push((c.wr_id, c.status)));
+        (res, out)
+    }
+
+    #[test]
+    fn send_ring_large_message_completes_after_wire_and_done_in_either_order() {
+        let mut r = SendRing::new(8).unwrap();
+        r.push(entry(1, true)).unwrap();
+        r.push(large(2)).unwrap();
+        r.push(entry(3, true)).unwrap();
+        // The wire completes all three; the large one holds itself and 3.
+        assert_eq!(complete(&mut r, 2, IBV_WC_SUCCESS), (Ok(()), vec![(1, IBV_WC_SUCCESS)]));
+        assert_eq!(r.outstanding(), 2);
+        assert_eq!(done(&mut r, 1), (Ok(()), vec![(2, IBV_WC_SUCCESS), (3, IBV_WC_SUCCESS)]));
+        assert_eq!(r.outstanding(), 0);
+        // DONE before the wire completion: nothing until the wire says so.
+        r.push(large(4)).unwrap();
+        r.push(entry(5, true)).unwrap();
+        assert_eq!(done(&mut r, 3), (Ok(()), vec![]));
+        assert_eq!(complete(&mut r, 3, IBV_WC_SUCCESS), (Ok(()), vec![(4, IBV_WC_SUCCESS)]));
+        assert_eq!(complete(&mut r, 4, IBV_WC_SUCCESS), (Ok(()), vec![(5, IBV_WC_SUCCESS)]));
+        // A DONE for a WR that is not a pending large message.
+        r.push(entry(6, true)).unwrap();
+        assert_eq!(done(&mut r, 5).0, Err(Errno::EINVAL), "not large");
+        assert_eq!(done(&mut r, 3).0, Err(Errno::EINVAL), "retired");
+        assert_eq!(done(&mut r, 9).0, Err(Errno::EINVAL), "never posted");
+    }
+
+    #[test]
+    fn send_ring_error_behind_a_large_message_fails_the_large_one() {
+        let mut r = SendRing::new(8).unwrap();
+        r.push(entry(1, false)).unwrap();
+        r.push(large(2)).unwrap();
+        r.push(entry(3, true)).unwrap();
+        r.push(entry(4, true)).unwrap();
+        // The link broke at 3: the large message 2 never gets its DONE.
+        assert_eq!(
+            complete(&mut r, 2, IBV_WC_RETRY_EXC_ERR),
+            (Ok(()), vec![(2, IBV_WC_RETRY_EXC_ERR), (3, IBV_WC_WR_FLUSH_ERR), (4, IBV_WC_WR_FLUSH_ERR)])
+        );
+        assert!(r.is_error());
+        assert_eq!(done(&mut r, 1).0, Err(Errno::EINVAL), "stale DONE after the error");
     }
 
     /// Results as (wr_id, status) pairs.

@@ -9,7 +9,8 @@
 //! for a completion event), one at a time (`try_lock`: a thread that finds
 //! progress already running goes on; the runner delivers for everyone).
 
-use super::header::{Header, HEADER_LEN};
+use super::header::{Flags, Header, HEADER_LEN};
+use super::large::{Control, Large};
 use super::mrs;
 use super::queue::SoftCq;
 use super::qp as vqp;
@@ -243,14 +244,14 @@ pub const HDR_SLOT: usize = HEADER_LEN + super::qp::MAX_INLINE as usize;
 const HDR_ARENA_SLOTS: u32 = 8192;
 
 /// Free ranges of slots, first fit, merged on free.
-struct Ranges(Vec<(u32, u32)>);
+pub(super) struct Ranges(Vec<(u32, u32)>);
 
 impl Ranges {
-    fn new(n: u32) -> Ranges {
+    pub(super) fn new(n: u32) -> Ranges {
         Ranges(vec![(0, n)])
     }
 
-    fn alloc(&mut self, n: u32) -> Option<u32> {
+    pub(super) fn alloc(&mut self, n: u32) -> Option<u32> {
         let i = self.0.iter().position(|&(_, len)| len >= n)?;
         let (start, len) = self.0[i];
         if len == n {
@@ -261,7 +262,7 @@ impl Ranges {
         Some(start)
     }
 
-    fn free(&mut self, start: u32, n: u32) {
+    pub(super) fn free(&mut self, start: u32, n: u32) {
         let f = &mut self.0;
         let i = f.partition_point(|&(s, _)| s < start);
         f.insert(i, (start, n));
@@ -277,16 +278,26 @@ impl Ranges {
 }
 
 /// The peer's MRs already READ from its MR table (the MRStore), shared by
-/// every VQP that talks to that peer.
+/// every VQP that talks to that peer. An entry is trusted for the MR lease
+/// (`KRCORE_MR_LEASE_MS`): the peer keeps a deregistered MR registered
+/// that long, so an access checked against a fresh entry cannot hit a dead
+/// key; an older entry is READ again.
 #[derive(Default)]
 pub struct PeerMrs {
     pub table: Option<crate::meta::mrtable::RemoteMrTable>,
-    pub known: HashMap<u32, super::precheck::MrInfo>,
+    known: HashMap<u32, (super::precheck::MrInfo, std::time::Instant)>,
+}
+
+impl PeerMrs {
+    pub fn learn(&mut self, rkey: u32, info: super::precheck::MrInfo) {
+        self.known.insert(rkey, (info, std::time::Instant::now()));
+    }
 }
 
 impl super::precheck::RemoteMrs for PeerMrs {
     fn remote(&self, rkey: u32) -> Option<super::precheck::MrInfo> {
-        self.known.get(&rkey).copied()
+        let (info, at) = self.known.get(&rkey)?;
+        (at.elapsed().as_millis() < u128::from(crate::config::get().mr_lease_ms)).then_some(*info)
     }
 }
 
@@ -314,6 +325,8 @@ pub struct Runtime {
     /// Completions of control READs (MR table fetches), by tag.
     control: Mutex<HashMap<u32, u32>>,
     next_tag: std::sync::atomic::AtomicU32,
+    /// Messages above MAX_MSG: staging, DONEs awaited, READs in flight.
+    pub large: Large,
 }
 
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
@@ -360,6 +373,7 @@ impl Runtime {
             armed_cqs: std::sync::atomic::AtomicUsize::new(0),
             control: Mutex::new(HashMap::new()),
             next_tag: std::sync::atomic::AtomicU32::new(1),
+            large: Large::default(),
         });
         for buf in 0..service::Options::default().srq_wr {
             rt.post_recv_buf(buf)?;
@@ -454,9 +468,20 @@ impl Runtime {
                 self.dispatch(wc);
             }
             if n < wcs.len() {
-                return;
+                break;
             }
         }
+        // Receivers of large messages that found no room on their link.
+        for (slot, gen) in self.large.take_waiting() {
+            if let Some(v) = vqp::lookup(slot, gen) {
+                v.pump_large();
+            }
+        }
+    }
+
+    /// A fresh tag for a control WQE's wr_id.
+    pub fn next_tag(&self) -> u32 {
+        self.next_tag.fetch_add(1, Ordering::Relaxed)
     }
 
     fn dispatch(&self, wc: &ibv_wc) {
@@ -479,9 +504,23 @@ impl Runtime {
                     v.on_send_completion(s.seq(), wc.status);
                 }
             }
-            WrId::Control { tag } => {
-                self.control.lock().insert(tag, wc.status);
-            }
+            WrId::Control { tag } => match self.large.take(tag) {
+                Some(c) => {
+                    if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
+                        if let Err(e) = link.sq.lock().on_completion(c.retired()) {
+                            klog!(Level::Warn, "vqp: link accounting: {e:?}");
+                        }
+                    }
+                    if let Control::Read { slot, gen, .. } = c {
+                        if let Some(v) = vqp::lookup(slot, gen) {
+                            v.on_large_read(wc.status);
+                        }
+                    }
+                }
+                None => {
+                    self.control.lock().insert(tag, wc.status);
+                }
+            },
         }
     }
 
@@ -495,12 +534,20 @@ impl Runtime {
         // SAFETY: this buffer's receive completed; it is reposted below
         // once the message is copied out.
         let bytes = unsafe { self.recv_bufs.bytes(off, RECV_BUF) };
-        let peer = self.svc.link_by_qpn(wc.qp_num).map(|l| l.peer);
+        let link = self.svc.link_by_qpn(wc.qp_num);
         match Header::decode(bytes) {
+            Ok(h) if h.flags.contains(Flags::DONE) => match self.large.on_done(h.addr, wc.qp_num) {
+                Some((slot, gen, seq)) => {
+                    if let Some(v) = vqp::lookup(slot, gen) {
+                        v.on_large_done(seq, h.imm);
+                    }
+                }
+                None => klog!(Level::Warn, "vqp: dropped a DONE for no message of ours ({:#x})", h.addr),
+            },
             Ok(h) => {
                 let payload = &bytes[HEADER_LEN..HEADER_LEN + (h.carried_len() as usize).min(MAX_MSG)];
-                match (vqp::by_vqpn(h.dst), peer) {
-                    (Some(v), Some(peer)) => v.on_message(&h, payload, peer),
+                match (vqp::by_vqpn(h.dst), link) {
+                    (Some(v), Some(link)) => v.on_message(&h, payload, &link),
                     _ => klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} (none here)", h.dst),
                 }
             }
@@ -514,7 +561,7 @@ impl Runtime {
     /// READ `len` bytes at (addr, rkey) of the peer behind `link` into
     /// `dst` (a library region), waiting for it.
     pub fn control_read(&self, link: &service::Link, dst: &Region, addr: u64, rkey: u32, len: usize) -> Result<()> {
-        let tag = self.next_tag.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = self.next_tag();
         let mut sge = dst.sge(0, len);
         // SAFETY: a plain C struct.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
@@ -561,6 +608,33 @@ impl Runtime {
     }
 }
 
+/// When an MR of real `pd` that peers can access may really be
+/// deregistered: after the MR lease (`KRCORE_MR_LEASE_MS`, plus a tenth for
+/// operations in flight) when the PD has a runtime with links; None when
+/// it may go at once.
+pub fn mr_lease_end(pd: usize) -> Option<std::time::Instant> {
+    let lease = crate::config::get().mr_lease_ms;
+    if lease == 0 {
+        return None;
+    }
+    let g = RUNTIMES.lock();
+    let rt = g.as_ref()?.get(&pd)?;
+    if !rt.svc.has_links() {
+        return None;
+    }
+    Some(std::time::Instant::now() + Duration::from_millis(lease + lease / 10))
+}
+
+/// Run `f` at `at` on the service thread of real `pd`'s runtime (at once
+/// when it has none).
+pub fn defer(pd: usize, at: std::time::Instant, f: service::Deferred) {
+    let rt = RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned());
+    match rt {
+        Some(rt) => rt.svc.defer(at, f),
+        None => f(),
+    }
+}
+
 /// Before `ibv_dealloc_pd` of real `pd`: tear its runtime down (service
 /// endpoint, links, receive buffers, meta client), which holds objects on
 /// the PD. EBUSY while a VQP of the PD is alive, as the real verb with
@@ -575,6 +649,8 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
     }
     let rt = map.remove(&(pd as usize)).expect("present");
     drop(g);
+    // Delayed deregistrations hold the PD: they go now.
+    rt.svc.run_deferred_now();
     mrs::unobserve(pd as usize);
     if let Some(meta) = rt.meta.get() {
         meta.shutdown();

@@ -1,0 +1,202 @@
+//! Messages larger than a receive buffer (above [`MAX_MSG`] bytes).
+//!
+//! The sender copies the payload into its link's staging region (registered
+//! for remote READ; its rkey is told only to that link's peer) or, when the
+//! staging has no room for it, into a registration of its own, and sends a
+//! LARGE header naming (address, rkey, length). The receiver READs the
+//! payload straight into the buffer the application posted, in READs of up
+//! to [`LINK_SEND_SGE`] pieces, then answers with a DONE (inline, naming the
+//! same address) and completes the receive. The sender's send completes
+//! when the DONE arrives, and only then is the staged copy freed.
+//!
+//! This module keeps the sender's side (staging, the messages awaiting
+//! their DONE) and the control operations in flight on behalf of the
+//! receiver's side (its READs and DONEs), whose state lives in the
+//! receiving VQP (qp.rs).
+//!
+//! [`MAX_MSG`]: super::runtime::MAX_MSG
+//! [`LINK_SEND_SGE`]: crate::service::LINK_SEND_SGE
+
+use super::runtime::Ranges;
+use crate::error::Result;
+use crate::rdma::{self, Device, Region};
+use crate::sys::*;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Staging is handed out in units of this many bytes.
+const UNIT: usize = 4096;
+
+/// One link's staging region and its free units.
+struct Staging {
+    region: Region,
+    free: Mutex<Ranges>,
+}
+
+/// Where a message's payload waits for the receiver's READ.
+pub struct Staged {
+    addr: u64,
+    rkey: u32,
+    storage: Storage,
+}
+
+enum Storage {
+    Shared { staging: Arc<Staging>, start: u32, units: u32 },
+    Own(#[allow(dead_code)] Region),
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Storage::Shared { staging, start, units } = self {
+            staging.free.lock().free(*start, *units);
+        }
+    }
+}
+
+impl Staged {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// Whether the payload has a registration of its own.
+    pub fn is_own(&self) -> bool {
+        matches!(self.storage, Storage::Own(_))
+    }
+}
+
+/// A large message sent and awaiting its DONE.
+struct Pending {
+    /// The sending VQP (slot, generation) and the WR's sequence number.
+    slot: u32,
+    gen: u8,
+    seq: u16,
+    /// The link it went on: only that link's peer may answer.
+    link_qpn: u32,
+    _staged: Staged,
+}
+
+/// A control WQE posted for a receiving VQP, by its tag.
+#[derive(Clone, Copy, Debug)]
+pub enum Control {
+    /// One READ of a large payload for VQP (slot, generation).
+    Read { slot: u32, gen: u8, retired: u16 },
+    /// A DONE answer; nothing to do but the link's accounting.
+    Done { retired: u16 },
+}
+
+impl Control {
+    /// What its signaled completion retires on the link.
+    pub fn retired(self) -> u16 {
+        match self {
+            Control::Read { retired, .. } | Control::Done { retired } => retired,
+        }
+    }
+}
+
+/// The large-message state of one runtime.
+#[derive(Default)]
+pub struct Large {
+    staging: Mutex<HashMap<u32, Arc<Staging>>>,
+    sent: Mutex<HashMap<u64, Pending>>,
+    control: Mutex<HashMap<u32, Control>>,
+    /// Receiving VQPs (slot, generation) that found their link's queue full.
+    waiting: Mutex<Vec<(u32, u8)>>,
+}
+
+impl Large {
+    /// Copy the payload the application's `sges` describe (pre-checked:
+    /// inside its registrations) to where the peer of link `link_qpn` can
+    /// READ it.
+    pub fn stage(&self, dev: &Arc<Device>, link_qpn: u32, sges: &[ibv_sge], total: usize) -> Result<Staged> {
+        let staging = self.staging_of(dev, link_qpn)?;
+        let units = total.div_ceil(UNIT) as u32;
+        let alloc = staging.free.lock().alloc(units);
+        let staged = match alloc {
+            Some(start) => Staged {
+                addr: staging.region.addr() + start as u64 * UNIT as u64,
+                rkey: staging.region.rkey(),
+                storage: Storage::Shared { staging: Arc::clone(&staging), start, units },
+            },
+            None => {
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LARGE_OWN_REGISTRATIONS);
+                let r = Region::new(dev, total, rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
+                Staged { addr: r.addr(), rkey: r.rkey(), storage: Storage::Own(r) }
+            }
+        };
+        let mut at = staged.addr as usize;
+        for s in sges {
+            // SAFETY: the application's SGE lies inside one of its MRs
+            // (pre-checked); the destination is our unit range or region,
+            // `total` bytes long, used by no other message.
+            unsafe { std::ptr::copy_nonoverlapping(s.addr as *const u8, at as *mut u8, s.length as usize) };
+            at += s.length as usize;
+        }
+        Ok(staged)
+    }
+
+    fn staging_of(&self, dev: &Arc<Device>, link_qpn: u32) -> Result<Arc<Staging>> {
+        let mut map = self.staging.lock();
+        if let Some(s) = map.get(&link_qpn) {
+            return Ok(Arc::clone(s));
+        }
+        let units = (crate::config::get().staging_bytes / UNIT).max(1);
+        let region = Region::new(dev, units * UNIT, rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
+        let s = Arc::new(Staging { region, free: Mutex::new(Ranges::new(units as u32)) });
+        map.insert(link_qpn, Arc::clone(&s));
+        Ok(s)
+    }
+
+    /// The message `seq` of VQP (slot, gen) went out on link `link_qpn`
+    /// with `staged`: keep it until the DONE.
+    pub fn sent(&self, staged: Staged, slot: u32, gen: u8, seq: u16, link_qpn: u32) {
+        self.sent.lock().insert(staged.addr, Pending { slot, gen, seq, link_qpn, _staged: staged });
+    }
+
+    /// The message at `addr` could not be posted after all.
+    pub fn unsend(&self, addr: u64) {
+        self.sent.lock().remove(&addr);
+    }
+
+    /// A DONE for `addr` arrived on link `link_qpn`: frees the staged copy
+    /// and names the WR it completes, (slot, generation, seq). None when no
+    /// such message was sent on that link (a stale or forged DONE).
+    pub fn on_done(&self, addr: u64, link_qpn: u32) -> Option<(u32, u8, u16)> {
+        let mut sent = self.sent.lock();
+        match sent.get(&addr) {
+            Some(p) if p.link_qpn == link_qpn => {}
+            _ => return None,
+        }
+        let p = sent.remove(&addr)?;
+        Some((p.slot, p.gen, p.seq))
+    }
+
+    pub fn track(&self, tag: u32, c: Control) {
+        self.control.lock().insert(tag, c);
+    }
+
+    /// The control WQE with `tag`, if it is one of ours.
+    pub fn take(&self, tag: u32) -> Option<Control> {
+        self.control.lock().remove(&tag)
+    }
+
+    pub fn wait_for_room(&self, slot: u32, gen: u8) {
+        let mut w = self.waiting.lock();
+        if !w.contains(&(slot, gen)) {
+            w.push((slot, gen));
+        }
+    }
+
+    pub fn take_waiting(&self) -> Vec<(u32, u8)> {
+        std::mem::take(&mut *self.waiting.lock())
+    }
+
+    /// Messages sent and awaiting their DONE (statistics and tests).
+    pub fn in_flight(&self) -> usize {
+        self.sent.lock().len()
+    }
+}
