@@ -450,6 +450,10 @@ int main(void)
 	int fails = 0;
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
+	/* Eight cold connects at once to one server, whose service thread
+	 * brings a QP to RTS for each, on an emulated two-vCPU node: more
+	 * than the default 2 s is fair. */
+	setenv("KRCORE_CONNECT_TIMEOUT_MS", "10000", 1);
 	ct_watchdog(120);
 	meta_pid = ct_start_meta();
 	srv = ct_fork_ready(server, "the server (qbind)");

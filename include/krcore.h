@@ -94,6 +94,13 @@ enum krcore_stat {
   // Of those, the ones that did not fit the link's staging and were
   // registered on their own (`KRCORE_STAGING_BYTES`).
   KRCORE_STAT_LARGE_OWN_REGISTRATIONS,
+  // Live virtual QPs, `qpop_msgs` src_qps included (a gauge).
+  KRCORE_STAT_VQPS,
+  // Live links: physical RC QPs to peer processes (a gauge).
+  KRCORE_STAT_LINKS,
+  // Deregistered MRs that peers may still use, really deregistered when
+  // the MR lease runs out (a gauge, `KRCORE_MR_LEASE_MS`).
+  KRCORE_STAT_MR_DEREG_DELAYED,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };
@@ -165,11 +172,19 @@ int qconnect(struct ibv_qp *qp, union ibv_gid gid, int port);
 // Take up to `num_entries` messages received by the bound VQP `qp`:
 // `wc[i]` is the receive completion (of a buffer posted with
 // `ibv_post_recv` on `qp`) and `src_qp[i]` a VQP connected back to the
-// sender, ready for `ibv_post_send` replies. The library owns every
-// `src_qp`: one per sending VQP, reused for all its messages, destroyed
-// when the sender goes away or `qp` is destroyed; never pass one to
-// `ibv_destroy_qp`. A bound VQP's receive completions come out here only,
+// sender, ready for `ibv_post_send` replies (their send completions go to
+// `qp`'s send CQ). A bound VQP's receive completions come out here only,
 // never through `ibv_poll_cq`.
+//
+// The library owns every `src_qp`: one per sending VQP, reused for all its
+// messages. When the sender destroys its VQP, the `src_qp` is reported
+// once more, after the sender's last message, with `wc[i].status ==
+// IBV_WC_WR_FLUSH_ERR` (`byte_len` 0, no receive buffer consumed, like a
+// disconnect event); it stays valid until the next `qpop_msgs` call on
+// `qp`, which destroys it (so a server that serves any number of
+// short-lived clients in turn keeps its memory flat). All of them are
+// destroyed with `qp`. The application may also destroy one early with
+// `ibv_destroy_qp`; a later message from that sender then gets a new one.
 //
 // Returns the number of entries (0 when none is waiting; it never blocks),
 // or a negative errno: -EINVAL (`qp` is not a bound VQP, `num_entries` < 0,

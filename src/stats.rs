@@ -81,6 +81,13 @@ pub enum krcore_stat {
     /// Of those, the ones that did not fit the link's staging and were
     /// registered on their own (`KRCORE_STAGING_BYTES`).
     KRCORE_STAT_LARGE_OWN_REGISTRATIONS,
+    /// Live virtual QPs, `qpop_msgs` src_qps included (a gauge).
+    KRCORE_STAT_VQPS,
+    /// Live links: physical RC QPs to peer processes (a gauge).
+    KRCORE_STAT_LINKS,
+    /// Deregistered MRs that peers may still use, really deregistered when
+    /// the MR lease runs out (a gauge, `KRCORE_MR_LEASE_MS`).
+    KRCORE_STAT_MR_DEREG_DELAYED,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -125,6 +132,9 @@ const NAMES_NUL: [&str; COUNT] = [
     "cq_spills\0",
     "large_sent\0",
     "large_own_registrations\0",
+    "vqps\0",
+    "links\0",
+    "mr_dereg_delayed\0",
 ];
 
 /// A counter's name ("post_send").

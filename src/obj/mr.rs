@@ -261,7 +261,9 @@ impl Mr {
                 // Unpublished now, deregistered when their leases ran out.
                 crate::vqp::mrs::removed(real_pd, lkey);
                 let addr = p as usize;
+                stats::inc(Stat::KRCORE_STAT_MR_DEREG_DELAYED);
                 crate::vqp::runtime::defer(real_pd, at, Box::new(move || {
+                    stats::sub(Stat::KRCORE_STAT_MR_DEREG_DELAYED, 1);
                     let p = addr as *mut ibv_mr;
                     // SAFETY: the application gave the MR up at its
                     // ibv_dereg_mr; nobody else frees it.

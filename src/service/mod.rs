@@ -101,6 +101,12 @@ struct LinkKey {
     index: u16,
 }
 
+impl Drop for Link {
+    fn drop(&mut self) {
+        crate::stats::sub(crate::stats::Stat::KRCORE_STAT_LINKS, 1);
+    }
+}
+
 impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Link")
@@ -237,7 +243,7 @@ impl Service {
         for slot in 0..UD_RECVS {
             shared.post_ud_recv(slot)?;
         }
-        shared.refill();
+        while shared.refill_one() {}
         let s2 = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("krcore-service".into())
@@ -403,14 +409,22 @@ impl Shared {
         Ok(qp)
     }
 
-    fn refill(&self) {
-        while self.warm.lock().len() < self.opts.warm_qps {
-            match self.new_link_qp() {
-                Ok(qp) => self.warm.lock().push(qp),
-                Err(e) => {
-                    klog!(Level::Warn, "service: cannot refill the warm QP pool: {e:?}");
-                    return;
-                }
+    /// One QP into the warm pool if it is short; whether it is still short.
+    /// One at a time, so that link requests arriving meanwhile are answered
+    /// between two creations (each costs milliseconds in the kernel).
+    fn refill_one(&self) -> bool {
+        if self.warm.lock().len() >= self.opts.warm_qps {
+            return false;
+        }
+        match self.new_link_qp() {
+            Ok(qp) => {
+                let mut w = self.warm.lock();
+                w.push(qp);
+                w.len() < self.opts.warm_qps
+            }
+            Err(e) => {
+                klog!(Level::Warn, "service: cannot refill the warm QP pool: {e:?}");
+                false
             }
         }
     }
@@ -454,6 +468,7 @@ impl Shared {
         }
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
         let qp_depth = qp.caps.send_wr;
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
         let link = Arc::new(Link {
             qp,
             peer: *peer,
@@ -561,7 +576,10 @@ impl Shared {
                 }
             }
             self.drain_ud();
-            self.refill();
+            if self.refill_one() {
+                // More to make: look at the UD queue first, without sleeping.
+                self.kick();
+            }
         }
     }
 
@@ -658,6 +676,7 @@ impl Shared {
         let psn = rdma::random_psn();
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
         let qp_depth = qp.caps.send_wr;
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
         let link = Arc::new(Link {
             qp,
             peer: theirs.from,

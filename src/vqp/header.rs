@@ -39,6 +39,9 @@
 //!   name it at the sender), `len` the bytes READ, and in `imm` 0 when the
 //!   payload landed, else the receiver's `ibv_wc_status` (HAS_IMM and
 //!   SOLICITED are meaningless and refused).
+//! - CLOSE: the VQP `src_vqpn` was destroyed; `dst` is the VQP it was
+//!   connected to, which may release what it keeps for it (a `qpop_msgs`
+//!   src_qp). No payload; every other field 0.
 //!
 //! Decoding is strict (unknown flag bits, a second message kind, fields that
 //! the message does not use left non-zero are all refused), so every buffer
@@ -76,23 +79,27 @@ impl Flags {
     pub const DONE: Flags = Flags(1 << 4);
     /// The sender set IBV_SEND_SOLICITED.
     pub const SOLICITED: Flags = Flags(1 << 5);
+    /// The sending VQP is gone.
+    pub const CLOSE: Flags = Flags(1 << 6);
 
-    const NAMES: [(Flags, &'static str); 6] = [
+    const NAMES: [(Flags, &'static str); 7] = [
         (Flags::HAS_IMM, "HAS_IMM"),
         (Flags::TO_PORT, "TO_PORT"),
         (Flags::WRITE_IMM, "WRITE_IMM"),
         (Flags::LARGE, "LARGE"),
         (Flags::DONE, "DONE"),
         (Flags::SOLICITED, "SOLICITED"),
+        (Flags::CLOSE, "CLOSE"),
     ];
     const KNOWN: u8 = Flags::HAS_IMM.0
         | Flags::TO_PORT.0
         | Flags::WRITE_IMM.0
         | Flags::LARGE.0
         | Flags::DONE.0
-        | Flags::SOLICITED.0;
+        | Flags::SOLICITED.0
+        | Flags::CLOSE.0;
     /// The flags that say which message this is; at most one is set.
-    const KIND: u8 = Flags::WRITE_IMM.0 | Flags::LARGE.0 | Flags::DONE.0;
+    const KIND: u8 = Flags::WRITE_IMM.0 | Flags::LARGE.0 | Flags::DONE.0 | Flags::CLOSE.0;
 
     pub const fn empty() -> Flags {
         Flags(0)
@@ -207,6 +214,7 @@ impl Header {
         let consistent = (f.0 & Flags::KIND).count_ones() <= 1
             && (!f.contains(Flags::WRITE_IMM) || f.contains(Flags::HAS_IMM))
             && (!f.contains(Flags::DONE) || f.0 & (Flags::HAS_IMM.0 | Flags::SOLICITED.0) == 0)
+            && (!f.contains(Flags::CLOSE) || (f == Flags::CLOSE && self.len == 0))
             && (self.imm == 0 || f.contains(Flags::HAS_IMM) || f.contains(Flags::DONE))
             && if f.contains(Flags::LARGE) {
                 self.len != 0
@@ -312,7 +320,8 @@ mod tests {
             rkey: 0x1314_1516,
             addr: 0x1718_1920_2122_2324,
         };
-        for h in [data, data_imm_port, write_imm, large(), large_min, done] {
+        let close = Header { flags: Flags::CLOSE, src_vqpn: 3, dst: 4, ..Header::default() };
+        for h in [data, data_imm_port, write_imm, large(), large_min, done, close] {
             assert_eq!(round_trip(h), h);
         }
     }
@@ -409,6 +418,10 @@ mod tests {
                 flags: Flags::DONE | Flags::SOLICITED,
                 ..data
             },
+            // CLOSE carries nothing.
+            Header { flags: Flags::CLOSE, len: 1, ..data },
+            Header { flags: Flags::CLOSE | Flags::SOLICITED, ..data },
+            Header { flags: Flags::CLOSE | Flags::DONE, ..data },
             // An empty LARGE payload.
             Header {
                 flags: Flags::LARGE,

@@ -80,20 +80,20 @@ struct Pending {
     _staged: Staged,
 }
 
-/// A control WQE posted for a receiving VQP, by its tag.
+/// A control WQE posted for a VQP, by its tag.
 #[derive(Clone, Copy, Debug)]
 pub enum Control {
     /// One READ of a large payload for VQP (slot, generation).
     Read { slot: u32, gen: u8, retired: u16 },
-    /// A DONE answer; nothing to do but the link's accounting.
-    Done { retired: u16 },
+    /// A bare header (DONE, CLOSE); nothing to do but the link's accounting.
+    Header { retired: u16 },
 }
 
 impl Control {
     /// What its signaled completion retires on the link.
     pub fn retired(self) -> u16 {
         match self {
-            Control::Read { retired, .. } | Control::Done { retired } => retired,
+            Control::Read { retired, .. } | Control::Header { retired } => retired,
         }
     }
 }

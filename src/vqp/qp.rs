@@ -132,12 +132,23 @@ struct State {
     rq: RecvRing,
     conn: Option<Conn>,
     bound: Option<crate::meta::Key>,
-    /// Messages for `qpop_msgs` (bound VQPs): (sender, its VQP, completion).
-    inbox: VecDeque<(Endpoint, u32, ibv_wc)>,
+    /// What `qpop_msgs` reports (bound VQPs).
+    inbox: VecDeque<Inbox>,
     held: VecDeque<Held>,
     reading: Option<Reading>,
     /// VQPs connected back to senders (bound VQPs), by sender.
     src_qps: HashMap<(u64, u32), *mut ibv_qp>,
+    /// src_qps whose sender is gone, reported by the last `qpop_msgs`
+    /// and destroyed at the next.
+    retired: Vec<*mut ibv_qp>,
+}
+
+/// An entry of a bound VQP's inbox.
+enum Inbox {
+    /// A message: its sender's endpoint and VQP, its completion.
+    Msg(Endpoint, u32, ibv_wc),
+    /// The sending VQP (incarnation, VQPN) was destroyed.
+    Closed(u64, u32),
 }
 
 /// Where a VQP's header slots live: in the runtime's arena, or (arena
@@ -163,6 +174,8 @@ pub struct Vqp {
     sq_cap: u32,
     /// The connected peer's MRStore (shared with the runtime's other VQPs).
     peer_mrs: OnceCell<Arc<Mutex<PeerMrs>>>,
+    /// A VQP made by `qpop_msgs`: the bound VQP and the sender it answers.
+    parent: OnceCell<(Weak<Vqp>, (u64, u32))>,
 }
 
 // SAFETY: the raw pointers are the application's objects, only passed
@@ -195,6 +208,7 @@ impl Vqp {
             held: VecDeque::new(),
             reading: None,
             src_qps: HashMap::new(),
+            retired: Vec::new(),
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {
@@ -223,8 +237,10 @@ impl Vqp {
             hdrs: OnceCell::new(),
             sq_cap: cap.max_send_wr,
             peer_mrs: OnceCell::new(),
+            parent: OnceCell::new(),
         });
         slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_VQPS);
         Ok(v)
     }
 
@@ -645,6 +661,19 @@ impl Vqp {
     pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>) {
         klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
         let mut st = self.st.lock();
+        if h.flags.contains(Flags::CLOSE) {
+            if st.bound.is_none() {
+                // A connected VQP keeps its own state; peer death is reported
+                // by the link.
+                return;
+            }
+            if st.held.is_empty() && st.reading.is_none() {
+                st.inbox.push_back(Inbox::Closed(link.peer.incarnation, h.src_vqpn));
+            } else {
+                st.held.push_back(Held { header: *h, payload: Vec::new(), link: Arc::clone(link) });
+            }
+            return;
+        }
         // Behind held messages or a large one being READ: RC order.
         if !st.held.is_empty() || st.reading.is_some() || st.rq.is_empty() {
             st.held.push_back(Held { header: *h, payload: payload.to_vec(), link: Arc::clone(link) });
@@ -661,9 +690,18 @@ impl Vqp {
     }
 
     fn drain_held(&self, st: &mut State) {
-        while !st.rq.is_empty() && st.reading.is_none() {
+        while st.reading.is_none() {
+            let Some(front) = st.held.front() else { break };
+            let closing = front.header.flags.contains(Flags::CLOSE);
+            if !closing && st.rq.is_empty() {
+                break;
+            }
             let Some(m) = st.held.pop_front() else { break };
-            self.land(st, &m.header, &m.payload, &m.link);
+            if closing {
+                st.inbox.push_back(Inbox::Closed(m.link.peer.incarnation, m.header.src_vqpn));
+            } else {
+                self.land(st, &m.header, &m.payload, &m.link);
+            }
         }
     }
 
@@ -719,7 +757,7 @@ impl Vqp {
 
     fn complete_recv(&self, st: &mut State, wc: ibv_wc, peer: Endpoint) {
         if st.bound.is_some() {
-            st.inbox.push_back((peer, wc.src_qp, wc));
+            st.inbox.push_back(Inbox::Msg(peer, wc.src_qp, wc));
         } else {
             self.recv_soft.push(wc);
         }
@@ -767,7 +805,7 @@ impl Vqp {
         if rd.inflight > 0 {
             return;
         }
-        if !post_done(rt, &rd.link, &rd.done) {
+        if !post_header(rt, &rd.link, &rd.done) {
             rt.large.wait_for_room(self.slot, self.gen);
             return;
         }
@@ -822,20 +860,43 @@ impl Vqp {
     }
 
     /// `qpop_msgs`: up to `n` (sender, completion) pairs. `make_src`
-    /// creates the application object of a VQP connected back to a sender.
+    /// creates the application object of a VQP connected back to a sender;
+    /// `free_src` destroys one whose sender is gone (reported by the
+    /// previous call with `IBV_WC_WR_FLUSH_ERR`).
     pub fn pop_msgs(
         self: &Arc<Self>,
         n: usize,
         make_src: &dyn Fn(&Arc<Vqp>) -> Result<*mut ibv_qp>,
+        free_src: &dyn Fn(*mut ibv_qp),
     ) -> Result<Vec<(*mut ibv_qp, ibv_wc)>> {
         let rt = self.rt.get().ok_or(Errno::EINVAL)?;
         if !self.is_bound() {
             return Err(Errno::EINVAL);
         }
+        let retired = std::mem::take(&mut self.st.lock().retired);
+        retired.into_iter().for_each(free_src);
         rt.progress();
         let mut out = Vec::new();
         while out.len() < n {
-            let Some((peer, src, wc)) = self.st.lock().inbox.pop_front() else { break };
+            let Some(entry) = self.st.lock().inbox.pop_front() else { break };
+            let (peer, src, wc) = match entry {
+                Inbox::Msg(peer, src, wc) => (peer, src, wc),
+                Inbox::Closed(incarnation, src) => {
+                    let mut st = self.st.lock();
+                    // A sender we never answered has no src_qp to retire.
+                    if let Some(qp) = st.src_qps.remove(&(incarnation, src)) {
+                        st.retired.push(qp);
+                        // SAFETY: ibv_wc is plain C data.
+                        let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
+                        wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+                        wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
+                        wc.qp_num = self.vqpn;
+                        wc.src_qp = src;
+                        out.push((qp, wc));
+                    }
+                    continue;
+                }
+            };
             let key = (peer.incarnation, src);
             let existing = self.st.lock().src_qps.get(&key).copied();
             let qp = match existing {
@@ -845,6 +906,7 @@ impl Vqp {
                     let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
                     let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
                     let _ = v.rt.set(Arc::clone(rt));
+                    let _ = v.parent.set((Arc::downgrade(self), key));
                     v.attach(rt, link, peer, src);
                     let qp = make_src(&v)?;
                     self.st.lock().src_qps.insert(key, qp);
@@ -859,6 +921,12 @@ impl Vqp {
     /// Destroy: unpublish a binding, flush what is outstanding, free the
     /// slot. Returns the VQPs made for senders (the caller frees them).
     pub fn destroy(&self) -> Vec<*mut ibv_qp> {
+        if let Some((parent, key)) = self.parent.get() {
+            // The application destroyed a src_qp itself.
+            if let Some(p) = parent.upgrade() {
+                p.st.lock().src_qps.remove(key);
+            }
+        }
         let mut st = self.st.lock();
         if let (Some(key), Some(rt)) = (st.bound.take(), self.rt.get()) {
             if let Ok(meta) = rt.meta() {
@@ -868,7 +936,13 @@ impl Vqp {
         let mut out = Vec::new();
         st.sq.flush(&mut |c| out.push(c));
         st.rq.flush(&mut |c| out.push(c));
-        let srcs: Vec<*mut ibv_qp> = st.src_qps.drain().map(|(_, q)| q).collect();
+        let mut srcs: Vec<*mut ibv_qp> = st.src_qps.drain().map(|(_, q)| q).collect();
+        srcs.append(&mut st.retired);
+        // The VQP we talk to may release what it keeps for us (a src_qp).
+        let close = match (&st.conn, self.parent.get()) {
+            (Some(c), None) => Some((Arc::clone(&c.link), Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() })),
+            _ => None,
+        };
         // Large messages it will not finish READing: their senders are told
         // (best effort), so that their sends complete and copies go.
         let mut unread: Vec<(Arc<Link>, Header)> = st.reading.take().map(|r| (r.link, r.done)).into_iter().collect();
@@ -880,7 +954,10 @@ impl Vqp {
         if let Some(rt) = self.rt.get() {
             for (link, mut done) in unread {
                 done.imm = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
-                post_done(rt, &link, &done);
+                post_header_waiting(rt, &link, &done);
+            }
+            if let Some((link, h)) = close {
+                post_header_waiting(rt, &link, &h);
             }
         }
         if let (Some(Hdrs::Arena { start }), Some(rt)) = (self.hdrs.get(), self.rt.get()) {
@@ -889,18 +966,19 @@ impl Vqp {
         let mut slots = SLOTS.lock();
         slots.entries[self.slot as usize].1 = Weak::new();
         slots.free.push(self.slot);
+        crate::stats::sub(crate::stats::Stat::KRCORE_STAT_VQPS, 1);
         srcs
     }
 }
 
-/// Post a DONE (inline, signaled) on `link`; false when the link has no
-/// room now.
-fn post_done(rt: &Runtime, link: &Link, done: &Header) -> bool {
+/// Post a bare header (DONE, CLOSE: inline, signaled) on `link`; false
+/// when the link has no room now.
+fn post_header(rt: &Runtime, link: &Link, h: &Header) -> bool {
     let mut sq = link.sq.lock();
     let Some(d) = sq.try_post(true) else { return false };
     let tag = rt.next_tag();
-    rt.large.track(tag, Control::Done { retired: d.retired });
-    let mut bytes = header_bytes(done);
+    rt.large.track(tag, Control::Header { retired: d.retired });
+    let mut bytes = header_bytes(h);
     let mut sge = ibv_sge { addr: bytes.as_mut_ptr() as u64, length: HEADER_LEN as u32, lkey: 0 };
     // SAFETY: a plain C struct.
     let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
@@ -911,11 +989,26 @@ fn post_done(rt: &Runtime, link: &Link, done: &Header) -> bool {
     wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0 | ibv_send_flags::IBV_SEND_INLINE.0;
     // SAFETY: inline data is copied at post time; links allow HEADER_LEN.
     if let Err(e) = unsafe { link.qp.post_send(&mut wr) } {
-        // The link is gone: the sender learns it from its own completions.
-        klog!(Level::Warn, "vqp: cannot answer a large message: {e:?}");
+        // The link is gone: the peer learns it from its own completions.
+        klog!(Level::Warn, "vqp: cannot send a {:?} header: {e:?}", h.flags);
         rt.large.take(tag);
     }
     true
+}
+
+/// [`post_header`], making progress while the link is full (bounded by
+/// the connect timeout): for a VQP being destroyed, which cannot wait for
+/// a later pump.
+fn post_header_waiting(rt: &Runtime, link: &Link, h: &Header) {
+    let deadline = std::time::Instant::now() + super::runtime::connect_timeout();
+    while !post_header(rt, link, h) {
+        if std::time::Instant::now() > deadline {
+            klog!(Level::Warn, "vqp: no room on the link for a {:?} header", h.flags);
+            return;
+        }
+        rt.progress();
+        std::thread::yield_now();
+    }
 }
 
 /// What a WQE's wr_id says it retires: the decision's count when it is

@@ -1,0 +1,630 @@
+/*
+ * Virtual QPs coming and going, several processes on several emulated
+ * nodes, krcore-meta started here on node 1. A server bound with qbind on
+ * node 1 answers commands (the first byte of a message) through the
+ * src_qp qpop_msgs gives: 'E' echo, 'M' the address and rkey of its
+ * "lease" MR, 'D' deregister that MR, 'R' its resident memory and live
+ * VQPs, 'Q' finish.
+ *
+ * Client A (node 2):
+ * 1. "src_qp reclaim": CT_CHURN (default 3,000; the note's run used
+ *    10,000) short-lived VQPs in turn,
+ *    each created, connected (qconnect over the live link), echoing one
+ *    64-byte message and destroyed. The server reports each sender's
+ *    src_qp once more with IBV_WC_WR_FLUSH_ERR after its last message, and
+ *    frees it: its live VQPs stay at a handful, the heap it has in use
+ *    after the churn is what it was after the first 1,000 (within 16 KiB)
+ *    and its RSS within 8 MiB.
+ * 2. "large burst": 48 messages of 128 KiB posted at once (the server has
+ *    32 receives posted: the rest wait at the server, then are READ),
+ *    through a 1 MiB staging (KRCORE_STAGING_BYTES: most need a
+ *    registration of their own), echoed back; every byte checked, in
+ *    order.
+ * 3. "receive too small": a 300 KiB message into the server's 256 KiB
+ *    buffers: LOC_LEN_ERR at the server, REM_INV_REQ_ERR at the sender,
+ *    whose next send is flushed (its VQP is in error, as RC's).
+ * 4. "MR lease": the server deregisters an MR the client READs
+ *    (KRCORE_MR_LEASE_MS=500): ibv_dereg_mr returns at once, the client's
+ *    READs keep succeeding (the real MR lives out the lease) until the
+ *    client's cached check expires and a post is refused with EINVAL; the
+ *    shared link never sees an access error; the server's delayed
+ *    deregistration is done by the end.
+ *
+ * Client C (node 3), "binding expiry":
+ * 5. a process bound at (node 4, port) is killed with SIGKILL: the binding
+ *    is gone within the lease (KRCORE_META_LEASE_MS=600; the meta server
+ *    sees the TCP connection close), and C binds the address itself;
+ * 6. a process bound at (node 5, port) is stopped (SIGSTOP: its lease
+ *    renewals stop, its TCP connection stays): the binding expires after
+ *    the lease, not before, and C binds it;
+ * 7. a new process (node 6) qconnects to (node 4, port) and reaches C.
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PORT 5200
+#define NBUF 32
+#define SBUF (256 * 1024)	/* the server's receive buffers */
+#define BURST 48
+#define BURST_LEN (128 * 1024)
+#define TOO_BIG (300 * 1024)
+#define LEASE_MS 500
+#define META_LEASE_MS 600
+
+/* The server's resident memory is measured: memory it frees must be
+ * reusable at once, not parked in AddressSanitizer's quarantine. */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void)
+{
+	return "quarantine_size_mb=0";
+}
+
+/* AddressSanitizer's count of bytes allocated and not freed (its
+ * allocator_interface.h is not installed with every compiler). */
+size_t __sanitizer_get_current_allocated_bytes(void);
+
+struct node {
+	struct ct_dev d;
+	struct ibv_cq *scq, *rcq;
+	struct ibv_qp *qp;
+	uint8_t *buf;
+	size_t len;
+	struct ibv_mr *mr;
+};
+
+static void node_open(struct node *n, int node, size_t len, uint32_t rq)
+{
+	char idx[16];
+
+	snprintf(idx, sizeof(idx), "%d", node);
+	setenv("CT_GID_A", idx, 1);
+	setenv("KRCORE_GID_INDEX", idx, 1);
+	ct_open(&n->d);
+	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
+	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
+	n->qp = ct_create_vqp(&n->d, n->scq, n->rcq, (struct ct_qp_caps){ 64, rq, 1, 1, 0, 0 }, NULL);
+	n->len = len;
+	n->buf = aligned_alloc(4096, len);
+	CT_CHECK(n->buf != NULL, "alloc");
+	memset(n->buf, 0, len);
+	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, len, IBV_ACCESS_LOCAL_WRITE));
+}
+
+static void post_recv_at(struct ibv_qp *qp, struct node *n, uint64_t wr_id, size_t off, uint32_t len)
+{
+	struct ibv_sge sge = { (uintptr_t)n->buf + off, len, n->mr->lkey };
+	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 };
+	struct ibv_recv_wr *bad = NULL;
+
+	CT_OK(ibv_post_recv(qp, &wr, &bad));
+}
+
+static int post_send_at(struct ibv_qp *qp, struct node *n, uint64_t wr_id, size_t off,
+			uint32_t len, unsigned flags)
+{
+	struct ibv_sge sge = { (uintptr_t)n->buf + off, len, n->mr->lkey };
+	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
+				  .opcode = IBV_WR_SEND, .send_flags = flags };
+	struct ibv_send_wr *bad = NULL;
+
+	return ibv_post_send(qp, &wr, &bad);
+}
+
+/* A signaled send and its successful completion. */
+static void send_sync(struct ibv_qp *qp, struct node *n, uint64_t wr_id, size_t off, uint32_t len)
+{
+	struct ibv_wc wc;
+
+	CT_OK(post_send_at(qp, n, wr_id, off, len, IBV_SEND_SIGNALED));
+	ct_poll_n(n->scq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == wr_id, "send %llu: %s, wr_id %llu",
+		 (unsigned long long)wr_id, ibv_wc_status_str(wc.status),
+		 (unsigned long long)wc.wr_id);
+}
+
+static uint64_t rss_bytes(void)
+{
+	unsigned long size = 0, res = 0;
+	FILE *f = fopen("/proc/self/statm", "r");
+	int fields;
+
+	CT_CHECK(f != NULL, "statm");
+	fields = fscanf(f, "%lu %lu", &size, &res);
+	CT_CHECK(fields == 2, "statm format");
+	fclose(f);
+	return (uint64_t)res * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+/* ---- the server -------------------------------------------------------- */
+
+static int server(int ready_fd)
+{
+	struct node n;
+	uint8_t *lease_buf;
+	struct ibv_mr *lease_mr;
+	int closes = 0, too_small = 0, done = 0, outstanding = 0;
+	long msgs = 0;
+
+	ct_begin("vqp_life server");
+	node_open(&n, 1, 2 * NBUF * (size_t)SBUF, NBUF);
+	lease_buf = aligned_alloc(4096, 4096);
+	CT_CHECK(lease_buf != NULL, "alloc");
+	ct_fill(lease_buf, 4096, 31);
+	lease_mr = CT_PTR(ibv_reg_mr(n.d.pd, lease_buf, 4096,
+				     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
+	for (int i = 0; i < NBUF; i++)
+		post_recv_at(n.qp, &n, (uint64_t)i, (size_t)i * SBUF, SBUF);
+	CT_OK(qbind(n.qp, ct_node_gid(1), PORT));
+	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
+	close(ready_fd);
+
+	/* Replies are not waited for: a receive slot is reposted when the
+	 * reply from its send half completed (a large reply completes only
+	 * when the client has READ it). */
+	while (!done || outstanding > 0) {
+		struct ibv_qp *src[16];
+		struct ibv_wc wc[16];
+		int k = qpop_msgs(n.qp, 16, src, wc);
+
+		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+		for (int i = 0; i < k; i++) {
+			int slot = (int)wc[i].wr_id;
+			uint8_t *in = n.buf + (size_t)slot * SBUF;
+			uint8_t *out = n.buf + (size_t)(NBUF + slot) * SBUF;
+			uint32_t len = 0;
+
+			if (wc[i].status == IBV_WC_WR_FLUSH_ERR) {
+				/* A sender destroyed its VQP: no buffer used. */
+				CT_CHECK(wc[i].byte_len == 0 && src[i] != NULL, "close report");
+				closes++;
+				continue;
+			}
+			if (wc[i].status == IBV_WC_LOC_LEN_ERR) {
+				CT_CHECK(wc[i].byte_len == TOO_BIG, "too-small byte_len %u", wc[i].byte_len);
+				too_small++;
+				post_recv_at(n.qp, &n, (uint64_t)slot, (size_t)slot * SBUF, SBUF);
+				continue;
+			}
+			CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "recv status %s",
+				 ibv_wc_status_str(wc[i].status));
+			if (++msgs % 500 == 0)
+				ct_watchdog(120); /* progress: the watchdog guards each 500 */
+			switch (in[0]) {
+			case 'E':
+				memcpy(out, in, wc[i].byte_len);
+				len = wc[i].byte_len;
+				break;
+			case 'M': {
+				uint64_t a = (uintptr_t)lease_buf;
+				uint32_t rk = lease_mr->rkey;
+
+				memcpy(out, &a, 8);
+				memcpy(out + 8, &rk, 4);
+				len = 12;
+				break;
+			}
+			case 'D':
+				CT_OK(ibv_dereg_mr(lease_mr));
+				/* Returned at once; the real one waits out the lease. */
+				CT_KRCORE_STAT(KRCORE_STAT_MR_DEREG_DELAYED, ==, 1);
+				out[0] = 'D';
+				len = 1;
+				break;
+			case 'R': {
+				uint64_t v[3] = { rss_bytes(), krcore_stat_get(KRCORE_STAT_VQPS),
+						  __sanitizer_get_current_allocated_bytes() };
+
+				memcpy(out, v, sizeof(v));
+				len = sizeof(v);
+				break;
+			}
+			case 'Q':
+				out[0] = 'Q';
+				len = 1;
+				done = 1;
+				break;
+			default:
+				CT_FAIL("unknown command %#x", in[0]);
+			}
+			CT_OK(post_send_at(src[i], &n, (uint64_t)slot, (size_t)(NBUF + slot) * SBUF, len,
+					   IBV_SEND_SIGNALED));
+			outstanding++;
+		}
+		{
+			struct ibv_wc swc[16];
+			int m = ibv_poll_cq(n.scq, 16, swc);
+
+			CT_CHECK(m >= 0, "poll");
+			for (int i = 0; i < m; i++) {
+				CT_CHECK(swc[i].status == IBV_WC_SUCCESS, "reply status %s",
+					 ibv_wc_status_str(swc[i].status));
+				post_recv_at(n.qp, &n, swc[i].wr_id, (size_t)swc[i].wr_id * SBUF, SBUF);
+				outstanding--;
+			}
+			if (k == 0 && m == 0)
+				sched_yield();
+		}
+	}
+	/* The client saw its READs refused when its own check expired; our
+	 * real deregistration comes a tenth of the lease later. */
+	{
+		uint64_t t = ct_now_ns();
+
+		while (krcore_stat_get(KRCORE_STAT_MR_DEREG_DELAYED) != 0) {
+			CT_CHECK(ct_now_ns() - t < 3000000000ull, "the delayed deregistration never ran");
+			usleep(10000);
+		}
+	}
+	/* Every churn VQP, the burst VQP and the too-small one said goodbye
+	 * before the 'Q' (same link, in order). */
+	CT_CHECK(closes >= 2, "closes %d", closes);
+	CT_CHECK(too_small == 1, "too-small messages %d", too_small);
+	ct_note("server: %ld messages, %d src_qps reported closed and freed", msgs, closes);
+	ct_pass();
+	return 0;
+}
+
+/* ---- client A ------------------------------------------------------------ */
+
+/* Command `cmd` (len bytes at offset 0 of the send half) on the main VQP;
+ * the answer lands at the receive half; returns its length. */
+static uint32_t call(struct node *n, uint8_t cmd, uint32_t len)
+{
+	struct ibv_wc wc;
+	uint8_t *s = n->buf + n->len / 2;
+
+	post_recv_at(n->qp, n, 1, 0, (uint32_t)(n->len / 2));
+	s[0] = cmd;
+	send_sync(n->qp, n, 2, n->len / 2, len ? len : 1);
+	ct_poll_n(n->rcq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS, "answer to '%c': %s", cmd, ibv_wc_status_str(wc.status));
+	return wc.byte_len;
+}
+
+static void churn(struct node *n, int count, uint64_t rep[2][3])
+{
+	struct ibv_cq *cq = CT_PTR(ibv_create_cq(n->d.ctx, 8, NULL, NULL, 0));
+	uint64_t t0 = ct_now_ns();
+
+	ct_begin("vqp_life: src_qp reclaim");
+	for (int i = 0; i < count; i++) {
+		struct ibv_qp *q = ct_create_vqp(&n->d, cq, cq, (struct ct_qp_caps){ 2, 2, 1, 1, 0, 0 }, NULL);
+		uint8_t *s = n->buf + n->len / 2;
+		struct ibv_wc wc[2];
+		int got = 0;
+
+		CT_OK(qconnect(q, ct_node_gid(1), PORT));
+		post_recv_at(q, n, 100, 0, 64);
+		ct_fill(s, 64, (uint32_t)i);
+		s[0] = 'E';
+		CT_OK(post_send_at(q, n, 101, n->len / 2, 64, IBV_SEND_SIGNALED));
+		while (got < 2) {
+			ct_poll_n(cq, &wc[got], 1, CT_TIMEOUT_MS);
+			CT_CHECK(wc[got].status == IBV_WC_SUCCESS && wc[got].qp_num == q->qp_num,
+				 "churn %d: %s", i, ibv_wc_status_str(wc[got].status));
+			got++;
+		}
+		ct_expect_bytes(n->buf, s, 64, "churn echo");
+		CT_OK(ibv_destroy_qp(q));
+		if ((i + 1) % 1000 == 0) {
+			/* Progress: the watchdog guards each thousand. */
+			ct_watchdog(120);
+			ct_note("%d VQPs in %.1f s", i + 1, (double)(ct_now_ns() - t0) / 1e9);
+		}
+		if (i == 999 || i == count - 1) {
+			CT_CHECK(call(n, 'R', 1) == sizeof(rep[0]), "R answer");
+			memcpy(rep[i == 999 ? 0 : 1], n->buf, sizeof(rep[0]));
+		}
+	}
+	CT_OK(ibv_destroy_cq(cq));
+	ct_note("%d short-lived VQPs in %.1f s; the server after 1,000 and after %d: "
+		"heap in use %llu and %llu bytes, RSS %.1f and %.1f MiB, live VQPs %llu and %llu",
+		count, (double)(ct_now_ns() - t0) / 1e9, count, (unsigned long long)rep[0][2],
+		(unsigned long long)rep[1][2], (double)rep[0][0] / 1048576.0,
+		(double)rep[1][0] / 1048576.0, (unsigned long long)rep[0][1],
+		(unsigned long long)rep[1][1]);
+	/* The bound VQP, the main VQP's src_qp, and the last churn VQP's
+	 * (reported, freed at the next qpop_msgs). */
+	CT_CHECK(rep[1][1] <= 4, "the server keeps %llu VQPs", (unsigned long long)rep[1][1]);
+	/* Exact: what the server has allocated and not freed (a leak of one
+	 * small object per client would add tens of KiB). */
+	CT_CHECK(rep[1][2] < rep[0][2] + 16384, "server heap grew from %llu to %llu bytes",
+		 (unsigned long long)rep[0][2], (unsigned long long)rep[1][2]);
+	/* Loose: resident memory also moves with the allocator's caches. */
+	CT_CHECK(rep[1][0] < rep[0][0] + (8 << 20), "server RSS grew from %llu to %llu",
+		 (unsigned long long)rep[0][0], (unsigned long long)rep[1][0]);
+	ct_pass();
+}
+
+static void large_burst(struct node *n)
+{
+	struct ibv_cq *scq = CT_PTR(ibv_create_cq(n->d.ctx, 64, NULL, NULL, 0));
+	struct ibv_cq *rcq = CT_PTR(ibv_create_cq(n->d.ctx, 64, NULL, NULL, 0));
+	struct ibv_qp *b = ct_create_vqp(&n->d, scq, rcq, (struct ct_qp_caps){ 64, 64, 1, 1, 0, 0 }, NULL);
+	size_t half = n->len / 2;
+	struct ibv_wc wc;
+	uint64_t own0 = krcore_stat_get(KRCORE_STAT_LARGE_OWN_REGISTRATIONS);
+
+	ct_begin("vqp_life: large burst");
+	CT_OK(qconnect(b, ct_node_gid(1), PORT));
+	for (int i = 0; i < BURST; i++)
+		post_recv_at(b, n, 1000 + (uint64_t)i, (size_t)i * BURST_LEN, BURST_LEN);
+	for (int i = 0; i < BURST; i++) {
+		uint8_t *s = n->buf + half + (size_t)i * BURST_LEN;
+
+		ct_fill(s, BURST_LEN, 9000 + (uint32_t)i);
+		s[0] = 'E';
+		CT_OK(post_send_at(b, n, (uint64_t)i, half + (size_t)i * BURST_LEN, BURST_LEN,
+				   i == BURST - 1 ? IBV_SEND_SIGNALED : 0));
+	}
+	for (int i = 0; i < BURST; i++) {
+		uint8_t *r = n->buf + (size_t)i * BURST_LEN;
+
+		ct_poll_n(rcq, &wc, 1, CT_TIMEOUT_MS);
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 1000 + (uint64_t)i &&
+				 wc.byte_len == BURST_LEN,
+			 "echo %d: %s wr_id %llu len %u", i, ibv_wc_status_str(wc.status),
+			 (unsigned long long)wc.wr_id, wc.byte_len);
+		CT_CHECK(r[0] == 'E', "echo %d command byte", i);
+		{
+			uint8_t *want = malloc(BURST_LEN);
+
+			CT_CHECK(want != NULL, "alloc");
+			ct_fill(want, BURST_LEN, 9000 + (uint32_t)i);
+			ct_expect_bytes(r + 1, want + 1, BURST_LEN - 1, "burst echo");
+			free(want);
+		}
+	}
+	/* The last send completes when the server has READ every message. */
+	ct_poll_n(scq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == BURST - 1, "burst send: %s",
+		 ibv_wc_status_str(wc.status));
+	CT_KRCORE_STAT(KRCORE_STAT_LARGE_OWN_REGISTRATIONS, >, own0);
+	CT_OK(ibv_destroy_qp(b));
+	CT_OK(ibv_destroy_cq(scq));
+	CT_OK(ibv_destroy_cq(rcq));
+	ct_note("%d x %d KiB echoed; %llu needed a registration of their own", BURST,
+		BURST_LEN / 1024,
+		(unsigned long long)(krcore_stat_get(KRCORE_STAT_LARGE_OWN_REGISTRATIONS) - own0));
+	ct_pass();
+}
+
+static void too_small(struct node *n)
+{
+	struct ibv_cq *cq = CT_PTR(ibv_create_cq(n->d.ctx, 8, NULL, NULL, 0));
+	struct ibv_qp *s = ct_create_vqp(&n->d, cq, cq, (struct ct_qp_caps){ 4, 1, 1, 1, 0, 0 }, NULL);
+	struct ibv_wc wc;
+
+	ct_begin("vqp_life: receive too small");
+	CT_OK(qconnect(s, ct_node_gid(1), PORT));
+	n->buf[n->len / 2] = 'E';
+	CT_OK(post_send_at(s, n, 1, n->len / 2, TOO_BIG, IBV_SEND_SIGNALED));
+	ct_poll_n(cq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_REM_INV_REQ_ERR && wc.wr_id == 1, "sender: %s",
+		 ibv_wc_status_str(wc.status));
+	/* In error, as an RC QP: accepted, then flushed. */
+	CT_OK(post_send_at(s, n, 2, n->len / 2, 8, IBV_SEND_SIGNALED));
+	ct_poll_n(cq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_WR_FLUSH_ERR && wc.wr_id == 2, "after the error: %s",
+		 ibv_wc_status_str(wc.status));
+	CT_OK(ibv_destroy_qp(s));
+	CT_OK(ibv_destroy_cq(cq));
+	ct_pass();
+}
+
+static void mr_lease(struct node *n)
+{
+	uint64_t addr;
+	uint32_t rkey;
+	uint8_t *local = n->buf;
+	int reads = 0, rc;
+	uint64_t t_dereg = 0, t_refused;
+
+	ct_begin("vqp_life: MR lease");
+	CT_CHECK(call(n, 'M', 1) == 12, "M answer");
+	memcpy(&addr, n->buf, 8);
+	memcpy(&rkey, n->buf + 8, 4);
+	for (;;) {
+		struct ibv_sge sge = { (uintptr_t)local + 64, 4096, n->mr->lkey };
+		struct ibv_send_wr wr = { .wr_id = 50, .sg_list = &sge, .num_sge = 1,
+					  .opcode = IBV_WR_RDMA_READ,
+					  .send_flags = IBV_SEND_SIGNALED };
+		struct ibv_send_wr *bad = NULL;
+		struct ibv_wc wc;
+
+		wr.wr.rdma.remote_addr = addr;
+		wr.wr.rdma.rkey = rkey;
+		memset(local + 64, 0, 4096);
+		rc = ibv_post_send(n->qp, &wr, &bad);
+		if (rc)
+			break;
+		ct_poll_n(n->scq, &wc, 1, CT_TIMEOUT_MS);
+		CT_CHECK(wc.status == IBV_WC_SUCCESS, "READ %d: %s", reads,
+			 ibv_wc_status_str(wc.status));
+		ct_expect_pattern(local + 64, 4096, 31, "READ of the lease MR");
+		if (++reads == 1) {
+			CT_CHECK(call(n, 'D', 1) == 1, "D answer");
+			t_dereg = ct_now_ns();
+		}
+		CT_CHECK(ct_now_ns() - t_dereg < 5000000000ull, "READs still allowed after 5 s");
+		/* Sleeping is the point: time passing towards the lease. */
+		usleep(20000);
+	}
+	t_refused = ct_now_ns();
+	CT_CHECK(rc == EINVAL, "refused with %d", rc);
+	CT_CHECK(reads >= 2, "no READ between the deregistration and the refusal");
+	/* The link is intact. */
+	n->buf[n->len / 2] = 'E';
+	CT_CHECK(call(n, 'E', 16) == 16, "echo after the lease");
+	ct_note("%d READs succeeded after ibv_dereg_mr, refused after %.0f ms (lease %d ms)",
+		reads - 1, (double)(t_refused - t_dereg) / 1e6, LEASE_MS);
+	CT_CHECK(t_refused - t_dereg < (uint64_t)(LEASE_MS + 1000) * 1000000ull, "refused late");
+	ct_pass();
+}
+
+static int client_a(int ready_fd)
+{
+	struct node n;
+	uint64_t rep[2][3];
+	int count = getenv("CT_CHURN") ? atoi(getenv("CT_CHURN")) : 3000;
+
+	(void)ready_fd;
+	node_open(&n, 2, 2 * (size_t)BURST * BURST_LEN, 4);
+	CT_OK(qconnect(n.qp, ct_node_gid(1), PORT));
+	churn(&n, count < 1000 ? 1000 : count, rep);
+	large_burst(&n);
+	too_small(&n);
+	mr_lease(&n);
+	CT_CHECK(call(&n, 'Q', 1) == 1, "Q answer");
+	return 0;
+}
+
+/* ---- client C: binding expiry ------------------------------------------- */
+
+static int victim_node, victim_port;
+static pid_t victims[2];
+static int rebound[2];		/* C tells the reacher that (node 4) is its */
+
+static int victim(int ready_fd)
+{
+	struct node n;
+
+	node_open(&n, victim_node, 4096, 1);
+	CT_OK(qbind(n.qp, ct_node_gid(victim_node), victim_port));
+	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
+	for (;;)
+		pause();
+}
+
+/* qbind (node, port) on q until it succeeds (the old binding is gone);
+ * the milliseconds it took. */
+static double rebind(struct ibv_qp *q, int node, int port, uint64_t t0)
+{
+	for (;;) {
+		int rc = qbind(q, ct_node_gid(node), port);
+
+		if (rc == 0)
+			return (double)(ct_now_ns() - t0) / 1e6;
+		CT_CHECK(rc == EADDRINUSE, "qbind: %d (%s)", rc, strerror(rc));
+		CT_CHECK(ct_now_ns() - t0 < 10000000000ull, "still bound after 10 s");
+		usleep(5000);
+	}
+}
+
+static int reacher(void)
+{
+	struct node n;
+	char b;
+
+	close(rebound[1]);
+	CT_CHECK(read(rebound[0], &b, 1) == 1, "client C never rebound");
+	ct_begin("vqp_life: a new qconnect reaches the new binder");
+	node_open(&n, 6, 4096, 1);
+	CT_OK(qconnect(n.qp, ct_node_gid(4), PORT + 1));
+	memcpy(n.buf + 2048, "hello", 5);
+	send_sync(n.qp, &n, 1, 2048, 5);
+	ct_pass();
+	return 0;
+}
+
+static int client_c(void)
+{
+	struct node n;
+	struct ibv_qp *q4, *q5;
+	double killed_ms, stopped_ms;
+	uint64_t t0;
+
+	close(rebound[0]);
+	ct_begin("vqp_life: binding expiry");
+	node_open(&n, 3, 4096, 4);
+	q4 = ct_create_vqp(&n.d, n.scq, n.rcq, (struct ct_qp_caps){ 4, 4, 1, 1, 0, 0 }, NULL);
+	q5 = ct_create_vqp(&n.d, n.scq, n.rcq, (struct ct_qp_caps){ 4, 4, 1, 1, 0, 0 }, NULL);
+
+	CT_CHECK(qbind(q4, ct_node_gid(4), PORT + 1) == EADDRINUSE, "bound by victim 1");
+	kill(victims[0], SIGKILL);
+	t0 = ct_now_ns();
+	killed_ms = rebind(q4, 4, PORT + 1, t0);
+	CT_CHECK(killed_ms < META_LEASE_MS, "a killed process's binding took %.0f ms", killed_ms);
+
+	CT_CHECK(qbind(q5, ct_node_gid(5), PORT + 2) == EADDRINUSE, "bound by victim 2");
+	kill(victims[1], SIGSTOP);
+	t0 = ct_now_ns();
+	stopped_ms = rebind(q5, 5, PORT + 2, t0);
+	kill(victims[1], SIGKILL);
+	kill(victims[1], SIGCONT);
+	/* Renewed every third of the lease: gone between 2/3 and 1 lease
+	 * after the last renewal, plus the meta server's sweep. */
+	CT_CHECK(stopped_ms > META_LEASE_MS / 2, "expired after only %.0f ms", stopped_ms);
+	CT_CHECK(stopped_ms < META_LEASE_MS + 2000, "expired after %.0f ms", stopped_ms);
+	ct_note("binding gone %.1f ms after SIGKILL, %.0f ms after SIGSTOP (lease %d ms)",
+		killed_ms, stopped_ms, META_LEASE_MS);
+	ct_pass();
+
+	/* (node 4, PORT + 1) is ours now: a new process reaches it. */
+	ct_begin("vqp_life: the new binder gets the message");
+	post_recv_at(q4, &n, 9, 0, 64);
+	CT_CHECK(write(rebound[1], "B", 1) == 1, "tell the reacher");
+	{
+		uint64_t t = ct_now_ns();
+		struct ibv_qp *src;
+		struct ibv_wc wc;
+		int k;
+
+		while ((k = qpop_msgs(q4, 1, &src, &wc)) == 0) {
+			CT_CHECK(ct_now_ns() - t < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "no message");
+			sched_yield();
+		}
+		CT_CHECK(k == 1 && wc.status == IBV_WC_SUCCESS && wc.byte_len == 5, "message: %d", k);
+		CT_CHECK(memcmp(n.buf, "hello", 5) == 0, "message bytes");
+	}
+	ct_pass();
+	return 0;
+}
+
+int main(void)
+{
+	pid_t meta_pid, srv, a, c, r;
+	int fails = 0;
+
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	/* Read once per process, at its first use of the library: every
+	 * process forked below gets these. */
+	setenv("KRCORE_MR_LEASE_MS", "500", 1);
+	setenv("KRCORE_META_LEASE_MS", "600", 1);
+	setenv("KRCORE_STAGING_BYTES", "1048576", 1);
+	ct_watchdog(300);
+	meta_pid = ct_start_meta();
+	srv = ct_fork_ready(server, "the server (qbind)");
+	victim_node = 4, victim_port = PORT + 1;
+	victims[0] = ct_fork_ready(victim, "victim on node 4");
+	victim_node = 5, victim_port = PORT + 2;
+	victims[1] = ct_fork_ready(victim, "victim on node 5");
+	CT_CHECK(pipe(rebound) == 0, "pipe");
+	r = fork();
+	if (r == 0)
+		_exit(reacher());
+	a = fork();
+	if (a == 0)
+		_exit(client_a(-1));
+	c = fork();
+	if (c == 0)
+		_exit(client_c());
+	close(rebound[0]);
+	close(rebound[1]);
+	fails += ct_wait_child(c, "client C");
+	fails += ct_wait_child(r, "reacher");
+	waitpid(victims[0], NULL, 0);
+	waitpid(victims[1], NULL, 0);
+	fails += ct_wait_child(a, "client A");
+	fails += ct_wait_child(srv, "server");
+	kill(meta_pid, SIGTERM);
+	waitpid(meta_pid, NULL, 0);
+	CT_CHECK(fails == 0, "%d process(es) failed", fails);
+	return 0;
+}
