@@ -19,6 +19,8 @@
  *   a bound address (EADDRINUSE), of a GID not on the device
  *   (EADDRNOTAVAIL), a send with a bad lkey (EINVAL, *bad_wr, and the VQP
  *   keeps working), qbind/qconnect on a QP that is not virtual (EINVAL);
+ * - KRCORE_LINKS_PER_PEER=2: a client's second VQP goes on a second link
+ *   (gauge links), and the server answers on the link each came on;
  * - the server: every message arrives once, the counter ends at CLIENTS.
  *
  * krcore-meta is found next to the library (target/release/krcore-meta)
@@ -401,6 +403,7 @@ static int client(int id)
 			int want, got = 0, cqe = tiny->cqe;
 
 			CT_OK(qconnect(q2, ct_node_gid(1), PORT));
+			CT_KRCORE_STAT(KRCORE_STAT_LINKS, ==, 2);
 			want = cqe * 3 < 32 ? cqe * 3 : 32;
 			for (int i = 0; i < want; i++) {
 				struct ibv_sge sge = { (uintptr_t)local, 8, n.mr->lkey };
@@ -454,6 +457,8 @@ int main(void)
 	 * brings a QP to RTS for each, on an emulated two-vCPU node: more
 	 * than the default 2 s is fair. */
 	setenv("KRCORE_CONNECT_TIMEOUT_MS", "10000", 1);
+	/* Two links per peer: a client's second VQP takes the second. */
+	setenv("KRCORE_LINKS_PER_PEER", "2", 1);
 	ct_watchdog(120);
 	meta_pid = ct_start_meta();
 	srv = ct_fork_ready(server, "the server (qbind)");

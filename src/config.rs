@@ -18,6 +18,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_CONNECT_TIMEOUT_MS", "2000", "bound on qconnect and on every wait for the meta server or a peer's endpoint"),
     ("KRCORE_META_LEASE_MS", "3000", "lease of a qbind registration; renewed every third of it, dropped after it when not renewed"),
     ("KRCORE_MR_LEASE_MS", "1000", "how long a peer may use a remote MR it checked; the real ibv_dereg_mr of an MR peers can access waits this long"),
+    ("KRCORE_LINKS_PER_PEER", "1", "RC links to each peer process; a process's VQPs are spread over them (more for many threads sending to one peer)"),
     ("KRCORE_STAGING_BYTES", "4194304", "per link: registered memory that holds messages above 4 KiB until the receiver READs them (larger ones get a registration each)"),
 ];
 
@@ -36,6 +37,7 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     pub meta_lease_ms: u64,
     pub mr_lease_ms: u64,
+    pub links_per_peer: u32,
     pub staging_bytes: usize,
 }
 
@@ -60,6 +62,7 @@ impl Config {
             connect_timeout_ms: var("KRCORE_CONNECT_TIMEOUT_MS").and_then(|v| v.parse().ok()).unwrap_or(2000).max(1),
             meta_lease_ms: var("KRCORE_META_LEASE_MS").and_then(|v| v.parse().ok()).unwrap_or(3000).max(30),
             mr_lease_ms: var("KRCORE_MR_LEASE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
+            links_per_peer: var("KRCORE_LINKS_PER_PEER").and_then(|v| v.parse().ok()).unwrap_or(1).clamp(1, 64),
             staging_bytes: var("KRCORE_STAGING_BYTES").and_then(|v| v.parse().ok()).unwrap_or(4 << 20),
         }
     }
@@ -81,6 +84,7 @@ impl Config {
             self.connect_timeout_ms.to_string(),
             self.meta_lease_ms.to_string(),
             self.mr_lease_ms.to_string(),
+            self.links_per_peer.to_string(),
             self.staging_bytes.to_string(),
         ];
         VARIABLES

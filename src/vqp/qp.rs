@@ -123,8 +123,6 @@ struct Reading {
     link: Arc<Link>,
     /// The answer, sent when every READ completed (`imm`: the status).
     done: Header,
-    /// The sender of a bound VQP's message (for `qpop_msgs`).
-    peer: Endpoint,
 }
 
 struct State {
@@ -145,8 +143,9 @@ struct State {
 
 /// An entry of a bound VQP's inbox.
 enum Inbox {
-    /// A message: its sender's endpoint and VQP, its completion.
-    Msg(Endpoint, u32, ibv_wc),
+    /// A message: its sender's endpoint, the index of the link it came
+    /// on, the sending VQP, its completion.
+    Msg(Endpoint, u16, u32, ibv_wc),
     /// The sending VQP (incarnation, VQPN) was destroyed.
     Closed(u64, u32),
 }
@@ -302,7 +301,9 @@ impl Vqp {
         let key = crate::meta::Key::Port { gid, port };
         let meta = rt.meta()?;
         let ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
-        let link = match rt.svc.link(&ep, 0, super::runtime::connect_timeout()) {
+        // VQPs spread over the process's links to that peer by slot.
+        let index = (self.slot % crate::config::get().links_per_peer) as u16;
+        let link = match rt.svc.link(&ep, index, super::runtime::connect_timeout()) {
             Ok(l) => l,
             Err(e) => {
                 // A stale cached endpoint (its process is gone): look again.
@@ -609,13 +610,9 @@ impl Vqp {
 
     /// A physical completion of one of our WRs (progress).
     pub fn on_send_completion(&self, seq: u16, status: u32) {
+        // Delivered under the VQP's lock (then the CQ's), as receives are.
         let mut st = self.st.lock();
-        let mut out = Vec::new();
-        let _ = st.sq.complete(seq, status, &mut |c| out.push(c));
-        drop(st);
-        for c in out {
-            self.deliver(&self.send_soft, c);
-        }
+        let _ = st.sq.complete(seq, status, &mut |c| self.deliver(&self.send_soft, c));
     }
 
     fn deliver(&self, cq: &CqSoft, c: Completion) {
@@ -733,7 +730,7 @@ impl Vqp {
                     Vec::new()
                 }
             };
-            st.reading = Some(Reading { wc, pieces, next: 0, remote: h.addr, rkey: h.rkey, inflight: 0, link: Arc::clone(link), done, peer: link.peer });
+            st.reading = Some(Reading { wc, pieces, next: 0, remote: h.addr, rkey: h.rkey, inflight: 0, link: Arc::clone(link), done });
             self.pump(st);
             return;
         } else {
@@ -752,12 +749,12 @@ impl Vqp {
                 Err(status) => wc.status = status,
             }
         }
-        self.complete_recv(st, wc, link.peer);
+        self.complete_recv(st, wc, link);
     }
 
-    fn complete_recv(&self, st: &mut State, wc: ibv_wc, peer: Endpoint) {
+    fn complete_recv(&self, st: &mut State, wc: ibv_wc, link: &Link) {
         if st.bound.is_some() {
-            st.inbox.push_back(Inbox::Msg(peer, wc.src_qp, wc));
+            st.inbox.push_back(Inbox::Msg(link.peer, link.index, wc.src_qp, wc));
         } else {
             self.recv_soft.push(wc);
         }
@@ -810,7 +807,7 @@ impl Vqp {
             return;
         }
         let Some(rd) = st.reading.take() else { return };
-        self.complete_recv(st, rd.wc, rd.peer);
+        self.complete_recv(st, rd.wc, &rd.link);
         self.drain_held(st);
     }
 
@@ -879,8 +876,8 @@ impl Vqp {
         let mut out = Vec::new();
         while out.len() < n {
             let Some(entry) = self.st.lock().inbox.pop_front() else { break };
-            let (peer, src, wc) = match entry {
-                Inbox::Msg(peer, src, wc) => (peer, src, wc),
+            let (peer, index, src, wc) = match entry {
+                Inbox::Msg(peer, index, src, wc) => (peer, index, src, wc),
                 Inbox::Closed(incarnation, src) => {
                     let mut st = self.st.lock();
                     // A sender we never answered has no src_qp to retire.
@@ -902,7 +899,8 @@ impl Vqp {
             let qp = match existing {
                 Some(qp) => qp,
                 None => {
-                    let link = rt.svc.link(&peer, 0, super::runtime::connect_timeout())?;
+                    // Answered on the link the sender chose (it exists).
+                    let link = rt.svc.link(&peer, index, super::runtime::connect_timeout())?;
                     let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
                     let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
                     let _ = v.rt.set(Arc::clone(rt));

@@ -129,10 +129,22 @@ impl CqSoft {
         }
     }
 
-    /// Make progress on every runtime that feeds this CQ.
+    /// Make progress on every runtime that feeds this CQ (not under the
+    /// list's lock: delivering may take it). Called at every poll: the
+    /// common case, one runtime, allocates nothing.
     pub fn progress(&self) {
-        let rts: Vec<Arc<Runtime>> = self.runtimes.lock().iter().filter_map(Weak::upgrade).collect();
-        for rt in rts {
+        let (one, more) = {
+            let r = self.runtimes.lock();
+            match r.len() {
+                0 => return,
+                1 => (r[0].upgrade(), Vec::new()),
+                _ => (None, r.iter().filter_map(Weak::upgrade).collect()),
+            }
+        };
+        if let Some(rt) = one {
+            rt.progress();
+        }
+        for rt in more {
             rt.progress();
         }
     }
