@@ -7,8 +7,7 @@
  * VQPs, 'Q' finish.
  *
  * Client A (node 2):
- * 1. "src_qp reclaim": CT_CHURN (default 3,000; the note's run used
- *    10,000) short-lived VQPs in turn,
+ * 1. "src_qp reclaim": CT_CHURN (default 10,000) short-lived VQPs in turn,
  *    each created, connected (qconnect over the live link), echoing one
  *    64-byte message and destroyed. The server reports each sender's
  *    src_qp once more with IBV_WC_WR_FLUSH_ERR after its last message, and
@@ -38,6 +37,12 @@
  *    renewals stop, its TCP connection stays): the binding expires after
  *    the lease, not before, and C binds it;
  * 7. a new process (node 6) qconnects to (node 4, port) and reaches C.
+ *
+ * "connect both ways at once": two processes (nodes 7 and 8), each bound,
+ * qconnect to each other at the same moment, CROSS_ROUNDS times with new
+ * VQPs (the first round makes the links from both sides at once); every
+ * round each sends a message the other's bound VQP checks, and READs the
+ * other's memory.
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -472,7 +477,7 @@ static int client_a(int ready_fd)
 {
 	struct node n;
 	uint64_t rep[2][3];
-	int count = getenv("CT_CHURN") ? atoi(getenv("CT_CHURN")) : 3000;
+	int count = getenv("CT_CHURN") ? atoi(getenv("CT_CHURN")) : 10000;
 
 	(void)ready_fd;
 	node_open(&n, 2, 2 * (size_t)BURST * BURST_LEN, 4);
@@ -587,6 +592,136 @@ static int client_c(void)
 	return 0;
 }
 
+/* ---- connect both ways at once ------------------------------------------- */
+
+#define CROSS_ROUNDS 3
+static int cross_go[2][2];	/* [side]: the parent releases both at once */
+
+static int cross(int side)
+{
+	int me = 7 + side, other = 8 - side;
+	struct node n;
+	uint8_t *mem;
+	struct ibv_mr *mmr;
+
+	ct_begin(side ? "vqp_life: connect both ways at once (node 8)"
+		      : "vqp_life: connect both ways at once (node 7)");
+	node_open(&n, me, 8192, 8);
+	mem = aligned_alloc(4096, 4096);
+	CT_CHECK(mem != NULL, "alloc");
+	ct_fill(mem, 4096, 700 + (uint32_t)me);
+	mmr = CT_PTR(ibv_reg_mr(n.d.pd, mem, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
+	for (int i = 0; i < 8; i++)
+		post_recv_at(n.qp, &n, (uint64_t)i, (size_t)i * 512, 512);
+	CT_OK(qbind(n.qp, ct_node_gid(me), PORT + 10));
+	/* Tell the other side where our memory is, through the parent. */
+	{
+		uint64_t info[2] = { (uintptr_t)mem, mmr->rkey };
+
+		CT_CHECK(write(cross_go[side][1], info, sizeof(info)) == sizeof(info), "ready");
+	}
+	for (int round = 0; round < CROSS_ROUNDS; round++) {
+		struct ibv_qp *q = ct_create_vqp(&n.d, n.scq, n.rcq, (struct ct_qp_caps){ 4, 1, 1, 1, 0, 0 }, NULL);
+		uint64_t info[2];
+		struct ibv_wc wc;
+		int got = 0;
+		uint64_t t0;
+
+		CT_CHECK(read(cross_go[side][0], info, sizeof(info)) == sizeof(info), "go %d", round);
+		CT_OK(qconnect(q, ct_node_gid(other), PORT + 10));
+		/* A message for the other's bound VQP. */
+		ct_fill(n.buf + 4096, 64, (uint32_t)(me * 100 + round));
+		send_sync(q, &n, 1, 4096, 64);
+		/* A READ of the other's memory. */
+		{
+			struct ibv_sge sge = { (uintptr_t)n.buf + 6144, 64, n.mr->lkey };
+			struct ibv_send_wr wr = { .wr_id = 2, .sg_list = &sge, .num_sge = 1,
+						  .opcode = IBV_WR_RDMA_READ,
+						  .send_flags = IBV_SEND_SIGNALED };
+			struct ibv_send_wr *bad = NULL;
+
+			wr.wr.rdma.remote_addr = info[0] + 64 * (uint64_t)round;
+			wr.wr.rdma.rkey = (uint32_t)info[1];
+			CT_OK(ibv_post_send(q, &wr, &bad));
+			ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
+			CT_CHECK(wc.status == IBV_WC_SUCCESS, "READ: %s", ibv_wc_status_str(wc.status));
+			{
+				uint8_t want[4096];
+
+				ct_fill(want, 4096, 700 + (uint32_t)other);
+				ct_expect_bytes(n.buf + 6144, want + 64 * round, 64, "READ of the other side");
+			}
+		}
+		/* The other's message, on our bound VQP. */
+		t0 = ct_now_ns();
+		while (!got) {
+			struct ibv_qp *src;
+			int k = qpop_msgs(n.qp, 1, &src, &wc);
+
+			CT_CHECK(k >= 0, "qpop_msgs %d", k);
+			if (k == 1 && wc.status == IBV_WC_WR_FLUSH_ERR && wc.byte_len == 0)
+				continue; /* the other's previous round VQP */
+			if (k == 1) {
+				uint8_t want[64];
+
+				CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == 64, "message: %s",
+					 ibv_wc_status_str(wc.status));
+				ct_fill(want, 64, (uint32_t)(other * 100 + round));
+				ct_expect_bytes(n.buf + wc.wr_id * 512, want, 64, "message from the other side");
+				post_recv_at(n.qp, &n, wc.wr_id, wc.wr_id * 512, 512);
+				got = 1;
+			}
+			CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "no message");
+		}
+		/* Both sides done with this round before the next starts. */
+		CT_CHECK(write(cross_go[side][1], info, sizeof(info)) == sizeof(info), "done %d", round);
+		CT_OK(ibv_destroy_qp(q));
+	}
+	ct_pass();
+	return 0;
+}
+
+/* The parent's part: relay the memory info and release both sides at
+ * once, round after round. */
+static int cross_run(void)
+{
+	pid_t p[2];
+	uint64_t info[2][2];
+	int fails = 0;
+
+	for (int side = 0; side < 2; side++) {
+		int to[2], from[2];
+
+		CT_CHECK(pipe(to) == 0 && pipe(from) == 0, "pipe");
+		p[side] = fork();
+		if (p[side] == 0) {
+			cross_go[side][0] = to[0];
+			cross_go[side][1] = from[1];
+			_exit(cross(side));
+		}
+		cross_go[side][0] = from[0];	/* what the side says */
+		cross_go[side][1] = to[1];	/* what we tell it */
+	}
+	for (int side = 0; side < 2; side++)
+		CT_CHECK(read(cross_go[side][0], info[side], sizeof(info[side])) == sizeof(info[side]),
+			 "side %d ready", side);
+	for (int round = 0; round < CROSS_ROUNDS; round++) {
+		/* Each side gets the other's memory; both go at once. */
+		for (int side = 0; side < 2; side++)
+			CT_CHECK(write(cross_go[side][1], info[1 - side], sizeof(info[0])) == sizeof(info[0]),
+				 "go");
+		for (int side = 0; side < 2; side++) {
+			uint64_t done[2];
+
+			CT_CHECK(read(cross_go[side][0], done, sizeof(done)) == sizeof(done),
+				 "side %d round %d", side, round);
+		}
+	}
+	for (int side = 0; side < 2; side++)
+		fails += ct_wait_child(p[side], "a cross-connecting side");
+	return fails;
+}
+
 int main(void)
 {
 	pid_t meta_pid, srv, a, c, r;
@@ -622,6 +757,7 @@ int main(void)
 	waitpid(victims[0], NULL, 0);
 	waitpid(victims[1], NULL, 0);
 	fails += ct_wait_child(a, "client A");
+	fails += cross_run();
 	fails += ct_wait_child(srv, "server");
 	kill(meta_pid, SIGTERM);
 	waitpid(meta_pid, NULL, 0);

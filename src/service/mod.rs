@@ -124,19 +124,27 @@ impl LinkKey {
     }
 }
 
-/// Every link, by peer and index (what a connect looks for) and by QP
-/// number (what a completion names: looked up once per completion).
+/// Every link, by peer and index (what a connect looks for), by QP number
+/// (what a completion names: looked up once per completion) and, for the
+/// links a peer asked for, by the peer's QP (what a repeated request names).
+///
+/// Two processes that connect to each other at the same time make two
+/// links, each side's request accepted by the other: both QP pairs are
+/// connected and both are kept (a link's QPs are never destroyed while the
+/// peer may still use the other end). The first one made serves new
+/// connects; the other still carries what the peer sends on it.
 #[derive(Default)]
 struct Links {
     by_key: HashMap<LinkKey, Arc<Link>>,
-    /// Also links replaced under their key: VQPs may still use them.
     by_qpn: HashMap<u32, Arc<Link>>,
+    accepted: HashMap<(u64, u32), Arc<Link>>,
 }
 
 impl Links {
-    fn insert(&mut self, key: LinkKey, link: Arc<Link>) {
+    /// Keep `link`; it serves new connects unless one already does.
+    fn insert(&mut self, key: LinkKey, link: Arc<Link>) -> Arc<Link> {
         self.by_qpn.insert(link.qp.qpn(), Arc::clone(&link));
-        self.by_key.insert(key, link);
+        Arc::clone(self.by_key.entry(key).or_insert(link))
     }
 }
 
@@ -478,13 +486,10 @@ impl Shared {
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
         });
-        let mut links = self.links.lock();
-        if let Some(l) = links.by_key.get(&LinkKey::of(peer, index)) {
-            // Made meanwhile by a request from the peer: use that one.
-            return Ok(Arc::clone(l));
-        }
-        links.insert(LinkKey::of(peer, index), Arc::clone(&link));
-        Ok(link)
+        // A link the peer asked for meanwhile may already serve this key:
+        // ours is kept too (the peer sends on its other end), and the
+        // caller uses the one that serves.
+        Ok(self.links.lock().insert(LinkKey::of(peer, index), link))
     }
 
     /// One link message to a peer's UD QP (inline: `msg` may go at once).
@@ -645,16 +650,13 @@ impl Shared {
     }
 
     /// A peer asks for a link: make it (or find the one a repeated request
-    /// already made) and answer.
+    /// already made: the same peer QP) and answer.
     fn on_request(&self, r: &LinkRequest) {
         let peer = r.info.from;
-        let key = LinkKey::of(&peer, r.info.link);
-        let existing = self.links.lock().by_key.get(&key).cloned();
+        let existing = self.links.lock().accepted.get(&(peer.incarnation, r.info.rc_qpn)).cloned();
         let reply = match existing {
-            // Only a link the peer asked for answers a repeated request; one
-            // we initiated ourselves is a different QP pair.
-            Some(l) if !l.initiated => Ok(l),
-            _ => self.accept(r),
+            Some(l) => Ok(l),
+            None => self.accept(r),
         };
         let reply = match reply {
             Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link) },
@@ -686,7 +688,9 @@ impl Shared {
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
         });
-        self.links.lock().insert(LinkKey::of(&theirs.from, theirs.link), Arc::clone(&link));
+        let mut links = self.links.lock();
+        links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
+        links.insert(LinkKey::of(&theirs.from, theirs.link), Arc::clone(&link));
         Ok(link)
     }
 }

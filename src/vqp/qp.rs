@@ -150,10 +150,10 @@ enum Inbox {
     Closed(u64, u32),
 }
 
-/// Where a VQP's header slots live: in the runtime's arena, or (arena
-/// full) in a registration of its own.
+/// Where a VQP's header slots live: in one of the runtime's arenas, or
+/// (a send queue deeper than an arena) in a registration of its own.
 enum Hdrs {
-    Arena { start: u32 },
+    Arena { arena: Arc<super::runtime::HdrArena>, start: u32 },
     Own(Region),
 }
 
@@ -258,12 +258,12 @@ impl Vqp {
     /// The header slots' region and the offset of the first.
     fn hdrs<'a>(&'a self, rt: &'a Runtime) -> Result<(&'a Region, usize)> {
         let n = self.sq_cap.max(1);
-        let h = self.hdrs.get_or_try_init(|| match rt.alloc_hdrs(n) {
-            Some(start) => Ok(Hdrs::Arena { start }),
+        let h = self.hdrs.get_or_try_init(|| match rt.alloc_hdrs(n)? {
+            Some((arena, start)) => Ok(Hdrs::Arena { arena, start }),
             None => Region::new(rt.svc.device(), n as usize * HDR_SLOT, rdma::LOCAL_WRITE).map(Hdrs::Own),
         })?;
         Ok(match h {
-            Hdrs::Arena { start } => (&rt.hdr_arena, *start as usize * HDR_SLOT),
+            Hdrs::Arena { arena, start } => (&arena.region, *start as usize * HDR_SLOT),
             Hdrs::Own(r) => (r, 0),
         })
     }
@@ -516,6 +516,15 @@ impl Vqp {
     /// it) in this WR's header slot, then the application's SGEs.
     fn fill_sges(&self, list: &mut [ibv_sge], sges: &[ibv_sge], inline: bool, seq: u16, header: &[u8]) -> Result<i32> {
         let mut n = 0;
+        if header.is_empty() && !inline {
+            // One-sided without inline data: the application's SGEs only
+            // (no header slots taken).
+            for s in sges.iter().filter(|s| s.length > 0) {
+                list[n] = *s;
+                n += 1;
+            }
+            return Ok(n as i32);
+        }
         let rt = self.rt.get().ok_or(Errno::EINVAL)?;
         let (hdrs, base) = self.hdrs(rt)?;
         let off = base + (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT;
@@ -958,8 +967,8 @@ impl Vqp {
                 post_header_waiting(rt, &link, &h);
             }
         }
-        if let (Some(Hdrs::Arena { start }), Some(rt)) = (self.hdrs.get(), self.rt.get()) {
-            rt.free_hdrs(*start, self.sq_cap.max(1));
+        if let Some(Hdrs::Arena { arena, start }) = self.hdrs.get() {
+            arena.free(*start, self.sq_cap.max(1));
         }
         let mut slots = SLOTS.lock();
         slots.entries[self.slot as usize].1 = Weak::new();

@@ -249,11 +249,31 @@ impl CqSoft {
     }
 }
 
-/// Header slots of in-flight SENDs, carved per VQP out of one registered
-/// arena (a registration per VQP would cost a kernel call on its first
-/// send).
+/// Header slots of in-flight SENDs, carved per VQP (one per send-queue
+/// entry, taken at its first SEND) out of registered arenas of
+/// HDR_ARENA_SLOTS slots: a registration per VQP would cost a kernel call
+/// on its first send.
 pub const HDR_SLOT: usize = HEADER_LEN + super::qp::MAX_INLINE as usize;
 const HDR_ARENA_SLOTS: u32 = 8192;
+
+/// A registered arena of header slots and its free ranges.
+pub struct HdrArena {
+    pub region: Region,
+    free: Mutex<Ranges>,
+}
+
+impl HdrArena {
+    fn new(dev: &Arc<Device>) -> Result<HdrArena> {
+        Ok(HdrArena {
+            region: Region::new(dev, HDR_ARENA_SLOTS as usize * HDR_SLOT, rdma::LOCAL_WRITE)?,
+            free: Mutex::new(Ranges::new(HDR_ARENA_SLOTS)),
+        })
+    }
+
+    pub fn free(&self, start: u32, n: u32) {
+        self.free.lock().free(start, n)
+    }
+}
 
 /// Free ranges of slots, first fit, merged on free.
 pub(super) struct Ranges(Vec<(u32, u32)>);
@@ -316,9 +336,9 @@ impl super::precheck::RemoteMrs for PeerMrs {
 pub struct Runtime {
     /// The application's real PD.
     pub pd: usize,
-    /// Header slots of every VQP's in-flight SENDs, and the free ones.
-    pub hdr_arena: Region,
-    hdr_free: Mutex<Ranges>,
+    /// Header slots of every VQP's in-flight SENDs, in registered arenas
+    /// added as VQPs need them.
+    hdr_arenas: Mutex<Vec<Arc<HdrArena>>>,
     /// Landing buffer of control READs (rare: one at a time).
     pub scratch: Mutex<Region>,
     /// The MRStore of each peer, by the peer's incarnation.
@@ -369,12 +389,11 @@ impl Runtime {
         };
         let svc = Service::start(&dev, gi, service::Options::default())?;
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
-        let hdr_arena = Region::new(&dev, HDR_ARENA_SLOTS as usize * HDR_SLOT, rdma::LOCAL_WRITE)?;
+        let hdr_arena = Arc::new(HdrArena::new(&dev)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let rt = Arc::new(Runtime {
             pd: pd as usize,
-            hdr_arena,
-            hdr_free: Mutex::new(Ranges::new(HDR_ARENA_SLOTS)),
+            hdr_arenas: Mutex::new(vec![hdr_arena]),
             scratch,
             peer_mrs: Mutex::new(HashMap::new()),
             svc,
@@ -436,14 +455,23 @@ impl Runtime {
     }
 
 
-    /// `n` contiguous header slots of the arena; None when it has no such
-    /// range.
-    pub fn alloc_hdrs(&self, n: u32) -> Option<u32> {
-        self.hdr_free.lock().alloc(n)
-    }
-
-    pub fn free_hdrs(&self, start: u32, n: u32) {
-        self.hdr_free.lock().free(start, n)
+    /// `n` contiguous header slots: from an arena with room, else from a
+    /// new arena (one registration per HDR_ARENA_SLOTS slots, not one per
+    /// VQP); None when `n` is larger than an arena.
+    pub fn alloc_hdrs(&self, n: u32) -> Result<Option<(Arc<HdrArena>, u32)>> {
+        if n > HDR_ARENA_SLOTS {
+            return Ok(None);
+        }
+        let mut arenas = self.hdr_arenas.lock();
+        for a in arenas.iter() {
+            if let Some(start) = a.free.lock().alloc(n) {
+                return Ok(Some((Arc::clone(a), start)));
+            }
+        }
+        let a = Arc::new(HdrArena::new(self.svc.device())?);
+        let start = a.free.lock().alloc(n);
+        arenas.push(Arc::clone(&a));
+        Ok(start.map(|s| (a, s)))
     }
 
     /// The MRStore of the peer with `incarnation`.

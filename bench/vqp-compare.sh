@@ -1,0 +1,291 @@
+#!/usr/bin/env bash
+# Virtual QPs against raw verbs (issue 7): the data path, a full mesh and
+# memory, krcore and raw verbs alternating in ONE VM boot, reported as
+# ratios measured side by side.
+#   bench/vqp-compare.sh [REPEATS]          (default 3)
+#   bench/vqp-compare.sh --report REPEATS   (the table again, no new runs)
+# Builds bench/datapath.c twice (cc): target/bench/bin/datapath linked
+# -libverbs (raw) and target/bench/bin/datapath-krcore (-DKRCORE) linked
+# against a snapshot of target/release/libkrcore.so (copied, with
+# krcore-meta, to target/bench/krcore-lib-vqp, so that a cargo build during
+# the run cannot change the library under it; sha256 in
+# target/bench/vqp/krcore-lib.txt). The library is not built here: run
+# `cargo build --release` first (the script refuses a missing library and
+# warns when src/ is newer). Then boots the Soft-RoCE VM once (or uses this
+# machine's RDMA device when /sys/class/infiniband is not empty; CT_DEVICE,
+# default rxe0), brings up rxe with 10 emulated nodes (GID index i =
+# 10.77.0.i) and runs, REPEATS times, the raw half and the krcore half in
+# alternating order (raw first in odd repeats):
+#   raw:    datapath server (GID index 1) + client (GID index 2): READ
+#           latency, READ throughput (window), echo latency 8 B / 4 KiB /
+#           64 KiB; mesh: MESH_PROCS processes on GID indexes 1..N
+#           connecting all-to-all with RC QPs and a TCP exchange; mem: bytes
+#           per RC QP.
+#   krcore: krcore-meta on 10.77.0.1 (waits for "serving on"), the same
+#           datapath with a qbind server and a qconnect client
+#           (KRCORE_GID_INDEX of each node); the mesh twice: order
+#           "ordered" (a rank qconnects back to a lower rank once that one
+#           announced its own connect) and order "natural" (every process
+#           qconnects to all others at once; a failure there is recorded,
+#           not fatal: see the report); mem: bytes per VQP and per link
+#           (MEM_PEERS peer processes).
+# Readiness comes from the printed lines (server "ready", krcore-meta
+# "serving on", the mesh workers' "ready"/"done" read by their
+# coordinator); every wait and every process is bounded (READY_S,
+# RUN_S). Results in target/bench/vqp: dp-{raw,krcore}-N.txt (client),
+# dp-*-server-N.txt, hw-dp-*-N.txt (rxe hardware counters during the run),
+# mesh-raw-N-R.txt, mesh-krcore-{ordered,natural}-N-R.txt (+ .rc),
+# mem-{raw,krcore}-N.txt, meta-N.txt, and table.md (bench/vqp_report.py).
+#
+# Environment:
+#   KRCORE_BENCH_READS        timed 8-byte READs (default 2000)
+#   KRCORE_BENCH_TPUT_OPS     READs per throughput trial at 8 B (4 KiB: a
+#                             quarter) (default 4000)
+#   KRCORE_BENCH_WINDOW       outstanding READs (default 32)
+#   KRCORE_BENCH_ECHOS        echoes at 8 B and 4 KiB (default 500)
+#   KRCORE_BENCH_LARGE_ECHOS  echoes at 64 KiB (default 200)
+#   KRCORE_BENCH_MESH_PROCS   processes of the mesh (default 8, at most 10)
+#   KRCORE_BENCH_MESH_ROUNDS  meshes per half and repeat (default 1)
+#   KRCORE_BENCH_MEM_VQPS     VQPs of the memory measurement (default 1000)
+#   KRCORE_BENCH_MEM_PEERS    peer processes, one link each (default 8)
+#   KRCORE_BENCH_RAW_QP_PAIRS raw RC QP pairs of the memory measurement
+#                             (default 100)
+#   KRCORE_BENCH_PORT         first TCP / qbind port (default 18800)
+#   KRCORE_BENCH_META_PORT    krcore-meta's TCP port (default 18790)
+#   KRCORE_BENCH_READY_S      wait for a server's ready line (default 60)
+#   KRCORE_BENCH_RUN_S        bound on each client / coordinator (default 300)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+report_only=0
+if [[ "${1:-}" == --report ]]; then report_only=1; shift; fi
+repeats="${1:-3}"
+[[ "$repeats" =~ ^[1-9][0-9]*$ ]] || { echo "vqp-compare: REPEATS must be a positive integer" >&2; exit 2; }
+out=target/bench/vqp
+bin=target/bench/bin/datapath
+kbin=target/bench/bin/datapath-krcore
+# The snapshot of the library (and krcore-meta) the krcore half runs on
+# (not connect-compare's: the two scripts may run one after the other).
+klib=target/bench/krcore-lib-vqp
+reads="${KRCORE_BENCH_READS:-2000}"
+tput_ops="${KRCORE_BENCH_TPUT_OPS:-4000}"
+window="${KRCORE_BENCH_WINDOW:-32}"
+echos="${KRCORE_BENCH_ECHOS:-500}"
+large_echos="${KRCORE_BENCH_LARGE_ECHOS:-200}"
+mesh_procs="${KRCORE_BENCH_MESH_PROCS:-8}"
+mesh_rounds="${KRCORE_BENCH_MESH_ROUNDS:-1}"
+mem_vqps="${KRCORE_BENCH_MEM_VQPS:-1000}"
+mem_peers="${KRCORE_BENCH_MEM_PEERS:-8}"
+raw_pairs="${KRCORE_BENCH_RAW_QP_PAIRS:-100}"
+port="${KRCORE_BENCH_PORT:-18800}"
+meta_port="${KRCORE_BENCH_META_PORT:-18790}"
+ready_s="${KRCORE_BENCH_READY_S:-60}"
+run_s="${KRCORE_BENCH_RUN_S:-300}"
+server_gid=1
+client_gid=2
+hw="/sys/class/infiniband/${CT_DEVICE:-rxe0}/ports/1/hw_counters"
+
+# Waits until the log ($1) of the process $2 has a line matching the sed
+# expression $3 (printed), the process is gone, or $ready_s have passed.
+wait_ready() {
+    local log="$1" pid="$2" expr="$3" deadline=$((SECONDS + ready_s)) got
+    while ((SECONDS < deadline)); do
+        got="$(sed -n "$expr" "$log")"
+        if [[ -n "$got" ]]; then echo "$got"; return 0; fi
+        kill -0 "$pid" 2>/dev/null || { echo "vqp-compare: $log: the process exited before it was ready:" >&2; cat "$log" >&2; return 1; }
+        sleep 0.05
+    done
+    echo "vqp-compare: $log: not ready within ${ready_s} s:" >&2
+    cat "$log" >&2
+    kill "$pid" 2>/dev/null || true
+    return 1
+}
+
+# The IPv4 address of the RoCE v2 GID at index $1 (::ffff:a.b.c.d).
+gid_ipv4() {
+    local g
+    g="$(cat "/sys/class/infiniband/${CT_DEVICE:-rxe0}/ports/1/gids/$1")"
+    [[ "$g" == 0000:0000:0000:0000:0000:ffff:* ]] || { echo "vqp-compare: GID index $1 ($g) is not IPv4-mapped" >&2; return 1; }
+    printf '%d.%d.%d.%d\n' "0x${g:30:2}" "0x${g:32:2}" "0x${g:35:2}" "0x${g:37:2}"
+}
+
+# The rxe hardware counters (name=value lines) into $1.
+hw_snap() {
+    if [[ -d "$hw" ]]; then
+        for f in "$hw"/*; do echo "$(basename "$f")=$(cat "$f")"; done >"$1"
+    else
+        : >"$1"
+    fi
+}
+
+# Counter deltas between two snapshots ($1 before, $2 after), non-zero only.
+hw_delta() {
+    awk -F= 'NR == FNR { a[$1] = $2; next } ($1 in a) && $2 - a[$1] != 0 { printf "%s=%d\n", $1, $2 - a[$1] }' "$1" "$2"
+}
+
+# The data path of mode $1 (raw|krcore), repeat $2, ports from $3.
+run_datapath() {
+    local mode="$1" i="$2" p="$3" b spid addr crc=0 src=0 tag
+    if [[ "$mode" == raw ]]; then b="$bin"; else b="$kbin"; fi
+    tag="$mode-$i"
+    KRCORE_GID_INDEX="$server_gid" "$b" server -g "$server_gid" -p "$p" \
+        >"$out/dp-$mode-server-$i.txt" 2>&1 &
+    spid=$!
+    addr="$(wait_ready "$out/dp-$mode-server-$i.txt" "$spid" 's/^datapath: server ready on \([0-9.]*\) .*/\1/p')" || return 1
+    hw_snap "$out/.hw0"
+    KRCORE_GID_INDEX="$client_gid" timeout "$run_s" "$b" client "$addr" -g "$client_gid" -p "$p" \
+        -r "$reads" -n "$tput_ops" -w "$window" -e "$echos" -E "$large_echos" \
+        >"$out/dp-$tag.txt" 2>&1 || crc=$?
+    hw_snap "$out/.hw1"
+    hw_delta "$out/.hw0" "$out/.hw1" >"$out/hw-dp-$tag.txt"
+    if ((crc)); then kill "$spid" 2>/dev/null || true; fi
+    wait "$spid" || src=$?
+    grep -e '^datapath_summary' -e '^echo .*skipped' "$out/dp-$tag.txt" || true
+    if ((crc || src)); then
+        echo "vqp-compare: datapath $tag failed (client exit $crc, server exit $src):" >&2
+        cat "$out/dp-$tag.txt" "$out/dp-$mode-server-$i.txt" >&2
+        return 1
+    fi
+}
+
+# One mesh: mode $1, order $2 (- for raw), repeat $3, round $4, port $5.
+# A failure of the krcore natural order is recorded (.rc) and tolerated.
+run_mesh() {
+    local mode="$1" order="$2" i="$3" r="$4" p="$5" b f rc=0
+    if [[ "$mode" == raw ]]; then
+        b="$bin"; f="$out/mesh-raw-$i-$r.txt"
+        timeout "$run_s" "$b" mesh -N "$mesh_procs" -p "$p" -Q >"$f" 2>&1 || rc=$?
+    else
+        b="$kbin"; f="$out/mesh-krcore-$order-$i-$r.txt"
+        timeout "$run_s" "$b" mesh -N "$mesh_procs" -p "$p" -Q -o "$order" >"$f" 2>&1 || rc=$?
+    fi
+    echo "$rc" >"$f.rc"
+    grep -e '^mesh_summary' -e '^qps_summary' "$f" || true
+    if ((rc)); then
+        if [[ "$order" == natural ]]; then
+            echo "vqp-compare: krcore mesh (natural order) failed (exit $rc), recorded:" >&2
+            grep -v -e '^worker' -e '^qps' "$f" | head -n 20 >&2
+            return 0
+        fi
+        echo "vqp-compare: mesh $mode $order repeat $i failed (exit $rc):" >&2
+        cat "$f" >&2
+        return 1
+    fi
+}
+
+run_mem() {
+    local mode="$1" i="$2" p="$3" f="$out/mem-$1-$2.txt" rc=0
+    if [[ "$mode" == raw ]]; then
+        timeout "$run_s" "$bin" mem -q "$raw_pairs" -p "$p" >"$f" 2>&1 || rc=$?
+    else
+        timeout "$run_s" "$kbin" mem -K "$mem_peers" -V "$mem_vqps" -p "$p" >"$f" 2>&1 || rc=$?
+    fi
+    grep '^mem_summary' "$f" || true
+    if ((rc)); then
+        echo "vqp-compare: mem $mode repeat $i failed (exit $rc):" >&2
+        cat "$f" >&2
+        return 1
+    fi
+}
+
+# Ports of repeat $1: 20 per repeat and half.
+ports_of() { echo $((port + 40 * ($1 - 1) + ($2 == 1 ? 20 : 0))); }
+
+run_raw() {
+    local i="$1" p
+    p="$(ports_of "$i" 0)"
+    run_datapath raw "$i" "$p"
+    for r in $(seq 1 "$mesh_rounds"); do run_mesh raw - "$i" "$r" $((p + 1 + r)); done
+    run_mem raw "$i" $((p + 10))
+}
+
+run_krcore() {
+    local i="$1" p mpid mip mrc=0 rc=0
+    p="$(ports_of "$i" 1)"
+    mip="$(gid_ipv4 "$server_gid")" || return 1
+    "$klib/krcore-meta" --listen "$mip:$meta_port" --slots 4096 >"$out/meta-$i.txt" 2>&1 &
+    mpid=$!
+    wait_ready "$out/meta-$i.txt" "$mpid" '/serving on/p' >/dev/null || return 1
+    export KRCORE_META="$mip:$meta_port"
+    run_datapath krcore "$i" "$p" || rc=1
+    if ((!rc)); then
+        for r in $(seq 1 "$mesh_rounds"); do
+            run_mesh krcore ordered "$i" "$r" $((p + 1 + 2 * r)) || { rc=1; break; }
+            run_mesh krcore natural "$i" "$r" $((p + 2 + 2 * r)) || { rc=1; break; }
+        done
+    fi
+    if ((!rc)); then run_mem krcore "$i" $((p + 15)) || rc=1; fi
+    unset KRCORE_META
+    kill -TERM "$mpid" 2>/dev/null || true
+    wait "$mpid" || mrc=$?
+    if ((rc)); then
+        echo "vqp-compare: krcore repeat $i failed (krcore-meta exit $mrc); meta output:" >&2
+        cat "$out/meta-$i.txt" >&2
+        return 1
+    fi
+}
+
+report_table() {
+    python3 bench/vqp_report.py "$out" "$repeats"
+}
+
+if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
+    # Inside the VM (or on a host with an RDMA device): the measuring loop.
+    if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
+        bash scripts/rxe-up.sh 10
+    fi
+    for i in $(seq 1 "$repeats"); do
+        if ((i % 2)); then halves="raw krcore"; else halves="krcore raw"; fi
+        for h in $halves; do
+            echo "== run $i/$repeats: $h ($(date +%T))"
+            if [[ "$h" == raw ]]; then run_raw "$i"; else run_krcore "$i"; fi
+        done
+    done
+    echo "== done ($(date +%T))"
+    exit 0
+fi
+
+if ((!report_only)); then
+    for tool in cc python3; do
+        command -v "$tool" >/dev/null || { echo "vqp-compare: $tool not found (scripts/install-deps.sh)" >&2; exit 2; }
+    done
+    for f in target/release/libkrcore.so target/release/krcore-meta; do
+        [[ -f "$f" ]] || { echo "vqp-compare: $f is missing: run cargo build --release first" >&2; exit 2; }
+    done
+    if [[ -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
+        echo "vqp-compare: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
+    fi
+    ((mesh_procs >= 2 && mesh_procs <= 10)) || { echo "vqp-compare: KRCORE_BENCH_MESH_PROCS must be in [2, 10] (10 emulated nodes)" >&2; exit 2; }
+    ((mem_peers >= 2 && mem_peers <= 9)) || { echo "vqp-compare: KRCORE_BENCH_MEM_PEERS must be in [2, 9] (10 emulated nodes)" >&2; exit 2; }
+    mkdir -p "$(dirname "$bin")" "$klib"
+    cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
+    cc -O2 -std=gnu11 -Wall -Wextra -Werror bench/datapath.c -libverbs -o "$bin"
+    cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include bench/datapath.c \
+        -L "$klib" -lkrcore -Wl,-rpath,"$PWD/$klib" -o "$kbin"
+    rm -rf "$out" && mkdir -p "$out"
+    started=$SECONDS
+    {
+        echo "library: target/release/libkrcore.so, copied $(date -u +%FT%TZ)"
+        echo "built: $(date -u -r target/release/libkrcore.so +%FT%TZ)"
+        (cd "$klib" && sha256sum libkrcore.so krcore-meta)
+        echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?'), uncommitted changes in src/: $(git --no-optional-locks status --porcelain -- src 2>/dev/null | wc -l) file(s)"
+        echo "host load average before the run: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPU(s) (other VMs on this host skew both halves)"
+        echo "settings: reads=$reads tput_ops=$tput_ops window=$window echos=$echos large_echos=$large_echos mesh_procs=$mesh_procs mesh_rounds=$mesh_rounds mem_vqps=$mem_vqps mem_peers=$mem_peers raw_qp_pairs=$raw_pairs"
+    } >"$out/krcore-lib.txt"
+    if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
+        KRCORE_IN_VM=1 bash "$0" "$repeats"
+    else
+        scripts/vm-run.sh "$out" env KRCORE_IN_VM=1 \
+            KRCORE_BENCH_READS="$reads" KRCORE_BENCH_TPUT_OPS="$tput_ops" \
+            KRCORE_BENCH_WINDOW="$window" KRCORE_BENCH_ECHOS="$echos" \
+            KRCORE_BENCH_LARGE_ECHOS="$large_echos" \
+            KRCORE_BENCH_MESH_PROCS="$mesh_procs" KRCORE_BENCH_MESH_ROUNDS="$mesh_rounds" \
+            KRCORE_BENCH_MEM_VQPS="$mem_vqps" KRCORE_BENCH_MEM_PEERS="$mem_peers" \
+            KRCORE_BENCH_RAW_QP_PAIRS="$raw_pairs" \
+            KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
+            KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_RUN_S="$run_s" \
+            bash bench/vqp-compare.sh "$repeats"
+    fi
+    echo "run time: $((SECONDS - started)) s (build excluded, VM boot included)" >>"$out/krcore-lib.txt"
+fi
+
+report_table | tee "$out/table.md"
