@@ -618,10 +618,22 @@ impl Vqp {
     }
 
     /// A physical completion of one of our WRs (progress).
-    pub fn on_send_completion(&self, seq: u16, status: u32) {
+    /// Also retires `retired` WQEs of the link it came on when that is
+    /// this VQP's link; whether it did.
+    pub fn on_send_completion(&self, seq: u16, status: u32, link_qpn: u32, retired: u16) -> bool {
         // Delivered under the VQP's lock (then the CQ's), as receives are.
         let mut st = self.st.lock();
+        let accounted = match &st.conn {
+            Some(c) if c.link.qp.qpn() == link_qpn => {
+                if let Err(e) = c.link.sq.lock().on_completion(retired) {
+                    klog!(Level::Warn, "vqp: link accounting: {e:?}");
+                }
+                true
+            }
+            _ => false,
+        };
         let _ = st.sq.complete(seq, status, &mut |c| self.deliver(&self.send_soft, c));
+        accounted
     }
 
     fn deliver(&self, cq: &CqSoft, c: Completion) {

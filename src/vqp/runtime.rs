@@ -152,7 +152,8 @@ impl CqSoft {
     /// A completion for the application: queue it, and raise an event if
     /// the CQ is armed.
     pub fn push(&self, wc: ibv_wc) {
-        let raise = self.armed.swap(false, Ordering::AcqRel);
+        // A load first: the swap is a locked instruction, rarely needed.
+        let raise = self.armed.load(Ordering::Acquire) && self.armed.swap(false, Ordering::AcqRel);
         {
             let mut g = self.q.lock();
             // Behind what already spilled, to keep the order.
@@ -535,13 +536,18 @@ impl Runtime {
         match id {
             WrId::Recv { buf } => self.on_message(buf, wc),
             WrId::Send(s) => {
-                if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
-                    if let Err(e) = link.sq.lock().on_completion(s.retired()) {
-                        klog!(Level::Warn, "vqp: link accounting: {e:?}");
+                // The VQP's own link does the accounting (one lookup less
+                // per completion); a destroyed VQP's, the link by number.
+                let accounted = match vqp::lookup(s.slot(), s.generation()) {
+                    Some(v) => v.on_send_completion(s.seq(), wc.status, wc.qp_num, s.retired()),
+                    None => false,
+                };
+                if !accounted {
+                    if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
+                        if let Err(e) = link.sq.lock().on_completion(s.retired()) {
+                            klog!(Level::Warn, "vqp: link accounting: {e:?}");
+                        }
                     }
-                }
-                if let Some(v) = vqp::lookup(s.slot(), s.generation()) {
-                    v.on_send_completion(s.seq(), wc.status);
                 }
             }
             WrId::Control { tag } => match self.large.take(tag) {
