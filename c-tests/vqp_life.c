@@ -31,11 +31,12 @@
  *
  * Client C (node 3), "binding expiry":
  * 5. a process bound at (node 4, port) is killed with SIGKILL: the binding
- *    is gone within the lease (KRCORE_META_LEASE_MS=600; the meta server
+ *    is gone within the lease (KRCORE_META_LEASE_MS=1500; the meta server
  *    sees the TCP connection close), and C binds the address itself;
  * 6. a process bound at (node 5, port) is stopped (SIGSTOP: its lease
- *    renewals stop, its TCP connection stays): the binding expires after
- *    the lease, not before, and C binds it;
+ *    renewals stop, its TCP connection stays): a qconnect to it fails with
+ *    ETIMEDOUT (KRCORE_CONNECT_TIMEOUT_MS=250 in C: bound, not answering),
+ *    the binding expires after the lease, not before, and C binds it;
  * 7. a new process (node 6) qconnects to (node 4, port) and reaches C.
  *
  * "connect both ways at once": two processes (nodes 7 and 8), each bound,
@@ -60,7 +61,7 @@
 #define BURST_LEN (128 * 1024)
 #define TOO_BIG (300 * 1024)
 #define LEASE_MS 500
-#define META_LEASE_MS 600
+#define META_LEASE_MS 1500
 
 /* The server's resident memory is measured: memory it frees must be
  * reusable at once, not parked in AddressSanitizer's quarantine. */
@@ -546,6 +547,8 @@ static int client_c(void)
 	uint64_t t0;
 
 	close(rebound[0]);
+	/* Read at this process's first use of the library, below. */
+	setenv("KRCORE_CONNECT_TIMEOUT_MS", "250", 1);
 	ct_begin("vqp_life: binding expiry");
 	node_open(&n, 3, 4096, 4);
 	q4 = ct_create_vqp(&n.d, n.scq, n.rcq, (struct ct_qp_caps){ 4, 4, 1, 1, 0, 0 }, NULL);
@@ -560,6 +563,15 @@ static int client_c(void)
 	CT_CHECK(qbind(q5, ct_node_gid(5), PORT + 2) == EADDRINUSE, "bound by victim 2");
 	kill(victims[1], SIGSTOP);
 	t0 = ct_now_ns();
+	{
+		/* Bound, but its process does not answer the link handshake. */
+		struct ibv_qp *probe = ct_create_vqp(&n.d, n.scq, n.rcq,
+						     (struct ct_qp_caps){ 1, 1, 1, 1, 0, 0 }, NULL);
+		int rc = qconnect(probe, ct_node_gid(5), PORT + 2);
+
+		CT_CHECK(rc == ETIMEDOUT, "qconnect to a stopped process: %d (%s)", rc, strerror(rc));
+		CT_OK(ibv_destroy_qp(probe));
+	}
 	stopped_ms = rebind(q5, 5, PORT + 2, t0);
 	kill(victims[1], SIGKILL);
 	kill(victims[1], SIGCONT);
@@ -731,7 +743,7 @@ int main(void)
 	/* Read once per process, at its first use of the library: every
 	 * process forked below gets these. */
 	setenv("KRCORE_MR_LEASE_MS", "500", 1);
-	setenv("KRCORE_META_LEASE_MS", "600", 1);
+	setenv("KRCORE_META_LEASE_MS", "1500", 1);
 	setenv("KRCORE_STAGING_BYTES", "1048576", 1);
 	ct_watchdog(300);
 	meta_pid = ct_start_meta();

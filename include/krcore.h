@@ -161,8 +161,9 @@ int qbind(struct ibv_qp *qp, union ibv_gid gid, int port);
 // software.
 //
 // Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already
-// connected or bound), ECONNREFUSED (nothing is bound there), ETIMEDOUT
-// (the peer did not answer within `KRCORE_CONNECT_TIMEOUT_MS`), ENOTCONN
+// connected or bound), ECONNREFUSED (nothing is bound there, or the
+// process that bound it is gone), ETIMEDOUT (the address is bound but its
+// process did not answer within `KRCORE_CONNECT_TIMEOUT_MS`), ENOTCONN
 // (`KRCORE_META` is unset).
 //
 // # Safety

@@ -101,8 +101,9 @@ pub unsafe extern "C" fn qbind(qp: *mut ibv_qp, gid: ibv_gid, port: c_int) -> c_
 /// software.
 ///
 /// Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already
-/// connected or bound), ECONNREFUSED (nothing is bound there), ETIMEDOUT
-/// (the peer did not answer within `KRCORE_CONNECT_TIMEOUT_MS`), ENOTCONN
+/// connected or bound), ECONNREFUSED (nothing is bound there, or the
+/// process that bound it is gone), ETIMEDOUT (the address is bound but its
+/// process did not answer within `KRCORE_CONNECT_TIMEOUT_MS`), ENOTCONN
 /// (`KRCORE_META` is unset).
 ///
 /// # Safety

@@ -159,7 +159,13 @@ struct Shared {
     ud_bufs: Region,
     /// Address handles to peers' GIDs, for UD sends.
     ahs: Mutex<HashMap<Gid, Arc<Ah>>>,
+    /// The links' send completions.
     link_cq: Arc<Cq>,
+    /// The links' receive completions (messages, in the SRQ's buffers):
+    /// always armed, so that messages reach their VQPs, and the buffers
+    /// are reposted, while the application is not polling (a real QP's
+    /// NIC places data without the application's help).
+    recv_cq: Arc<Cq>,
     srq: Arc<Srq>,
     warm: Mutex<Vec<Qp>>,
     links: Mutex<Links>,
@@ -179,6 +185,13 @@ struct Shared {
     /// Called by the progress thread when the links have completions;
     /// returns whether to keep waking on them.
     on_link_event: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
+    /// Called by the progress thread when messages arrived; says whether
+    /// the application made progress itself since the last call.
+    on_link_recv: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
+    /// While the application polls by itself the receive CQ is not armed
+    /// (an event per message would wake this thread at every message):
+    /// it is looked at again at this time, then less and less often.
+    recv_recheck: Mutex<Option<(Instant, Duration)>>,
     /// Work due at a time (delayed deregistrations), run by the progress
     /// thread, or at once when the service stops.
     deferred: Mutex<Vec<(Instant, Deferred)>>,
@@ -207,6 +220,8 @@ impl Service {
         ud.ud_ready()?;
         let ud_bufs = Region::new(dev, UD_RECVS * UD_SLOT, rdma::LOCAL_WRITE)?;
         let link_cq = Arc::new(Cq::new(dev, 4096)?);
+        let recv_cq = Arc::new(Cq::new(dev, opts.srq_wr.max(64))?);
+        recv_cq.arm()?;
         let srq = Arc::new(Srq::new(dev, opts.srq_wr, 1)?);
         let slots = opts.mr_table_slots;
         let mr_table_mem = Region::new(dev, MrTable::bytes_for(slots), rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
@@ -233,6 +248,7 @@ impl Service {
             ud_bufs,
             ahs: Mutex::new(HashMap::new()),
             link_cq,
+            recv_cq,
             srq,
             warm: Mutex::new(Vec::new()),
             links: Mutex::new(Links::default()),
@@ -245,6 +261,8 @@ impl Service {
             mr_table_slots: slots,
             event_fd,
             on_link_event: Mutex::new(None),
+            on_link_recv: Mutex::new(None),
+            recv_recheck: Mutex::new(None),
             deferred: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
         });
@@ -296,9 +314,20 @@ impl Service {
         &self.shared.dev
     }
 
-    /// The completion queue every link posts to (send and receive).
+    /// The completion queue of every link's sends.
     pub fn link_cq(&self) -> &Arc<Cq> {
         &self.shared.link_cq
+    }
+
+    /// The completion queue of every link's receives.
+    pub fn recv_cq(&self) -> &Arc<Cq> {
+        &self.shared.recv_cq
+    }
+
+    /// Run `f` on the progress thread when messages arrived while the
+    /// application was not polling; `f` says whether it polled since.
+    pub fn on_link_recv(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
+        *self.shared.on_link_recv.lock() = Some(f);
     }
 
     /// The receive queue every link takes its receives from.
@@ -412,7 +441,7 @@ impl Shared {
 
     fn new_link_qp(&self) -> Result<Qp> {
         let caps = Caps { send_wr: self.opts.link_send_wr, recv_wr: 0, send_sge: LINK_SEND_SGE, recv_sge: 1, inline: LINK_INLINE };
-        let qp = Qp::with_srq(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.link_cq, &self.link_cq, Some(&self.srq), caps)?;
+        let qp = Qp::with_srq(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.link_cq, &self.recv_cq, Some(&self.srq), caps)?;
         qp.to_init()?;
         Ok(qp)
     }
@@ -537,20 +566,36 @@ impl Shared {
     /// The progress thread.
     fn progress(&self) {
         // SAFETY: live channels.
-        let (cq_fd, link_fd) = unsafe { ((*self.ud_cq.channel).fd, (*self.link_cq.channel).fd) };
+        let (cq_fd, link_fd, recv_fd) =
+            unsafe { ((*self.ud_cq.channel).fd, (*self.link_cq.channel).fd, (*self.recv_cq.channel).fd) };
         while !self.stop.load(Ordering::SeqCst) {
             let mut fds = [
                 libc::pollfd { fd: cq_fd, events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: self.event_fd, events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: link_fd, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: recv_fd, events: libc::POLLIN, revents: 0 },
             ];
-            let timeout = self.next_deferred().map_or(-1, |at| {
+            let recheck = self.recv_recheck.lock().map(|(at, _)| at);
+            let next = match (self.next_deferred(), recheck) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let timeout = next.map_or(-1, |at| {
                 let ms = at.saturating_duration_since(Instant::now()).as_millis();
                 ms.min(i32::MAX as u128) as libc::c_int + 1
             });
-            // SAFETY: three valid pollfds.
-            unsafe { libc::poll(fds.as_mut_ptr(), 3, timeout) };
+            // SAFETY: four valid pollfds.
+            unsafe { libc::poll(fds.as_mut_ptr(), 4, timeout) };
             self.run_due();
+            let due = recheck.is_some_and(|at| at <= Instant::now());
+            if fds[3].revents != 0 || due {
+                if fds[3].revents != 0 {
+                    if let Err(e) = self.recv_cq.consume_event() {
+                        klog!(Level::Warn, "service: link receive channel: {e:?}");
+                    }
+                }
+                self.on_messages();
+            }
             if fds[2].revents != 0 {
                 // Not re-armed unless the handler wants more: an armed link
                 // CQ would wake this thread at every completion and race
@@ -585,6 +630,28 @@ impl Shared {
                 // More to make: look at the UD queue first, without sleeping.
                 self.kick();
             }
+        }
+    }
+
+    /// Messages arrived (or a recheck is due): move them to their VQPs.
+    /// If the application polled meanwhile it will go on doing so: look
+    /// again later (1 ms, doubling up to 64 ms) without arming; else arm
+    /// (before the last poll: a message after it raises the next event).
+    fn on_messages(&self) {
+        let active = self.on_link_recv.lock().as_ref().is_some_and(|f| f());
+        let mut r = self.recv_recheck.lock();
+        if active {
+            let wait = r.map_or(Duration::from_millis(1), |(_, w)| (w * 2).min(Duration::from_millis(64)));
+            *r = Some((Instant::now() + wait, wait));
+            return;
+        }
+        *r = None;
+        drop(r);
+        if let Err(e) = self.recv_cq.arm() {
+            klog!(Level::Warn, "service: arming the links' receive CQ: {e:?}");
+        }
+        if let Some(f) = self.on_link_recv.lock().as_ref() {
+            f();
         }
     }
 

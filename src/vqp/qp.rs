@@ -300,19 +300,35 @@ impl Vqp {
         let rt = self.runtime(None)?;
         let key = crate::meta::Key::Port { gid, port };
         let meta = rt.meta()?;
-        let ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
         // VQPs spread over the process's links to that peer by slot.
         let index = (self.slot % crate::config::get().links_per_peer) as u16;
-        let link = match rt.svc.link(&ep, index, super::runtime::connect_timeout()) {
-            Ok(l) => l,
-            Err(e) => {
-                // A stale cached endpoint (its process is gone): look again.
-                meta.invalidate(&key);
-                return Err(if e.0 == libc::ETIMEDOUT || e.0 == libc::ECONNREFUSED { Errno(libc::ECONNREFUSED) } else { e });
+        let mut ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
+        let mut looked_again = false;
+        loop {
+            match rt.svc.link(&ep, index, super::runtime::connect_timeout()) {
+                Ok(link) => {
+                    self.attach(rt, link, ep, ep.vqpn);
+                    return Ok(());
+                }
+                Err(e) if e.0 == libc::ETIMEDOUT || e.0 == libc::ECONNREFUSED => {
+                    // The cached endpoint may be stale: ask the meta server
+                    // again. Gone: ECONNREFUSED; another process bound
+                    // there now: try it (once); the same one, bound but
+                    // not answering: ETIMEDOUT.
+                    meta.invalidate(&key);
+                    if looked_again {
+                        return Err(e);
+                    }
+                    looked_again = true;
+                    match meta.lookup(&key)? {
+                        None => return Err(Errno(libc::ECONNREFUSED)),
+                        Some(now) if now == ep => return Err(Errno(libc::ETIMEDOUT)),
+                        Some(now) => ep = now,
+                    }
+                }
+                Err(e) => return Err(e),
             }
-        };
-        self.attach(rt, link, ep, ep.vqpn);
-        Ok(())
+        }
     }
 
     /// Connect to `dst` on the far side of `link` (qconnect, or a VQP

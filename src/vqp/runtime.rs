@@ -360,6 +360,10 @@ pub struct Runtime {
     next_tag: std::sync::atomic::AtomicU32,
     /// Messages above MAX_MSG: staging, DONEs awaited, READs in flight.
     pub large: Large,
+    /// Progress runs (by the application, mostly), and the count the
+    /// service thread saw last: whether the application polls by itself.
+    polls: std::sync::atomic::AtomicU64,
+    polls_seen: std::sync::atomic::AtomicU64,
 }
 
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
@@ -406,6 +410,8 @@ impl Runtime {
             control: Mutex::new(HashMap::new()),
             next_tag: std::sync::atomic::AtomicU32::new(1),
             large: Large::default(),
+            polls: std::sync::atomic::AtomicU64::new(0),
+            polls_seen: std::sync::atomic::AtomicU64::new(0),
         });
         for buf in 0..service::Options::default().srq_wr {
             rt.post_recv_buf(buf)?;
@@ -418,6 +424,16 @@ impl Runtime {
             let Some(rt) = weak.upgrade() else { return false };
             rt.progress();
             rt.armed_cqs.load(Ordering::Acquire) > 0
+        }));
+        // Messages are taken off the SRQ in the background too (waiting
+        // for a progress run the application's thread may be in).
+        let weak = Arc::downgrade(&rt);
+        rt.svc.on_link_recv(Box::new(move || {
+            let Some(rt) = weak.upgrade() else { return false };
+            let _one = rt.progress.lock();
+            rt.drain();
+            let polls = rt.polls.load(Ordering::Relaxed);
+            polls != rt.polls_seen.swap(polls, Ordering::Relaxed)
         }));
         map.insert(pd as usize, Arc::clone(&rt));
         Ok(rt)
@@ -495,21 +511,32 @@ impl Runtime {
     /// another thread is already doing it.
     pub fn progress(&self) {
         let Some(_one) = self.progress.try_lock() else { return };
+        // A plain store, not a locked increment: the service thread only
+        // asks whether it changed.
+        self.polls.store(self.polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        self.drain();
+    }
+
+    /// Poll the links' send and receive completions and deliver them
+    /// (the progress lock held).
+    fn drain(&self) {
         // SAFETY: plain C data.
         let mut wcs: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
-        loop {
-            let n = match self.svc.link_cq().poll(&mut wcs) {
-                Ok(n) => n,
-                Err(e) => {
-                    klog!(Level::Warn, "vqp: polling the links: {e:?}");
-                    return;
+        for cq in [self.svc.link_cq(), self.svc.recv_cq()] {
+            loop {
+                let n = match cq.poll(&mut wcs) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        klog!(Level::Warn, "vqp: polling the links: {e:?}");
+                        return;
+                    }
+                };
+                for wc in &wcs[..n] {
+                    self.dispatch(wc);
                 }
-            };
-            for wc in &wcs[..n] {
-                self.dispatch(wc);
-            }
-            if n < wcs.len() {
-                break;
+                if n < wcs.len() {
+                    break;
+                }
             }
         }
         // Receivers of large messages that found no room on their link.
