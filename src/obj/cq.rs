@@ -92,6 +92,9 @@ pub struct Cq {
     real_channel: *mut ibv_comp_channel,
     /// Completions of the VQPs this CQ serves (set at the first VQP).
     pub soft: once_cell::sync::OnceCell<std::sync::Arc<crate::vqp::runtime::CqSoft>>,
+    /// A real QP or SRQ was created with this CQ (its real queue then has
+    /// completions for the application; else only VQPs feed it).
+    real_users: std::sync::atomic::AtomicBool,
 }
 wrapper!(Cq, ibv_cq_ex);
 
@@ -106,6 +109,7 @@ impl Cq {
             notify: None,
             real_channel: null_mut(),
             soft: once_cell::sync::OnceCell::new(),
+            real_users: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -135,6 +139,13 @@ impl Cq {
         }
         if got == n {
             return got;
+        }
+        // Only VQPs feed this CQ and nothing raised an event on its real
+        // queue: nothing there (a poll of it costs the provider's lock).
+        if let Some(soft) = self.soft.get() {
+            if !self.real_users.load(std::sync::atomic::Ordering::Acquire) && !soft.has_notifier() {
+                return got;
+            }
         }
         let Some(f) = self.poll else { return if got > 0 { got } else { -libc::EOPNOTSUPP } };
         // SAFETY: the real CQ with the rest of the caller's array.
@@ -293,7 +304,9 @@ impl Cq {
             return Err(Errno::EINVAL);
         }
         // SAFETY: owned by ctx, hence ours.
-        Ok(unsafe { Cq::from_cq(p) }.real)
+        let cq = unsafe { Cq::from_cq(p) };
+        cq.real_users.store(true, std::sync::atomic::Ordering::Release);
+        Ok(cq.real)
     }
 }
 

@@ -234,6 +234,11 @@ impl CqSoft {
         }
     }
 
+    /// Whether a notifier was made (its completions land in the real CQ).
+    pub fn has_notifier(&self) -> bool {
+        self.notifier_qpn.load(Ordering::Acquire) != u32::MAX
+    }
+
     /// Whether a real completion is one of our notifications.
     pub fn is_notification(&self, wc: &ibv_wc) -> bool {
         wc.wr_id == NOTIFY_WR_ID && wc.qp_num == self.notifier_qpn.load(Ordering::Acquire)
