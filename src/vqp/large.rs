@@ -38,11 +38,13 @@ struct Staging {
 pub struct Staged {
     addr: u64,
     rkey: u32,
-    storage: Storage,
+    /// Freed (units back to the staging, or deregistered) on drop.
+    _storage: Storage,
 }
 
 enum Storage {
     Shared { staging: Arc<Staging>, start: u32, units: u32 },
+    /// Deregistered when dropped.
     Own(#[allow(dead_code)] Region),
 }
 
@@ -61,11 +63,6 @@ impl Staged {
 
     pub fn rkey(&self) -> u32 {
         self.rkey
-    }
-
-    /// Whether the payload has a registration of its own.
-    pub fn is_own(&self) -> bool {
-        matches!(self.storage, Storage::Own(_))
     }
 }
 
@@ -120,12 +117,12 @@ impl Large {
             Some(start) => Staged {
                 addr: staging.region.addr() + start as u64 * UNIT as u64,
                 rkey: staging.region.rkey(),
-                storage: Storage::Shared { staging: Arc::clone(&staging), start, units },
+                _storage: Storage::Shared { staging: Arc::clone(&staging), start, units },
             },
             None => {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LARGE_OWN_REGISTRATIONS);
                 let r = Region::new(dev, total, rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
-                Staged { addr: r.addr(), rkey: r.rkey(), storage: Storage::Own(r) }
+                Staged { addr: r.addr(), rkey: r.rkey(), _storage: Storage::Own(r) }
             }
         };
         let mut at = staged.addr as usize;
@@ -193,10 +190,5 @@ impl Large {
 
     pub fn take_waiting(&self) -> Vec<(u32, u8)> {
         std::mem::take(&mut *self.waiting.lock())
-    }
-
-    /// Messages sent and awaiting their DONE (statistics and tests).
-    pub fn in_flight(&self) -> usize {
-        self.sent.lock().len()
     }
 }
