@@ -180,18 +180,6 @@ static void die(const char *fmt, ...)
 
 /* ---- timer (as bench/reg_mr.c) --------------------------------------- */
 
-static double us_of(uint64_t a, uint64_t b)
-{
-	return (double)(b - a) / ticks_per_us;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return (x > y) - (x < y);
-}
-
 /* q in [0,1] of n values (v is left untouched). */
 static double quantile(const double *v, int n, double q)
 {

@@ -241,18 +241,6 @@ static void die(const char *fmt, ...)
 
 /* ---- numbers ------------------------------------------------------------ */
 
-static double us_of(uint64_t a, uint64_t b)
-{
-	return (double)(b - a) / ticks_per_us;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return (x > y) - (x < y);
-}
-
 /* Quantile q of n values (nearest rank; the median of an even count is
  * the mean of the middle two). v is left untouched. */
 static double quantile(const double *v, int n, double q)

@@ -132,13 +132,6 @@ static long long moved(int i, long long before)
 	return stat_get && i >= 0 ? counter(i) - before : -1;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return (x > y) - (x < y);
-}
-
 /* Sorts v in place; q in [0,1]. */
 static double quantile(double *v, int n, double q)
 {

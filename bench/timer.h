@@ -1,5 +1,5 @@
 /*
- * The benchmarks' timer (bench/reg_mr.c, bench/connect.c): the CPU's
+ * The benchmarks' timer (bench/reg_mr.c, connect.c, datapath.c): the CPU's
  * cycle counter when there is one and use_counter is set (x86-64 TSC,
  * aarch64 virtual counter: cheap even under emulation, where
  * clock_gettime reads an emulated HPET and costs microseconds), else
@@ -66,6 +66,20 @@ static int calibrate(void)
 	m1 = mono_us();
 	ticks_per_us = (double)(t1 - t0) / (m1 - m0);
 	return ticks_per_us > 0;
+}
+
+/* Microseconds between two ticks() readings. */
+static inline double us_of(uint64_t a, uint64_t b)
+{
+	return (double)(b - a) / ticks_per_us;
+}
+
+/* qsort order of timed samples. */
+static inline int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return (x > y) - (x < y);
 }
 
 #endif
