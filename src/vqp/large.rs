@@ -10,9 +10,10 @@
 //! when the DONE arrives, and only then is the staged copy freed.
 //!
 //! This module keeps the sender's side (staging, the messages awaiting
-//! their DONE) and the control operations in flight on behalf of the
-//! receiver's side (its READs and DONEs), whose state lives in the
-//! receiving VQP (qp.rs).
+//! their DONE) and the runtime's control WQEs in flight (the receiver's
+//! READs and DONEs, whose state lives in the receiving VQP in qp.rs, and
+//! CLOSE headers and MR-table READs), each with what its completion
+//! retires on its link.
 //!
 //! [`MAX_MSG`]: super::runtime::MAX_MSG
 //! [`LINK_SEND_SGE`]: crate::service::LINK_SEND_SGE
@@ -77,20 +78,24 @@ struct Pending {
     _staged: Staged,
 }
 
-/// A control WQE posted for a VQP, by its tag.
+/// A control WQE in flight, by its tag: what its completion does besides
+/// retiring `retired` WQEs of its link.
 #[derive(Clone, Copy, Debug)]
 pub enum Control {
     /// One READ of a large payload for VQP (slot, generation).
     Read { slot: u32, gen: u8, retired: u16 },
-    /// A bare header (DONE, CLOSE); nothing to do but the link's accounting.
+    /// A bare header (DONE, CLOSE): nothing more.
     Header { retired: u16 },
+    /// A READ a thread waits for (`Runtime::control_read`): its status is
+    /// kept for the waiter.
+    Wait { retired: u16 },
 }
 
 impl Control {
     /// What its signaled completion retires on the link.
     pub fn retired(self) -> u16 {
         match self {
-            Control::Read { retired, .. } | Control::Header { retired } => retired,
+            Control::Read { retired, .. } | Control::Header { retired } | Control::Wait { retired } => retired,
         }
     }
 }

@@ -758,7 +758,7 @@ impl Vqp {
         if h.flags.contains(Flags::WRITE_IMM) {
             wc.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
         } else if h.flags.contains(Flags::LARGE) {
-            let mut done = Header { flags: Flags::DONE, src_vqpn: self.vqpn, dst: h.src_vqpn, len: h.len, rkey: h.rkey, addr: h.addr, imm: 0 };
+            let mut done = self.done_for(h);
             let pieces = match r.scatter(h.len) {
                 Ok(p) => p.collect(),
                 Err(status) => {
@@ -846,6 +846,11 @@ impl Vqp {
         let Some(rd) = st.reading.take() else { return };
         self.complete_recv(st, rd.wc, &rd.link);
         self.drain_held(st);
+    }
+
+    /// The DONE that answers the LARGE message `h` (status 0: landed).
+    fn done_for(&self, h: &Header) -> Header {
+        Header { flags: Flags::DONE, src_vqpn: self.vqpn, dst: h.src_vqpn, len: h.len, rkey: h.rkey, addr: h.addr, imm: 0 }
     }
 
     /// The link had room again (progress).
@@ -982,8 +987,7 @@ impl Vqp {
         // (best effort), so that their sends complete and copies go.
         let mut unread: Vec<(Arc<Link>, Header)> = st.reading.take().map(|r| (r.link, r.done)).into_iter().collect();
         for m in st.held.drain(..).filter(|m| m.header.flags.contains(Flags::LARGE)) {
-            let h = m.header;
-            unread.push((m.link, Header { flags: Flags::DONE, src_vqpn: self.vqpn, dst: h.src_vqpn, len: h.len, rkey: h.rkey, addr: h.addr, imm: 0 }));
+            unread.push((m.link, self.done_for(&m.header)));
         }
         drop(st);
         if let Some(rt) = self.rt.get() {

@@ -360,7 +360,8 @@ pub struct Runtime {
     /// How many of those CQs are armed: the service thread wakes on link
     /// completions only while some are.
     armed_cqs: std::sync::atomic::AtomicUsize,
-    /// Completions of control READs (MR table fetches), by tag.
+    /// Statuses of completed control READs (MR table fetches) for their
+    /// waiters, by tag.
     control: Mutex<HashMap<u32, u32>>,
     next_tag: std::sync::atomic::AtomicU32,
     /// Messages above MAX_MSG: staging, DONEs awaited, READs in flight.
@@ -589,15 +590,19 @@ impl Runtime {
                             klog!(Level::Warn, "vqp: link accounting: {e:?}");
                         }
                     }
-                    if let Control::Read { slot, gen, .. } = c {
-                        if let Some(v) = vqp::lookup(slot, gen) {
-                            v.on_large_read(wc.status);
+                    match c {
+                        Control::Read { slot, gen, .. } => {
+                            if let Some(v) = vqp::lookup(slot, gen) {
+                                v.on_large_read(wc.status);
+                            }
                         }
+                        Control::Wait { .. } => {
+                            self.control.lock().insert(tag, wc.status);
+                        }
+                        Control::Header { .. } => {}
                     }
                 }
-                None => {
-                    self.control.lock().insert(tag, wc.status);
-                }
+                None => klog!(Level::Warn, "vqp: a completion for no control WQE of ours (tag {tag})"),
             },
         }
     }
@@ -651,14 +656,14 @@ impl Runtime {
         wr.wr.rdma.remote_addr = addr;
         wr.wr.rdma.rkey = rkey;
         // WrId::Control carries no count: what this READ retires is kept
-        // here and accounted when it completes.
-        let retired;
+        // with its tag and accounted by dispatch when it completes (also
+        // if this wait gives up first).
         {
             let mut sq = link.sq.lock();
             let deadline = std::time::Instant::now() + connect_timeout();
             loop {
                 if let Some(d) = sq.try_post(true) {
-                    retired = d.retired;
+                    self.large.track(tag, Control::Wait { retired: d.retired });
                     break;
                 }
                 drop(sq);
@@ -669,13 +674,15 @@ impl Runtime {
                 sq = link.sq.lock();
             }
             // SAFETY: one WR into our own registered buffer.
-            unsafe { link.qp.post_send(&mut wr) }?;
+            if let Err(e) = unsafe { link.qp.post_send(&mut wr) } {
+                self.large.take(tag);
+                return Err(e);
+            }
         }
         let deadline = std::time::Instant::now() + connect_timeout();
         loop {
             self.progress();
             if let Some(status) = self.control.lock().remove(&tag) {
-                let _ = link.sq.lock().on_completion(retired);
                 return if status == ibv_wc_status::IBV_WC_SUCCESS { Ok(()) } else { Err(Errno(libc::EIO)) };
             }
             if std::time::Instant::now() > deadline {
