@@ -22,7 +22,13 @@
  * 3. "receive too small": a 300 KiB message into the server's 256 KiB
  *    buffers: LOC_LEN_ERR at the server, REM_INV_REQ_ERR at the sender,
  *    whose next send is flushed (its VQP is in error, as RC's).
- * 4. "MR lease": the server deregisters an MR the client READs
+ * 4. "messages while the server does not poll": the server stops polling
+ *    (blocked on a pipe) and the client sends IDLE_MSGS small messages,
+ *    more than the library's 256 shared receive buffers: every send
+ *    completes (the library moves messages off its buffers in the
+ *    background; without that the sender stalls in RNR retries), and the
+ *    server, polling again, gets all of them.
+ * 5. "MR lease": the server deregisters an MR the client READs
  *    (KRCORE_MR_LEASE_MS=500): ibv_dereg_mr returns at once, the client's
  *    READs keep succeeding (the real MR lives out the lease) until the
  *    client's cached check expires and a post is refused with EINVAL; the
@@ -30,14 +36,14 @@
  *    deregistration is done by the end.
  *
  * Client C (node 3), "binding expiry":
- * 5. a process bound at (node 4, port) is killed with SIGKILL: the binding
+ * 6. a process bound at (node 4, port) is killed with SIGKILL: the binding
  *    is gone within the lease (KRCORE_META_LEASE_MS=1500; the meta server
  *    sees the TCP connection close), and C binds the address itself;
- * 6. a process bound at (node 5, port) is stopped (SIGSTOP: its lease
+ * 7. a process bound at (node 5, port) is stopped (SIGSTOP: its lease
  *    renewals stop, its TCP connection stays): a qconnect to it fails with
  *    ETIMEDOUT (KRCORE_CONNECT_TIMEOUT_MS=250 in C: bound, not answering),
  *    the binding expires after the lease, not before, and C binds it;
- * 7. a new process (node 6) qconnects to (node 4, port) and reaches C.
+ * 8. a new process (node 6) qconnects to (node 4, port) and reaches C.
  *
  * "connect both ways at once": two processes (nodes 7 and 8), each bound,
  * qconnect to each other at the same moment, CROSS_ROUNDS times with new
@@ -62,6 +68,11 @@
 #define TOO_BIG (300 * 1024)
 #define LEASE_MS 500
 #define META_LEASE_MS 1500
+#define IDLE_MSGS 300
+#define IDLE_BATCH 30
+
+/* The server blocks on it after 'S' until the client writes a byte. */
+static int pause_pipe[2];
 
 /* The server's resident memory is measured: memory it frees must be
  * reusable at once, not parked in AddressSanitizer's quarantine. */
@@ -154,7 +165,7 @@ static int server(int ready_fd)
 	struct node n;
 	uint8_t *lease_buf;
 	struct ibv_mr *lease_mr;
-	int closes = 0, too_small = 0, done = 0, outstanding = 0;
+	int closes = 0, too_small = 0, done = 0, outstanding = 0, idle_msgs = 0, paused = 0;
 	long msgs = 0;
 
 	ct_begin("vqp_life server");
@@ -230,6 +241,16 @@ static int server(int ready_fd)
 				len = sizeof(v);
 				break;
 			}
+			case 'N':
+				/* Sent while we did not poll: counted, not answered. */
+				idle_msgs++;
+				post_recv_at(n.qp, &n, (uint64_t)slot, (size_t)slot * SBUF, SBUF);
+				continue;
+			case 'S':
+				out[0] = 'S';
+				len = 1;
+				paused = 1;
+				break;
 			case 'Q':
 				out[0] = 'Q';
 				len = 1;
@@ -241,6 +262,13 @@ static int server(int ready_fd)
 			CT_OK(post_send_at(src[i], &n, (uint64_t)slot, (size_t)(NBUF + slot) * SBUF, len,
 					   IBV_SEND_SIGNALED));
 			outstanding++;
+			if (paused) {
+				char b;
+
+				/* Not polling until the client has sent everything. */
+				CT_CHECK(read(pause_pipe[0], &b, 1) == 1, "resume");
+				paused = 0;
+			}
 		}
 		{
 			struct ibv_wc swc[16];
@@ -271,6 +299,7 @@ static int server(int ready_fd)
 	 * before the 'Q' (same link, in order). */
 	CT_CHECK(closes >= 2, "closes %d", closes);
 	CT_CHECK(too_small == 1, "too-small messages %d", too_small);
+	CT_CHECK(idle_msgs == IDLE_MSGS, "%d of %d messages sent while not polling", idle_msgs, IDLE_MSGS);
 	ct_note("server: %ld messages, %d src_qps reported closed and freed", msgs, closes);
 	ct_pass();
 	return 0;
@@ -474,6 +503,28 @@ static void mr_lease(struct node *n)
 	ct_pass();
 }
 
+static void idle_server(struct node *n)
+{
+	uint8_t *s = n->buf + n->len / 2;
+	struct ibv_wc wc;
+
+	ct_begin("vqp_life: messages while the server does not poll");
+	CT_CHECK(call(n, 'S', 1) == 1, "S answer");
+	memset(s, 'N', 64);
+	for (int i = 0; i < IDLE_MSGS; i += IDLE_BATCH) {
+		for (int j = 0; j < IDLE_BATCH; j++)
+			CT_OK(post_send_at(n->qp, n, 3000 + (uint64_t)(i + j), n->len / 2, 64,
+					   j == IDLE_BATCH - 1 ? IBV_SEND_SIGNALED : 0));
+		/* Completes once the server's side took the batch in. */
+		ct_poll_n(n->scq, &wc, 1, CT_TIMEOUT_MS);
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 3000 + (uint64_t)(i + IDLE_BATCH - 1),
+			 "batch at %d: %s", i, ibv_wc_status_str(wc.status));
+	}
+	CT_CHECK(write(pause_pipe[1], "G", 1) == 1, "resume the server");
+	ct_note("%d messages taken in while the server was not polling", IDLE_MSGS);
+	ct_pass();
+}
+
 static int client_a(int ready_fd)
 {
 	struct node n;
@@ -486,6 +537,7 @@ static int client_a(int ready_fd)
 	churn(&n, count < 1000 ? 1000 : count, rep);
 	large_burst(&n);
 	too_small(&n);
+	idle_server(&n);
 	mr_lease(&n);
 	CT_CHECK(call(&n, 'Q', 1) == 1, "Q answer");
 	return 0;
@@ -746,6 +798,7 @@ int main(void)
 	setenv("KRCORE_META_LEASE_MS", "1500", 1);
 	setenv("KRCORE_STAGING_BYTES", "1048576", 1);
 	ct_watchdog(300);
+	CT_CHECK(pipe(pause_pipe) == 0, "pipe");
 	meta_pid = ct_start_meta();
 	srv = ct_fork_ready(server, "the server (qbind)");
 	victim_node = 4, victim_port = PORT + 1;
