@@ -88,6 +88,10 @@ pub enum krcore_stat {
     /// Deregistered MRs that peers may still use, really deregistered when
     /// the MR lease runs out (a gauge, `KRCORE_MR_LEASE_MS`).
     KRCORE_STAT_MR_DEREG_DELAYED,
+    /// Evicted registrations deregistered on the application's thread:
+    /// no deregistration thread, the thread a full batch behind, or a
+    /// flush (`ibv_dealloc_pd`, `ibv_close_device`, the pinned-memory retry).
+    KRCORE_STAT_MR_CACHE_DEREG_INLINE,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -135,6 +139,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "vqps\0",
     "links\0",
     "mr_dereg_delayed\0",
+    "mr_cache_dereg_inline\0",
 ];
 
 /// A counter's name ("post_send").

@@ -583,6 +583,9 @@ mod tests {
         /// Most bytes that may be registered at once (the pinned-memory
         /// limit); 0: unlimited.
         pin_limit: usize,
+        /// The deregistration thread waits while this is set (a thread the
+        /// scheduler left behind).
+        stall_thread: std::sync::atomic::AtomicBool,
     }
 
     struct Shared(Arc<Fake>);
@@ -602,6 +605,9 @@ mod tests {
             Ok(Box::into_raw(Box::new(mr)))
         }
         fn dereg(&self, mr: *mut ibv_mr) -> Result<()> {
+            while self.0.stall_thread.load(Ordering::SeqCst) && std::thread::current().name() == Some("krcore-dereg") {
+                std::thread::yield_now();
+            }
             let mr = unsafe { Box::from_raw(mr) };
             assert!(self.0.live.lock().remove(&mr.lkey).is_some(), "double deregistration of {}", mr.lkey);
             self.0.deregs.fetch_add(1, Ordering::Relaxed);
@@ -976,6 +982,25 @@ mod tests {
         // The evicted regions are gone from the cache at once: a pair on
         // one of them misses again.
         miss_pair(&c, 0, PAGE);
+    }
+
+    #[test]
+    fn a_thread_a_batch_behind_makes_the_caller_deregister() {
+        let (c, fake) = threaded(2, 1 << 30);
+        fake.stall_thread.store(true, Ordering::SeqCst);
+        miss_pair(&c, 0, PAGE); // kept idle
+        for i in 1..=8 {
+            miss_pair(&c, i, PAGE);
+            // One idle, at most a batch in the thread's hands and one queued.
+            let live = fake.live.lock().len();
+            assert!(live <= 1 + 2 * 2, "{live} regions registered after {i} evictions");
+        }
+        // Eight evicted, at most four held back by the stalled thread.
+        assert!(fake.deregs.load(Ordering::SeqCst) >= 4, "the caller deregistered the excess");
+        fake.stall_thread.store(false, Ordering::SeqCst);
+        // The queue was full: both batches go, only the idle region stays.
+        eventually("the held-back batches deregistered", || !c.reaper.pending());
+        assert_eq!(fake.live.lock().len(), 1);
     }
 
     #[test]

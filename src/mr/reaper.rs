@@ -7,8 +7,11 @@
 //!
 //! Evicted regions are already out of every cache index when they are
 //! queued: nothing can hand them out again. The thread is woken when
-//! `batch` regions, or `batch_bytes`, are queued; so the limits are exceeded
-//! by at most one batch plus what the thread has not caught up with yet.
+//! `batch` regions, or `batch_bytes`, are queued. While that full batch
+//! waits for the thread (it has not been scheduled yet, or is still busy
+//! with the previous one), further victims are deregistered on the caller's
+//! thread: back-pressure, so the limits are exceeded by at most two batches
+//! (one being deregistered, one queued) however late the thread runs.
 //! Whoever needs the regions really gone
 //! (before `ibv_dealloc_pd` or `ibv_close_device`, or when a registration
 //! failed for lack of pinnable memory) calls [`Reaper::drain`], which
@@ -45,8 +48,9 @@ struct State {
     queued_bytes: usize,
     /// A batch is ready: the thread should take the queue.
     full: bool,
-    /// The thread is deregistering a batch taken from the queue.
-    busy: bool,
+    /// The thread is deregistering a batch of this many regions taken
+    /// from the queue (0: idle).
+    busy: usize,
     stop: bool,
 }
 
@@ -80,27 +84,33 @@ impl Reaper {
     /// Deregister `(mr, length)`s: by the thread when it runs, else here.
     pub fn defer(&self, mrs: impl IntoIterator<Item = (*mut ibv_mr, usize)>) {
         if !self.running() {
-            for (mr, _) in mrs {
-                dereg(&*self.shared.backend, mr);
-            }
+            dereg_here(&*self.shared.backend, mrs.into_iter().map(|(mr, _)| mr));
             return;
         }
+        let mut inline = Vec::new();
         let mut st = self.shared.state.lock();
         for (mr, len) in mrs {
+            if st.full {
+                // The thread is a full batch behind: do not queue more.
+                inline.push(mr);
+                continue;
+            }
             st.queue.push(Victim(mr));
             st.queued_bytes += len;
+            if st.queue.len() >= self.batch || st.queued_bytes >= self.batch_bytes {
+                st.full = true;
+                self.shared.wake.notify_one();
+            }
         }
-        stats::set(Stat::KRCORE_STAT_MR_CACHE_DEREG_PENDING, st.queue.len() as u64);
-        if !st.full && (st.queue.len() >= self.batch || st.queued_bytes >= self.batch_bytes) {
-            st.full = true;
-            self.shared.wake.notify_one();
-        }
+        st.publish_pending();
+        drop(st);
+        dereg_here(&*self.shared.backend, inline);
     }
 
     /// Whether evicted regions wait for deregistration.
     pub fn pending(&self) -> bool {
         let st = self.shared.state.lock();
-        !st.queue.is_empty() || st.busy
+        !st.queue.is_empty() || st.busy > 0
     }
 
     /// Deregister everything queued, here, and wait for the thread's batch
@@ -112,14 +122,12 @@ impl Reaper {
             st.full = false;
             std::mem::take(&mut st.queue)
         };
-        for v in queued {
-            dereg(&*self.shared.backend, v.0);
-        }
+        dereg_here(&*self.shared.backend, queued.into_iter().map(|v| v.0));
         let mut st = self.shared.state.lock();
-        while st.busy {
+        while st.busy > 0 {
             self.shared.done.wait(&mut st);
         }
-        stats::set(Stat::KRCORE_STAT_MR_CACHE_DEREG_PENDING, st.queue.len() as u64);
+        st.publish_pending();
     }
 
     /// Whether deferred work goes to the thread (starting it if needed).
@@ -149,7 +157,7 @@ impl Reaper {
         let mut st = self.shared.state.lock();
         st.stop = true;
         self.shared.wake.notify_one();
-        while st.busy {
+        while st.busy > 0 {
             if self.shared.done.wait_until(&mut st, deadline).timed_out() {
                 return; // Stuck in the driver: leave it to the exit.
             }
@@ -163,6 +171,21 @@ impl Drop for Reaper {
     fn drop(&mut self) {
         self.drain();
         self.stop(Duration::from_secs(10));
+    }
+}
+
+impl State {
+    /// Evicted regions still registered: queued or being deregistered.
+    fn publish_pending(&self) {
+        stats::set(Stat::KRCORE_STAT_MR_CACHE_DEREG_PENDING, (self.queue.len() + self.busy) as u64);
+    }
+}
+
+/// Deregister on the calling thread (counted as such).
+fn dereg_here(backend: &dyn Backend, mrs: impl IntoIterator<Item = *mut ibv_mr>) {
+    for mr in mrs {
+        dereg(backend, mr);
+        stats::inc(Stat::KRCORE_STAT_MR_CACHE_DEREG_INLINE);
     }
 }
 
@@ -184,15 +207,15 @@ fn worker(shared: &Shared) {
         let batch = std::mem::take(&mut st.queue);
         st.queued_bytes = 0;
         st.full = false;
-        st.busy = true;
+        st.busy = batch.len();
         drop(st);
         for v in &batch {
             dereg(&*shared.backend, v.0);
         }
         stats::add(Stat::KRCORE_STAT_MR_CACHE_DEREG_BACKGROUND, batch.len() as u64);
         st = shared.state.lock();
-        st.busy = false;
-        stats::set(Stat::KRCORE_STAT_MR_CACHE_DEREG_PENDING, st.queue.len() as u64);
+        st.busy = 0;
+        st.publish_pending();
         shared.done.notify_all();
     }
 }
