@@ -23,7 +23,7 @@ use crate::error::Result;
 use crate::rdma::{self, Device, Region};
 use crate::sys::*;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 /// Staging is handed out in units of this many bytes.
@@ -103,9 +103,9 @@ impl Control {
 /// The large-message state of one runtime.
 #[derive(Default)]
 pub struct Large {
-    staging: Mutex<HashMap<u32, Arc<Staging>>>,
-    sent: Mutex<HashMap<u64, Pending>>,
-    control: Mutex<HashMap<u32, Control>>,
+    staging: Mutex<FxHashMap<u32, Arc<Staging>>>,
+    sent: Mutex<FxHashMap<u64, Pending>>,
+    control: Mutex<FxHashMap<u32, Control>>,
     /// Receiving VQPs (slot, generation) that found their link's queue full.
     waiting: Mutex<Vec<(u32, u8)>>,
 }

@@ -7,7 +7,7 @@
 
 use super::precheck::{LocalMrs, MrInfo};
 use parking_lot::RwLock;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -21,7 +21,7 @@ struct Entry {
 /// One PD's MRs.
 #[derive(Default)]
 pub struct PdMrs {
-    by_lkey: HashMap<u32, Entry>,
+    by_lkey: FxHashMap<u32, Entry>,
 }
 
 impl PdMrs {
@@ -43,16 +43,16 @@ pub enum Change {
     Removed { rkey: u32 },
 }
 
-static PDS: RwLock<Option<HashMap<usize, PdMrs>>> = RwLock::new(None);
+static PDS: RwLock<Option<FxHashMap<usize, PdMrs>>> = RwLock::new(None);
 
 /// Observers of MR changes (the runtimes), by real PD.
 type Observer = Box<dyn Fn(&Change) + Send + Sync>;
-static OBSERVERS: RwLock<Option<HashMap<usize, Observer>>> = RwLock::new(None);
+static OBSERVERS: RwLock<Option<FxHashMap<usize, Observer>>> = RwLock::new(None);
 
 /// An MR of real PD `pd` was registered (`lkey`, `rkey`, range, access).
 pub fn added(pd: usize, lkey: u32, rkey: u32, info: MrInfo) {
     let mut g = PDS.write();
-    let e = g.get_or_insert_with(HashMap::new).entry(pd).or_default().by_lkey.entry(lkey).or_insert(Entry {
+    let e = g.get_or_insert_with(FxHashMap::default).entry(pd).or_default().by_lkey.entry(lkey).or_insert(Entry {
         info,
         rkey,
         refs: 0,
@@ -104,7 +104,7 @@ pub fn observe(pd: usize, f: Observer) {
             f(&Change::Added { rkey, info });
         }
     }
-    OBSERVERS.write().get_or_insert_with(HashMap::new).insert(pd, f);
+    OBSERVERS.write().get_or_insert_with(FxHashMap::default).insert(pd, f);
     drop(g);
 }
 
