@@ -21,6 +21,7 @@ use crate::log::Level;
 use crate::rdma::{self, Caps, Cq, Device, Qp, RcPeer, Region};
 use crate::sys::*;
 use parking_lot::{Condvar, Mutex};
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -65,7 +66,7 @@ struct Replica {
 pub struct MetaClient {
     replicas: Vec<Mutex<Replica>>,
     /// The DCCache: endpoints looked up, valid until the peer is found dead.
-    cache: Mutex<HashMap<Key, Endpoint>>,
+    cache: Mutex<FxHashMap<Key, Endpoint>>,
     /// What this process registered, for renewal.
     bound: Mutex<HashMap<Key, Endpoint>>,
     opts: Options,
@@ -107,7 +108,7 @@ impl MetaClient {
         }
         Ok(Arc::new(MetaClient {
             replicas,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(FxHashMap::default()),
             bound: Mutex::new(HashMap::new()),
             opts,
             renewer: Mutex::new(None),

@@ -36,6 +36,7 @@ use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region, Srq};
 use crate::vqp::queue::PhysSq;
 use crate::sys::*;
 use parking_lot::{Condvar, Mutex};
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -135,9 +136,9 @@ impl LinkKey {
 /// connects; the other still carries what the peer sends on it.
 #[derive(Default)]
 struct Links {
-    by_key: HashMap<LinkKey, Arc<Link>>,
-    by_qpn: HashMap<u32, Arc<Link>>,
-    accepted: HashMap<(u64, u32), Arc<Link>>,
+    by_key: FxHashMap<LinkKey, Arc<Link>>,
+    by_qpn: FxHashMap<u32, Arc<Link>>,
+    accepted: FxHashMap<(u64, u32), Arc<Link>>,
 }
 
 impl Links {
