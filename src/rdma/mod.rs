@@ -304,15 +304,25 @@ impl Cq {
 
     /// Poll up to `wc.len()` completions.
     pub fn poll(&self, wc: &mut [ibv_wc]) -> Result<usize> {
+        // SAFETY: ibv_wc and MaybeUninit<ibv_wc> have the same layout; the
+        // provider only writes entries.
+        let out = unsafe { &mut *(wc as *mut [ibv_wc] as *mut [std::mem::MaybeUninit<ibv_wc>]) };
+        Ok(self.poll_uninit(out)?.len())
+    }
+
+    /// [`Cq::poll`] into an uninitialised array (a hot path need not clear
+    /// it first): the completions written, at its start.
+    pub fn poll_uninit<'a>(&self, wc: &'a mut [std::mem::MaybeUninit<ibv_wc>]) -> Result<&'a [ibv_wc]> {
         // SAFETY: a live CQ of the real library; its context's ops are set.
         let n = unsafe {
             let poll = (*(*self.cq).context).ops.poll_cq.ok_or(Errno::EOPNOTSUPP)?;
-            poll(self.cq, wc.len() as c_int, wc.as_mut_ptr())
+            poll(self.cq, wc.len() as c_int, wc.as_mut_ptr().cast())
         };
         if n < 0 {
             return Err(Errno(libc::EIO));
         }
-        Ok(n as usize)
+        // SAFETY: the provider wrote the first n entries.
+        Ok(unsafe { std::slice::from_raw_parts(wc.as_ptr().cast::<ibv_wc>(), n as usize) })
     }
 
     /// Ask for an event at the next completion.

@@ -547,21 +547,21 @@ impl Runtime {
     /// Poll the links' send and receive completions and deliver them
     /// (the progress lock held).
     fn drain(&self) {
-        // SAFETY: plain C data.
-        let mut wcs: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        const BATCH: usize = 32;
+        let mut wcs = [const { std::mem::MaybeUninit::<ibv_wc>::uninit() }; BATCH];
         for cq in [self.svc.link_cq(), self.svc.recv_cq()] {
             loop {
-                let n = match cq.poll(&mut wcs) {
-                    Ok(n) => n,
+                let got = match cq.poll_uninit(&mut wcs) {
+                    Ok(got) => got,
                     Err(e) => {
                         klog!(Level::Warn, "vqp: polling the links: {e:?}");
                         return;
                     }
                 };
-                for wc in &wcs[..n] {
+                for wc in got {
                     self.dispatch(wc);
                 }
-                if n < wcs.len() {
+                if got.len() < BATCH {
                     break;
                 }
             }
