@@ -14,8 +14,8 @@
 # warns when src/ is newer). Then boots the Soft-RoCE VM once (or uses this
 # machine's RDMA device when /sys/class/infiniband is not empty; CT_DEVICE,
 # default rxe0), brings up rxe with 10 emulated nodes (GID index i =
-# 10.77.0.i) and runs, REPEATS times, the raw half and the krcore half in
-# alternating order (raw first in odd repeats):
+# 10.77.0.i) and runs, REPEATS times, each phase (datapath, mesh, mem) raw
+# and krcore back to back, a few seconds apart (raw first in odd repeats):
 #   raw:    datapath server (GID index 1) + client (GID index 2): READ
 #           latency, READ throughput (window), echo latency 8 B / 4 KiB /
 #           64 KiB; mesh: MESH_PROCS processes on GID indexes 1..N
@@ -190,35 +190,50 @@ run_mem() {
 # Ports of repeat $1: 20 per repeat and half.
 ports_of() { echo $((port + 40 * ($1 - 1) + ($2 == 1 ? 20 : 0))); }
 
-run_raw() {
-    local i="$1" p
-    p="$(ports_of "$i" 0)"
-    run_datapath raw "$i" "$p"
-    for r in $(seq 1 "$mesh_rounds"); do run_mesh raw - "$i" "$r" $((p + 1 + r)); done
-    run_mem raw "$i" $((p + 10))
+# Phase $1 (datapath|mesh|mem) of mode $2, repeat $3. krcore's ports are
+# 20 above raw's.
+run_phase() {
+    local phase="$1" mode="$2" i="$3" p
+    p="$(ports_of "$i" $([[ "$mode" == raw ]] && echo 0 || echo 1))"
+    case "$phase/$mode" in
+        datapath/*) run_datapath "$mode" "$i" "$p" ;;
+        mesh/raw)
+            for r in $(seq 1 "$mesh_rounds"); do run_mesh raw - "$i" "$r" $((p + 1 + r)) || return 1; done ;;
+        mesh/krcore)
+            for r in $(seq 1 "$mesh_rounds"); do
+                run_mesh krcore ordered "$i" "$r" $((p + 1 + 2 * r)) || return 1
+                run_mesh krcore natural "$i" "$r" $((p + 2 + 2 * r)) || return 1
+            done ;;
+        mem/raw) run_mem raw "$i" $((p + 10)) ;;
+        mem/krcore) run_mem krcore "$i" $((p + 15)) ;;
+    esac
 }
 
-run_krcore() {
-    local i="$1" p mpid mip mrc=0 rc=0
-    p="$(ports_of "$i" 1)"
+# Repeat $1: krcore-meta up for the whole repeat (idle, event driven,
+# while raw runs), then each phase raw and krcore back to back, so that
+# the two sides of a ratio are measured a few seconds apart, not minutes;
+# which side goes first alternates by repeat.
+run_repeat() {
+    local i="$1" mpid mip mrc=0 rc=0 order
+    if ((i % 2)); then order="raw krcore"; else order="krcore raw"; fi
     mip="$(gid_ipv4 "$server_gid")" || return 1
     "$klib/krcore-meta" --listen "$mip:$meta_port" --slots 4096 >"$out/meta-$i.txt" 2>&1 &
     mpid=$!
     wait_ready "$out/meta-$i.txt" "$mpid" '/serving on/p' >/dev/null || return 1
-    export KRCORE_META="$mip:$meta_port"
-    run_datapath krcore "$i" "$p" || rc=1
-    if ((!rc)); then
-        for r in $(seq 1 "$mesh_rounds"); do
-            run_mesh krcore ordered "$i" "$r" $((p + 1 + 2 * r)) || { rc=1; break; }
-            run_mesh krcore natural "$i" "$r" $((p + 2 + 2 * r)) || { rc=1; break; }
+    for phase in datapath mesh mem; do
+        for m in $order; do
+            echo "== run $i/$repeats: $phase $m ($(date +%T))"
+            if [[ "$m" == krcore ]]; then
+                KRCORE_META="$mip:$meta_port" run_phase "$phase" "$m" "$i" || { rc=1; break 2; }
+            else
+                run_phase "$phase" "$m" "$i" || { rc=1; break 2; }
+            fi
         done
-    fi
-    if ((!rc)); then run_mem krcore "$i" $((p + 15)) || rc=1; fi
-    unset KRCORE_META
+    done
     kill -TERM "$mpid" 2>/dev/null || true
     wait "$mpid" || mrc=$?
     if ((rc)); then
-        echo "vqp-compare: krcore repeat $i failed (krcore-meta exit $mrc); meta output:" >&2
+        echo "vqp-compare: repeat $i failed (krcore-meta exit $mrc); meta output:" >&2
         cat "$out/meta-$i.txt" >&2
         return 1
     fi
@@ -234,11 +249,7 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
         bash scripts/rxe-up.sh 10
     fi
     for i in $(seq 1 "$repeats"); do
-        if ((i % 2)); then halves="raw krcore"; else halves="krcore raw"; fi
-        for h in $halves; do
-            echo "== run $i/$repeats: $h ($(date +%T))"
-            if [[ "$h" == raw ]]; then run_raw "$i"; else run_krcore "$i"; fi
-        done
+        run_repeat "$i"
     done
     echo "== done ($(date +%T))"
     exit 0
