@@ -42,6 +42,8 @@
  *   rts       ibv_modify_qp -> RTS
  *   read      post one signaled 8-byte RDMA READ and busy-poll its
  *             completion
+ *   read2     (not in the total) a second READ on the same QP: the steady
+ *             READ of the round, in the same conditions as its first
  *
  * The 8 bytes read (from an offset that changes every round) are checked
  * against the pattern; the landing buffer holds their complement before
@@ -55,13 +57,15 @@
  *
  *   round N create_us=.. init_us=.. exchange_us=.. rtr_us=.. rts_us=..
  *     read_us=.. total_us=.. srv_create_us=.. srv_init_us=.. srv_rtr_us=..
- *     srv_rts_us=.. wire_us=.. destroy_us=..
+ *     srv_rts_us=.. wire_us=.. destroy_us=.. read2_us=.. cost_us=..
  *
  * (wire_us: exchange minus the server's four phases, i.e. the TCP round
  * trip and the scheduling around it), a line "steady ..." with the READ
  * latency's median, p10, p90 and mean, and the summary line of medians:
  *
  *   connect_raw_us=M steady_read_us=S connect_minus_read_us=M-S
+ *     connect_minus_read2_us=C (the median over rounds of cost_us =
+ *     total_us - read2_us)
  *     create_us=.. init_us=.. exchange_us=.. rtr_us=.. rts_us=..
  *     first_read_us=.. srv_create_us=.. ... wire_us=.. rounds=..
  *
@@ -98,6 +102,7 @@
  *   post      ibv_post_send of one signaled 8-byte READ (the library's
  *             pre-checks, including the peer's MR table on a miss)
  *   poll      busy-poll its completion (read_us = post + poll)
+ *   read2     (not in the total) a second READ on the VQP, as in raw mode
  *   destroy   ibv_destroy_qp (not in the total)
  *
  * total_us is create + qconnect + read (the span of raw's total_us);
@@ -120,6 +125,7 @@
  * the "steady" line, and the summary of medians
  *
  *   connect_krcore_us=M steady_read_us=S connect_minus_read_us=M-S
+ *     connect_minus_read2_us=C
  *     create_us=.. qconnect_us=.. post_us=.. poll_us=.. first_read_us=..
  *     from_qconnect_us=.. destroy_us=.. [prewarm_us=..] rounds=..
  *
@@ -414,6 +420,26 @@ static void check_read(struct client *c, size_t off, const char *what)
 			die("%s: byte %zu read from offset %zu is 0x%02x, "
 			    "expected 0x%02x", what, i, off, c->d.buf[i],
 			    pat(off + i));
+}
+
+/* The round's second 8-byte READ (checked), right after its first on the
+ * same QP: the steady READ its connect cost is measured against, in the
+ * same conditions (caches, scheduling) as the round's own first READ.
+ * *us (when not NULL) gets post to completion. */
+static void second_read(struct client *c, struct ibv_qp *qp, int round,
+			size_t off, double *us, const char *what)
+{
+	size_t off2 = (off + READ_LEN) % BUF_SIZE;
+	uint64_t t0, t1;
+
+	prep_read(c, off2);
+	t0 = ticks();
+	post_read(c, qp, (uint64_t)round + (1ull << 32), off2, what);
+	poll_read(c, (uint64_t)round + (1ull << 32), what);
+	t1 = ticks();
+	check_read(c, off2, what);
+	if (us)
+		*us = us_of(t0, t1);
 }
 
 /* Cost of the clock and of the timer, then the timer's calibration. */
@@ -753,15 +779,16 @@ static int run_server(const char *devname, int gid_idx, int port)
 /* ---- raw client ------------------------------------------------------- */
 
 enum { P_CREATE, P_INIT, P_EXCH, P_RTR, P_RTS, P_READ, P_TOTAL, P_SCREATE,
-       P_SINIT, P_SRTR, P_SRTS, P_WIRE, P_DESTROY, NPHASE };
+       P_SINIT, P_SRTR, P_SRTS, P_WIRE, P_DESTROY, P_READ2, P_COST, NPHASE };
 static const char *const phase_name[NPHASE] = {
 	"create_us", "init_us", "exchange_us", "rtr_us", "rts_us", "read_us",
 	"total_us", "srv_create_us", "srv_init_us", "srv_rtr_us",
-	"srv_rts_us", "wire_us", "destroy_us",
+	"srv_rts_us", "wire_us", "destroy_us", "read2_us", "cost_us",
 };
 
-/* One connection: create, INIT, exchange, RTR, RTS, first READ (checked).
- * Fills ph[] (when not NULL) and returns the connected QP. */
+/* One connection: create, INIT, exchange, RTR, RTS, first READ (checked),
+ * a second READ (checked). Fills ph[] (when not NULL) and returns the
+ * connected QP. */
 static struct ibv_qp *connect_once(struct client *c, int round, double *ph)
 {
 	char what[64];
@@ -804,6 +831,7 @@ static struct ibv_qp *connect_once(struct client *c, int round, double *ph)
 	poll_read(c, (uint64_t)round, what);
 	t[6] = ticks();
 	check_read(c, off, what);
+	second_read(c, qp, round, off, ph ? &ph[P_READ2] : NULL, what);
 
 	if (ph) {
 		ph[P_CREATE] = us_of(t[0], t[1]);
@@ -817,6 +845,7 @@ static struct ibv_qp *connect_once(struct client *c, int round, double *ph)
 			ph[P_SCREATE + i] = (double)in.srv_ns[i] / 1e3;
 		ph[P_WIRE] = ph[P_EXCH] - ph[P_SCREATE] - ph[P_SINIT] -
 			     ph[P_SRTR] - ph[P_SRTS];
+		ph[P_COST] = ph[P_TOTAL] - ph[P_READ2];
 	}
 	return qp;
 }
@@ -926,10 +955,10 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 			med[k] = median(col, rounds);
 		}
 		printf("connect_raw_us=%.1f steady_read_us=%.1f "
-		       "connect_minus_read_us=%.1f", med[P_TOTAL], s_med,
-		       med[P_TOTAL] - s_med);
+		       "connect_minus_read_us=%.1f connect_minus_read2_us=%.1f",
+		       med[P_TOTAL], s_med, med[P_TOTAL] - s_med, med[P_COST]);
 		for (int k = 0; k < NPHASE; k++) {
-			if (k == P_TOTAL)
+			if (k == P_TOTAL || k == P_COST)
 				continue;
 			printf(" %s=%.1f", k == P_READ ? "first_read_us" :
 							 phase_name[k], med[k]);
@@ -1166,10 +1195,10 @@ static int kr_server(const char *devname, int gid_idx, int port)
 /* ---- krcore client ------------------------------------------------------ */
 
 enum { K_CREATE, K_QCONNECT, K_POST, K_POLL, K_READ, K_TOTAL, K_FROMQC,
-       K_DESTROY, KPHASE };
+       K_DESTROY, K_READ2, K_COST, KPHASE };
 static const char *const kphase_name[KPHASE] = {
 	"create_us", "qconnect_us", "post_us", "poll_us", "read_us",
-	"total_us", "from_qconnect_us", "destroy_us",
+	"total_us", "from_qconnect_us", "destroy_us", "read2_us", "cost_us",
 };
 
 static void kr_open(struct client *c, const char *devname, int gid_idx,
@@ -1259,6 +1288,7 @@ static void kr_connect_once(struct client *c, int round, double *ph)
 	poll_read(c, (uint64_t)round, what);
 	t[4] = ticks();
 	check_read(c, off, what);
+	second_read(c, qp, round, off, &ph[K_READ2], what);
 	t[5] = ticks();
 	if ((rc = ibv_destroy_qp(qp)))
 		die("%s: ibv_destroy_qp: %s", what, strerror(rc));
@@ -1271,6 +1301,7 @@ static void kr_connect_once(struct client *c, int round, double *ph)
 	ph[K_TOTAL] = us_of(t[0], t[4]);
 	ph[K_FROMQC] = us_of(t[1], t[4]);
 	ph[K_DESTROY] = us_of(t[5], t[6]);
+	ph[K_COST] = ph[K_TOTAL] - ph[K_READ2];
 }
 
 static void print_phases(const char *prefix, const double *ph)
@@ -1294,10 +1325,10 @@ static void print_summary(const char *prefix, double (*ph)[KPHASE], int n,
 		med[k] = median(col, n);
 	}
 	printf("%sconnect_krcore_us=%.1f steady_read_us=%.1f "
-	       "connect_minus_read_us=%.1f", prefix, med[K_TOTAL], s_med,
-	       med[K_TOTAL] - s_med);
+	       "connect_minus_read_us=%.1f connect_minus_read2_us=%.1f",
+	       prefix, med[K_TOTAL], s_med, med[K_TOTAL] - s_med, med[K_COST]);
 	for (int k = 0; k < KPHASE; k++) {
-		if (k == K_TOTAL)
+		if (k == K_TOTAL || k == K_COST)
 			continue;
 		printf(" %s=%.1f", k == K_READ ? "first_read_us" :
 						 kphase_name[k], med[k]);
@@ -1425,10 +1456,12 @@ static void kr_spawn_child(struct client *c, const char *self,
 	if (!line || sscanf(line, "child create_us=%lf qconnect_us=%lf "
 				  "post_us=%lf poll_us=%lf read_us=%lf "
 				  "total_us=%lf from_qconnect_us=%lf "
-				  "destroy_us=%lf prewarm_us=%lf",
+				  "destroy_us=%lf read2_us=%lf cost_us=%lf "
+				  "prewarm_us=%lf",
 			    &ph[K_CREATE], &ph[K_QCONNECT], &ph[K_POST],
 			    &ph[K_POLL], &ph[K_READ], &ph[K_TOTAL],
-			    &ph[K_FROMQC], &ph[K_DESTROY], prewarm) != 9)
+			    &ph[K_FROMQC], &ph[K_DESTROY], &ph[K_READ2],
+			    &ph[K_COST], prewarm) != 11)
 		die("cold round %d: the child printed no result: %s", round,
 		    out);
 }
