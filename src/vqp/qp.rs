@@ -139,6 +139,9 @@ struct State {
     /// src_qps whose sender is gone, reported by the last `qpop_msgs`
     /// and destroyed at the next.
     retired: Vec<*mut ibv_qp>,
+    /// A message (SEND, WRITE_WITH_IMM) went to the connected peer: it may
+    /// keep a src_qp for us, which our CLOSE at destroy releases.
+    sent_msgs: bool,
 }
 
 /// An entry of a bound VQP's inbox.
@@ -208,6 +211,7 @@ impl Vqp {
             reading: None,
             src_qps: HashMap::new(),
             retired: Vec::new(),
+            sent_msgs: false,
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {
@@ -424,6 +428,7 @@ impl Vqp {
             }
             let entry = SendEntry { wr_id: w.wr_id, signaled, opcode: wc_opcode, byte_len: total, awaits_done: staged.is_some() };
             let seq = st.sq.push(entry)?;
+            st.sent_msgs |= is_send || w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
             klog!(Level::Debug, "vqp {:#x}: post opcode {} len {total} seq {seq} to {dst:#x}", self.vqpn, w.opcode);
             let large = staged.as_ref().map(|s| (s.addr(), s.rkey()));
             if let Some(s) = staged.take() {
@@ -978,9 +983,11 @@ impl Vqp {
         st.rq.flush(&mut |c| out.push(c));
         let mut srcs: Vec<*mut ibv_qp> = st.src_qps.drain().map(|(_, q)| q).collect();
         srcs.append(&mut st.retired);
-        // The VQP we talk to may release what it keeps for us (a src_qp).
+        // The VQP we talk to may release what it keeps for us (a src_qp,
+        // made only for a sender of messages: a VQP that only READ, WROTE
+        // or used atomics has none there, and its destroy sends nothing).
         let close = match (&st.conn, self.parent.get()) {
-            (Some(c), None) => Some((Arc::clone(&c.link), Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() })),
+            (Some(c), None) if st.sent_msgs => Some((Arc::clone(&c.link), Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() })),
             _ => None,
         };
         // Large messages it will not finish READing: their senders are told
