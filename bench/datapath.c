@@ -535,9 +535,10 @@ RAW_ONLY static void to_rts(struct dev *d, struct ibv_qp *qp, uint32_t sq_psn)
 
 /* ---- posting and polling -------------------------------------------------- */
 
-static int post_read(struct ibv_qp *qp, void *local, uint32_t len,
-		     uint32_t lkey, uint64_t raddr, uint32_t rkey,
-		     uint64_t wr_id)
+/* One signaled single-SGE work request; raddr and rkey are for READs. */
+static int post_one(struct ibv_qp *qp, enum ibv_wr_opcode opcode, void *local,
+		    uint32_t len, uint32_t lkey, uint64_t raddr, uint32_t rkey,
+		    uint64_t wr_id)
 {
 	struct ibv_sge sge = { (uintptr_t)local, len, lkey };
 	struct ibv_send_wr wr, *bad = NULL;
@@ -546,26 +547,25 @@ static int post_read(struct ibv_qp *qp, void *local, uint32_t len,
 	wr.wr_id = wr_id;
 	wr.sg_list = &sge;
 	wr.num_sge = 1;
-	wr.opcode = IBV_WR_RDMA_READ;
+	wr.opcode = opcode;
 	wr.send_flags = IBV_SEND_SIGNALED;
 	wr.wr.rdma.remote_addr = raddr;
 	wr.wr.rdma.rkey = rkey;
 	return ibv_post_send(qp, &wr, &bad);
 }
 
+static int post_read(struct ibv_qp *qp, void *local, uint32_t len,
+		     uint32_t lkey, uint64_t raddr, uint32_t rkey,
+		     uint64_t wr_id)
+{
+	return post_one(qp, IBV_WR_RDMA_READ, local, len, lkey, raddr, rkey,
+			wr_id);
+}
+
 static int post_send_msg(struct ibv_qp *qp, void *local, uint32_t len,
 			 uint32_t lkey, uint64_t wr_id)
 {
-	struct ibv_sge sge = { (uintptr_t)local, len, lkey };
-	struct ibv_send_wr wr, *bad = NULL;
-
-	memset(&wr, 0, sizeof(wr));
-	wr.wr_id = wr_id;
-	wr.sg_list = &sge;
-	wr.num_sge = 1;
-	wr.opcode = IBV_WR_SEND;
-	wr.send_flags = IBV_SEND_SIGNALED;
-	return ibv_post_send(qp, &wr, &bad);
+	return post_one(qp, IBV_WR_SEND, local, len, lkey, 0, 0, wr_id);
 }
 
 static void post_recv_buf(struct ibv_qp *qp, void *local, uint32_t len,
