@@ -13,37 +13,21 @@ import statistics as st
 import sys
 from pathlib import Path
 
+from kvlines import last_line
+
 WARM_TARGET = 100.0  # issue 7: warm at least 100x cheaper than verbs
 READ_TARGET = 1.2    # issue 7: a VQP's READ latency at most 1.2x raw
 
 
-def parse(line):
-    out = {}
-    for kv in line.split():
-        if "=" not in kv:
-            continue
-        k, v = kv.split("=", 1)
-        try:
-            out[k] = float(v)
-        except ValueError:
-            pass
-    return out
-
-
 def summary(path, prefix):
-    if not path.exists():
-        sys.exit(f"connect-compare: {path} is missing")
-    lines = [l for l in path.read_text().splitlines() if l.startswith(prefix)]
-    if not lines:
-        sys.exit(f"connect-compare: {path} has no line '{prefix}...' (did the run fail?)")
-    return parse(lines[-1][len(prefix):] if prefix.endswith(" ") else lines[-1])
+    d = last_line(path, prefix)
+    if d is None:
+        sys.exit(f"connect-compare: {path} has no line '{prefix}...' (missing, or did the run fail?)")
+    return d
 
 
 def header(path):
-    for l in path.read_text().splitlines():
-        if l.startswith("# connect "):
-            return parse(l)
-    return {}
+    return last_line(path, "# connect ") or {}
 
 
 def spread(v, fmt="{:.1f}"):

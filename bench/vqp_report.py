@@ -16,28 +16,10 @@ import statistics as st
 import sys
 from pathlib import Path
 
+from kvlines import last_line
+
 READ_LAT_TARGET = 1.2   # issue 7: READ latency krcore/raw at most 1.2x
 READ_TPUT_TARGET = 0.9  # issue 7: READ throughput krcore/raw at least 0.9x
-
-
-def parse(line):
-    out = {}
-    for kv in line.split():
-        if "=" not in kv:
-            continue
-        k, v = kv.split("=", 1)
-        try:
-            out[k] = float(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
-def last_line(path, prefix):
-    if not path.exists():
-        return None
-    lines = [l for l in path.read_text(errors="replace").splitlines() if l.startswith(prefix)]
-    return parse(lines[-1][len(prefix):]) if lines else None
 
 
 def need(path, prefix):
