@@ -65,33 +65,11 @@ ready_s="${KRCORE_BENCH_READY_S:-60}"
 server_gid=1
 client_gid=2
 
-# Waits until the log ($1) of the server (pid $2) has its ready line, which
-# the sed expression $3 turns into what is printed (an address), the server
-# is gone, or $ready_s seconds have passed.
-wait_ready() {
-    local log="$1" pid="$2" expr="$3" deadline=$((SECONDS + ready_s)) addr
-    while ((SECONDS < deadline)); do
-        addr="$(sed -n "$expr" "$log")"
-        if [[ -n "$addr" ]]; then echo "$addr"; return 0; fi
-        kill -0 "$pid" 2>/dev/null || { echo "connect-compare: $log: the server exited before it was ready:" >&2; cat "$log" >&2; return 1; }
-        sleep 0.05
-    done
-    echo "connect-compare: $log: the server was not ready within ${ready_s} s:" >&2
-    cat "$log" >&2
-    kill "$pid" 2>/dev/null || true
-    return 1
-}
+me=connect-compare
+source bench/vm-helpers.sh
 
 wait_listening() {
     wait_ready "$1" "$2" 's/^connect: server listening on \([0-9.]*\):.*/\1/p'
-}
-
-# The IPv4 address of the RoCE v2 GID at index $1 (::ffff:a.b.c.d).
-gid_ipv4() {
-    local g
-    g="$(cat "/sys/class/infiniband/${CT_DEVICE:-rxe0}/ports/1/gids/$1")"
-    [[ "$g" == 0000:0000:0000:0000:0000:ffff:* ]] || { echo "connect-compare: GID index $1 ($g) is not IPv4-mapped" >&2; return 1; }
-    printf '%d.%d.%d.%d\n' "0x${g:30:2}" "0x${g:32:2}" "0x${g:35:2}" "0x${g:37:2}"
 }
 
 # Raw verbs: one server, one client, repeat $1.

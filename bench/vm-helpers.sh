@@ -1,0 +1,28 @@
+# Helpers of the side-by-side VM benchmarks (bench/connect-compare.sh,
+# bench/vqp-compare.sh), sourced after `cd` to the repository. The caller
+# sets `me` (its name, for messages) and `ready_s`.
+
+# Waits until the log ($1) of the process $2 has a line matching the sed
+# expression $3 (printed: what it extracts), the process is gone, or
+# $ready_s seconds have passed.
+wait_ready() {
+    local log="$1" pid="$2" expr="$3" deadline=$((SECONDS + ready_s)) got
+    while ((SECONDS < deadline)); do
+        got="$(sed -n "$expr" "$log")"
+        if [[ -n "$got" ]]; then echo "$got"; return 0; fi
+        kill -0 "$pid" 2>/dev/null || { echo "$me: $log: the process exited before it was ready:" >&2; cat "$log" >&2; return 1; }
+        sleep 0.05
+    done
+    echo "$me: $log: not ready within ${ready_s} s:" >&2
+    cat "$log" >&2
+    kill "$pid" 2>/dev/null || true
+    return 1
+}
+
+# The IPv4 address of the RoCE v2 GID at index $1 (::ffff:a.b.c.d).
+gid_ipv4() {
+    local g
+    g="$(cat "/sys/class/infiniband/${CT_DEVICE:-rxe0}/ports/1/gids/$1")"
+    [[ "$g" == 0000:0000:0000:0000:0000:ffff:* ]] || { echo "$me: GID index $1 ($g) is not IPv4-mapped" >&2; return 1; }
+    printf '%d.%d.%d.%d\n' "0x${g:30:2}" "0x${g:32:2}" "0x${g:35:2}" "0x${g:37:2}"
+}
