@@ -1182,6 +1182,54 @@ static int echo_size(struct client *c, uint32_t size, int count, double *med,
 	return 0;
 }
 
+/* Interleaving (-T IN,OUT[,first]): two clients, raw and krcore, take
+ * turns slice by slice, handing a token over two FIFOs, so that whatever
+ * the host does to the VM in a given second hits both alike. Both run the
+ * same slices in the same order: the connect and first READs, LAT_SLICES
+ * parts of the latency phase, each throughput trial, the echo phase (one
+ * slice: the servers busy-poll during it). */
+#define LAT_SLICES 10
+#define TURN_TIMEOUT_MS 600000
+static int turn_in = -1, turn_out = -1, turn_first, turns_taken;
+
+static void turns_open(char *spec)
+{
+	char *in = strtok(spec, ","), *out = strtok(NULL, ","),
+	     *first = strtok(NULL, ",");
+
+	if (!in || !out || (first && strcmp(first, "first")))
+		die("-T takes IN,OUT[,first], not '%s'", spec);
+	/* O_RDWR: opening a FIFO never blocks then, and a write never fails
+	 * once the other client has exited. */
+	if ((turn_in = open(in, O_RDWR)) < 0 ||
+	    (turn_out = open(out, O_RDWR)) < 0)
+		die("-T: open %s / %s: %s", in, out, strerror(errno));
+	turn_first = first != NULL;
+}
+
+static void turn_begin(void)
+{
+	struct pollfd p = { .fd = turn_in, .events = POLLIN };
+	char b;
+	int r;
+
+	if (turn_in < 0 || (turns_taken++ == 0 && turn_first))
+		return;
+	while ((r = poll(&p, 1, TURN_TIMEOUT_MS)) < 0 && errno == EINTR)
+		;
+	if (r == 0)
+		die("-T: the other client did not hand the turn over in %d s",
+		    TURN_TIMEOUT_MS / 1000);
+	if (r < 0 || read(turn_in, &b, 1) != 1)
+		die("-T: waiting for the turn: %s", strerror(errno));
+}
+
+static void turn_end(void)
+{
+	if (turn_out >= 0 && write(turn_out, "t", 1) != 1)
+		die("-T: handing the turn over: %s", strerror(errno));
+}
+
 static int run_client(const char *devname, int gid_idx, const char *server,
 		      int port, int reads, int tput_ops, int window, int echos,
 		      int large_echos)
@@ -1216,6 +1264,7 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 		die("calloc");
 	timer_setup(&clock_us, &timer_us);
 
+	turn_begin();
 	c.fd = tcp_connect(c.d.ip, server, port);
 	memset(&m, 0, sizeof(m));
 	t0 = ticks();
@@ -1268,18 +1317,26 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 	printf("first_read connect_us=%.1f first_post_us=%.1f "
 	       "first_read_us=%.1f second_read_us=%.1f\n", connect_us,
 	       first_post, first_read, second_read);
+	turn_end();
 
-	/* (a) READ latency. */
-	for (int i = 0; i < WARMUP_READS + reads; i++) {
-		size_t off = ((size_t)i * 8) % TARGET_LEN;
-		double post_us;
-		double us = one_read(&c, off, 100 + (uint64_t)i, &post_us,
-				     "a timed READ");
+	/* (a) READ latency (in LAT_SLICES turns; the warm-up opens each). */
+	for (int sl = 0; sl < LAT_SLICES; sl++) {
+		int from = (int)((long)reads * sl / LAT_SLICES),
+		    to = (int)((long)reads * (sl + 1) / LAT_SLICES);
 
-		if (i >= WARMUP_READS) {
-			lat[i - WARMUP_READS] = us;
-			post[i - WARMUP_READS] = post_us;
+		turn_begin();
+		for (int i = from - WARMUP_READS; i < to; i++) {
+			size_t off = ((size_t)(i + WARMUP_READS) * 8) % TARGET_LEN;
+			double post_us;
+			double us = one_read(&c, off, 100 + (uint64_t)(i + WARMUP_READS),
+					     &post_us, "a timed READ");
+
+			if (i >= from) {
+				lat[i] = us;
+				post[i] = post_us;
+			}
 		}
+		turn_end();
 	}
 	print_dist("read_lat size=8", lat, reads);
 	print_dist("read_post size=8", post, reads);
@@ -1290,7 +1347,9 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 		int ops = s ? (tput_ops / 4 > 1 ? tput_ops / 4 : 1) : tput_ops;
 
 		for (int t = 0; t < TPUT_TRIALS; t++) {
+			turn_begin();
 			tput[s][t] = tput_trial(&c, len, window, ops, 2 * window);
+			turn_end();
 			printf("read_tput size=%u window=%d ops=%d trial=%d "
 			       "ops_per_s=%.0f MB_per_s=%.2f\n", len, window, ops,
 			       t + 1, tput[s][t], tput[s][t] * len / 1e6);
@@ -1299,9 +1358,11 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 	}
 
 	/* (c) echo latency. */
+	turn_begin();
 	for (int s = 0; s < 3; s++)
 		eskip[s] = echo_size(&c, esize[s], s == 2 ? large_echos : echos,
 				     &emed[s], &ep99[s], &ep10[s]);
+	turn_end();
 
 	memset(&m, 0, sizeof(m));
 	send_ctl(c.fd, C_BYE, &m, "bye");
@@ -2375,7 +2436,7 @@ static void usage(void)
 		"usage: datapath%s server [-d DEV] [-g GID_INDEX] [-p PORT]\n"
 		"       datapath%s client SERVER_IP [-d DEV] [-g GID_INDEX] "
 		"[-p PORT] [-r READS] [-n TPUT_OPS] [-w WINDOW] [-e ECHOS] "
-		"[-E LARGE_ECHOS] [-t tsc|clock] [-y SPINS]\n"
+		"[-E LARGE_ECHOS] [-t tsc|clock] [-y SPINS] [-T IN,OUT[,first]]\n"
 		"       datapath%s mesh [-N PROCS] [-p PORT] [-d DEV] [-Q] "
 		"[-o natural|ordered]\n"
 		"       datapath%s mem [-K PEERS] [-V VQPS] [-q RAW_QP_PAIRS] "
@@ -2422,7 +2483,7 @@ int main(int argc, char **argv)
 		server = argv[2];
 		optind = 3;
 	}
-	while ((opt = getopt(argc, argv, "d:g:p:r:n:w:e:E:t:N:K:V:q:R:k:Qy:o:")) != -1) {
+	while ((opt = getopt(argc, argv, "d:g:p:r:n:w:e:E:t:N:K:V:q:R:k:Qy:o:T:")) != -1) {
 		switch (opt) {
 		case 'd': devname = optarg; break;
 		case 'g': gid_idx = parse_int(optarg, 0, 65535, "-g"); break;
@@ -2451,6 +2512,7 @@ int main(int argc, char **argv)
 			order = optarg;
 			break;
 		case 'y': yield_spins = parse_int(optarg, 0, 1 << 30, "-y"); break;
+		case 'T': turns_open(optarg); break;
 		default: usage();
 		}
 	}

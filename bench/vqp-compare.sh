@@ -14,26 +14,31 @@
 # warns when src/ is newer). Then boots the Soft-RoCE VM once (or uses this
 # machine's RDMA device when /sys/class/infiniband is not empty; CT_DEVICE,
 # default rxe0), brings up rxe with 10 emulated nodes (GID index i =
-# 10.77.0.i) and runs, REPEATS times, each phase (datapath, mesh, mem) raw
-# and krcore back to back, a few seconds apart (raw first in odd repeats):
-#   raw:    datapath server (GID index 1) + client (GID index 2): READ
+# 10.77.0.i) and runs REPEATS times:
+#   datapath: raw and krcore at once, taking turns slice by slice (the
+#           connect and first READs, tenths of the latency phase, each
+#           throughput trial, the echo phase; the token goes over two
+#           FIFOs, datapath -T), so both sides of a ratio see the same
+#           moments of the VM; raw takes the first turn in odd repeats.
+#           raw: datapath server (GID index 1) + client (GID index 2): READ
 #           latency, READ throughput (window), echo latency 8 B / 4 KiB /
-#           64 KiB; mesh: MESH_PROCS processes on GID indexes 1..N
-#           connecting all-to-all with RC QPs and a TCP exchange; mem: bytes
-#           per RC QP.
-#   krcore: krcore-meta on 10.77.0.1 (waits for "serving on"), the same
-#           datapath with a qbind server and a qconnect client
-#           (KRCORE_GID_INDEX of each node); the mesh twice: order
-#           "ordered" (a rank qconnects back to a lower rank once that one
-#           announced its own connect) and order "natural" (every process
-#           qconnects to all others at once; a failure there is recorded,
-#           not fatal: see the report); mem: bytes per VQP and per link
-#           (MEM_PEERS peer processes).
+#           64 KiB; krcore: the same with a qbind server and a qconnect
+#           client (KRCORE_GID_INDEX of each node), krcore-meta on
+#           10.77.0.1 (waits for "serving on").
+#   mesh, mem: raw and krcore back to back, a few seconds apart (raw first
+#           in odd repeats):
+#           mesh: MESH_PROCS processes on GID indexes 1..N connecting
+#           all-to-all, raw with RC QPs and a TCP exchange, krcore twice:
+#           order "ordered" (a rank qconnects back to a lower rank once
+#           that one announced its own connect) and order "natural" (every
+#           process qconnects to all others at once; a failure there is
+#           recorded, not fatal: see the report); mem: bytes per RC QP,
+#           and per VQP and per link (MEM_PEERS peer processes).
 # Readiness comes from the printed lines (server "ready", krcore-meta
 # "serving on", the mesh workers' "ready"/"done" read by their
 # coordinator); every wait and every process is bounded (READY_S,
 # RUN_S). Results in target/bench/vqp: dp-{raw,krcore}-N.txt (client),
-# dp-*-server-N.txt, hw-dp-*-N.txt (rxe hardware counters during the run),
+# dp-*-server-N.txt, hw-dp-N.txt (rxe hardware counters during the run),
 # mesh-raw-N-R.txt, mesh-krcore-{ordered,natural}-N-R.txt (+ .rc),
 # mem-{raw,krcore}-N.txt, meta-N.txt, and table.md (bench/vqp_report.py).
 #
@@ -101,29 +106,63 @@ hw_delta() {
     awk -F= 'NR == FNR { a[$1] = $2; next } ($1 in a) && $2 - a[$1] != 0 { printf "%s=%d\n", $1, $2 - a[$1] }' "$1" "$2"
 }
 
-# The data path of mode $1 (raw|krcore), repeat $2, ports from $3.
+# The data path of repeat $1, ports $2 (raw) and $3 (krcore), $4 the mode
+# that takes the first turn: both servers up, then both clients at once,
+# taking turns slice by slice (datapath -T: a token over two FIFOs), so
+# that the two sides of a ratio are measured within a second of each other.
 run_datapath() {
-    local mode="$1" i="$2" p="$3" b spid addr crc=0 src=0 tag
-    if [[ "$mode" == raw ]]; then b="$bin"; else b="$kbin"; fi
-    tag="$mode-$i"
-    KRCORE_GID_INDEX="$server_gid" "$b" server -g "$server_gid" -p "$p" \
-        >"$out/dp-$mode-server-$i.txt" 2>&1 &
-    spid=$!
-    addr="$(wait_ready "$out/dp-$mode-server-$i.txt" "$spid" 's/^datapath: server ready on \([0-9.]*\) .*/\1/p')" || return 1
+    local i="$1" pr="$2" pk="$3" first="$4" mode b p spid addr rc tag
+    local -A sp cp
+    for mode in raw krcore; do
+        if [[ "$mode" == raw ]]; then b="$bin"; p="$pr"; else b="$kbin"; p="$pk"; fi
+        KRCORE_GID_INDEX="$server_gid" "$b" server -g "$server_gid" -p "$p" \
+            >"$out/dp-$mode-server-$i.txt" 2>&1 &
+        sp[$mode]=$!
+        addr="$(wait_ready "$out/dp-$mode-server-$i.txt" "${sp[$mode]}" 's/^datapath: server ready on \([0-9.]*\) .*/\1/p')" || return 1
+    done
+    # The FIFOs live in the guest's /tmp (the shared output directory
+    # cannot hold one).
+    local turns_dir
+    turns_dir="$(mktemp -d)"
+    mkfifo "$turns_dir/raw" "$turns_dir/krcore"
     hw_snap "$out/.hw0"
-    KRCORE_GID_INDEX="$client_gid" timeout "$run_s" "$b" client "$addr" -g "$client_gid" -p "$p" \
-        -r "$reads" -n "$tput_ops" -w "$window" -e "$echos" -E "$large_echos" \
-        >"$out/dp-$tag.txt" 2>&1 || crc=$?
+    for mode in raw krcore; do
+        if [[ "$mode" == raw ]]; then b="$bin"; p="$pr"; else b="$kbin"; p="$pk"; fi
+        local other=raw turns
+        [[ "$mode" == raw ]] && other=krcore
+        turns="$turns_dir/$mode,$turns_dir/$other"
+        [[ "$mode" == "$first" ]] && turns+=",first"
+        KRCORE_GID_INDEX="$client_gid" timeout "$run_s" "$b" client "$addr" -g "$client_gid" -p "$p" \
+            -r "$reads" -n "$tput_ops" -w "$window" -e "$echos" -E "$large_echos" -T "$turns" \
+            >"$out/dp-$mode-$i.txt" 2>&1 &
+        cp[$mode]=$!
+    done
+    local failed=0
+    for mode in raw krcore; do
+        rc=0; wait "${cp[$mode]}" || rc=$?
+        if ((rc)); then
+            failed=1
+            echo "vqp-compare: datapath client $mode-$i failed (exit $rc):" >&2
+            cat "$out/dp-$mode-$i.txt" >&2
+            # The other client waits for a turn that never comes.
+            kill "${cp[raw]}" "${cp[krcore]}" 2>/dev/null || true
+        fi
+    done
     hw_snap "$out/.hw1"
-    hw_delta "$out/.hw0" "$out/.hw1" >"$out/hw-dp-$tag.txt"
-    if ((crc)); then kill "$spid" 2>/dev/null || true; fi
-    wait "$spid" || src=$?
-    grep -e '^datapath_summary' -e '^echo .*skipped' "$out/dp-$tag.txt" || true
-    if ((crc || src)); then
-        echo "vqp-compare: datapath $tag failed (client exit $crc, server exit $src):" >&2
-        cat "$out/dp-$tag.txt" "$out/dp-$mode-server-$i.txt" >&2
-        return 1
-    fi
+    hw_delta "$out/.hw0" "$out/.hw1" >"$out/hw-dp-$i.txt"
+    rm -rf "$turns_dir"
+    for mode in raw krcore; do
+        tag="$mode-$i"
+        if ((failed)); then kill "${sp[$mode]}" 2>/dev/null || true; fi
+        rc=0; wait "${sp[$mode]}" || rc=$?
+        grep -e '^datapath_summary' -e '^echo .*skipped' "$out/dp-$tag.txt" || true
+        if ((rc)) && ! ((failed)); then
+            failed=1
+            echo "vqp-compare: datapath server $tag failed (exit $rc):" >&2
+            cat "$out/dp-$mode-server-$i.txt" >&2
+        fi
+    done
+    return "$failed"
 }
 
 # One mesh: mode $1, order $2 (- for raw), repeat $3, round $4, port $5.
@@ -175,7 +214,6 @@ run_phase() {
     local phase="$1" mode="$2" i="$3" p
     p="$(ports_of "$i" $([[ "$mode" == raw ]] && echo 0 || echo 1))"
     case "$phase/$mode" in
-        datapath/*) run_datapath "$mode" "$i" "$p" ;;
         mesh/raw)
             for r in $(seq 1 "$mesh_rounds"); do run_mesh raw - "$i" "$r" $((p + 1 + r)) || return 1; done ;;
         mesh/krcore)
@@ -199,7 +237,10 @@ run_repeat() {
     "$klib/krcore-meta" --listen "$mip:$meta_port" --slots 4096 >"$out/meta-$i.txt" 2>&1 &
     mpid=$!
     wait_ready "$out/meta-$i.txt" "$mpid" '/serving on/p' >/dev/null || return 1
-    for phase in datapath mesh mem; do
+    echo "== run $i/$repeats: datapath, raw and krcore taking turns, ${order%% *} first ($(date +%T))"
+    KRCORE_META="$mip:$meta_port" run_datapath "$i" "$(ports_of "$i" 0)" "$(ports_of "$i" 1)" "${order%% *}" || rc=1
+    for phase in mesh mem; do
+        ((rc)) && break
         for m in $order; do
             echo "== run $i/$repeats: $phase $m ($(date +%T))"
             if [[ "$m" == krcore ]]; then

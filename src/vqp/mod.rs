@@ -8,6 +8,7 @@
 pub mod api;
 pub mod header;
 pub mod large;
+pub mod memo;
 pub mod mrs;
 pub mod precheck;
 pub mod queue;

@@ -8,6 +8,7 @@
 use super::precheck::{LocalMrs, MrInfo};
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -45,6 +46,16 @@ pub enum Change {
 
 static PDS: RwLock<Option<FxHashMap<usize, PdMrs>>> = RwLock::new(None);
 
+/// Bumped whenever an MR leaves the registry: what a VQP remembers of an
+/// MR found at an older epoch may be gone (see [`super::memo`]).
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// The registry's epoch. Read it before a lookup: a removal after the
+/// read bumps it, so the lookup's answer is never newer than its epoch.
+pub fn epoch() -> u64 {
+    EPOCH.load(Ordering::Acquire)
+}
+
 /// Observers of MR changes (the runtimes), by real PD.
 type Observer = Box<dyn Fn(&Change) + Send + Sync>;
 static OBSERVERS: RwLock<Option<FxHashMap<usize, Observer>>> = RwLock::new(None);
@@ -76,6 +87,7 @@ pub fn removed(pd: usize, lkey: u32) {
     }
     let rkey = e.rkey;
     mrs.by_lkey.remove(&lkey);
+    EPOCH.fetch_add(1, Ordering::AcqRel);
     drop(g);
     notify(pd, &Change::Removed { rkey });
 }
@@ -142,10 +154,12 @@ mod tests {
         added(pd, 1, 11, info(0x1000)); // a second MR on the same cached region
         added(pd, 2, 22, info(0x9000));
         assert_eq!(with(pd, |m| m.local(1)), Some(info(0x1000)));
+        let before = epoch();
         removed(pd, 1);
         assert_eq!(with(pd, |m| m.local(1)), Some(info(0x1000)), "still held by the other MR");
         removed(pd, 1);
         assert_eq!(with(pd, |m| m.local(1)), None);
+        assert!(epoch() > before, "a removal moves the epoch");
         assert_eq!(with(pd + 1, |m| m.local(2)), None, "other PDs see nothing");
         unobserve(pd);
         removed(pd, 2);

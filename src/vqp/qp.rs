@@ -19,9 +19,10 @@
 
 use super::header::{Flags, Header, HEADER_LEN};
 use super::mrs;
-use super::precheck::{self, Caps, SendWr, Verdict};
+use super::precheck::{self, Caps, LocalMrs, SendWr, Verdict};
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
-use super::runtime::{CqSoft, PeerMrs, Runtime, HDR_SLOT, MAX_MSG};
+use super::memo::{Memoized, MrMemo};
+use super::runtime::{coarse_ms, CqSoft, PeerMrs, Runtime, HDR_SLOT, MAX_MSG};
 use super::large::Control;
 use super::wrid::{SendId, WrId};
 use crate::error::{Errno, Result};
@@ -142,6 +143,8 @@ struct State {
     /// A message (SEND, WRITE_WITH_IMM) went to the connected peer: it may
     /// keep a src_qp for us, which our CLOSE at destroy releases.
     sent_msgs: bool,
+    /// The MRs the last pre-checks found.
+    memo: MrMemo,
 }
 
 /// An entry of a bound VQP's inbox.
@@ -169,6 +172,8 @@ pub struct Vqp {
     recv_soft: Arc<CqSoft>,
     sq_sig_all: bool,
     pub caps: Caps,
+    /// `KRCORE_MR_LEASE_MS`, read once.
+    mr_lease_ms: u64,
     st: Mutex<State>,
     rt: OnceCell<Arc<Runtime>>,
     /// Header slots of in-flight SENDs, one per send-ring entry.
@@ -212,6 +217,7 @@ impl Vqp {
             src_qps: HashMap::new(),
             retired: Vec::new(),
             sent_msgs: false,
+            memo: MrMemo::default(),
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {
@@ -235,6 +241,7 @@ impl Vqp {
             recv_soft,
             sq_sig_all,
             caps,
+            mr_lease_ms: crate::config::get().mr_lease_ms,
             st: Mutex::new(st),
             rt: OnceCell::new(),
             hdrs: OnceCell::new(),
@@ -372,10 +379,6 @@ impl Vqp {
     /// `w` and its SGE list are the application's valid WR.
     unsafe fn post_one(&self, w: &ibv_send_wr) -> Result<()> {
         let Some(rt) = self.rt.get() else { return Err(Errno::EINVAL) };
-        let (link, dst) = match &self.st.lock().conn {
-            Some(c) => (Arc::clone(&c.link), c.dst),
-            None => return Err(Errno::EINVAL),
-        };
         if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_send_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
             return Err(Errno::EINVAL);
         }
@@ -390,20 +393,46 @@ impl Vqp {
             }
         };
         let sw = SendWr { opcode: w.opcode, send_flags: w.send_flags, sge: sges, remote_addr, rkey };
-        self.precheck(rt, &link, &sw)?;
         let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
         let total: u32 = sges.iter().map(|s| s.length).sum();
         let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
-        // Above a receive buffer the receiver READs the payload: stage it
-        // now, outside the locks (inline data is at most MAX_INLINE).
-        let mut staged = if is_send && total as usize > MAX_MSG {
-            Some(rt.large.stage(rt.svc.device(), link.qp.qpn(), sges, total as usize)?)
-        } else {
-            None
-        };
         let wc_opcode = wc_opcode_of(w.opcode);
+        let mut staged = None;
+        let mut fetched = false;
+        // One pass under the VQP's lock when nothing is missing; what must
+        // wait (the peer's MR table, staging, room on the link) is done
+        // without it, and the pass starts over.
         loop {
-            let mut st = self.st.lock();
+            let mut guard = self.st.lock();
+            let st = &mut *guard;
+            let Some(conn) = &st.conn else { return Err(Errno::EINVAL) };
+            match self.precheck(&st.memo, &sw) {
+                Ok(()) => {}
+                Err(Verdict::Reject(r)) => {
+                    klog!(Level::Debug, "vqp {:#x}: rejected a work request: {r}", self.vqpn);
+                    return Err(r.errno());
+                }
+                Err(Verdict::NeedRemote { rkey }) => {
+                    let link = Arc::clone(&conn.link);
+                    drop(guard);
+                    // One READ of the peer's table: if the rkey is still
+                    // unknown after it, the peer has no such MR.
+                    if fetched || !self.fetch_remote(rt, &link, rkey)? {
+                        klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
+                        return Err(Errno::EINVAL);
+                    }
+                    fetched = true;
+                    continue;
+                }
+            }
+            // Above a receive buffer the receiver READs the payload: stage
+            // it (a copy into a registered buffer) outside the lock.
+            if is_send && total as usize > MAX_MSG && staged.is_none() {
+                let qpn = conn.link.qp.qpn();
+                drop(guard);
+                staged = Some(rt.large.stage(rt.svc.device(), qpn, sges, total as usize)?);
+                continue;
+            }
             if st.sq.outstanding() >= self.sq_cap as usize {
                 return Err(Errno::ENOMEM);
             }
@@ -412,16 +441,17 @@ impl Vqp {
                 st.sq.push(SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false })?;
                 let mut out = Vec::new();
                 st.sq.take_flushed(&mut |c| out.push(c));
-                drop(st);
+                drop(guard);
                 out.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
                 return Ok(());
             }
+            let (link, dst) = (&*conn.link, conn.dst);
             let mut sq = link.sq.lock();
             // WRITE_WITH_IMM is a WRITE and a notification SEND: two WQEs.
             let need = if w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM { 2 } else { 1 };
             if link.qp.caps.send_wr as usize - sq.outstanding() < need {
                 drop(sq);
-                drop(st);
+                drop(guard);
                 rt.progress();
                 std::thread::yield_now();
                 continue;
@@ -435,7 +465,7 @@ impl Vqp {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LARGE_SENT);
                 rt.large.sent(s, self.slot, self.gen, seq, link.qp.qpn());
             }
-            let r = self.post_physical(&link, &mut sq, w, sges, seq, signaled, dst, total, large);
+            let r = self.post_physical(link, &mut sq, w, sges, seq, signaled, dst, total, large);
             if let Err(e) = r {
                 if let Some((addr, _)) = large {
                     rt.large.unsend(addr);
@@ -579,30 +609,21 @@ impl Vqp {
         Ok(n as i32)
     }
 
-    /// Pre-checks, fetching the peer's MR entry once when needed.
-    fn precheck(&self, rt: &Runtime, link: &Link, sw: &SendWr<'_>) -> Result<()> {
-        for _ in 0..2 {
-            let pm = self.peer_mrs.get().ok_or(Errno::EINVAL)?;
-            let verdict = {
-                let pm = pm.lock();
-                mrs::with(self.app.real_pd as usize, |local| precheck::check_send(sw, &self.caps, local, &*pm))
-            };
-            match verdict {
-                Ok(()) => return Ok(()),
-                Err(Verdict::Reject(r)) => {
-                    klog!(Level::Debug, "vqp {:#x}: rejected a work request: {r}", self.vqpn);
-                    return Err(r.errno());
-                }
-                Err(Verdict::NeedRemote { rkey }) => {
-                    if !self.fetch_remote(rt, link, rkey)? {
-                        // The peer has no such MR: one READ said so.
-                        break;
-                    }
-                }
-            }
-        }
-        klog!(Level::Debug, "vqp {:#x}: rkey unknown to the peer", self.vqpn);
-        Err(Errno::EINVAL)
+    /// The pre-checks, through the VQP's memo of the MRs it used last
+    /// (the VQP's lock held: the memo is part of its state).
+    fn precheck(&self, memo: &MrMemo, sw: &SendWr<'_>) -> std::result::Result<(), Verdict> {
+        // Set before the connection (fetch_remote fails without it).
+        let pm = self.peer_mrs.get();
+        let pd = self.app.real_pd as usize;
+        let mrs = Memoized {
+            memo,
+            epoch: mrs::epoch(),
+            lease_ms: self.mr_lease_ms,
+            local: |lkey| mrs::with(pd, |m| m.local(lkey)),
+            remote: |rkey| pm.and_then(|pm| pm.lock().get(rkey)),
+            now: coarse_ms,
+        };
+        precheck::check_send(sw, &self.caps, &mrs, &mrs)
     }
 
     /// READ the peer's MR table entry for `rkey` into the cache; whether

@@ -332,32 +332,44 @@ impl PeerMrs {
     pub fn learn(&mut self, rkey: u32, info: super::precheck::MrInfo) {
         self.known.insert(rkey, (info, coarse_ms()));
     }
-}
 
-impl super::precheck::RemoteMrs for PeerMrs {
-    fn remote(&self, rkey: u32) -> Option<super::precheck::MrInfo> {
-        let (info, at) = self.known.get(&rkey)?;
-        // Both readings may be a tick late: count one more.
-        let age = coarse_ms().saturating_sub(*at) + COARSE_TICK_MS;
-        (age < crate::config::get().mr_lease_ms).then_some(*info)
+    /// The peer's MR of `rkey` and when its table said so (coarse ms); the
+    /// pre-checks use it while [`super::memo::lease_holds`].
+    pub fn get(&self, rkey: u32) -> Option<(super::precheck::MrInfo, u64)> {
+        self.known.get(&rkey).copied()
     }
 }
-
-/// The coarse clock's resolution is one scheduler tick: at most 10 ms
-/// (HZ >= 100).
-const COARSE_TICK_MS: u64 = 10;
 
 /// `CLOCK_MONOTONIC_COARSE` in milliseconds: the pre-checks look at the
 /// time once per one-sided WR. This clock is read from the vDSO's data page
 /// without a clock source, so it is never a system call; `Instant::now` is
 /// one wherever the clock source has no vDSO mode (virtual machines without
 /// a stable TSC, such as the testbed), 6% of a READ's cost there.
-fn coarse_ms() -> u64 {
+pub fn coarse_ms() -> u64 {
     // SAFETY: a plain C struct.
     let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
     // SAFETY: a valid timespec; this clock exists on every Linux since 2.6.32.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+/// The VQP the last send completion went to: completions come in runs for
+/// one VQP, which then skip the slot table and its lock.
+#[derive(Default)]
+struct LastVqp(Option<(u32, u8, Weak<vqp::Vqp>)>);
+
+impl LastVqp {
+    fn get(&mut self, slot: u32, gen: u8) -> Option<Arc<vqp::Vqp>> {
+        if let Some((s, g, w)) = &self.0 {
+            if (*s, *g) == (slot, gen) {
+                // A destroyed VQP fails to upgrade, as its slot would.
+                return w.upgrade();
+            }
+        }
+        let v = vqp::lookup(slot, gen)?;
+        self.0 = Some((slot, gen, Arc::downgrade(&v)));
+        Some(v)
+    }
 }
 
 pub struct Runtime {
@@ -374,7 +386,7 @@ pub struct Runtime {
     meta: OnceCell<Arc<MetaClient>>,
     recv_bufs: Region,
     /// Held by the one thread making progress (see the module doc).
-    progress: Mutex<()>,
+    progress: Mutex<LastVqp>,
     /// The CQs this runtime's VQPs deliver to (their notifiers live on
     /// this PD).
     cqs: Mutex<Vec<Weak<CqSoft>>>,
@@ -431,7 +443,7 @@ impl Runtime {
             svc,
             meta: OnceCell::new(),
             recv_bufs,
-            progress: Mutex::new(()),
+            progress: Mutex::new(LastVqp::default()),
             cqs: Mutex::new(Vec::new()),
             armed_cqs: std::sync::atomic::AtomicUsize::new(0),
             control: Mutex::new(FxHashMap::default()),
@@ -457,8 +469,8 @@ impl Runtime {
         let weak = Arc::downgrade(&rt);
         rt.svc.on_link_recv(Box::new(move || {
             let Some(rt) = weak.upgrade() else { return false };
-            let _one = rt.progress.lock();
-            rt.drain();
+            let mut last = rt.progress.lock();
+            rt.drain(&mut last);
             let polls = rt.polls.load(Ordering::Relaxed);
             polls != rt.polls_seen.swap(polls, Ordering::Relaxed)
         }));
@@ -537,16 +549,16 @@ impl Runtime {
     /// Poll the links' completions and deliver them. Returns at once when
     /// another thread is already doing it.
     pub fn progress(&self) {
-        let Some(_one) = self.progress.try_lock() else { return };
+        let Some(mut last) = self.progress.try_lock() else { return };
         // A plain store, not a locked increment: the service thread only
         // asks whether it changed.
         self.polls.store(self.polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        self.drain();
+        self.drain(&mut last);
     }
 
     /// Poll the links' send and receive completions and deliver them
     /// (the progress lock held).
-    fn drain(&self) {
+    fn drain(&self, last: &mut LastVqp) {
         const BATCH: usize = 32;
         let mut wcs = [const { std::mem::MaybeUninit::<ibv_wc>::uninit() }; BATCH];
         for cq in [self.svc.link_cq(), self.svc.recv_cq()] {
@@ -559,7 +571,7 @@ impl Runtime {
                     }
                 };
                 for wc in got {
-                    self.dispatch(wc);
+                    self.dispatch(wc, last);
                 }
                 if got.len() < BATCH {
                     break;
@@ -579,7 +591,7 @@ impl Runtime {
         self.next_tag.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn dispatch(&self, wc: &ibv_wc) {
+    fn dispatch(&self, wc: &ibv_wc, last: &mut LastVqp) {
         let id = match WrId::decode(wc.wr_id) {
             Ok(id) => id,
             Err(_) => {
@@ -592,7 +604,7 @@ impl Runtime {
             WrId::Send(s) => {
                 // The VQP's own link does the accounting (one lookup less
                 // per completion); a destroyed VQP's, the link by number.
-                let accounted = match vqp::lookup(s.slot(), s.generation()) {
+                let accounted = match last.get(s.slot(), s.generation()) {
                     Some(v) => v.on_send_completion(s.seq(), wc.status, wc.qp_num, s.retired()),
                     None => false,
                 };
