@@ -52,8 +52,9 @@
  *                time and post-to-completion (krcore: the first use of the
  *                server's rkey READs its MR table entry)
  *   (a) READ latency: one signaled 8-byte READ, busy-poll its completion,
- *                check the 8 bytes against the pattern; 100 warm-up, then
- *                READS (default 2000) timed: median, p99, ...; and
+ *                check the 8 bytes against the pattern; READS (default
+ *                2000) timed, in 10 slices of 100 warm-up READs and a tenth
+ *                of READS each: median, p99, ...; and
  *                ibv_post_send's own share of each (line read_post: rxe
  *                runs the whole READ inside the posting system call)
  *   (b) READ throughput: WINDOW (default 32) signaled READs outstanding,
@@ -75,6 +76,9 @@
  *                lands) the size is reported as skipped:
  *                  echo size=65536 skipped=EINVAL ...
  *                and measured as soon as the library takes it.
+ *
+ * With -T IN,OUT[,first] two clients (raw and krcore) run these phases
+ * interleaved, slice by slice: see turn_begin().
  *
  * The client's last line is the summary the report reads:
  *

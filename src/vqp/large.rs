@@ -24,6 +24,7 @@ use crate::rdma::{self, Device, Region};
 use crate::sys::*;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Staging is handed out in units of this many bytes.
@@ -108,6 +109,8 @@ pub struct Large {
     control: Mutex<FxHashMap<u32, Control>>,
     /// Receiving VQPs (slot, generation) that found their link's queue full.
     waiting: Mutex<Vec<(u32, u8)>>,
+    /// Whether `waiting` may hold any: every progress run asks.
+    any_waiting: AtomicBool,
 }
 
 impl Large {
@@ -191,9 +194,17 @@ impl Large {
         if !w.contains(&(slot, gen)) {
             w.push((slot, gen));
         }
+        self.any_waiting.store(true, Ordering::Release);
     }
 
     pub fn take_waiting(&self) -> Vec<(u32, u8)> {
-        std::mem::take(&mut *self.waiting.lock())
+        // Set under the lock after a push: a push racing this load is
+        // seen by the next progress run.
+        if !self.any_waiting.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut w = self.waiting.lock();
+        self.any_waiting.store(false, Ordering::Release);
+        std::mem::take(&mut *w)
     }
 }

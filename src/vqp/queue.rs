@@ -601,7 +601,9 @@ impl SoftCq {
         let mut n = 0;
         for dst in out.iter_mut() {
             let Some(slot) = self.fifo.pop() else { break };
-            dst.write(std::mem::replace(&mut self.wcs[slot], empty_wc()));
+            // SAFETY: a plain C struct (no drop); the slot is free now and
+            // overwritten by the push that reuses it.
+            dst.write(unsafe { std::ptr::read(&self.wcs[slot]) });
             n += 1;
         }
         n

@@ -134,17 +134,17 @@ impl CqSoft {
     /// list's lock: delivering may take it). Called at every poll: the
     /// common case, one runtime, allocates nothing.
     pub fn progress(&self) {
-        let (one, more) = {
+        let more: Vec<Arc<Runtime>> = {
             let r = self.runtimes.lock();
-            match r.len() {
-                0 => return,
-                1 => (r[0].upgrade(), Vec::new()),
-                _ => (None, r.iter().filter_map(Weak::upgrade).collect()),
+            if r.len() > 1 {
+                r.iter().filter_map(Weak::upgrade).collect()
+            } else {
+                let Some(one) = r.first().and_then(Weak::upgrade) else { return };
+                drop(r);
+                one.progress();
+                return;
             }
         };
-        if let Some(rt) = one {
-            rt.progress();
-        }
         for rt in more {
             rt.progress();
         }
