@@ -24,7 +24,7 @@ use crate::rdma::{self, Device, Region};
 use crate::sys::*;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Staging is handed out in units of this many bytes.
@@ -106,6 +106,9 @@ impl Control {
 pub struct Large {
     staging: Mutex<FxHashMap<u32, Arc<Staging>>>,
     sent: Mutex<FxHashMap<u64, Pending>>,
+    /// How many of `sent` there are (set under its lock): their DONEs
+    /// arrive on the links' receive CQ.
+    awaiting_done: AtomicUsize,
     control: Mutex<FxHashMap<u32, Control>>,
     /// Receiving VQPs (slot, generation) that found their link's queue full.
     waiting: Mutex<Vec<(u32, u8)>>,
@@ -159,12 +162,21 @@ impl Large {
     /// The message `seq` of VQP (slot, gen) went out on link `link_qpn`
     /// with `staged`: keep it until the DONE.
     pub fn sent(&self, staged: Staged, slot: u32, gen: u8, seq: u16, link_qpn: u32) {
-        self.sent.lock().insert(staged.addr, Pending { slot, gen, seq, link_qpn, _staged: staged });
+        let mut sent = self.sent.lock();
+        sent.insert(staged.addr, Pending { slot, gen, seq, link_qpn, _staged: staged });
+        self.awaiting_done.store(sent.len(), Ordering::Release);
     }
 
     /// The message at `addr` could not be posted after all.
     pub fn unsend(&self, addr: u64) {
-        self.sent.lock().remove(&addr);
+        let mut sent = self.sent.lock();
+        sent.remove(&addr);
+        self.awaiting_done.store(sent.len(), Ordering::Release);
+    }
+
+    /// Whether a sent large message still awaits its DONE.
+    pub fn awaits_done(&self) -> bool {
+        self.awaiting_done.load(Ordering::Acquire) > 0
     }
 
     /// A DONE for `addr` arrived on link `link_qpn`: frees the staged copy
@@ -177,6 +189,7 @@ impl Large {
             _ => return None,
         }
         let p = sent.remove(&addr)?;
+        self.awaiting_done.store(sent.len(), Ordering::Release);
         Some((p.slot, p.gen, p.seq))
     }
 

@@ -260,8 +260,8 @@ impl Vqp {
             // SAFETY: the application's real context and PD outlive its
             // VQPs (destroying them first fails with EBUSY).
             let rt = unsafe { Runtime::get_or_start(self.app.real_ctx, self.app.real_pd, gid_index) }?;
-            self.send_soft.serve(&rt);
-            self.recv_soft.serve(&rt);
+            self.send_soft.serve(&rt, false);
+            self.recv_soft.serve(&rt, true);
             Ok(rt)
         })
     }
@@ -547,6 +547,14 @@ impl Vqp {
             p.sg_list = list.as_mut_ptr();
             p.num_sge = n;
             p.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        } else if !inline && sges.iter().all(|s| s.length > 0) {
+            // One-sided over the application's SGEs as they are (pre-checked;
+            // the provider reads the list during the post only).
+            p.sg_list = w.sg_list;
+            p.num_sge = w.num_sge;
+            p.opcode = w.opcode;
+            // SAFETY: rdma and atomic share the union; copy it whole.
+            unsafe { std::ptr::copy_nonoverlapping(&w.wr, &mut p.wr, 1) };
         } else {
             let n = self.fill_sges(&mut list, sges, inline, seq, &[])?;
             p.sg_list = list.as_mut_ptr();

@@ -89,6 +89,10 @@ pub struct CqSoft {
     armed: AtomicBool,
     notifier: Mutex<Option<Notifier>>,
     notifier_qpn: AtomicU32,
+    /// Some VQP receives into this CQ: its polls take the links' messages
+    /// too (a CQ only for sends leaves them to the CQs that receive, and
+    /// to the service thread).
+    receives: AtomicBool,
 }
 
 // SAFETY: `real_cq` is only handed to the real library; the rest is
@@ -119,10 +123,16 @@ impl CqSoft {
             armed: AtomicBool::new(false),
             notifier: Mutex::new(None),
             notifier_qpn: AtomicU32::new(u32::MAX),
+            receives: AtomicBool::new(false),
         })
     }
 
-    pub fn serve(self: &Arc<Self>, rt: &Arc<Runtime>) {
+    /// This CQ gets completions of `rt`'s VQPs (`receives`: receive
+    /// completions among them).
+    pub fn serve(self: &Arc<Self>, rt: &Arc<Runtime>, receives: bool) {
+        if receives {
+            self.receives.store(true, Ordering::Release);
+        }
         let mut r = self.runtimes.lock();
         if !r.iter().any(|w| w.as_ptr() == Arc::as_ptr(rt)) {
             r.push(Arc::downgrade(rt));
@@ -134,6 +144,7 @@ impl CqSoft {
     /// list's lock: delivering may take it). Called at every poll: the
     /// common case, one runtime, allocates nothing.
     pub fn progress(&self) {
+        let receives = self.receives.load(Ordering::Acquire);
         let more: Vec<Arc<Runtime>> = {
             let r = self.runtimes.lock();
             if r.len() > 1 {
@@ -141,12 +152,12 @@ impl CqSoft {
             } else {
                 let Some(one) = r.first().and_then(Weak::upgrade) else { return };
                 drop(r);
-                one.progress();
+                one.progress_for(receives);
                 return;
             }
         };
         for rt in more {
-            rt.progress();
+            rt.progress_for(receives);
         }
     }
 
@@ -470,7 +481,7 @@ impl Runtime {
         rt.svc.on_link_recv(Box::new(move || {
             let Some(rt) = weak.upgrade() else { return false };
             let mut last = rt.progress.lock();
-            rt.drain(&mut last);
+            rt.drain(&mut last, true);
             let polls = rt.polls.load(Ordering::Relaxed);
             polls != rt.polls_seen.swap(polls, Ordering::Relaxed)
         }));
@@ -549,19 +560,32 @@ impl Runtime {
     /// Poll the links' completions and deliver them. Returns at once when
     /// another thread is already doing it.
     pub fn progress(&self) {
-        let Some(mut last) = self.progress.try_lock() else { return };
-        // A plain store, not a locked increment: the service thread only
-        // asks whether it changed.
-        self.polls.store(self.polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        self.drain(&mut last);
+        self.progress_for(true);
     }
 
-    /// Poll the links' send and receive completions and deliver them
-    /// (the progress lock held).
-    fn drain(&self, last: &mut LastVqp) {
+    /// Progress for a poll of an application CQ: the links' messages are
+    /// taken only when it `receives` (or a large send awaits its DONE,
+    /// which comes as a message); else they wait for a CQ that receives or
+    /// for the service thread, which takes them while nobody polls for
+    /// them (`polls` tells it).
+    pub fn progress_for(&self, receives: bool) {
+        let Some(mut last) = self.progress.try_lock() else { return };
+        let messages = receives || self.large.awaits_done();
+        if messages {
+            // A plain store, not a locked increment: the service thread
+            // only asks whether it changed.
+            self.polls.store(self.polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        }
+        self.drain(&mut last, messages);
+    }
+
+    /// Poll the links' send (and, with `messages`, receive) completions
+    /// and deliver them (the progress lock held).
+    fn drain(&self, last: &mut LastVqp, messages: bool) {
         const BATCH: usize = 32;
         let mut wcs = [const { std::mem::MaybeUninit::<ibv_wc>::uninit() }; BATCH];
-        for cq in [self.svc.link_cq(), self.svc.recv_cq()] {
+        let cqs = [self.svc.link_cq(), self.svc.recv_cq()];
+        for cq in &cqs[..if messages { 2 } else { 1 }] {
             loop {
                 let got = match cq.poll_uninit(&mut wcs) {
                     Ok(got) => got,
