@@ -61,7 +61,7 @@
  *                each completion checked and its slot reposted, TPUT_OPS
  *                (default 4000 at 8 B, a quarter of it at 4 KiB) completed
  *                ops from the first post to the last completion, after a
- *                warm-up of 2 x WINDOW; 3 trials, the median of ops/s
+ *                warm-up of 2 x WINDOW; 9 trials, the median of ops/s
  *   (c) echo latency: the client posts a receive, SENDs SIZE bytes
  *                (signaled), the server (busy-polling: raw ibv_poll_cq,
  *                krcore qpop_msgs) SENDs them back (raw: on its QP;
@@ -200,7 +200,7 @@
 #define MAX_WINDOW 64
 #define WARMUP_READS 100
 #define WARMUP_ECHOS 20
-#define TPUT_TRIALS 3
+#define TPUT_TRIALS 9
 #define POLL_TIMEOUT_US 10e6
 #define WAIT_MS 120000		/* TCP, worker lines, accept */
 #define MAGIC 0x4b524450u	/* "KRDP" */

@@ -670,6 +670,7 @@ impl Vqp {
     /// A physical completion of one of our WRs (progress).
     /// Also retires `retired` WQEs of the link it came on when that is
     /// this VQP's link; whether it did.
+    #[inline]
     pub fn on_send_completion(&self, seq: u16, status: u32, link_qpn: u32, retired: u16) -> bool {
         // Delivered under the VQP's lock (then the CQ's), as receives are.
         let mut st = self.st.lock();

@@ -191,6 +191,7 @@ impl SendRing {
 
     /// Appends a WR and returns its sequence number; `ENOMEM` when the queue
     /// is full, as a real QP's post_send.
+    #[inline]
     pub fn push(&mut self, entry: SendEntry) -> Result<u16> {
         let slot = self.fifo.push().ok_or(Errno::ENOMEM)?;
         self.entries[slot] = entry;
