@@ -161,11 +161,7 @@ if ((!report_only)); then
     if [[ -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
         echo "connect-compare: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
     fi
-    mkdir -p "$(dirname "$bin")" "$klib"
-    cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
-    cc -O2 -std=gnu11 -Wall -Wextra -Werror bench/connect.c -libverbs -o "$bin"
-    cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include bench/connect.c \
-        -L "$klib" -lkrcore -Wl,-rpath,"$PWD/$klib" -o "$kbin"
+    build_pair bench/connect.c "$bin" "$kbin" "$klib"
     rm -rf "$out" && mkdir -p "$out"
     {
         echo "library: target/release/libkrcore.so, copied $(date -u +%FT%TZ)"

@@ -1,5 +1,5 @@
 # Helpers of the side-by-side VM benchmarks (bench/connect-compare.sh,
-# bench/vqp-compare.sh), sourced after `cd` to the repository. The caller
+# bench/vqp-compare.sh, bench/vqp-instructions.sh), sourced after `cd` to the repository. The caller
 # sets `me` (its name, for messages) and `ready_s`.
 
 # Waits until the log ($1) of the process $2 has a line matching the sed
@@ -25,4 +25,17 @@ gid_ipv4() {
     g="$(cat "/sys/class/infiniband/${CT_DEVICE:-rxe0}/ports/1/gids/$1")"
     [[ "$g" == 0000:0000:0000:0000:0000:ffff:* ]] || { echo "$me: GID index $1 ($g) is not IPv4-mapped" >&2; return 1; }
     printf '%d.%d.%d.%d\n' "0x${g:30:2}" "0x${g:32:2}" "0x${g:35:2}" "0x${g:37:2}"
+}
+
+# Snapshot target/release's library and krcore-meta into $4 (so that a
+# cargo build during a run cannot change them) and build the benchmark
+# source $1 twice: $2 linked -libverbs (raw), $3 with -DKRCORE against
+# the snapshot.
+build_pair() {
+    local src="$1" bin="$2" kbin="$3" klib="$4"
+    mkdir -p "$(dirname "$bin")" "$klib"
+    cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
+    cc -O2 -std=gnu11 -Wall -Wextra -Werror "$src" -libverbs -o "$bin"
+    cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include "$src" \
+        -L "$klib" -lkrcore -Wl,-rpath,"$PWD/$klib" -o "$kbin"
 }

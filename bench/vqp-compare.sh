@@ -287,11 +287,7 @@ if ((!report_only)); then
     fi
     ((mesh_procs >= 2 && mesh_procs <= 10)) || { echo "vqp-compare: KRCORE_BENCH_MESH_PROCS must be in [2, 10] (10 emulated nodes)" >&2; exit 2; }
     ((mem_peers >= 2 && mem_peers <= 9)) || { echo "vqp-compare: KRCORE_BENCH_MEM_PEERS must be in [2, 9] (10 emulated nodes)" >&2; exit 2; }
-    mkdir -p "$(dirname "$bin")" "$klib"
-    cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
-    cc -O2 -std=gnu11 -Wall -Wextra -Werror bench/datapath.c -libverbs -o "$bin"
-    cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include bench/datapath.c \
-        -L "$klib" -lkrcore -Wl,-rpath,"$PWD/$klib" -o "$kbin"
+    build_pair bench/datapath.c "$bin" "$kbin" "$klib"
     rm -rf "$out" && mkdir -p "$out"
     started=$SECONDS
     {

@@ -88,11 +88,7 @@ done
 for f in target/release/libkrcore.so target/release/krcore-meta; do
     [[ -f "$f" ]] || { echo "$me: $f is missing: run cargo build --release first" >&2; exit 2; }
 done
-mkdir -p "$(dirname "$bin")" "$klib"
-cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
-cc -O2 -std=gnu11 -Wall -Wextra -Werror bench/datapath.c -libverbs -o "$bin"
-cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include bench/datapath.c \
-    -L "$klib" -lkrcore -Wl,-rpath,"$PWD/$klib" -o "$kbin"
+build_pair bench/datapath.c "$bin" "$kbin" "$klib"
 rm -rf "$out" && mkdir -p "$out"
 echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?'), uncommitted changes in src/: $(git --no-optional-locks status --porcelain -- src 2>/dev/null | wc -l) file(s)" >"$out/krcore-lib.txt"
 if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
