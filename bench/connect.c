@@ -184,6 +184,8 @@ static void die(const char *fmt, ...)
 	exit(1);
 }
 
+#include "rc.h"
+
 /* ---- timer (as bench/reg_mr.c) --------------------------------------- */
 
 /* q in [0,1] of n values (v is left untouched). */
@@ -229,53 +231,13 @@ struct dev {
 	struct ibv_mr *mr;
 	uint8_t *buf;
 	union ibv_gid gid;
-	int gid_idx;
-	uint8_t port;
-	enum ibv_mtu mtu;
-	uint8_t rd_atom;
+	struct rc_port rp;
 };
 
 static void open_dev(struct dev *d, const char *name, int gid_idx, int access)
 {
-	static const union ibv_gid zero;
-	struct ibv_device **list;
-	struct ibv_device_attr da;
-	struct ibv_port_attr pa;
-	int n, i, rc;
-
 	memset(d, 0, sizeof(*d));
-	d->port = 1;
-	d->gid_idx = gid_idx;
-	list = ibv_get_device_list(&n);
-	if (!list)
-		die("ibv_get_device_list: %s", strerror(errno));
-	for (i = 0; i < n; i++)
-		if (!strcmp(ibv_get_device_name(list[i]), name))
-			break;
-	if (i == n)
-		die("no RDMA device named %s (%d devices; run scripts/rxe-up.sh "
-		    "first)", name, n);
-	d->ctx = ibv_open_device(list[i]);
-	ibv_free_device_list(list);
-	if (!d->ctx)
-		die("ibv_open_device(%s): %s", name, strerror(errno));
-	if ((rc = ibv_query_device(d->ctx, &da)))
-		die("ibv_query_device: %s", strerror(rc));
-	if ((rc = ibv_query_port(d->ctx, d->port, &pa)))
-		die("ibv_query_port: %s", strerror(rc));
-	if (pa.state != IBV_PORT_ACTIVE)
-		die("%s port %u is not active (state %d)", name, d->port,
-		    pa.state);
-	d->mtu = pa.active_mtu;
-	d->rd_atom = da.max_qp_rd_atom < 16 ? (uint8_t)da.max_qp_rd_atom : 16;
-	if (d->rd_atom < 1)
-		die("%s supports no outstanding RDMA READ (max_qp_rd_atom %d)",
-		    name, da.max_qp_rd_atom);
-	if ((rc = ibv_query_gid(d->ctx, d->port, gid_idx, &d->gid)))
-		die("ibv_query_gid(index %d): %s", gid_idx, strerror(rc));
-	if (!memcmp(&d->gid, &zero, sizeof(zero)))
-		die("GID index %d of %s is empty (run scripts/rxe-up.sh with "
-		    "enough nodes)", gid_idx, name);
+	d->ctx = rc_open(name, gid_idx, &d->gid, &d->rp);
 	d->pd = ibv_alloc_pd(d->ctx);
 	if (!d->pd)
 		die("ibv_alloc_pd: %s", strerror(errno));
@@ -321,18 +283,6 @@ static void close_dev(struct dev *d)
 	if ((rc = ibv_close_device(d->ctx)))
 		die("ibv_close_device: %s", strerror(rc));
 	free(d->buf);
-}
-
-/* The IPv4 address of a RoCE v2 IPv4-mapped GID (::ffff:a.b.c.d). */
-static int gid_ipv4(const union ibv_gid *g, struct in_addr *out)
-{
-	static const uint8_t prefix[12] = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-					    0xff, 0xff };
-
-	if (memcmp(g->raw, prefix, sizeof(prefix)))
-		return -1;
-	memcpy(&out->s_addr, g->raw + 12, 4);
-	return 0;
 }
 
 /* ---- client helpers (both modes) -------------------------------------- */
@@ -503,10 +453,7 @@ static uint32_t rng_state;
 
 static uint32_t rand_psn(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 17;
-	rng_state ^= rng_state << 5;
-	return rng_state & 0xffffff;
+	return rc_rand_psn(&rng_state);
 }
 
 /* ---- QP steps -------------------------------------------------------- */
@@ -524,60 +471,6 @@ static struct ibv_qp *create_qp(struct dev *d)
 	ia.cap.max_send_sge = 1;
 	ia.cap.max_recv_sge = 1;
 	return ibv_create_qp(d->pd, &ia);
-}
-
-static int to_init(struct dev *d, struct ibv_qp *qp, int access)
-{
-	struct ibv_qp_attr a;
-
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_INIT;
-	a.pkey_index = 0;
-	a.port_num = d->port;
-	a.qp_access_flags = access;
-	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX |
-					     IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
-}
-
-static int to_rtr(struct dev *d, struct ibv_qp *qp, uint32_t dqpn,
-		  uint32_t rq_psn, const union ibv_gid *dgid)
-{
-	struct ibv_qp_attr a;
-
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = d->mtu;
-	a.dest_qp_num = dqpn;
-	a.rq_psn = rq_psn;
-	a.max_dest_rd_atomic = d->rd_atom;
-	a.min_rnr_timer = 12;
-	a.ah_attr.is_global = 1;
-	a.ah_attr.grh.dgid = *dgid;
-	a.ah_attr.grh.sgid_index = (uint8_t)d->gid_idx;
-	a.ah_attr.grh.hop_limit = 64;
-	a.ah_attr.port_num = d->port;
-	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV |
-					     IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-					     IBV_QP_RQ_PSN |
-					     IBV_QP_MAX_DEST_RD_ATOMIC |
-					     IBV_QP_MIN_RNR_TIMER);
-}
-
-static int to_rts(struct dev *d, struct ibv_qp *qp, uint32_t sq_psn)
-{
-	struct ibv_qp_attr a;
-
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTS;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	a.sq_psn = sq_psn;
-	a.max_rd_atomic = d->rd_atom;
-	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT |
-					     IBV_QP_RETRY_CNT |
-					     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-					     IBV_QP_MAX_QP_RD_ATOMIC);
 }
 
 /* ---- the TCP exchange ------------------------------------------------ */
@@ -734,17 +627,17 @@ static int run_server(const char *devname, int gid_idx, int port)
 			die("round %d: ibv_create_qp: %s", rounds,
 			    strerror(errno));
 		t1 = ticks();
-		if ((rc = to_init(&d, qp, IBV_ACCESS_LOCAL_WRITE |
+		if ((rc = rc_to_init(&d.rp, qp, IBV_ACCESS_LOCAL_WRITE |
 						   IBV_ACCESS_REMOTE_READ)))
 			die("round %d: ibv_modify_qp(INIT): %s", rounds,
 			    strerror(rc));
 		t2 = ticks();
-		if ((rc = to_rtr(&d, qp, in.qpn, in.psn,
+		if ((rc = rc_to_rtr(&d.rp, qp, in.qpn, in.psn,
 				 (const union ibv_gid *)in.gid)))
 			die("round %d: ibv_modify_qp(RTR): %s", rounds,
 			    strerror(rc));
 		t3 = ticks();
-		if ((rc = to_rts(&d, qp, psn)))
+		if ((rc = rc_to_rts(&d.rp, qp, psn)))
 			die("round %d: ibv_modify_qp(RTS): %s", rounds,
 			    strerror(rc));
 		t4 = ticks();
@@ -807,7 +700,7 @@ static struct ibv_qp *connect_once(struct client *c, int round, double *ph)
 	if (!qp)
 		die("%s: ibv_create_qp: %s", what, strerror(errno));
 	t[1] = ticks();
-	if ((rc = to_init(&c->d, qp, IBV_ACCESS_LOCAL_WRITE)))
+	if ((rc = rc_to_init(&c->d.rp, qp, IBV_ACCESS_LOCAL_WRITE)))
 		die("%s: ibv_modify_qp(INIT): %s", what, strerror(rc));
 	t[2] = ticks();
 	memset(&out, 0, sizeof(out));
@@ -820,11 +713,11 @@ static struct ibv_qp *connect_once(struct client *c, int round, double *ph)
 	c->raddr = in.addr;
 	c->rkey = in.rkey;
 	t[3] = ticks();
-	if ((rc = to_rtr(&c->d, qp, in.qpn, in.psn,
+	if ((rc = rc_to_rtr(&c->d.rp, qp, in.qpn, in.psn,
 			 (const union ibv_gid *)in.gid)))
 		die("%s: ibv_modify_qp(RTR): %s", what, strerror(rc));
 	t[4] = ticks();
-	if ((rc = to_rts(&c->d, qp, psn)))
+	if ((rc = rc_to_rts(&c->d.rp, qp, psn)))
 		die("%s: ibv_modify_qp(RTS): %s", what, strerror(rc));
 	t[5] = ticks();
 	post_read(c, qp, (uint64_t)round, off, what);
@@ -991,20 +884,6 @@ static void on_stop(int sig)
 {
 	(void)sig;
 	stop_flag = 1;
-}
-
-/* The RoCE v2 GID of an IPv4 address (::ffff:a.b.c.d). */
-static union ibv_gid gid_of_ipv4(const char *ip)
-{
-	union ibv_gid g;
-	struct in_addr a;
-
-	if (inet_pton(AF_INET, ip, &a) != 1)
-		die("%s is not an IPv4 address", ip);
-	memset(&g, 0, sizeof(g));
-	g.raw[10] = g.raw[11] = 0xff;
-	memcpy(g.raw + 12, &a.s_addr, 4);
-	return g;
 }
 
 static struct ibv_qp *create_vqp(struct dev *d, struct ibv_cq *rcq,

@@ -245,6 +245,8 @@ static void die(const char *fmt, ...)
 	exit(1);
 }
 
+#include "rc.h"
+
 /* ---- numbers ------------------------------------------------------------ */
 
 /* Quantile q of n values (nearest rank; the median of an even count is
@@ -296,10 +298,7 @@ static uint32_t rng_state = 1;
 
 RAW_ONLY static uint32_t rand_psn(void)
 {
-	rng_state ^= rng_state << 13;
-	rng_state ^= rng_state >> 17;
-	rng_state ^= rng_state << 5;
-	return rng_state & 0xffffff;
+	return rc_rand_psn(&rng_state);
 }
 
 /* ---- device -------------------------------------------------------------- */
@@ -308,82 +307,19 @@ struct dev {
 	struct ibv_context *ctx;
 	struct ibv_pd *pd;
 	union ibv_gid gid;
-	int gid_idx;
-	uint8_t port;
-	enum ibv_mtu mtu;
-	uint8_t rd_atom;
+	struct rc_port rp;
 	char ip[INET_ADDRSTRLEN];
 };
 
-/* The IPv4 address of a RoCE v2 IPv4-mapped GID (::ffff:a.b.c.d). */
-static int gid_ipv4(const union ibv_gid *g, char *out)
-{
-	static const uint8_t prefix[12] = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-					    0xff, 0xff };
-	struct in_addr a;
-
-	if (memcmp(g->raw, prefix, sizeof(prefix)))
-		return -1;
-	memcpy(&a.s_addr, g->raw + 12, 4);
-	inet_ntop(AF_INET, &a, out, INET_ADDRSTRLEN);
-	return 0;
-}
-
-static union ibv_gid gid_of_ipv4(const char *ip)
-{
-	union ibv_gid g;
-	struct in_addr a;
-
-	if (inet_pton(AF_INET, ip, &a) != 1)
-		die("%s is not an IPv4 address", ip);
-	memset(&g, 0, sizeof(g));
-	g.raw[10] = g.raw[11] = 0xff;
-	memcpy(g.raw + 12, &a.s_addr, 4);
-	return g;
-}
-
 static void open_dev(struct dev *d, const char *name, int gid_idx)
 {
-	static const union ibv_gid zero;
-	struct ibv_device **list;
-	struct ibv_device_attr da;
-	struct ibv_port_attr pa;
-	int n, i, rc;
+	struct in_addr a;
 
 	memset(d, 0, sizeof(*d));
-	d->port = 1;
-	d->gid_idx = gid_idx;
-	list = ibv_get_device_list(&n);
-	if (!list)
-		die("ibv_get_device_list: %s", strerror(errno));
-	for (i = 0; i < n; i++)
-		if (!strcmp(ibv_get_device_name(list[i]), name))
-			break;
-	if (i == n)
-		die("no RDMA device named %s (%d devices; run scripts/rxe-up.sh "
-		    "first)", name, n);
-	d->ctx = ibv_open_device(list[i]);
-	ibv_free_device_list(list);
-	if (!d->ctx)
-		die("ibv_open_device(%s): %s", name, strerror(errno));
-	if ((rc = ibv_query_device(d->ctx, &da)))
-		die("ibv_query_device: %s", strerror(rc));
-	if ((rc = ibv_query_port(d->ctx, d->port, &pa)))
-		die("ibv_query_port: %s", strerror(rc));
-	if (pa.state != IBV_PORT_ACTIVE)
-		die("%s port %u is not active (state %d)", name, d->port,
-		    pa.state);
-	d->mtu = pa.active_mtu;
-	d->rd_atom = da.max_qp_rd_atom < 16 ? (uint8_t)da.max_qp_rd_atom : 16;
-	if (d->rd_atom < 1)
-		die("%s supports no outstanding RDMA READ", name);
-	if ((rc = ibv_query_gid(d->ctx, d->port, gid_idx, &d->gid)))
-		die("ibv_query_gid(index %d): %s", gid_idx, strerror(rc));
-	if (!memcmp(&d->gid, &zero, sizeof(zero)))
-		die("GID index %d of %s is empty (run scripts/rxe-up.sh with "
-		    "enough nodes)", gid_idx, name);
-	if (gid_ipv4(&d->gid, d->ip))
+	d->ctx = rc_open(name, gid_idx, &d->gid, &d->rp);
+	if (gid_ipv4(&d->gid, &a))
 		die("GID index %d is not an IPv4-mapped (RoCE v2) GID", gid_idx);
+	inet_ntop(AF_INET, &a, d->ip, sizeof(d->ip));
 	d->pd = ibv_alloc_pd(d->ctx);
 	if (!d->pd)
 		die("ibv_alloc_pd: %s", strerror(errno));
@@ -479,61 +415,26 @@ RAW_ONLY static struct ibv_qp *create_rc(struct dev *d, struct ibv_cq *scq,
 
 RAW_ONLY static void to_init(struct dev *d, struct ibv_qp *qp)
 {
-	struct ibv_qp_attr a;
-	int rc;
+	int rc = rc_to_init(&d->rp, qp, ACCESS_RW);
 
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_INIT;
-	a.port_num = d->port;
-	a.qp_access_flags = ACCESS_RW;
-	if ((rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX |
-						IBV_QP_PORT |
-						IBV_QP_ACCESS_FLAGS)))
+	if (rc)
 		die("ibv_modify_qp(INIT): %s", strerror(rc));
 }
 
 RAW_ONLY static void to_rtr(struct dev *d, struct ibv_qp *qp, uint32_t dqpn,
 			    uint32_t rq_psn, const union ibv_gid *dgid)
 {
-	struct ibv_qp_attr a;
-	int rc;
+	int rc = rc_to_rtr(&d->rp, qp, dqpn, rq_psn, dgid);
 
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = d->mtu;
-	a.dest_qp_num = dqpn;
-	a.rq_psn = rq_psn;
-	a.max_dest_rd_atomic = d->rd_atom;
-	a.min_rnr_timer = 12;
-	a.ah_attr.is_global = 1;
-	a.ah_attr.grh.dgid = *dgid;
-	a.ah_attr.grh.sgid_index = (uint8_t)d->gid_idx;
-	a.ah_attr.grh.hop_limit = 64;
-	a.ah_attr.port_num = d->port;
-	if ((rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV |
-						IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-						IBV_QP_RQ_PSN |
-						IBV_QP_MAX_DEST_RD_ATOMIC |
-						IBV_QP_MIN_RNR_TIMER)))
+	if (rc)
 		die("ibv_modify_qp(RTR): %s", strerror(rc));
 }
 
 RAW_ONLY static void to_rts(struct dev *d, struct ibv_qp *qp, uint32_t sq_psn)
 {
-	struct ibv_qp_attr a;
-	int rc;
+	int rc = rc_to_rts(&d->rp, qp, sq_psn);
 
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTS;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	a.sq_psn = sq_psn;
-	a.max_rd_atomic = d->rd_atom;
-	if ((rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT |
-						IBV_QP_RETRY_CNT |
-						IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-						IBV_QP_MAX_QP_RD_ATOMIC)))
+	if (rc)
 		die("ibv_modify_qp(RTS): %s", strerror(rc));
 }
 
