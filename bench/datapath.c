@@ -78,7 +78,7 @@
  *                and measured as soon as the library takes it.
  *
  * With -T IN,OUT[,first] two clients (raw and krcore) run these phases
- * interleaved, slice by slice: see turn_begin().
+ * interleaved, slice by slice: see bench/turns.h.
  *
  * The client's last line is the summary the report reads:
  *
@@ -246,6 +246,7 @@ static void die(const char *fmt, ...)
 }
 
 #include "rc.h"
+#include "turns.h"
 
 /* ---- numbers ------------------------------------------------------------ */
 
@@ -1087,53 +1088,10 @@ static int echo_size(struct client *c, uint32_t size, int count, double *med,
 	return 0;
 }
 
-/* Interleaving (-T IN,OUT[,first]): two clients, raw and krcore, take
- * turns slice by slice, handing a token over two FIFOs, so that whatever
- * the host does to the VM in a given second hits both alike. Both run the
- * same slices in the same order: the connect and first READs, LAT_SLICES
- * parts of the latency phase, each throughput trial, the echo phase (one
- * slice: the servers busy-poll during it). */
+/* Interleaving (-T, bench/turns.h): the turns are the connect and first
+ * READs, LAT_SLICES parts of the latency phase, each throughput trial, and
+ * the echo phase (one turn: the servers busy-poll during it). */
 #define LAT_SLICES 10
-#define TURN_TIMEOUT_MS 600000
-static int turn_in = -1, turn_out = -1, turn_first, turns_taken;
-
-static void turns_open(char *spec)
-{
-	char *in = strtok(spec, ","), *out = strtok(NULL, ","),
-	     *first = strtok(NULL, ",");
-
-	if (!in || !out || (first && strcmp(first, "first")))
-		die("-T takes IN,OUT[,first], not '%s'", spec);
-	/* O_RDWR: opening a FIFO never blocks then, and a write never fails
-	 * once the other client has exited. */
-	if ((turn_in = open(in, O_RDWR)) < 0 ||
-	    (turn_out = open(out, O_RDWR)) < 0)
-		die("-T: open %s / %s: %s", in, out, strerror(errno));
-	turn_first = first != NULL;
-}
-
-static void turn_begin(void)
-{
-	struct pollfd p = { .fd = turn_in, .events = POLLIN };
-	char b;
-	int r;
-
-	if (turn_in < 0 || (turns_taken++ == 0 && turn_first))
-		return;
-	while ((r = poll(&p, 1, TURN_TIMEOUT_MS)) < 0 && errno == EINTR)
-		;
-	if (r == 0)
-		die("-T: the other client did not hand the turn over in %d s",
-		    TURN_TIMEOUT_MS / 1000);
-	if (r < 0 || read(turn_in, &b, 1) != 1)
-		die("-T: waiting for the turn: %s", strerror(errno));
-}
-
-static void turn_end(void)
-{
-	if (turn_out >= 0 && write(turn_out, "t", 1) != 1)
-		die("-T: handing the turn over: %s", strerror(errno));
-}
 
 static int run_client(const char *devname, int gid_idx, const char *server,
 		      int port, int reads, int tput_ops, int window, int echos,

@@ -76,8 +76,8 @@ def main():
     kr = [need(out / f"dp-krcore-{i}.txt", "datapath_summary ") for i in R]
     hdr = last_line(out / "dp-raw-1.txt", "# datapath ") or {}
     print(f"## Virtual QPs against raw verbs: data path, full mesh, memory "
-          f"({repeats} repeat(s) in one VM boot; each phase raw and krcore back to back, "
-          f"which goes first alternating by repeat)\n")
+          f"({repeats} repeat(s) in one VM boot; the data path raw and krcore taking turns, "
+          f"mesh and memory back to back; which goes first alternating by repeat)\n")
     print(f"Data path: one client (GID index 2) and one server (GID index 1) process; "
           f"raw: one RC QP; krcore: a VQP `qconnect`ed to the server's `qbind` VQP. "
           f"READ latency: {int(hdr.get('reads', 0))} signaled 8-byte READs one at a time "
