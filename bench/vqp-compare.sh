@@ -208,7 +208,7 @@ run_mem() {
 # Ports of repeat $1: 20 per repeat and half.
 ports_of() { echo $((port + 40 * ($1 - 1) + ($2 == 1 ? 20 : 0))); }
 
-# Phase $1 (datapath|mesh|mem) of mode $2, repeat $3. krcore's ports are
+# Phase $1 (mesh|mem) of mode $2, repeat $3. krcore's ports are
 # 20 above raw's.
 run_phase() {
     local phase="$1" mode="$2" i="$3" p
@@ -227,9 +227,10 @@ run_phase() {
 }
 
 # Repeat $1: krcore-meta up for the whole repeat (idle, event driven,
-# while raw runs), then each phase raw and krcore back to back, so that
-# the two sides of a ratio are measured a few seconds apart, not minutes;
-# which side goes first alternates by repeat.
+# while raw runs); the data path with raw and krcore taking turns, then
+# mesh and memory each raw and krcore back to back, so that the two sides
+# of a ratio are measured a few seconds apart, not minutes; which side goes
+# first alternates by repeat.
 run_repeat() {
     local i="$1" mpid mip mrc=0 rc=0 order
     if ((i % 2)); then order="raw krcore"; else order="krcore raw"; fi

@@ -172,8 +172,6 @@ pub struct Vqp {
     recv_soft: Arc<CqSoft>,
     sq_sig_all: bool,
     pub caps: Caps,
-    /// `KRCORE_MR_LEASE_MS`, read once.
-    mr_lease_ms: u64,
     st: Mutex<State>,
     rt: OnceCell<Arc<Runtime>>,
     /// Header slots of in-flight SENDs, one per send-ring entry.
@@ -241,7 +239,6 @@ impl Vqp {
             recv_soft,
             sq_sig_all,
             caps,
-            mr_lease_ms: crate::config::get().mr_lease_ms,
             st: Mutex::new(st),
             rt: OnceCell::new(),
             hdrs: OnceCell::new(),
@@ -626,7 +623,7 @@ impl Vqp {
         let mrs = Memoized {
             memo,
             epoch: mrs::epoch(),
-            lease_ms: self.mr_lease_ms,
+            lease_ms: crate::config::get().mr_lease_ms,
             local: |lkey| mrs::with(pd, |m| m.local(lkey)),
             remote: |rkey| pm.and_then(|pm| pm.lock().get(rkey)),
             now: coarse_ms,

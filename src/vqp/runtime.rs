@@ -145,18 +145,16 @@ impl CqSoft {
     /// common case, one runtime, allocates nothing.
     pub fn progress(&self) {
         let receives = self.receives.load(Ordering::Acquire);
-        let more: Vec<Arc<Runtime>> = {
-            let r = self.runtimes.lock();
-            if r.len() > 1 {
-                r.iter().filter_map(Weak::upgrade).collect()
-            } else {
-                let Some(one) = r.first().and_then(Weak::upgrade) else { return };
-                drop(r);
-                one.progress_for(receives);
-                return;
-            }
-        };
-        for rt in more {
+        let r = self.runtimes.lock();
+        if r.len() <= 1 {
+            let Some(one) = r.first().and_then(Weak::upgrade) else { return };
+            drop(r);
+            one.progress_for(receives);
+            return;
+        }
+        let all: Vec<Arc<Runtime>> = r.iter().filter_map(Weak::upgrade).collect();
+        drop(r);
+        for rt in all {
             rt.progress_for(receives);
         }
     }
