@@ -11,7 +11,8 @@ inclusive of everything the callee runs in user space:
 
 Reads the format callgrind writes (name compression "(id) name", then
 "(id)"; a "calls=N ..." line followed by the line holding the call's
-inclusive cost); see valgrind's callgrind format specification.
+inclusive cost, after one position per name in "positions:", which is
+two with --dump-instr=yes); see valgrind's callgrind format specification.
 """
 import re
 import sys
@@ -26,6 +27,7 @@ def parse(path):
     fn = None
     callee = None
     pending_calls = None
+    npos = 1
     out = defaultdict(lambda: [0, 0])  # (caller, callee) -> [calls, Ir]
 
     def name_of(table, spec):
@@ -40,7 +42,9 @@ def parse(path):
     with open(path) as f:
         for raw in f:
             line = raw.rstrip("\n")
-            if line.startswith("fn="):
+            if line.startswith("positions:"):
+                npos = len(line.split()) - 1
+            elif line.startswith("fn="):
                 fn = name_of(names, line[3:])
             elif line.startswith("cfn="):
                 callee = name_of(names, line[4:])
@@ -50,7 +54,7 @@ def parse(path):
                 pending_calls = int(line[6:].split()[0])
             elif pending_calls is not None and line and (line[0].isdigit() or line[0] in "+-*"):
                 parts = line.split()
-                ir = int(parts[1]) if len(parts) > 1 else 0
+                ir = int(parts[npos]) if len(parts) > npos else 0
                 entry = out[(fn, callee)]
                 entry[0] += pending_calls
                 entry[1] += ir

@@ -19,7 +19,9 @@
 # Environment: KRCORE_BENCH_READS (default 1000), KRCORE_BENCH_PORT
 # (default 18850), KRCORE_BENCH_META_PORT (default 18849),
 # KRCORE_BENCH_READY_S (default 120: valgrind starts slowly),
-# KRCORE_BENCH_RUN_S (default 900).
+# KRCORE_BENCH_RUN_S (default 900), KRCORE_BENCH_VALGRIND_OPTS (more
+# callgrind options, e.g. --dump-instr=yes to see the cost of each
+# instruction with callgrind_annotate or kcachegrind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 me=vqp-instructions
@@ -28,6 +30,7 @@ bin=target/bench/bin/datapath
 kbin=target/bench/bin/datapath-krcore
 klib=target/bench/krcore-lib-instr
 reads="${KRCORE_BENCH_READS:-1000}"
+vg_opts="${KRCORE_BENCH_VALGRIND_OPTS:-}"
 port="${KRCORE_BENCH_PORT:-18850}"
 meta_port="${KRCORE_BENCH_META_PORT:-18849}"
 ready_s="${KRCORE_BENCH_READY_S:-120}"
@@ -42,7 +45,7 @@ run_mode() {
     KRCORE_GID_INDEX=1 "$b" server -g 1 -p "$p" >"$out/server-$mode.txt" 2>&1 &
     spid=$!
     addr="$(wait_ready "$out/server-$mode.txt" "$spid" 's/^datapath: server ready on \([0-9.]*\) .*/\1/p')" || return 1
-    KRCORE_GID_INDEX=2 timeout "$run_s" valgrind --tool=callgrind --callgrind-out-file="$out/cg-$mode.out" \
+    KRCORE_GID_INDEX=2 timeout "$run_s" valgrind --tool=callgrind $vg_opts --callgrind-out-file="$out/cg-$mode.out" \
         "$b" client "$addr" -g 2 -p "$p" -r "$reads" -n 64 -w 32 -e 1 -E 1 -t clock \
         >"$out/client-$mode.txt" 2>"$out/valgrind-$mode.txt" || rc=$?
     wait "$spid" || rc=$?
@@ -99,7 +102,7 @@ else
     scripts/vm-run.sh "$out" env KRCORE_IN_VM=1 KRCORE_BENCH_READS="$reads" \
         KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
         KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_RUN_S="$run_s" \
-        bash bench/vqp-instructions.sh
+        KRCORE_BENCH_VALGRIND_OPTS="$vg_opts" bash bench/vqp-instructions.sh
 fi
 cat "$out/summary.txt"
 awk '{ for (i = 1; i <= NF; i++) { split($i, a, "="); v[$2 "," a[1]] = a[2] } }

@@ -624,8 +624,8 @@ impl Vqp {
             memo,
             epoch: mrs::epoch(),
             lease_ms: crate::config::get().mr_lease_ms,
-            local: |lkey| mrs::with(pd, |m| m.local(lkey)),
-            remote: |rkey| pm.and_then(|pm| pm.lock().get(rkey)),
+            local: |lkey| registry_local(pd, lkey),
+            remote: |rkey| pm.and_then(|pm| peer_remote(pm, rkey)),
             now: coarse_ms,
         };
         precheck::check_send(sw, &self.caps, &mrs, &mrs)
@@ -1046,6 +1046,18 @@ impl Vqp {
 
 /// Post a bare header (DONE, CLOSE: inline, signaled) on `link`; false
 /// when the link has no room now.
+// The registries behind a VQP's memo, out of line: inlined, their hashing
+// was set up on every post, memo hit or not.
+#[inline(never)]
+fn registry_local(pd: usize, lkey: u32) -> Option<precheck::MrInfo> {
+    mrs::with(pd, |m| m.local(lkey))
+}
+
+#[inline(never)]
+fn peer_remote(pm: &Mutex<PeerMrs>, rkey: u32) -> Option<(precheck::MrInfo, u64)> {
+    pm.lock().get(rkey)
+}
+
 fn post_header(rt: &Runtime, link: &Link, h: &Header) -> bool {
     let mut sq = link.sq.lock();
     let Some(d) = sq.try_post(true) else { return false };
