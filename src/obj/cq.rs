@@ -10,6 +10,7 @@ use crate::error::{Errno, Result};
 use crate::real_ctx_op;
 use crate::stats::{self, Stat};
 use crate::sys::*;
+use crate::vqp::runtime::Sink;
 use libc::{c_int, c_uint, c_void};
 use std::ptr::null_mut;
 
@@ -129,12 +130,22 @@ impl Cq {
     pub unsafe fn poll_all(&self, n: c_int, wc: *mut ibv_wc) -> c_int {
         let mut got = 0;
         if let Some(soft) = self.soft.get() {
-            soft.progress();
-            if n > 0 {
-                // SAFETY: wc holds n entries (caller contract), maybe
-                // uninitialised.
-                let out = unsafe { std::slice::from_raw_parts_mut(wc.cast::<std::mem::MaybeUninit<ibv_wc>>(), n as usize) };
-                got = soft.pop_into(out) as c_int;
+            // SAFETY: wc holds n entries (caller contract), maybe
+            // uninitialised.
+            let out = unsafe { std::slice::from_raw_parts_mut(wc.cast::<std::mem::MaybeUninit<ibv_wc>>(), n.max(0) as usize) };
+            // What was queued before this poll comes first: progress then
+            // delivers behind it, into the queue.
+            let direct = {
+                let mut sink = Sink::new(soft, out);
+                soft.progress(Some(&mut sink));
+                sink.n
+            };
+            if direct < n as usize && !soft.is_empty() {
+                // SAFETY: as above, past the entries delivered directly.
+                let rest = unsafe { std::slice::from_raw_parts_mut(wc.add(direct).cast::<std::mem::MaybeUninit<ibv_wc>>(), n as usize - direct) };
+                got = (direct + soft.pop_into(rest)) as c_int;
+            } else {
+                got = direct as c_int;
             }
         }
         if got == n {

@@ -22,7 +22,7 @@ use super::mrs;
 use super::precheck::{self, Caps, LocalMrs, SendWr, Verdict};
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
 use super::memo::{Memoized, MrMemo};
-use super::runtime::{coarse_ms, CqSoft, PeerMrs, Runtime, HDR_SLOT, MAX_MSG};
+use super::runtime::{coarse_ms, CqSoft, PeerMrs, Runtime, Sink, HDR_SLOT, MAX_MSG};
 use super::large::Control;
 use super::wrid::{SendId, WrId};
 use crate::error::{Errno, Result};
@@ -668,7 +668,7 @@ impl Vqp {
     /// Also retires `retired` WQEs of the link it came on when that is
     /// this VQP's link; whether it did.
     #[inline]
-    pub fn on_send_completion(&self, seq: u16, status: u32, link_qpn: u32, retired: u16) -> bool {
+    pub fn on_send_completion(&self, seq: u16, status: u32, link_qpn: u32, retired: u16, mut sink: Option<&mut Sink<'_>>) -> bool {
         // Delivered under the VQP's lock (then the CQ's), as receives are.
         let mut st = self.st.lock();
         let accounted = match &st.conn {
@@ -680,7 +680,7 @@ impl Vqp {
             }
             _ => false,
         };
-        let _ = st.sq.complete(seq, status, &mut |c| self.deliver(&self.send_soft, c));
+        let _ = st.sq.complete(seq, status, &mut |c| self.send_soft.deliver(c.to_wc(self.vqpn), sink.as_deref_mut()));
         accounted
     }
 
