@@ -130,9 +130,14 @@ impl Cq {
     pub unsafe fn poll_all(&self, n: c_int, wc: *mut ibv_wc) -> c_int {
         let mut got = 0;
         if let Some(soft) = self.soft.get() {
-            // SAFETY: wc holds n entries (caller contract), maybe
-            // uninitialised.
-            let out = unsafe { std::slice::from_raw_parts_mut(wc.cast::<std::mem::MaybeUninit<ibv_wc>>(), n.max(0) as usize) };
+            let out: &mut [std::mem::MaybeUninit<ibv_wc>] = if n > 0 && !wc.is_null() {
+                // SAFETY: wc holds n entries (caller contract), maybe
+                // uninitialised.
+                unsafe { std::slice::from_raw_parts_mut(wc.cast(), n as usize) }
+            } else {
+                &mut []
+            };
+            let cap = out.len();
             // What was queued before this poll comes first: progress then
             // delivers behind it, into the queue.
             let direct = {
@@ -140,9 +145,9 @@ impl Cq {
                 soft.progress(Some(&mut sink));
                 sink.n
             };
-            if direct < n as usize && !soft.is_empty() {
+            if direct < cap && !soft.is_empty() {
                 // SAFETY: as above, past the entries delivered directly.
-                let rest = unsafe { std::slice::from_raw_parts_mut(wc.add(direct).cast::<std::mem::MaybeUninit<ibv_wc>>(), n as usize - direct) };
+                let rest = unsafe { std::slice::from_raw_parts_mut(wc.add(direct).cast::<std::mem::MaybeUninit<ibv_wc>>(), cap - direct) };
                 got = (direct + soft.pop_into(rest)) as c_int;
             } else {
                 got = direct as c_int;
