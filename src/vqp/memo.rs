@@ -24,7 +24,7 @@ impl MrMemo {
     /// The remembered local MR of `lkey`, if the registry lost no MR since
     /// (`epoch` is its current epoch).
     #[inline]
-    pub fn local_hit(&self, epoch: u64, lkey: u32) -> Option<MrInfo> {
+    fn local_hit(&self, epoch: u64, lkey: u32) -> Option<MrInfo> {
         match self.local.get() {
             Some((e, key, info)) if e == epoch && key == lkey => Some(info),
             _ => None,
@@ -33,7 +33,7 @@ impl MrMemo {
 
     /// The remembered remote MR of `rkey`, if its lease holds at `now_ms`.
     #[inline]
-    pub fn remote_hit(&self, rkey: u32, now_ms: u64, lease_ms: u64) -> Option<MrInfo> {
+    fn remote_hit(&self, rkey: u32, now_ms: u64, lease_ms: u64) -> Option<MrInfo> {
         match self.remote.get() {
             Some((key, info, at)) if key == rkey && lease_holds(at, now_ms, lease_ms) => Some(info),
             _ => None,

@@ -19,7 +19,7 @@
 
 use super::header::{Flags, Header, HEADER_LEN};
 use super::mrs;
-use super::precheck::{self, Caps, LocalMrs, SendWr, Verdict};
+use super::precheck::{self, Caps, LocalMrs, RemoteMrs, SendWr, Verdict};
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
 use super::memo::{Memoized, MrMemo};
 use super::runtime::{coarse_ms, CqSoft, PeerMrs, Runtime, Sink, HDR_SLOT, MAX_MSG};
@@ -478,10 +478,13 @@ impl Vqp {
     }
 
     /// The common one-sided request, a READ or WRITE of one SGE without
-    /// inline data, when the VQP's memo knows both its MRs and the VQP and
-    /// its link have room: one short pass under the VQP's lock (the
-    /// general path's bookkeeping was most of a post's cost). `None`:
-    /// nothing was done, take the general path.
+    /// inline data, when both its MRs are known (the VQP's memo, else the
+    /// registry and the peer's MRStore) and the VQP and its link have
+    /// room: one short pass under the VQP's lock (the general path's
+    /// bookkeeping was most of a post's cost). A new VQP's first request
+    /// takes it too: under emulation, code run once per VQP is slow code.
+    /// `None`: nothing was done, take the general path (which fetches an
+    /// unknown remote MR, or rejects).
     ///
     /// # Safety
     /// `w` and its SGE list are the application's valid WR.
@@ -499,15 +502,15 @@ impl Vqp {
         let sge = unsafe { &*w.sg_list };
         // SAFETY: the union member of READ and WRITE.
         let (remote_addr, rkey) = unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
-        let (epoch, now, lease_ms) = (mrs::epoch(), coarse_ms(), crate::config::get().mr_lease_ms);
         let mut guard = self.st.lock();
         let st = &mut *guard;
         let conn = st.conn.as_ref()?;
         if st.sq.is_error() || st.sq.outstanding() >= self.sq_cap as usize {
             return None;
         }
-        let local = st.memo.local_hit(epoch, sge.lkey)?;
-        let remote = st.memo.remote_hit(rkey, now, lease_ms)?;
+        let mrs = self.mrs(&st.memo);
+        let local = mrs.local(sge.lkey)?;
+        let remote = mrs.remote(rkey)?;
         if !precheck::one_sided_ok(w.opcode, sge, remote_addr, &self.caps, &local, &remote) {
             return None;
         }
@@ -678,18 +681,24 @@ impl Vqp {
     /// The pre-checks, through the VQP's memo of the MRs it used last
     /// (the VQP's lock held: the memo is part of its state).
     fn precheck(&self, memo: &MrMemo, sw: &SendWr<'_>) -> std::result::Result<(), Verdict> {
+        let mrs = self.mrs(memo);
+        precheck::check_send(sw, &self.caps, &mrs, &mrs)
+    }
+
+    /// The MRs as this VQP's pre-checks see them: its memo, then the
+    /// process's registry and the peer's MRStore.
+    fn mrs<'a>(&'a self, memo: &'a MrMemo) -> Memoized<'a, impl Fn(u32) -> Option<precheck::MrInfo> + 'a, impl Fn(u32) -> Option<(precheck::MrInfo, u64)> + 'a, fn() -> u64> {
         // Set before the connection (fetch_remote fails without it).
         let pm = self.peer_mrs.get();
         let pd = self.app.real_pd as usize;
-        let mrs = Memoized {
+        Memoized {
             memo,
             epoch: mrs::epoch(),
             lease_ms: crate::config::get().mr_lease_ms,
-            local: |lkey| registry_local(pd, lkey),
-            remote: |rkey| pm.and_then(|pm| peer_remote(pm, rkey)),
+            local: move |lkey| registry_local(pd, lkey),
+            remote: move |rkey| pm.and_then(|pm| peer_remote(pm, rkey)),
             now: coarse_ms,
-        };
-        precheck::check_send(sw, &self.caps, &mrs, &mrs)
+        }
     }
 
     /// READ the peer's MR table entry for `rkey` into the cache; whether
