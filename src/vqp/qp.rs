@@ -687,6 +687,7 @@ impl Vqp {
 
     /// The MRs as this VQP's pre-checks see them: its memo, then the
     /// process's registry and the peer's MRStore.
+    #[allow(clippy::type_complexity)]
     fn mrs<'a>(&'a self, memo: &'a MrMemo) -> Memoized<'a, impl Fn(u32) -> Option<precheck::MrInfo> + 'a, impl Fn(u32) -> Option<(precheck::MrInfo, u64)> + 'a, fn() -> u64> {
         // Set before the connection (fetch_remote fails without it).
         let pm = self.peer_mrs.get();
