@@ -14,6 +14,7 @@ pub mod precheck;
 pub mod queue;
 pub mod runtime;
 pub mod qp;
+pub mod rc;
 pub mod wrid;
 
 use crate::obj::{Ah, Context, Mr, Mw};
