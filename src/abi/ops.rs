@@ -98,14 +98,20 @@ pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c
         stats::inc(Stat::KRCORE_STAT_REQ_NOTIFY_CQ);
         // SAFETY: only our CQs reach our ops.
         let c = unsafe { Cq::from_cq(cq) };
-        if let Some(soft) = c.soft.get() {
-            soft.arm();
-        }
-        match c.notify {
+        // The real CQ first: arming the VQPs' side makes progress, and an
+        // event it raises lands in the real CQ, which must be armed by then
+        // (else that completion is queued and no event ever comes).
+        let rc = match c.notify {
             // SAFETY: the real CQ.
             Some(f) => unsafe { f(c.real, solicited_only) },
             None => libc::EOPNOTSUPP,
+        };
+        if rc == 0 {
+            if let Some(soft) = c.soft.get() {
+                soft.arm();
+            }
         }
+        rc
     })
 }
 

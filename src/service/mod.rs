@@ -364,6 +364,13 @@ impl Service {
         self.shared.link_cq.arm()
     }
 
+    /// Wake the progress thread at the next message: an application that
+    /// armed a CQ which receives waits for its event, and must not wait
+    /// for the thread's next look (up to 64 ms while it seemed to poll).
+    pub fn want_message_events(&self) -> Result<()> {
+        self.shared.recv_cq.arm()
+    }
+
     /// Whether any peer has a link to us (and so may hold our MRs' keys).
     pub fn has_links(&self) -> bool {
         !self.shared.links.lock().by_qpn.is_empty()

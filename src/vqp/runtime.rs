@@ -260,10 +260,16 @@ impl CqSoft {
             return;
         }
         let rts: Vec<Arc<Runtime>> = self.runtimes.lock().iter().filter_map(Weak::upgrade).collect();
+        let receives = self.receives.load(Ordering::Acquire);
         for rt in &rts {
             rt.armed_cqs.fetch_add(1, Ordering::AcqRel);
             if let Err(e) = rt.svc.want_link_events() {
                 klog!(Level::Warn, "vqp: arming the links' CQ: {e:?}");
+            }
+            if receives {
+                if let Err(e) = rt.svc.want_message_events() {
+                    klog!(Level::Warn, "vqp: arming the links' receive CQ: {e:?}");
+                }
             }
         }
         // What completed before the links' CQ was armed raises no event:
@@ -533,7 +539,10 @@ impl Runtime {
             let mut last = rt.progress.lock();
             rt.drain(&mut last, true, None);
             let polls = rt.polls.load(Ordering::Relaxed);
-            polls != rt.polls_seen.swap(polls, Ordering::Relaxed)
+            let polled = polls != rt.polls_seen.swap(polls, Ordering::Relaxed);
+            // An application with an armed CQ waits for its event, however
+            // often it polled before: messages must wake this thread.
+            polled && rt.armed_cqs.load(Ordering::Acquire) == 0
         }));
         map.insert(pd as usize, Arc::clone(&rt));
         Ok(rt)
