@@ -137,20 +137,16 @@ impl Cq {
             } else {
                 &mut []
             };
-            let cap = out.len();
             // What was queued before this poll comes first: progress then
             // delivers behind it, into the queue.
             let direct = {
-                let mut sink = Sink::new(soft, out);
+                let mut sink = Sink::new(soft, &mut *out);
                 soft.progress(Some(&mut sink));
                 sink.n
             };
-            if direct < cap && !soft.is_empty() {
-                // SAFETY: as above, past the entries delivered directly.
-                let rest = unsafe { std::slice::from_raw_parts_mut(wc.add(direct).cast::<std::mem::MaybeUninit<ibv_wc>>(), cap - direct) };
-                got = (direct + soft.pop_into(rest)) as c_int;
-            } else {
-                got = direct as c_int;
+            got = direct as c_int;
+            if direct < out.len() && !soft.is_empty() {
+                got += soft.pop_into(&mut out[direct..]) as c_int;
             }
         }
         if got == n {

@@ -20,27 +20,6 @@ pub struct MrMemo {
     remote: Cell<Option<(u32, MrInfo, u64)>>,
 }
 
-impl MrMemo {
-    /// The remembered local MR of `lkey`, if the registry lost no MR since
-    /// (`epoch` is its current epoch).
-    #[inline]
-    fn local_hit(&self, epoch: u64, lkey: u32) -> Option<MrInfo> {
-        match self.local.get() {
-            Some((e, key, info)) if e == epoch && key == lkey => Some(info),
-            _ => None,
-        }
-    }
-
-    /// The remembered remote MR of `rkey`, if its lease holds at `now_ms`.
-    #[inline]
-    fn remote_hit(&self, rkey: u32, now_ms: u64, lease_ms: u64) -> Option<MrInfo> {
-        match self.remote.get() {
-            Some((key, info, at)) if key == rkey && lease_holds(at, now_ms, lease_ms) => Some(info),
-            _ => None,
-        }
-    }
-}
-
 /// Whether an MR READ from the peer's table at `at_ms` may still be used
 /// at `now_ms`. Both readings come from a clock that may be one tick late,
 /// so the age counts one tick more.
@@ -70,8 +49,10 @@ where
     L: Fn(u32) -> Option<MrInfo>,
 {
     fn local(&self, lkey: u32) -> Option<MrInfo> {
-        if let Some(info) = self.memo.local_hit(self.epoch, lkey) {
-            return Some(info);
+        if let Some((epoch, key, info)) = self.memo.local.get() {
+            if epoch == self.epoch && key == lkey {
+                return Some(info);
+            }
         }
         let info = (self.local)(lkey)?;
         self.memo.local.set(Some((self.epoch, lkey, info)));
@@ -86,8 +67,10 @@ where
 {
     fn remote(&self, rkey: u32) -> Option<MrInfo> {
         let now = (self.now)();
-        if let Some(info) = self.memo.remote_hit(rkey, now, self.lease_ms) {
-            return Some(info);
+        if let Some((key, info, at)) = self.memo.remote.get() {
+            if key == rkey && lease_holds(at, now, self.lease_ms) {
+                return Some(info);
+            }
         }
         let (info, at) = (self.remote)(rkey)?;
         if !lease_holds(at, now, self.lease_ms) {

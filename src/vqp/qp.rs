@@ -1115,8 +1115,6 @@ impl Vqp {
     }
 }
 
-/// Post a bare header (DONE, CLOSE: inline, signaled) on `link`; false
-/// when the link has no room now.
 // The registries behind a VQP's memo, out of line: inlined, their hashing
 // was set up on every post, memo hit or not.
 #[inline(never)]
@@ -1129,6 +1127,8 @@ fn peer_remote(pm: &Mutex<PeerMrs>, rkey: u32) -> Option<(precheck::MrInfo, u64)
     pm.lock().get(rkey)
 }
 
+/// Post a bare header (DONE, CLOSE: inline, signaled) on `link`; false
+/// when the link has no room now.
 fn post_header(rt: &Runtime, link: &Link, h: &Header) -> bool {
     let mut sq = link.sq.lock();
     let Some(d) = sq.try_post(true) else { return false };

@@ -153,60 +153,42 @@ impl RcShadow {
             return Err(Errno::EINVAL);
         }
         let a = &mut self.attr;
-        let keep = |bit: u32| mask & bit != 0;
-        if keep(ACCESS_FLAGS) {
-            a.qp_access_flags = attr.qp_access_flags;
+        // The plain attributes each mask bit names, kept as given.
+        macro_rules! keep {
+            ($($bit:expr => $($field:ident),+;)*) => {
+                $(if mask & $bit != 0 {
+                    $(a.$field = attr.$field;)+
+                })*
+            };
         }
-        if keep(PKEY_INDEX) {
-            a.pkey_index = attr.pkey_index;
+        keep! {
+            ACCESS_FLAGS => qp_access_flags;
+            PKEY_INDEX => pkey_index;
+            PORT => port_num;
+            ALT_PATH => alt_pkey_index, alt_port_num, alt_timeout;
+            PATH_MTU => path_mtu;
+            DEST_QPN => dest_qp_num;
+            MAX_DEST_RD_ATOMIC => max_dest_rd_atomic;
+            MAX_QP_RD_ATOMIC => max_rd_atomic;
+            MIN_RNR_TIMER => min_rnr_timer;
+            TIMEOUT => timeout;
+            RETRY_CNT => retry_cnt;
+            RNR_RETRY => rnr_retry;
+            PATH_MIG_STATE => path_mig_state;
+            EN_SQD_ASYNC_NOTIFY => en_sqd_async_notify;
         }
-        if keep(PORT) {
-            a.port_num = attr.port_num;
-        }
-        if keep(AV) {
+        // Address vectors are copied whole; PSNs are 24 bits on the wire.
+        if mask & AV != 0 {
             a.ah_attr = copy(&attr.ah_attr);
         }
-        if keep(ALT_PATH) {
+        if mask & ALT_PATH != 0 {
             a.alt_ah_attr = copy(&attr.alt_ah_attr);
-            a.alt_pkey_index = attr.alt_pkey_index;
-            a.alt_port_num = attr.alt_port_num;
-            a.alt_timeout = attr.alt_timeout;
         }
-        if keep(PATH_MTU) {
-            a.path_mtu = attr.path_mtu;
-        }
-        if keep(DEST_QPN) {
-            a.dest_qp_num = attr.dest_qp_num;
-        }
-        if keep(RQ_PSN) {
+        if mask & RQ_PSN != 0 {
             a.rq_psn = attr.rq_psn & MASK_24;
         }
-        if keep(SQ_PSN) {
+        if mask & SQ_PSN != 0 {
             a.sq_psn = attr.sq_psn & MASK_24;
-        }
-        if keep(MAX_DEST_RD_ATOMIC) {
-            a.max_dest_rd_atomic = attr.max_dest_rd_atomic;
-        }
-        if keep(MAX_QP_RD_ATOMIC) {
-            a.max_rd_atomic = attr.max_rd_atomic;
-        }
-        if keep(MIN_RNR_TIMER) {
-            a.min_rnr_timer = attr.min_rnr_timer;
-        }
-        if keep(TIMEOUT) {
-            a.timeout = attr.timeout;
-        }
-        if keep(RETRY_CNT) {
-            a.retry_cnt = attr.retry_cnt;
-        }
-        if keep(RNR_RETRY) {
-            a.rnr_retry = attr.rnr_retry;
-        }
-        if keep(PATH_MIG_STATE) {
-            a.path_mig_state = attr.path_mig_state;
-        }
-        if keep(EN_SQD_ASYNC_NOTIFY) {
-            a.en_sqd_async_notify = attr.en_sqd_async_notify;
         }
         a.qp_state = next;
         a.cur_qp_state = next;
