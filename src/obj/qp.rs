@@ -88,6 +88,56 @@ impl Qp {
         Ok(Qp::wrap_virtual(v, p.qp_context))
     }
 
+    /// Whether `KRCORE_VIRTUALIZE` makes this RC QP a transparent VQP;
+    /// `Err(why)` keeps it real, and the log says why.
+    fn virtualizes(p: &Parents, qp_type: ibv_qp_type::Type, extra: Option<&'static str>) -> bool {
+        use crate::config::Virtualize;
+        let cfg = crate::config::get();
+        if cfg.virtualize == Virtualize::Off || qp_type != ibv_qp_type::IBV_QPT_RC {
+            return false;
+        }
+        let why = if cfg.meta.is_none() {
+            Some("KRCORE_META is not set")
+        } else if !p.srq.is_null() {
+            Some("it has an SRQ (not virtualized yet)")
+        } else if p.send_cq.is_null() || p.recv_cq.is_null() {
+            Some("it lacks a CQ")
+        } else {
+            extra
+        };
+        match why {
+            Some(why) => {
+                crate::klog!(crate::log::Level::Info, "KRCORE_VIRTUALIZE: an RC QP stays real: {why}");
+                false
+            }
+            None => true,
+        }
+    }
+
+    /// A transparent VQP for an application's RC QP: in RESET, its
+    /// published QPN as `qp_num`.
+    fn create_transparent(pd: &mut Pd, p: &Parents, cap: &mut ibv_qp_cap, sq_sig_all: bool) -> Result<*mut ibv_qp> {
+        let q = Qp::create_virtual(pd, p, cap, sq_sig_all)?;
+        // SAFETY: just made by create_virtual.
+        let qp = unsafe { Qp::from_qp(q) };
+        let made = qp.vqp.as_ref().map(|v| v.make_transparent());
+        match made {
+            Some(Ok(qpn)) => {
+                let b = &mut qp.ibv.qp_base;
+                b.qp_num = qpn;
+                b.state = ibv_qp_state::IBV_QPS_RESET;
+                b.qp_type = ibv_qp_type::IBV_QPT_RC;
+                Ok(q)
+            }
+            Some(Err(e)) => {
+                // SAFETY: ours, never handed out.
+                let _ = unsafe { Qp::destroy(q) };
+                Err(e)
+            }
+            None => Err(Errno::EINVAL),
+        }
+    }
+
     /// The application object of a VQP.
     pub fn wrap_virtual(v: std::sync::Arc<crate::vqp::qp::Vqp>, qp_context: *mut c_void) -> *mut ibv_qp {
         stats::inc(Stat::KRCORE_STAT_QPS_CREATED);
@@ -131,6 +181,12 @@ impl Qp {
         };
         if a.qp_type == crate::abi::ext::KRCORE_VQP {
             let q = Qp::create_virtual(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
+            // SAFETY: attr is valid for writes.
+            unsafe { (*attr).cap = a.cap };
+            return Ok(q);
+        }
+        if Qp::virtualizes(&parents, a.qp_type, None) {
+            let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
             return Ok(q);
@@ -179,6 +235,23 @@ impl Qp {
             // SAFETY: as above.
             let pd = unsafe { Pd::from_ibv(a.pd) };
             let q = Qp::create_virtual(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
+            // SAFETY: attr is valid for writes.
+            unsafe { (*attr).cap = a.cap };
+            return Ok(q);
+        }
+        let extra = if parents.pd.is_null() {
+            Some("it has no PD")
+        } else if mask & !(ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0) != 0 {
+            Some("it asks for ibv_create_qp_ex features (send-ops flags) not virtualized yet")
+        } else {
+            None
+        };
+        if Qp::virtualizes(&parents, a.qp_type, extra) {
+            // SAFETY: checked to be one of our PDs of this context.
+            unsafe { Pd::real_of(a.pd, me)? };
+            // SAFETY: as above.
+            let pd = unsafe { Pd::from_ibv(a.pd) };
+            let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
             return Ok(q);
@@ -251,9 +324,18 @@ impl Qp {
     /// # Safety
     /// `attr` is valid for the fields `mask` names.
     pub unsafe fn modify(&mut self, attr: *mut ibv_qp_attr, mask: c_int) -> Result<()> {
-        if self.vqp.is_some() {
-            // A VQP needs no transitions: bind or connect it.
-            return Err(Errno::EINVAL);
+        if let Some(v) = &self.vqp {
+            // A KRCORE_VQP needs no transitions (bind or connect it); a
+            // transparent one plays an RC QP's.
+            if !v.is_transparent() || attr.is_null() {
+                return Err(Errno::EINVAL);
+            }
+            // SAFETY: attr is the caller's valid attribute struct.
+            v.modify_rc(unsafe { &*attr }, mask as u32)?;
+            if let Some(now) = v.query_rc() {
+                self.ibv.qp_base.state = now.qp_state;
+            }
+            return Ok(());
         }
         ok_or_errno(call_real!(ibv_modify_qp(self.real, attr, mask))?)?;
         // SAFETY: the real QP is live; libibverbs updated its state.
@@ -267,6 +349,32 @@ impl Qp {
     /// # Safety
     /// `attr` and `init` are valid for writes.
     pub unsafe fn query(&mut self, attr: *mut ibv_qp_attr, mask: c_int, init: *mut ibv_qp_init_attr) -> Result<()> {
+        if let Some(v) = self.vqp.as_ref().filter(|v| v.is_transparent()) {
+            let cap = ibv_qp_cap {
+                max_send_wr: v.sq_depth(),
+                max_recv_wr: v.rq_depth(),
+                max_send_sge: v.caps.max_send_sge,
+                max_recv_sge: v.caps.max_recv_sge,
+                max_inline_data: v.caps.max_inline_data,
+            };
+            let b = &mut self.ibv.qp_base;
+            // SAFETY: attr and init are valid for writes (caller contract).
+            unsafe {
+                *attr = v.query_rc().ok_or(Errno::EINVAL)?;
+                (*attr).cap = cap;
+                b.state = (*attr).qp_state;
+                if !init.is_null() {
+                    *init = zeroed();
+                    (*init).qp_context = b.qp_context;
+                    (*init).send_cq = b.send_cq;
+                    (*init).recv_cq = b.recv_cq;
+                    (*init).cap = cap;
+                    (*init).qp_type = ibv_qp_type::IBV_QPT_RC;
+                    (*init).sq_sig_all = v.sq_sig_all() as c_int;
+                }
+            }
+            return Ok(());
+        }
         if let Some(v) = &self.vqp {
             let ready = v.is_bound() || v.is_connected();
             let state = if ready { ibv_qp_state::IBV_QPS_RTS } else { ibv_qp_state::IBV_QPS_INIT };

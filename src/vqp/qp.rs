@@ -20,6 +20,7 @@
 use super::header::{Flags, Header, HEADER_LEN};
 use super::mrs;
 use super::precheck::{self, Caps, LocalMrs, RemoteMrs, SendWr, Verdict};
+use super::rc::{Effect, RcShadow};
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
 use super::memo::{Memoized, MrMemo};
 use super::runtime::{coarse_ms, CqSoft, PeerMrs, Runtime, Sink, HDR_SLOT, MAX_MSG};
@@ -145,6 +146,10 @@ struct State {
     sent_msgs: bool,
     /// The MRs the last pre-checks found.
     memo: MrMemo,
+    /// A transparent VQP (`KRCORE_VIRTUALIZE`): the RC QP it plays.
+    rc: Option<RcShadow>,
+    /// A transparent VQP's published QPN (unpublished at destroy).
+    published: Option<crate::meta::Key>,
 }
 
 /// An entry of a bound VQP's inbox.
@@ -181,6 +186,9 @@ pub struct Vqp {
     peer_mrs: OnceCell<Arc<Mutex<PeerMrs>>>,
     /// A VQP made by `qpop_msgs`: the bound VQP and the sender it answers.
     parent: OnceCell<(Weak<Vqp>, (u64, u32))>,
+    /// A transparent VQP's QPN as the application sees it (unique on its
+    /// GID through the meta server; `vqpn` is only unique in the process).
+    app_qpn: OnceCell<u32>,
 }
 
 // SAFETY: the raw pointers are the application's objects, only passed
@@ -216,6 +224,8 @@ impl Vqp {
             retired: Vec::new(),
             sent_msgs: false,
             memo: MrMemo::default(),
+            rc: None,
+            published: None,
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {
@@ -245,6 +255,7 @@ impl Vqp {
             sq_cap: cap.max_send_wr,
             peer_mrs: OnceCell::new(),
             parent: OnceCell::new(),
+            app_qpn: OnceCell::new(),
         });
         slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_VQPS);
@@ -301,18 +312,32 @@ impl Vqp {
     pub fn connect(&self, gid: [u8; 16], port: u32) -> Result<()> {
         {
             let st = self.st.lock();
-            if st.conn.is_some() || st.bound.is_some() {
+            if st.conn.is_some() || st.bound.is_some() || st.rc.is_some() {
                 return Err(Errno::EINVAL);
             }
         }
+        self.connect_to(&crate::meta::Key::Port { gid, port })
+    }
+
+    /// Look `key` up and attach to the link to the process it names.
+    fn connect_to(&self, key: &crate::meta::Key) -> Result<()> {
+        let key = *key;
         let rt = self.runtime(None)?;
-        let key = crate::meta::Key::Port { gid, port };
         let meta = rt.meta()?;
         // VQPs spread over the process's links to that peer by slot.
         let index = (self.slot % crate::config::get().links_per_peer) as u16;
         let mut ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
         let mut looked_again = false;
         loop {
+            if let Some(pm) = self.peer_mrs.get() {
+                // A VQP's pre-checks use one peer's MR table for its life:
+                // a transparent VQP brought back from RESET reconnects only
+                // to a VQP of the same process (documented limit).
+                if !Arc::ptr_eq(pm, &rt.peer_mrs(ep.incarnation)) {
+                    klog!(Level::Warn, "vqp {:#x}: reconnecting to another process after RESET is not supported", self.qpn());
+                    return Err(Errno::EINVAL);
+                }
+            }
             match rt.svc.link(&ep, index, super::runtime::connect_timeout()) {
                 Ok(link) => {
                     self.attach(rt, link, ep, ep.vqpn);
@@ -337,6 +362,107 @@ impl Vqp {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// The QPN the application sees.
+    #[inline]
+    pub fn qpn(&self) -> u32 {
+        self.app_qpn.get().copied().unwrap_or(self.vqpn)
+    }
+
+    /// Make this new VQP a transparent RC QP (`KRCORE_VIRTUALIZE`): in
+    /// RESET, with a QPN of its own, random with bit 23 set (above every
+    /// real QPN of rxe and mlx5), published on the process's GID so that
+    /// a peer's RTR naming it resolves here. Returns that QPN.
+    pub fn make_transparent(&self) -> Result<u32> {
+        let rt = self.runtime(None)?;
+        let meta = rt.meta()?;
+        let ep = Endpoint { vqpn: self.vqpn, ..rt.svc.endpoint() };
+        for _ in 0..32 {
+            let qpn = 0x80_0000 | (rdma::random_u64() as u32 & 0x7f_ffff);
+            let key = crate::meta::Key::Vqpn { gid: ep.gid, vqpn: qpn };
+            match meta.bind(&key, &ep) {
+                Ok(()) => {
+                    let mut st = self.st.lock();
+                    st.rc = Some(RcShadow::default());
+                    st.published = Some(key);
+                    let _ = self.app_qpn.set(qpn);
+                    return Ok(qpn);
+                }
+                // Taken on this GID (by another process): draw again.
+                Err(e) if e.0 == libc::EADDRINUSE => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(Errno(libc::EADDRINUSE))
+    }
+
+    pub fn sq_depth(&self) -> u32 {
+        self.sq_cap
+    }
+
+    pub fn rq_depth(&self) -> u32 {
+        self.st.lock().rq.capacity()
+    }
+
+    pub fn sq_sig_all(&self) -> bool {
+        self.sq_sig_all
+    }
+
+    pub fn is_transparent(&self) -> bool {
+        self.app_qpn.get().is_some()
+    }
+
+    /// `ibv_modify_qp` on a transparent VQP: the RC state machine, and at
+    /// RTR the attachment to the peer's VQP (looked up by its GID and
+    /// QPN). A refused call changes nothing.
+    pub fn modify_rc(&self, attr: &ibv_qp_attr, mask: u32) -> Result<()> {
+        let mut next = {
+            let st = self.st.lock();
+            st.rc.as_ref().ok_or(Errno::EINVAL)?.clone()
+        };
+        match next.modify(attr, mask)? {
+            Effect::Connect { dgid, dest_qpn } => {
+                let key = crate::meta::Key::Vqpn { gid: dgid, vqpn: dest_qpn };
+                if let Err(e) = self.connect_to(&key) {
+                    klog!(
+                        Level::Warn,
+                        "vqp {:#x}: RTR: no VQP {dest_qpn:#x} on GID {dgid:02x?} resolves (its process must run krcore with KRCORE_VIRTUALIZE and the same KRCORE_META): {e:?}",
+                        self.qpn()
+                    );
+                    return Err(e);
+                }
+            }
+            Effect::Flush => {
+                let mut out = Vec::new();
+                let mut st = self.st.lock();
+                st.sq.flush(&mut |c| out.push((true, c)));
+                st.rq.flush(&mut |c| out.push((false, c)));
+                st.rc = Some(next);
+                drop(st);
+                for (send, c) in out {
+                    self.deliver(if send { &self.send_soft } else { &self.recv_soft }, c);
+                }
+                return Ok(());
+            }
+            Effect::Reset => {
+                let mut st = self.st.lock();
+                st.sq.flush(&mut |_| {});
+                st.rq.flush(&mut |_| {});
+                st.conn = None;
+                st.memo = MrMemo::default();
+                st.rc = Some(next);
+                return Ok(());
+            }
+            Effect::Ready | Effect::None => {}
+        }
+        self.st.lock().rc = Some(next);
+        Ok(())
+    }
+
+    /// `ibv_query_qp` on a transparent VQP: what `ibv_modify_qp` set.
+    pub fn query_rc(&self) -> Option<ibv_qp_attr> {
+        self.st.lock().rc.as_ref().map(RcShadow::query)
     }
 
     /// Connect to `dst` on the far side of `link` (qconnect, or a VQP
@@ -406,6 +532,10 @@ impl Vqp {
         loop {
             let mut guard = self.st.lock();
             let st = &mut *guard;
+            // A transparent VQP posts from RTS on, as a real RC QP.
+            if st.rc.as_ref().is_some_and(|rc| !rc.can_send()) {
+                return Err(Errno::EINVAL);
+            }
             let Some(conn) = &st.conn else { return Err(Errno::EINVAL) };
             match self.precheck(&st.memo, &sw) {
                 Ok(()) => {}
@@ -505,7 +635,7 @@ impl Vqp {
         let mut guard = self.st.lock();
         let st = &mut *guard;
         let conn = st.conn.as_ref()?;
-        if st.sq.is_error() || st.sq.outstanding() >= self.sq_cap as usize {
+        if st.sq.is_error() || st.sq.outstanding() >= self.sq_cap as usize || st.rc.as_ref().is_some_and(|rc| !rc.can_send()) {
             return None;
         }
         let mrs = self.mrs(&st.memo);
@@ -751,12 +881,13 @@ impl Vqp {
             }
             _ => false,
         };
-        let _ = st.sq.complete(seq, status, &mut |c| self.send_soft.deliver(c.to_wc(self.vqpn), sink.as_deref_mut()));
+        let qpn = self.qpn();
+        let _ = st.sq.complete(seq, status, &mut |c| self.send_soft.deliver(c.to_wc(qpn), sink.as_deref_mut()));
         accounted
     }
 
     fn deliver(&self, cq: &CqSoft, c: Completion) {
-        cq.push(c.to_wc(self.vqpn));
+        cq.push(c.to_wc(self.qpn()));
     }
 
     /// `ibv_post_recv`.
@@ -781,7 +912,21 @@ impl Vqp {
                     precheck::check_recv(&precheck::RecvWr { sge: sges }, &self.caps, local)
                 })
                 .map_err(|r| r.errno())?;
-                self.st.lock().rq.push(w.wr_id, sges)
+                let mut st = self.st.lock();
+                match st.rc.as_ref().map(RcShadow::state) {
+                    // As a real RC QP: no receives in RESET; in ERR they are
+                    // taken and flushed at once.
+                    Some(ibv_qp_state::IBV_QPS_RESET) => Err(Errno::EINVAL),
+                    Some(ibv_qp_state::IBV_QPS_ERR) => {
+                        st.rq.push(w.wr_id, sges)?;
+                        let mut out = Vec::new();
+                        st.rq.flush(&mut |c| out.push(c));
+                        drop(st);
+                        out.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+                        Ok(())
+                    }
+                    _ => st.rq.push(w.wr_id, sges),
+                }
             })();
             if let Err(e) = r {
                 // SAFETY: caller contract.
@@ -849,7 +994,7 @@ impl Vqp {
         // SAFETY: ibv_wc is plain C data.
         let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
         wc.wr_id = r.wr_id;
-        wc.qp_num = self.vqpn;
+        wc.qp_num = self.qpn();
         wc.src_qp = h.src_vqpn;
         wc.byte_len = h.len;
         wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
@@ -1032,7 +1177,7 @@ impl Vqp {
                         let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
                         wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
                         wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
-                        wc.qp_num = self.vqpn;
+                        wc.qp_num = self.qpn();
                         wc.src_qp = src;
                         out.push((qp, wc));
                     }
@@ -1071,8 +1216,8 @@ impl Vqp {
             }
         }
         let mut st = self.st.lock();
-        if let (Some(key), Some(rt)) = (st.bound.take(), self.rt.get()) {
-            if let Ok(meta) = rt.meta() {
+        for key in [st.bound.take(), st.published.take()].into_iter().flatten() {
+            if let Some(Ok(meta)) = self.rt.get().map(|rt| rt.meta()) {
                 let _ = meta.unbind(&key);
             }
         }

@@ -384,6 +384,11 @@ impl RecvRing {
         }
     }
 
+    /// The receive WRs it holds at most.
+    pub fn capacity(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
     pub fn len(&self) -> usize {
         self.fifo.len
     }

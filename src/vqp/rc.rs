@@ -122,6 +122,12 @@ pub struct RcShadow {
     attr: ibv_qp_attr,
 }
 
+impl Clone for RcShadow {
+    fn clone(&self) -> Self {
+        RcShadow { attr: copy(&self.attr) }
+    }
+}
+
 impl Default for RcShadow {
     fn default() -> Self {
         // SAFETY: a plain C struct; all zeroes is RESET with no attributes.
