@@ -92,6 +92,14 @@ pub enum krcore_stat {
     /// no deregistration thread, the thread a full batch behind, or a
     /// flush (`ibv_dealloc_pd`, `ibv_close_device`, the pinned-memory retry).
     KRCORE_STAT_MR_CACHE_DEREG_INLINE,
+    /// Application RC QPs made virtual by `KRCORE_VIRTUALIZE` (cumulative:
+    /// proves a run was virtualized after its QPs are gone).
+    KRCORE_STAT_QPS_VIRTUALIZED,
+    /// Of those, the ones `KRCORE_VIRTUALIZE=auto` turned back into real QPs
+    /// because their peer did not resolve.
+    KRCORE_STAT_QPS_FALLBACK,
+    /// Links opened since start (cumulative; `links` is the live count).
+    KRCORE_STAT_LINKS_OPENED,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -140,6 +148,9 @@ const NAMES_NUL: [&str; COUNT] = [
     "links\0",
     "mr_dereg_delayed\0",
     "mr_cache_dereg_inline\0",
+    "qps_virtualized\0",
+    "qps_fallback\0",
+    "links_opened\0",
 ];
 
 /// A counter's name ("post_send").

@@ -127,6 +127,7 @@ impl Qp {
                 b.qp_num = qpn;
                 b.state = ibv_qp_state::IBV_QPS_RESET;
                 b.qp_type = ibv_qp_type::IBV_QPT_RC;
+                stats::inc(Stat::KRCORE_STAT_QPS_VIRTUALIZED);
                 Ok(q)
             }
             Some(Err(e)) => {

@@ -514,6 +514,7 @@ impl Shared {
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
         let qp_depth = qp.caps.send_wr;
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
         let link = Arc::new(Link {
             qp,
             peer: *peer,
@@ -754,6 +755,7 @@ impl Shared {
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
         let qp_depth = qp.caps.send_wr;
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
         let link = Arc::new(Link {
             qp,
             peer: theirs.from,

@@ -15,6 +15,7 @@ Python 3.11 standard library only. Typical use (as root, inside the VM):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 NODES = 10
 COUNTERS = ("contexts_opened", "pds_allocated", "mrs_registered", "cqs_created",
             "qps_created", "post_send", "post_recv", "post_srq_recv", "poll_cq",
-            "wr_calls", "cq_events", "async_events", "foreign_calls")
+            "wr_calls", "cq_events", "async_events", "foreign_calls", "qps_virtualized",
+            "links_opened")
 DATA_COUNTERS = ("post_send", "post_recv", "post_srq_recv", "wr_calls")
 
 
@@ -128,6 +130,9 @@ class Case:
     events: bool = False      # the run must go through ibv_get_cq_event
     ready: str = "tcp"        # how to know the server listens: tcp | cm | none
     preload: bool = True      # False: runs once, as is (C tests link the library)
+    # KRCORE_VIRTUALIZE=1: the preloaded run makes the RC QPs virtual (the
+    # suite runs krcore-meta) and every process must show qps_virtualized.
+    virt: bool = False
 
     def argv(self, t: Topo, port: int) -> tuple[list[str] | None, list[str]]:
         raise NotImplementedError
@@ -305,6 +310,14 @@ def perftest_cases() -> list[Case]:
     ]
 
 
+# The cases whose RC QPs run again as transparent virtual QPs (issue 8).
+VIRT = ("ib_send_lat_rc", "ib_send_bw_rc", "ib_write_lat_rc", "ib_write_bw_rc",
+        "ib_read_lat_rc", "ib_read_bw_rc", "ib_atomic_lat_rc", "ib_atomic_bw_rc",
+        "ib_send_lat_events", "ib_read_lat_events", "ib_send_bw_srq", "ib_write_bw_q4",
+        "ib_send_bw_bidir", "ib_send_lat_rdmacm", "ibv_rc_pingpong", "ibv_rc_pingpong_events",
+        "ibv_rc_pingpong_wr_api", "ibv_srq_pingpong")
+
+
 def all_cases(ctest_dir: Path, rust_test_dir: Path) -> list[Case]:
     cases = perftest_cases()
     cases += [
@@ -323,6 +336,8 @@ def all_cases(ctest_dir: Path, rust_test_dir: Path) -> list[Case]:
         Cmatose("ucmatose", "rdma_cm", tool="ucmatose", ready="cm"),
         Cmatose("udaddy", "rdma_cm", tool="udaddy", ready="cm", fixed_port=7174),
     ]
+    cases += [dataclasses.replace(c, name=f"{c.name}_virt", group="virtualized", virt=True)
+              for c in cases if c.name in VIRT]
     if ctest_dir.is_dir():
         for p in sorted(ctest_dir.iterdir()):
             if p.is_file() and os.access(p, os.X_OK) and not p.name.endswith((".so", ".o", ".d")):
@@ -462,9 +477,31 @@ class Runner:
         self.stats_dir = self.out / "stats"
         self.lib = Path(args.lib).resolve()
         self.port = args.base_port
+        self.meta_proc, self.meta_addr = None, ""
         # Clean environment: nothing of the caller's krcore settings leaks in.
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith("KRCORE_") and k != "LD_PRELOAD"}
+
+    def meta(self) -> str:
+        """KRCORE_META for virtualized runs: one krcore-meta for the whole
+        suite, started on first use (next to the library) and waited for."""
+        if self.meta_proc is None:
+            addr = f"{self.topo.srv_addr}:{self.a.base_port - 1}"
+            log = self.out / "logs" / "krcore-meta"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            p, files = spawn([str(self.lib.parent / "krcore-meta"), "--listen", addr], self.env,
+                             log, REPO)
+            self.meta_proc, self.meta_addr = p, addr
+            deadline = time.monotonic() + self.a.ready_timeout
+            while "serving on" not in read_text(Path(f"{log}.out")) + read_text(Path(f"{log}.err")):
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise OSError(f"krcore-meta did not start (see {log}.err)")
+                time.sleep(0.05)
+        return self.meta_addr
+
+    def close(self):
+        if self.meta_proc is not None:
+            kill(self.meta_proc)
 
     def next_port(self) -> int:
         self.port += 1
@@ -479,8 +516,14 @@ class Runner:
             env["KRCORE_STATS_FILE"] = str(self.stats_dir / f"{case.name}-%p.json")
             for old in self.stats_dir.glob(f"{case.name}-*.json"):
                 old.unlink()
-        if mode == "preloaded":
+        if mode in ("preloaded", "virtualized"):
             env["LD_PRELOAD"] = str(self.lib)
+        role_env = {"server": {}, "client": {}}
+        if mode == "virtualized":
+            env.update(KRCORE_VIRTUALIZE="1", KRCORE_META=self.meta())
+            # The GID the process publishes its QPNs on: the one it advertises.
+            role_env["server"]["KRCORE_GID_INDEX"] = str(self.topo.srv_gid)
+            role_env["client"]["KRCORE_GID_INDEX"] = str(self.topo.cli_gid)
         if mode == "linked":
             # C tests link libkrcore themselves (rpath); tell them the device and
             # GIDs (c-tests/common.h), and let their watchdog fire before our kill.
@@ -496,13 +539,13 @@ class Runner:
         procs, files = {}, []
         try:
             if srv_argv:
-                p, f = spawn(srv_argv, env, logdir / f"{mode}-server", REPO)
+                p, f = spawn(srv_argv, env | role_env["server"], logdir / f"{mode}-server", REPO)
                 procs["server"], files = p, files + f
                 err = wait_ready(p, case.ready, listen_port, self.a.ready_timeout)
                 if err:
                     errs.append(err)
             if not errs:
-                p, f = spawn(cli_argv, env, logdir / f"{mode}-client", REPO)
+                p, f = spawn(cli_argv, env | role_env["client"], logdir / f"{mode}-client", REPO)
                 procs["client"], files = p, files + f
                 rc = wait(p, time.monotonic() + self.a.timeout)
                 res["client_rc"] = rc
@@ -537,8 +580,11 @@ class Runner:
                 elif e:
                     missing.append(f"{role} {e}")
             res["stats"] = summarize(per_pid)
-            if mode == "preloaded":
+            if mode in ("preloaded", "virtualized"):
                 errs += missing + check_stats(case, per_pid)
+            if mode == "virtualized":
+                errs += [f"pid {pid}: no QP was virtualized (qps_virtualized = 0)"
+                         for pid, c in per_pid.items() if c["qps_virtualized"] == 0]
         if errs:
             res["logs"] = {r: str(logdir / f"{mode}-{r}") for r in procs}
         return res
@@ -564,7 +610,8 @@ class Runner:
         if not case.preload:
             runs = {"linked": self.run_once(case, "linked", None)}
         else:
-            modes = ["baseline"] + ([] if self.a.no_preload else ["preloaded"])
+            modes = ["baseline"] + ([] if self.a.no_preload else
+                                    ["virtualized" if case.virt else "preloaded"])
             if self.a.preload_first:
                 modes.reverse()
             runs, base = {}, None
@@ -600,6 +647,7 @@ def headline(r: dict) -> str:
 
 def ratio(c: dict) -> str:
     b, p = (c.get(m, {}).get("figures") or {} for m in ("baseline", "preloaded"))
+    p = p or (c.get("virtualized", {}).get("figures") or {})
     for k in ("t_typical_us", "bw_avg_MBps", "usec_per_iter"):
         if b.get(k) and p.get(k) and math.isfinite(b[k]) and math.isfinite(p[k]):
             return f"{p[k] / b[k]:.3f}"
@@ -610,14 +658,36 @@ def print_table(results: dict):
     rows = [("case", "status", "baseline", "preloaded", "ratio", "secs")]
     for name, c in results.items():
         b = c.get("baseline") or c.get("linked") or {}
-        p = c.get("preloaded", {})
+        p = c.get("preloaded") or c.get("virtualized") or {}
         secs = sum(r.get("seconds", 0) for r in (c.get(m) for m in ("baseline", "preloaded",
-                                                                      "linked")) if r)
+                                                                      "virtualized", "linked")) if r)
         rows.append((name, c["status"].upper(), headline(b) if b else "",
                      headline(p) if p else "", ratio(c), f"{secs:.1f}"))
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(x.ljust(w[i]) for i, x in enumerate(r)).rstrip())
+
+
+def run_all(runner: Runner, cases: list[Case], results: dict[str, dict]):
+    for case in cases:
+        t0 = time.monotonic()
+        res = runner.run_case(case)
+        results[case.name] = res
+        print(f"[{res['status'].upper():4}] {case.name} ({time.monotonic() - t0:.1f} s)",
+              flush=True)
+        for mode in ("baseline", "preloaded", "virtualized", "linked"):
+            r = res.get(mode)
+            for e in (r or {}).get("errors", []):
+                print(f"    {mode}: {e}")
+            if (r or {}).get("flaky_attempts"):
+                print(f"    {mode}: retried {len(r['flaky_attempts'])}x after perftest's "
+                      "clock calibration failed")
+            for log in (r or {}).get("logs", {}).values():
+                for ext in (".out", ".err"):
+                    t = tail(Path(log + ext))
+                    if t:
+                        print(f"    {Path(log + ext).name}:\n{t}")
+        sys.stdout.flush()
 
 
 def main() -> int:
@@ -674,25 +744,10 @@ def main() -> int:
 
     t_start = time.monotonic()
     results: dict[str, dict] = {}
-    for case in cases:
-        t0 = time.monotonic()
-        res = runner.run_case(case)
-        results[case.name] = res
-        print(f"[{res['status'].upper():4}] {case.name} ({time.monotonic() - t0:.1f} s)",
-              flush=True)
-        for mode in ("baseline", "preloaded", "linked"):
-            r = res.get(mode)
-            for e in (r or {}).get("errors", []):
-                print(f"    {mode}: {e}")
-            if (r or {}).get("flaky_attempts"):
-                print(f"    {mode}: retried {len(r['flaky_attempts'])}x after perftest's "
-                      "clock calibration failed")
-            for log in (r or {}).get("logs", {}).values():
-                for ext in (".out", ".err"):
-                    t = tail(Path(log + ext))
-                    if t:
-                        print(f"    {Path(log + ext).name}:\n{t}")
-        sys.stdout.flush()
+    try:
+        run_all(runner, cases, results)
+    finally:
+        runner.close()
 
     n_pass = sum(r["status"] == "pass" for r in results.values())
     n_fail = len(results) - n_pass
