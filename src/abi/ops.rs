@@ -60,15 +60,8 @@ pub(crate) unsafe extern "C" fn post_srq_recv(srq: *mut ibv_srq, wr: *mut ibv_re
         stats::inc(Stat::KRCORE_STAT_POST_SRQ_RECV);
         // SAFETY: only our SRQs reach our ops.
         let s = unsafe { Srq::from_ibv(srq) };
-        let rc = match s.post_recv {
-            // SAFETY: the real SRQ with the caller's list.
-            Some(f) => unsafe { f(s.real, wr, bad) },
-            None => {
-                // SAFETY: bad is the caller's.
-                unsafe { *bad = wr };
-                libc::EOPNOTSUPP
-            }
-        };
+        // SAFETY: the caller's list and bad pointer.
+        let rc = unsafe { s.post(wr, bad) };
         if rc != 0 {
             stats::inc(Stat::KRCORE_STAT_POST_ERRORS);
         }

@@ -10,7 +10,7 @@ use crate::error::{Errno, Result};
 use crate::real_ctx_op;
 use crate::stats::{self, Stat};
 use crate::sys::*;
-use crate::vqp::runtime::Sink;
+use crate::vqp::runtime::{CqSoft, Sink};
 use libc::{c_int, c_uint, c_void};
 use std::ptr::null_mut;
 
@@ -150,6 +150,11 @@ impl Cq {
             }
         }
         if got == n {
+            if let Some(soft) = self.soft.get().filter(|s| s.has_notifier()) {
+                // The event notifications must not pile up in the real CQ
+                // (a small one overflows and raises no more events).
+                self.drain_notifications(soft);
+            }
             return got;
         }
         // Only VQPs feed this CQ and nothing raised an event on its real
@@ -178,6 +183,27 @@ impl Cq {
             }
         }
         kept
+    }
+
+    /// Empty the real CQ, dropping our notifications and queueing the
+    /// real completions behind the software ones, in their order.
+    fn drain_notifications(&self, soft: &CqSoft) {
+        let Some(f) = self.poll else { return };
+        // SAFETY: ibv_wc is plain C data.
+        let mut buf: [ibv_wc; 8] = unsafe { zeroed() };
+        loop {
+            // SAFETY: the real CQ, a local array of 8.
+            let r = unsafe { f(self.real, buf.len() as c_int, buf.as_mut_ptr()) };
+            for e in buf.iter().take(r.max(0) as usize) {
+                if !soft.is_notification(e) {
+                    // SAFETY: a completion the provider wrote (plain data).
+                    soft.enqueue(unsafe { std::ptr::read(e) });
+                }
+            }
+            if r < buf.len() as c_int {
+                return;
+            }
+        }
     }
 
     /// The wrapper behind an application `ibv_cq *`.

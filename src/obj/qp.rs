@@ -28,6 +28,7 @@ wrapper!(Qp, ibv_qp_ex);
 
 /// The application's pointers to a QP's parents.
 struct Parents {
+    ctx: *mut ibv_context,
     pd: *mut ibv_pd,
     send_cq: *mut ibv_cq,
     recv_cq: *mut ibv_cq,
@@ -68,7 +69,7 @@ impl Qp {
 
     /// A VQP for `ibv_create_qp(_ex)` with `qp_type == KRCORE_VQP`.
     fn create_virtual(pd: &mut Pd, p: &Parents, cap: &mut ibv_qp_cap, sq_sig_all: bool) -> Result<*mut ibv_qp> {
-        if p.send_cq.is_null() || p.recv_cq.is_null() || !p.srq.is_null() {
+        if p.send_cq.is_null() || p.recv_cq.is_null() {
             return Err(Errno::EINVAL);
         }
         // SAFETY: the application's CQs of this context (translated above
@@ -98,8 +99,8 @@ impl Qp {
         }
         let why = if cfg.meta.is_none() {
             Some("KRCORE_META is not set")
-        } else if !p.srq.is_null() {
-            Some("it has an SRQ (not virtualized yet)")
+        } else if !p.srq.is_null() && !Qp::srq_of(p).is_some_and(|s| s.serves_virtual()) {
+            Some("its SRQ serves real QPs (or was made without KRCORE_VIRTUALIZE)")
         } else if p.send_cq.is_null() || p.recv_cq.is_null() {
             Some("it lacks a CQ")
         } else {
@@ -114,13 +115,38 @@ impl Qp {
         }
     }
 
+    /// The application's SRQ, if it is one of ours.
+    fn srq_of<'a>(p: &Parents) -> Option<&'a mut Srq> {
+        // SAFETY: real_of checks that the SRQ is ours, of this context.
+        (!p.srq.is_null() && unsafe { Srq::real_of(p.srq, p.ctx) }.is_ok()).then(|| {
+            // SAFETY: checked just above.
+            unsafe { Srq::from_ibv(p.srq) }
+        })
+    }
+
     /// A transparent VQP for an application's RC QP: in RESET, its
     /// published QPN as `qp_num`.
     fn create_transparent(pd: &mut Pd, p: &Parents, cap: &mut ibv_qp_cap, sq_sig_all: bool) -> Result<*mut ibv_qp> {
+        let srq = match Qp::srq_of(p) {
+            Some(s) => {
+                let v = s.virt.clone().ok_or(Errno::EINVAL)?;
+                v.attach(true, |_, _| Ok(()))?;
+                // As providers do for a QP with an SRQ: no receive queue.
+                cap.max_recv_wr = 0;
+                cap.max_recv_sge = 0;
+                Some(v)
+            }
+            None => None,
+        };
         let q = Qp::create_virtual(pd, p, cap, sq_sig_all)?;
         // SAFETY: just made by create_virtual.
         let qp = unsafe { Qp::from_qp(q) };
-        let made = qp.vqp.as_ref().map(|v| v.make_transparent());
+        let made = qp.vqp.as_ref().map(|v| {
+            if let Some(s) = srq {
+                v.set_srq(s);
+            }
+            v.make_transparent()
+        });
         match made {
             Some(Ok(qpn)) => {
                 let b = &mut qp.ibv.qp_base;
@@ -174,6 +200,7 @@ impl Qp {
         // SAFETY: attr is the caller's valid attribute struct.
         let mut a = unsafe { *attr };
         let parents = Parents {
+            ctx,
             pd: pd.as_ibv(),
             send_cq: a.send_cq,
             recv_cq: a.recv_cq,
@@ -181,6 +208,9 @@ impl Qp {
             qp_context: a.qp_context,
         };
         if a.qp_type == crate::abi::ext::KRCORE_VQP {
+            if !parents.srq.is_null() {
+                return Err(Errno::EINVAL);
+            }
             let q = Qp::create_virtual(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
@@ -191,6 +221,9 @@ impl Qp {
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
             return Ok(q);
+        }
+        if let Some(s) = Qp::srq_of(&parents) {
+            s.attach_real()?;
         }
         // SAFETY: the pointers come from the caller's attr.
         unsafe { translate_queues(ctx, &mut a.send_cq, &mut a.recv_cq, &mut a.srq)? };
@@ -219,6 +252,7 @@ impl Qp {
             return Err(Errno::EOPNOTSUPP);
         }
         let parents = Parents {
+            ctx: me,
             pd: if mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 != 0 { a.pd } else { null_mut() },
             send_cq: a.send_cq,
             recv_cq: a.recv_cq,
@@ -226,7 +260,7 @@ impl Qp {
             qp_context: a.qp_context,
         };
         if a.qp_type == crate::abi::ext::KRCORE_VQP {
-            if parents.pd.is_null() || mask & !(ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0) != 0 {
+            if parents.pd.is_null() || !parents.srq.is_null() || mask & !(ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0) != 0 {
                 // Send-ops flags (the ibv_wr_* API) and the rest are not
                 // offered on VQPs yet.
                 return Err(Errno::EINVAL);
@@ -256,6 +290,9 @@ impl Qp {
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
             return Ok(q);
+        }
+        if let Some(s) = Qp::srq_of(&parents) {
+            s.attach_real()?;
         }
         // SAFETY: the pointers come from the caller's attr.
         unsafe {
@@ -290,7 +327,7 @@ impl Qp {
     /// outlives the wrapper.
     pub unsafe fn adopt(ctx: &mut Context, real: *mut ibv_qp) -> *mut ibv_qp {
         let mut qp = Qp::empty();
-        let none = Parents { pd: null_mut(), send_cq: null_mut(), recv_cq: null_mut(), srq: null_mut(), qp_context: null_mut() };
+        let none = Parents { ctx: ctx.as_ibv(), pd: null_mut(), send_cq: null_mut(), recv_cq: null_mut(), srq: null_mut(), qp_context: null_mut() };
         qp.fill(ctx, real, null_mut(), &none);
         qp.into_ibv().cast()
     }

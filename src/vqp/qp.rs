@@ -21,6 +21,7 @@ use super::header::{Flags, Header, HEADER_LEN};
 use super::mrs;
 use super::precheck::{self, Caps, LocalMrs, RemoteMrs, SendWr, Verdict};
 use super::rc::{Effect, RcShadow};
+use super::srq::VSrq;
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
 use super::memo::{Memoized, MrMemo};
 use super::runtime::{coarse_ms, CqSoft, PeerMrs, Runtime, Sink, HDR_SLOT, MAX_MSG};
@@ -189,6 +190,8 @@ pub struct Vqp {
     /// A transparent VQP's QPN as the application sees it (unique on its
     /// GID through the meta server; `vqpn` is only unique in the process).
     app_qpn: OnceCell<u32>,
+    /// The virtual SRQ its receives come from, if created with one.
+    srq: OnceCell<Arc<VSrq>>,
 }
 
 // SAFETY: the raw pointers are the application's objects, only passed
@@ -256,6 +259,7 @@ impl Vqp {
             peer_mrs: OnceCell::new(),
             parent: OnceCell::new(),
             app_qpn: OnceCell::new(),
+            srq: OnceCell::new(),
         });
         slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_VQPS);
@@ -395,6 +399,26 @@ impl Vqp {
             }
         }
         Err(Errno(libc::EADDRINUSE))
+    }
+
+    /// Take receives from `srq` instead of an own receive queue.
+    pub fn set_srq(&self, srq: Arc<VSrq>) {
+        let _ = self.srq.set(srq);
+    }
+
+    /// Whether no receive is posted for the next message.
+    fn rq_is_empty(&self, st: &State) -> bool {
+        match self.srq.get() {
+            Some(srq) => srq.ring().is_empty(),
+            None => st.rq.is_empty(),
+        }
+    }
+
+    /// A message waits for a receive: an SRQ's post wakes this VQP.
+    fn wait_for_recv(&self) {
+        if let Some(srq) = self.srq.get() {
+            srq.wait(self.slot, self.gen);
+        }
     }
 
     pub fn sq_depth(&self) -> u32 {
@@ -899,7 +923,8 @@ impl Vqp {
             // SAFETY: caller contract.
             let w = unsafe { &*wr };
             let r = (|| {
-                if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_recv_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
+                // With an SRQ, receives are posted there (as RC: EINVAL).
+                if self.srq.get().is_some() || w.num_sge < 0 || w.num_sge as u32 > self.caps.max_recv_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
                     return Err(Errno::EINVAL);
                 }
                 let sges: &[ibv_sge] = if w.num_sge == 0 {
@@ -957,8 +982,9 @@ impl Vqp {
             return;
         }
         // Behind held messages or a large one being READ: RC order.
-        if !st.held.is_empty() || st.reading.is_some() || st.rq.is_empty() {
+        if !st.held.is_empty() || st.reading.is_some() || self.rq_is_empty(&st) {
             st.held.push_back(Held { header: *h, payload: payload.to_vec(), link: Arc::clone(link) });
+            self.wait_for_recv();
             return;
         }
         self.land(&mut st, h, payload, link);
@@ -966,7 +992,7 @@ impl Vqp {
 
     /// Land held messages while there are receive buffers (and no large
     /// message is being READ).
-    fn deliver_held(&self) {
+    pub fn deliver_held(&self) {
         let mut st = self.st.lock();
         self.drain_held(&mut st);
     }
@@ -975,7 +1001,8 @@ impl Vqp {
         while st.reading.is_none() {
             let Some(front) = st.held.front() else { break };
             let closing = front.header.flags.contains(Flags::CLOSE);
-            if !closing && st.rq.is_empty() {
+            if !closing && self.rq_is_empty(st) {
+                self.wait_for_recv();
                 break;
             }
             let Some(m) = st.held.pop_front() else { break };
@@ -990,7 +1017,12 @@ impl Vqp {
     /// Complete a message into the next posted receive: copy a small one,
     /// start READing a large one.
     fn land(&self, st: &mut State, h: &Header, payload: &[u8], link: &Arc<Link>) {
-        let Some(r) = st.rq.pop_front() else { return };
+        let mut srq = self.srq.get().map(|s| s.ring());
+        let r = match srq.as_mut() {
+            Some(ring) => ring.pop_front(),
+            None => st.rq.pop_front(),
+        };
+        let Some(r) = r else { return };
         // SAFETY: ibv_wc is plain C data.
         let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
         wc.wr_id = r.wr_id;
@@ -1015,6 +1047,7 @@ impl Vqp {
                     Vec::new()
                 }
             };
+            drop(srq);
             st.reading = Some(Reading { wc, pieces, next: 0, remote: h.addr, rkey: h.rkey, inflight: 0, link: Arc::clone(link), done });
             self.pump(st);
             return;
@@ -1034,6 +1067,7 @@ impl Vqp {
                 Err(status) => wc.status = status,
             }
         }
+        drop(srq);
         self.complete_recv(st, wc, link);
     }
 

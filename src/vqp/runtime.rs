@@ -206,6 +206,12 @@ impl CqSoft {
     /// A completion for the application: queue it, and raise an event if
     /// the CQ is armed.
     pub fn push(&self, wc: ibv_wc) {
+        self.enqueue(wc);
+        self.raise_if_armed();
+    }
+
+    /// Queue a completion the real CQ already raised its event for.
+    pub fn enqueue(&self, wc: ibv_wc) {
         {
             let mut g = self.q.lock();
             // Behind what already spilled, to keep the order.
@@ -220,7 +226,6 @@ impl CqSoft {
             }
             self.queued.store(g.q.len() + g.spill.len(), Ordering::Release);
         }
-        self.raise_if_armed();
     }
 
     /// A completion arrived: raise the event an `ibv_req_notify_cq` asked
@@ -229,6 +234,7 @@ impl CqSoft {
     fn raise_if_armed(&self) {
         // A load first: the swap is a locked instruction, rarely needed.
         if self.armed.load(Ordering::Acquire) && self.armed.swap(false, Ordering::AcqRel) {
+            klog!(Level::Debug, "vqp: completion event on CQ {:p}", self.real_cq);
             self.disarmed();
             self.raise();
         }
@@ -259,6 +265,7 @@ impl CqSoft {
         if self.armed.swap(true, Ordering::AcqRel) {
             return;
         }
+        klog!(Level::Debug, "vqp: CQ {:p} armed", self.real_cq);
         let rts: Vec<Arc<Runtime>> = self.runtimes.lock().iter().filter_map(Weak::upgrade).collect();
         let receives = self.receives.load(Ordering::Acquire);
         for rt in &rts {
