@@ -221,10 +221,12 @@ fn renew_loop(me: &std::sync::Weak<MetaClient>, period: Duration) {
                 return;
             }
         }
-        let bound: Vec<(Key, Endpoint)> = c.bound.lock().iter().map(|(k, e)| (*k, *e)).collect();
-        for (k, ep) in bound {
-            if let Err(e) = c.request_all(Op::Renew, &k, &ep) {
-                klog!(Level::Warn, "meta: lease renewal of {k:?} failed: {e:?}");
+        // A server holds our entries as long as our connection to it: one
+        // request renews them all (a restarted server is a new connection).
+        let any = c.bound.lock().iter().next().map(|(k, e)| (*k, *e));
+        if let Some((k, ep)) = any {
+            if let Err(e) = c.request_all(Op::RenewAll, &k, &ep) {
+                klog!(Level::Warn, "meta: lease renewal failed: {e:?}");
             }
         }
     }

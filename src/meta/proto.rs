@@ -101,10 +101,14 @@ pub enum Op {
     Unbind = 2,
     /// Extend the lease of `key`.
     Renew = 3,
+    /// Extend the lease of every entry the sender holds (`key` and
+    /// `endpoint` are ignored): one request per renewal period whatever
+    /// the number of entries.
+    RenewAll = 4,
 }
 
 impl Op {
-    const ALL: [Op; 3] = [Op::Bind, Op::Unbind, Op::Renew];
+    const ALL: [Op; 4] = [Op::Bind, Op::Unbind, Op::Renew, Op::RenewAll];
 }
 
 /// Process -> meta server, SENT on the process's RC QP.
@@ -826,7 +830,7 @@ mod tests {
         for w in welcomes {
             all.push((boot(Welcome::encode, &w), re_welcome));
         }
-        for op in [Op::Bind, Op::Unbind, Op::Renew] {
+        for op in Op::ALL {
             for key in [
                 Key::Port { gid: GID, port: 0 },
                 Key::Port {
@@ -881,7 +885,7 @@ mod tests {
     #[test]
     fn round_trips_every_message_at_its_boundaries() {
         let all = all_messages();
-        assert_eq!(all.len(), 3 + 3 + 3 * 4 * 2 + 3 + 3 * 2 * 4);
+        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 3 * 2 * 4);
         for (bytes, re) in &all {
             assert_eq!(re(bytes).as_ref(), Ok(bytes));
         }
@@ -977,7 +981,7 @@ mod tests {
             Request::encode,
             &request(Op::Bind, Key::Port { gid: GID, port: 1 }),
         );
-        for op in [0, 4, 0xff] {
+        for op in [0, 5, 0xff] {
             assert_eq!(Request::decode(&set(r.clone(), 4, &[op])), Err(EBADMSG));
         }
         for key_kind in [0, 3, 0xff] {

@@ -266,6 +266,12 @@ impl Server {
                 self.leases.insert(r.key, Lease { deadline, owner: qpn, endpoint: r.endpoint });
                 Errno(0)
             }
+            Op::RenewAll => {
+                for l in self.leases.values_mut().filter(|l| l.owner == qpn) {
+                    l.deadline = deadline;
+                }
+                Errno(0)
+            }
             Op::Unbind => match self.leases.get(&r.key) {
                 Some(l) if l.endpoint == r.endpoint => {
                     self.table.remove(r.key);

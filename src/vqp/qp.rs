@@ -393,8 +393,9 @@ impl Vqp {
                     let _ = self.app_qpn.set(qpn);
                     return Ok(qpn);
                 }
-                // Taken on this GID (by another process): draw again.
-                Err(e) if e.0 == libc::EADDRINUSE => continue,
+                // Taken on this GID (by another process), or its place in
+                // the table is full: draw again.
+                Err(e) if e.0 == libc::EADDRINUSE || e.0 == libc::ENOSPC => continue,
                 Err(e) => return Err(e),
             }
         }
@@ -471,8 +472,9 @@ impl Vqp {
             }
             Effect::Reset => {
                 let mut st = self.st.lock();
-                st.sq.flush(&mut |_| {});
+                st.sq.revive();
                 st.rq.flush(&mut |_| {});
+                st.held.clear();
                 st.conn = None;
                 st.memo = MrMemo::default();
                 st.rc = Some(next);
@@ -557,8 +559,13 @@ impl Vqp {
             let mut guard = self.st.lock();
             let st = &mut *guard;
             // A transparent VQP posts from RTS on, as a real RC QP.
-            if st.rc.as_ref().is_some_and(|rc| !rc.can_send()) {
-                return Err(Errno::EINVAL);
+            match st.rc.as_ref().map(RcShadow::state) {
+                // As an RC QP in ERR: accepted, then flushed.
+                Some(ibv_qp_state::IBV_QPS_ERR) => {
+                    return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
+                }
+                Some(_) if !st.rc.as_ref().is_some_and(RcShadow::can_send) => return Err(Errno::EINVAL),
+                _ => {}
             }
             let Some(conn) = &st.conn else { return Err(Errno::EINVAL) };
             match self.precheck(&st.memo, &sw) {
@@ -593,12 +600,7 @@ impl Vqp {
             }
             if st.sq.is_error() {
                 // As an RC QP in error: accepted, then flushed.
-                st.sq.push(SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false })?;
-                let mut out = Vec::new();
-                st.sq.take_flushed(&mut |c| out.push(c));
-                drop(guard);
-                out.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
-                return Ok(());
+                return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
             }
             let (link, dst) = (&*conn.link, conn.dst);
             let mut sq = link.sq.lock();
@@ -629,6 +631,18 @@ impl Vqp {
             }
             return Ok(());
         }
+    }
+
+    /// A WR posted to a send queue in the error state: accepted and
+    /// completed at once with `IBV_WC_WR_FLUSH_ERR`, as by an RC QP.
+    fn accept_flushed(&self, mut guard: parking_lot::MutexGuard<'_, State>, entry: SendEntry) -> Result<()> {
+        let st = &mut *guard;
+        st.sq.push(entry)?;
+        let mut out = Vec::new();
+        st.sq.take_flushed(&mut |c| out.push(c));
+        drop(guard);
+        out.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
+        Ok(())
     }
 
     /// The common one-sided request, a READ or WRITE of one SGE without

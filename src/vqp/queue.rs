@@ -283,6 +283,14 @@ impl SendRing {
         }
     }
 
+    /// Out of the error state, empty (a transparent VQP moved to RESET).
+    /// Sequence numbers go on from where they were, so completions still
+    /// arriving for the flushed WRs stay stale.
+    pub fn revive(&mut self) {
+        self.flush(&mut |_| {});
+        self.error = false;
+    }
+
     /// In the error state, reports the WRs pushed since the last report as
     /// flushed; otherwise does nothing.
     pub fn take_flushed(&mut self, emit: &mut impl FnMut(Completion)) {
