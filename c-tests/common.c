@@ -193,13 +193,14 @@ static uint32_t psn_of(uint32_t qpn)
 	return (qpn * 2654435761u) & 0xffffff;
 }
 
-int ct_connect_qp(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
-		  uint32_t dqpn, const union ibv_gid *dgid)
+static uint8_t rd_atom(const struct ct_dev *d)
+{
+	return d->dev_attr.max_qp_rd_atom < 16 ? (uint8_t)d->dev_attr.max_qp_rd_atom : 16;
+}
+
+int ct_qp_init(struct ct_dev *d, struct ibv_qp *qp)
 {
 	struct ibv_qp_attr a;
-	uint8_t rd_atom = d->dev_attr.max_qp_rd_atom < 16 ?
-				  (uint8_t)d->dev_attr.max_qp_rd_atom : 16;
-	int rc;
 
 	memset(&a, 0, sizeof(a));
 	a.qp_state = IBV_QPS_INIT;
@@ -207,18 +208,22 @@ int ct_connect_qp(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
 	a.port_num = d->port;
 	a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
 			    IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-	rc = ibv_modify_qp(qp, &a,
-			   IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-				   IBV_QP_ACCESS_FLAGS);
-	if (rc)
-		return rc;
+	return ibv_modify_qp(qp, &a,
+			     IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+				     IBV_QP_ACCESS_FLAGS);
+}
+
+int ct_qp_rtr(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
+	      uint32_t dqpn, const union ibv_gid *dgid)
+{
+	struct ibv_qp_attr a;
 
 	memset(&a, 0, sizeof(a));
 	a.qp_state = IBV_QPS_RTR;
 	a.path_mtu = d->port_attr.active_mtu;
 	a.dest_qp_num = dqpn;
 	a.rq_psn = psn_of(dqpn);
-	a.max_dest_rd_atomic = rd_atom;
+	a.max_dest_rd_atomic = rd_atom(d);
 	a.min_rnr_timer = 12;
 	a.ah_attr.is_global = 1;
 	a.ah_attr.grh.dgid = *dgid;
@@ -228,13 +233,16 @@ int ct_connect_qp(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
 	a.ah_attr.sl = 0;
 	a.ah_attr.src_path_bits = 0;
 	a.ah_attr.port_num = d->port;
-	rc = ibv_modify_qp(qp, &a,
-			   IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
-				   IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-				   IBV_QP_MAX_DEST_RD_ATOMIC |
-				   IBV_QP_MIN_RNR_TIMER);
-	if (rc)
-		return rc;
+	return ibv_modify_qp(qp, &a,
+			     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+				     IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+				     IBV_QP_MAX_DEST_RD_ATOMIC |
+				     IBV_QP_MIN_RNR_TIMER);
+}
+
+int ct_qp_rts(struct ct_dev *d, struct ibv_qp *qp)
+{
+	struct ibv_qp_attr a;
 
 	memset(&a, 0, sizeof(a));
 	a.qp_state = IBV_QPS_RTS;
@@ -242,11 +250,23 @@ int ct_connect_qp(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
 	a.retry_cnt = 7;
 	a.rnr_retry = 7;
 	a.sq_psn = psn_of(qp->qp_num);
-	a.max_rd_atomic = rd_atom;
+	a.max_rd_atomic = rd_atom(d);
 	return ibv_modify_qp(qp, &a,
 			     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
 				     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
 				     IBV_QP_MAX_QP_RD_ATOMIC);
+}
+
+int ct_connect_qp(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
+		  uint32_t dqpn, const union ibv_gid *dgid)
+{
+	int rc = ct_qp_init(d, qp);
+
+	if (!rc)
+		rc = ct_qp_rtr(d, qp, sgid_idx, dqpn, dgid);
+	if (!rc)
+		rc = ct_qp_rts(d, qp);
+	return rc;
 }
 
 void ct_connect_pair(struct ct_dev *d, struct ibv_qp *a, struct ibv_qp *b)
@@ -623,6 +643,12 @@ union ibv_gid ct_node_gid(int node)
 
 pid_t ct_start_meta(void)
 {
+	return ct_start_meta_slots(4096);
+}
+
+pid_t ct_start_meta_slots(unsigned slots)
+{
+	char nslots[16];
 	static char addr[64], path[4096];
 	const char *bin = getenv("KRCORE_META_BIN");
 	int p[2];
@@ -641,13 +667,14 @@ pid_t ct_start_meta(void)
 		bin = path;
 	}
 	snprintf(addr, sizeof(addr), "10.77.0.1:%d", 20000 + getpid() % 20000);
+	snprintf(nslots, sizeof(nslots), "%u", slots);
 	CT_CHECK(pipe(p) == 0, "pipe");
 	pid = fork();
 	CT_CHECK(pid >= 0, "fork");
 	if (pid == 0) {
 		dup2(p[1], 1);
 		close(p[0]);
-		execl(bin, "krcore-meta", "--listen", addr, "--slots", "4096", (char *)NULL);
+		execl(bin, "krcore-meta", "--listen", addr, "--slots", nslots, (char *)NULL);
 		_exit(127);
 	}
 	close(p[1]);

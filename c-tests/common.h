@@ -109,6 +109,12 @@ struct ibv_qp *ct_create_rc_qp(struct ct_dev *d, struct ibv_cq *scq,
  */
 int ct_connect_qp(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
 		  uint32_t dqpn, const union ibv_gid *dgid);
+/* The three steps of ct_connect_qp, one ibv_modify_qp each (0 or its
+ * error): RESET->INIT, INIT->RTR towards (dqpn, dgid), RTR->RTS. */
+int ct_qp_init(struct ct_dev *d, struct ibv_qp *qp);
+int ct_qp_rtr(struct ct_dev *d, struct ibv_qp *qp, int sgid_idx,
+	      uint32_t dqpn, const union ibv_gid *dgid);
+int ct_qp_rts(struct ct_dev *d, struct ibv_qp *qp);
 /* Connects a (GID A) and b (GID B) to each other; fails the test on error. */
 void ct_connect_pair(struct ct_dev *d, struct ibv_qp *a, struct ibv_qp *b);
 /* Moves a QP to ERR (fails the test on error). */
@@ -219,6 +225,8 @@ union ibv_gid ct_node_gid(int node);
 /* Start krcore-meta on 10.77.0.1 (next to the library, or
  * KRCORE_META_BIN), wait for it to serve, set KRCORE_META; its pid. */
 pid_t ct_start_meta(void);
+/* The same with a table of `slots` slots (about four per key published). */
+pid_t ct_start_meta_slots(unsigned slots);
 /* A VQP (KRCORE_VQP) with these capabilities; the granted ones in
  * *granted when not NULL. */
 struct ibv_qp *ct_create_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_cq *rcq,
