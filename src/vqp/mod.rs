@@ -15,6 +15,7 @@ pub mod queue;
 pub mod runtime;
 pub mod qp;
 pub mod rc;
+pub mod wr_builder;
 pub mod wrid;
 
 use crate::obj::{Ah, Context, Mr, Mw};

@@ -506,20 +506,9 @@ impl Vqp {
             return done;
         }
         let Some(rt) = self.rt.get() else { return Err(Errno::EINVAL) };
-        if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_send_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
-            return Err(Errno::EINVAL);
-        }
-        // SAFETY: num_sge entries of the application's list (checked above).
-        let sges: &[ibv_sge] = if w.num_sge == 0 { &[] } else { unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) } };
-        // SAFETY: the union member the opcode names.
-        let (remote_addr, rkey) = unsafe {
-            if is_atomic(w.opcode) {
-                (w.wr.atomic.remote_addr, w.wr.atomic.rkey)
-            } else {
-                (w.wr.rdma.remote_addr, w.wr.rdma.rkey)
-            }
-        };
-        let sw = SendWr { opcode: w.opcode, send_flags: w.send_flags, sge: sges, remote_addr, rkey };
+        // SAFETY: caller contract.
+        let sw = unsafe { self.send_wr(w) }?;
+        let sges = sw.sge;
         let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
         let total: u32 = sges.iter().map(|s| s.length).sum();
         let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
@@ -605,6 +594,101 @@ impl Vqp {
             }
             return Ok(());
         }
+    }
+
+    /// The pre-checks' view of the application's WR; EINVAL for an SGE
+    /// count beyond the caps (never made into a slice).
+    ///
+    /// # Safety
+    /// `w` and its SGE list are the application's valid WR.
+    unsafe fn send_wr<'a>(&self, w: &'a ibv_send_wr) -> Result<SendWr<'a>> {
+        if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_send_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: num_sge entries of the application's list (checked above).
+        let sges: &[ibv_sge] = if w.num_sge == 0 { &[] } else { unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) } };
+        // SAFETY: the union member the opcode names.
+        let (remote_addr, rkey) = unsafe {
+            if is_atomic(w.opcode) {
+                (w.wr.atomic.remote_addr, w.wr.atomic.rkey)
+            } else {
+                (w.wr.rdma.remote_addr, w.wr.rdma.rkey)
+            }
+        };
+        Ok(SendWr { opcode: w.opcode, send_flags: w.send_flags, sge: sges, remote_addr, rkey })
+    }
+
+    /// `ibv_wr_complete`: post a batch of `n` requests built by the
+    /// `ibv_wr_*` builders, all or nothing as far as the pre-checks can
+    /// tell. Every request is pre-checked first (the peer's MR table READ
+    /// where needed) and the send queue must have room for all of them:
+    /// the first failure returns its errno with nothing posted. Then the
+    /// batch goes through [`Vqp::post_send`]. What the pre-checks cannot
+    /// foresee (an MR the batch uses deregistered, or the queue filled by
+    /// another thread's `ibv_post_send`, in between; staging memory for a
+    /// message above 4 KiB not available) fails there, with the requests
+    /// before the failing one posted.
+    ///
+    /// # Safety
+    /// `head` is a valid chain of `n` requests with their SGE lists.
+    pub unsafe fn post_batch(&self, head: *mut ibv_send_wr, n: usize) -> i32 {
+        // One request: post_send is already all or nothing.
+        if n > 1 {
+            // SAFETY: caller contract.
+            if let Err(e) = unsafe { self.check_batch(head, n) } {
+                return e.0;
+            }
+        }
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: caller contract.
+        unsafe { self.post_send(head, &mut bad) }
+    }
+
+    /// The checks of [`Vqp::post_batch`], posting nothing.
+    ///
+    /// # Safety
+    /// As [`Vqp::post_batch`].
+    unsafe fn check_batch(&self, head: *mut ibv_send_wr, n: usize) -> Result<()> {
+        let Some(rt) = self.rt.get() else { return Err(Errno::EINVAL) };
+        {
+            let st = self.st.lock();
+            if st.rc.as_ref().is_some_and(|rc| !rc.can_send()) || st.conn.is_none() {
+                return Err(Errno::EINVAL);
+            }
+            if st.sq.outstanding() + n > self.sq_cap as usize {
+                return Err(Errno::ENOMEM);
+            }
+        }
+        let mut wr = head;
+        while !wr.is_null() {
+            // SAFETY: caller contract.
+            let w = unsafe { &*wr };
+            // SAFETY: as above.
+            let sw = unsafe { self.send_wr(w) }?;
+            let mut fetched = false;
+            loop {
+                let guard = self.st.lock();
+                let Some(conn) = &guard.conn else { return Err(Errno::EINVAL) };
+                match self.precheck(&guard.memo, &sw) {
+                    Ok(()) => break,
+                    Err(Verdict::Reject(r)) => {
+                        klog!(Level::Debug, "vqp {:#x}: rejected a work request of a batch: {r}", self.vqpn);
+                        return Err(r.errno());
+                    }
+                    Err(Verdict::NeedRemote { rkey }) => {
+                        let link = Arc::clone(&conn.link);
+                        drop(guard);
+                        if fetched || !self.fetch_remote(rt, &link, rkey)? {
+                            klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
+                            return Err(Errno::EINVAL);
+                        }
+                        fetched = true;
+                    }
+                }
+            }
+            wr = w.next;
+        }
+        Ok(())
     }
 
     /// The common one-sided request, a READ or WRITE of one SGE without
