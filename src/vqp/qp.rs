@@ -782,7 +782,10 @@ impl Vqp {
             let id = SendId::new(self.slot, self.gen, seq.wrapping_sub(1), wire_retired(&d), true)?;
             // SAFETY: a plain C struct.
             let mut write: ibv_send_wr = unsafe { std::mem::zeroed() };
-            let n = self.fill_sges(&mut list, sges, inline, seq, &[])?;
+            // Inline data goes behind the header's bytes of the slot: the
+            // header is written there right after this post, while the NIC
+            // may still be reading the WRITE's data.
+            let n = self.fill_sges_at(&mut list, sges, inline, seq, &[], HEADER_LEN)?;
             write.wr_id = WrId::Send(id).encode();
             write.sg_list = list.as_mut_ptr();
             write.num_sge = n;
@@ -849,6 +852,14 @@ impl Vqp {
     /// The physical SGE list: the header (and inline data, copied behind
     /// it) in this WR's header slot, then the application's SGEs.
     fn fill_sges(&self, list: &mut [ibv_sge], sges: &[ibv_sge], inline: bool, seq: u16, header: &[u8]) -> Result<i32> {
+        self.fill_sges_at(list, sges, inline, seq, header, 0)
+    }
+
+    /// [`Vqp::fill_sges`] from `skip` bytes into the slot (a header-less
+    /// WR whose slot also carries a header posted after it; the header
+    /// plus `skip` must fit the slot: `skip <= HEADER_LEN`).
+    fn fill_sges_at(&self, list: &mut [ibv_sge], sges: &[ibv_sge], inline: bool, seq: u16, header: &[u8], skip: usize) -> Result<i32> {
+        debug_assert!(skip <= HEADER_LEN && (skip == 0 || header.is_empty()));
         let mut n = 0;
         if header.is_empty() && !inline {
             // One-sided without inline data: the application's SGEs only
@@ -861,7 +872,7 @@ impl Vqp {
         }
         let rt = self.rt.get().ok_or(Errno::EINVAL)?;
         let (hdrs, base) = self.hdrs(rt)?;
-        let off = base + (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT;
+        let off = base + (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT + skip;
         let mut used = 0;
         if !header.is_empty() {
             // SAFETY: this WR's slot: the ring holds at most sq_cap WRs, so
@@ -874,7 +885,8 @@ impl Vqp {
                 // SAFETY: inline data is read from the application's
                 // addresses at post time, as verbs does.
                 let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
-                // SAFETY: within the slot (inline total <= MAX_INLINE).
+                // SAFETY: within the slot: inline total <= MAX_INLINE after
+                // at most HEADER_LEN bytes (a header, or `skip`).
                 unsafe { hdrs.bytes_mut(off + used, src.len()) }.copy_from_slice(src);
                 used += src.len();
             }
