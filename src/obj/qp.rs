@@ -238,8 +238,8 @@ impl Qp {
             if parents.pd.is_null() || mask & !VQP_MASK != 0 {
                 return Err(Errno::EINVAL);
             }
-            if let Some(op) = lacks_op {
-                crate::klog!(crate::log::Level::Info, "ibv_create_qp_ex: a VQP cannot do {op} (send_ops_flags {:#x})", a.send_ops_flags);
+            if let Some(why) = lacks_op {
+                crate::klog!(crate::log::Level::Info, "ibv_create_qp_ex of a KRCORE_VQP: EOPNOTSUPP: {why} (send_ops_flags {:#x})", a.send_ops_flags);
                 return Err(Errno::EOPNOTSUPP);
             }
             // SAFETY: checked to be one of our PDs of this context.
@@ -257,10 +257,9 @@ impl Qp {
             Some("it has no PD")
         } else if mask & !VQP_MASK != 0 {
             Some("it asks for ibv_create_qp_ex features (create flags, TSO, source QPN, ...) not virtualized")
-        } else if lacks_op.is_some() {
-            Some("its send_ops_flags ask for an operation a VQP cannot do (only SEND, SEND_WITH_IMM, RDMA_WRITE, RDMA_WRITE_WITH_IMM, RDMA_READ and the two atomics)")
         } else {
-            None
+            // Send ops a VQP cannot do (the ibv_wr_* ones it can are its own).
+            lacks_op
         };
         if Qp::virtualizes(&parents, a.qp_type, extra) {
             // SAFETY: checked to be one of our PDs of this context.
