@@ -14,6 +14,7 @@ use crate::obj::{Context, Cq, Mw, Pd, Qp, Srq, Xrcd};
 use crate::real_ctx_op;
 use crate::stats::{self, Stat};
 use crate::sys::*;
+use crate::vqp::wr_builder::Op;
 use libc::{c_int, c_void};
 
 
@@ -332,8 +333,208 @@ unsafe extern "C" fn wr_bind_mw(qp: *mut ibv_qp_ex, mw: *mut ibv_mw, rkey: u32, 
     })
 }
 
-/// Mirror the real QP's builders onto ours.
+// ---- ibv_qp_ex on a VQP: the batch of crate::vqp::wr_builder ------------------
+
+/// Our VQP's batch, or `None` (logged) if `qp` has none.
+///
+/// # Safety
+/// `qp` is one of our QPs (these builders are installed only on VQPs with
+/// a batch).
+#[inline(always)]
+unsafe fn vqp_batch<'a>(qp: *mut ibv_qp_ex) -> (&'a Qp, Option<&'a crate::vqp::wr_builder::QpWr>) {
+    // SAFETY: caller contract.
+    let q: &Qp = unsafe { Qp::from_ibv(qp) };
+    (q, q.wr.as_deref())
+}
+
+/// An opcode builder on a VQP: a new request with the `wr_id` and
+/// `wr_flags` the application wrote into the `ibv_qp_ex` before this call.
+///
+/// # Safety
+/// As [`vqp_batch`].
+unsafe fn vqp_op(qp: *mut ibv_qp_ex, name: &str, op: Op) {
+    boundary::value(name, (), || {
+        stats::inc(Stat::KRCORE_STAT_WR_CALLS);
+        // SAFETY: caller contract.
+        let (q, w) = unsafe { vqp_batch(qp) };
+        let (wr_id, wr_flags) = (q.ibv.wr_id, q.ibv.wr_flags);
+        if let Some(w) = w {
+            w.with(name, |b| b.op(wr_id, wr_flags, op));
+        }
+    })
+}
+
+unsafe extern "C" fn vqp_wr_send(qp: *mut ibv_qp_ex) {
+    // SAFETY: installed only on our VQPs with a batch.
+    unsafe { vqp_op(qp, "ibv_wr_send", Op::Send) }
+}
+
+unsafe extern "C" fn vqp_wr_send_imm(qp: *mut ibv_qp_ex, imm: __be32) {
+    // SAFETY: as vqp_wr_send.
+    unsafe { vqp_op(qp, "ibv_wr_send_imm", Op::SendImm(imm)) }
+}
+
+unsafe extern "C" fn vqp_wr_rdma_write(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    // SAFETY: as vqp_wr_send.
+    unsafe { vqp_op(qp, "ibv_wr_rdma_write", Op::Write { rkey, addr }) }
+}
+
+unsafe extern "C" fn vqp_wr_rdma_write_imm(qp: *mut ibv_qp_ex, rkey: u32, addr: u64, imm: __be32) {
+    // SAFETY: as vqp_wr_send.
+    unsafe { vqp_op(qp, "ibv_wr_rdma_write_imm", Op::WriteImm { rkey, addr, imm }) }
+}
+
+unsafe extern "C" fn vqp_wr_rdma_read(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    // SAFETY: as vqp_wr_send.
+    unsafe { vqp_op(qp, "ibv_wr_rdma_read", Op::Read { rkey, addr }) }
+}
+
+unsafe extern "C" fn vqp_wr_atomic_cmp_swp(qp: *mut ibv_qp_ex, rkey: u32, addr: u64, compare: u64, swap: u64) {
+    // SAFETY: as vqp_wr_send.
+    unsafe { vqp_op(qp, "ibv_wr_atomic_cmp_swp", Op::CmpSwp { rkey, addr, compare, swap }) }
+}
+
+unsafe extern "C" fn vqp_wr_atomic_fetch_add(qp: *mut ibv_qp_ex, rkey: u32, addr: u64, add: u64) {
+    // SAFETY: as vqp_wr_send.
+    unsafe { vqp_op(qp, "ibv_wr_atomic_fetch_add", Op::FetchAdd { rkey, addr, add }) }
+}
+
+unsafe extern "C" fn vqp_wr_set_sge(qp: *mut ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
+    boundary::value("ibv_wr_set_sge", (), || {
+        // SAFETY: as vqp_wr_send.
+        if let (_, Some(w)) = unsafe { vqp_batch(qp) } {
+            w.with("ibv_wr_set_sge", |b| b.set_sge(lkey, addr, length));
+        }
+    })
+}
+
+unsafe extern "C" fn vqp_wr_set_sge_list(qp: *mut ibv_qp_ex, num_sge: usize, sg_list: *const ibv_sge) {
+    boundary::value("ibv_wr_set_sge_list", (), || {
+        // SAFETY: as vqp_wr_send.
+        let (_, Some(w)) = (unsafe { vqp_batch(qp) }) else { return };
+        w.with("ibv_wr_set_sge_list", |b| {
+            if num_sge == 0 {
+                b.set_sge_list(&[]);
+            } else if num_sge > crate::vqp::wr_builder::MAX_SGE {
+                // Never made into a slice: more than any VQP takes.
+                b.fail_with(Errno::EINVAL, "more SGEs than the QP's max_send_sge");
+            } else if sg_list.is_null() {
+                b.fail_with(Errno::EINVAL, "ibv_wr_set_sge_list with a NULL list");
+            } else {
+                // SAFETY: the application's list of num_sge entries.
+                b.set_sge_list(unsafe { std::slice::from_raw_parts(sg_list, num_sge) });
+            }
+        });
+    })
+}
+
+unsafe extern "C" fn vqp_wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, length: usize) {
+    // SAFETY: the application's buffer (caller contract of the verb).
+    unsafe { vqp_wr_set_inline_data_list(qp, 1, &ibv_data_buf { addr, length }) }
+}
+
+unsafe extern "C" fn vqp_wr_set_inline_data_list(qp: *mut ibv_qp_ex, num_buf: usize, buf_list: *const ibv_data_buf) {
+    boundary::value("ibv_wr_set_inline_data(_list)", (), || {
+        // SAFETY: as vqp_wr_send.
+        let (_, Some(w)) = (unsafe { vqp_batch(qp) }) else { return };
+        w.with("ibv_wr_set_inline_data(_list)", |b| {
+            let bufs: &[ibv_data_buf] = match (num_buf, buf_list.is_null()) {
+                (0, _) => &[],
+                (_, true) => return b.fail_with(Errno::EINVAL, "ibv_wr_set_inline_data_list with a NULL list"),
+                // SAFETY: the application's list of num_buf entries.
+                _ => unsafe { std::slice::from_raw_parts(buf_list, num_buf) },
+            };
+            if bufs.iter().any(|d| d.length > 0 && d.addr.is_null()) {
+                return b.fail_with(Errno::EINVAL, "inline data at a NULL address");
+            }
+            let pieces = bufs.iter().filter(|d| d.length > 0).map(|d| {
+                // SAFETY: the application's buffer of that length (checked
+                // non-NULL above), read during this call only.
+                unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.length) }
+            });
+            b.set_inline(pieces);
+        });
+    })
+}
+
+unsafe extern "C" fn vqp_wr_start(qp: *mut ibv_qp_ex) {
+    boundary::value("ibv_wr_start", (), || {
+        // SAFETY: as vqp_wr_send.
+        if let (_, Some(w)) = unsafe { vqp_batch(qp) } {
+            w.start();
+        }
+    })
+}
+
+unsafe extern "C" fn vqp_wr_complete(qp: *mut ibv_qp_ex) -> c_int {
+    boundary::value("ibv_wr_complete", libc::EIO, || {
+        // SAFETY: as vqp_wr_send.
+        let (q, w) = unsafe { vqp_batch(qp) };
+        let (Some(w), Some(v)) = (w, q.vqp.as_ref()) else { return libc::EINVAL };
+        // SAFETY: the batch's own chain of n requests.
+        let rc = w.complete(|head, n| unsafe { v.post_batch(head, n) });
+        if rc != 0 {
+            stats::inc(Stat::KRCORE_STAT_POST_ERRORS);
+        }
+        rc
+    })
+}
+
+unsafe extern "C" fn vqp_wr_abort(qp: *mut ibv_qp_ex) {
+    boundary::value("ibv_wr_abort", (), || {
+        // SAFETY: as vqp_wr_send.
+        if let (_, Some(w)) = unsafe { vqp_batch(qp) } {
+            w.abort();
+        }
+    })
+}
+
+/// The builders of a VQP with a batch: the data setters and the batch
+/// verbs always, the opcode builders its `send_ops_flags` asked for (the
+/// others stay NULL, as on a provider that lacks them; creation refused
+/// the ones a VQP cannot do). No UD address, XRC SRQ number, TSO, MW or
+/// invalidation builders: a VQP is RC.
+fn install_vqp_wr_ops(q: &mut Qp) {
+    use ibv_qp_create_send_ops_flags as F;
+    let Some(ops) = q.wr.as_ref().map(|w| w.send_ops) else { return };
+    let o = &mut q.ibv;
+    o.wr_start = Some(vqp_wr_start);
+    o.wr_complete = Some(vqp_wr_complete);
+    o.wr_abort = Some(vqp_wr_abort);
+    o.wr_set_sge = Some(vqp_wr_set_sge);
+    o.wr_set_sge_list = Some(vqp_wr_set_sge_list);
+    o.wr_set_inline_data = Some(vqp_wr_set_inline_data);
+    o.wr_set_inline_data_list = Some(vqp_wr_set_inline_data_list);
+    let has = |f: F| ops & f.0 as u64 != 0;
+    if has(F::IBV_QP_EX_WITH_SEND) {
+        o.wr_send = Some(vqp_wr_send);
+    }
+    if has(F::IBV_QP_EX_WITH_SEND_WITH_IMM) {
+        o.wr_send_imm = Some(vqp_wr_send_imm);
+    }
+    if has(F::IBV_QP_EX_WITH_RDMA_WRITE) {
+        o.wr_rdma_write = Some(vqp_wr_rdma_write);
+    }
+    if has(F::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM) {
+        o.wr_rdma_write_imm = Some(vqp_wr_rdma_write_imm);
+    }
+    if has(F::IBV_QP_EX_WITH_RDMA_READ) {
+        o.wr_rdma_read = Some(vqp_wr_rdma_read);
+    }
+    if has(F::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP) {
+        o.wr_atomic_cmp_swp = Some(vqp_wr_atomic_cmp_swp);
+    }
+    if has(F::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD) {
+        o.wr_atomic_fetch_add = Some(vqp_wr_atomic_fetch_add);
+    }
+}
+
+/// Mirror the real QP's builders onto ours (a VQP: its own builders).
 pub fn install_qp_ex_ops(q: &mut Qp) {
+    if q.wr.is_some() {
+        install_vqp_wr_ops(q);
+        return;
+    }
     if q.real_ex.is_null() {
         return;
     }

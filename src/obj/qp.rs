@@ -23,6 +23,8 @@ pub struct Qp {
     pub path: Forwarder,
     /// A virtual QP (`KRCORE_VQP`): posts go there, `real` is NULL.
     pub vqp: Option<std::sync::Arc<crate::vqp::qp::Vqp>>,
+    /// A VQP created with send-ops flags: its `ibv_wr_*` batch.
+    pub wr: Option<Box<crate::vqp::wr_builder::QpWr>>,
 }
 wrapper!(Qp, ibv_qp_ex);
 
@@ -64,6 +66,7 @@ impl Qp {
             real_ex: null_mut(),
             path: Forwarder::default(),
             vqp: None,
+            wr: None,
         })
     }
 
@@ -259,11 +262,19 @@ impl Qp {
             srq: a.srq,
             qp_context: a.qp_context,
         };
+        // What a VQP offers of ibv_create_qp_ex: a PD, and send-ops flags
+        // (the ibv_wr_* API) for the opcodes its data path carries.
+        const VQP_MASK: u32 =
+            ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
+        let send_ops = (mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0 != 0).then_some(a.send_ops_flags);
+        let lacks_op = send_ops.and_then(crate::vqp::wr_builder::unsupported_send_op);
         if a.qp_type == crate::abi::ext::KRCORE_VQP {
-            if parents.pd.is_null() || !parents.srq.is_null() || mask & !(ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0) != 0 {
-                // Send-ops flags (the ibv_wr_* API) and the rest are not
-                // offered on VQPs yet.
+            if parents.pd.is_null() || !parents.srq.is_null() || mask & !VQP_MASK != 0 {
                 return Err(Errno::EINVAL);
+            }
+            if let Some(why) = lacks_op {
+                crate::klog!(crate::log::Level::Info, "ibv_create_qp_ex of a KRCORE_VQP: EOPNOTSUPP: {why} (send_ops_flags {:#x})", a.send_ops_flags);
+                return Err(Errno::EOPNOTSUPP);
             }
             // SAFETY: checked to be one of our PDs of this context.
             unsafe { Pd::real_of(a.pd, me)? };
@@ -272,14 +283,17 @@ impl Qp {
             let q = Qp::create_virtual(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
+            // SAFETY: just made by create_virtual.
+            unsafe { Qp::from_qp(q) }.add_wr_builder(send_ops);
             return Ok(q);
         }
         let extra = if parents.pd.is_null() {
             Some("it has no PD")
-        } else if mask & !(ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0) != 0 {
-            Some("it asks for ibv_create_qp_ex features (send-ops flags) not virtualized yet")
+        } else if mask & !VQP_MASK != 0 {
+            Some("it asks for ibv_create_qp_ex features (create flags, TSO, source QPN, ...) not virtualized")
         } else {
-            None
+            // Send ops a VQP cannot do (the ibv_wr_* ones it can are its own).
+            lacks_op
         };
         if Qp::virtualizes(&parents, a.qp_type, extra) {
             // SAFETY: checked to be one of our PDs of this context.
@@ -289,6 +303,8 @@ impl Qp {
             let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
+            // SAFETY: just made by create_transparent.
+            unsafe { Qp::from_qp(q) }.add_wr_builder(send_ops);
             return Ok(q);
         }
         if let Some(s) = Qp::srq_of(&parents) {
@@ -317,6 +333,18 @@ impl Qp {
         };
         qp.fill(ctx, real, real_ex, &parents);
         Ok(qp.into_ibv().cast())
+    }
+
+    /// A VQP created with send-ops flags gets its `ibv_wr_*` batch (the
+    /// builders are installed by `abi::ops::install_qp_ex_ops`).
+    fn add_wr_builder(&mut self, send_ops: Option<u64>) {
+        let (Some(ops), Some(v)) = (send_ops, &self.vqp) else { return };
+        let limits = crate::vqp::wr_builder::Limits {
+            max_sge: v.caps.max_send_sge,
+            max_inline: v.caps.max_inline_data,
+            max_wr: v.sq_depth(),
+        };
+        self.wr = Some(Box::new(crate::vqp::wr_builder::QpWr::new(limits, ops)));
     }
 
     /// Wrap an existing real QP that has no parents we know of (test
@@ -480,7 +508,7 @@ impl Qp {
 
     /// `ibv_qp_to_qp_ex`: NULL unless created with send-ops flags.
     pub fn to_qp_ex(&mut self) -> *mut ibv_qp_ex {
-        if self.real_ex.is_null() {
+        if self.real_ex.is_null() && self.wr.is_none() {
             null_mut()
         } else {
             self.as_ibv()

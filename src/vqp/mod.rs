@@ -16,6 +16,7 @@ pub mod runtime;
 pub mod qp;
 pub mod rc;
 pub mod srq;
+pub mod wr_builder;
 pub mod wrid;
 
 use crate::obj::{Ah, Context, Mr, Mw};

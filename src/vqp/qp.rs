@@ -532,20 +532,9 @@ impl Vqp {
             return done;
         }
         let Some(rt) = self.rt.get() else { return Err(Errno::EINVAL) };
-        if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_send_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
-            return Err(Errno::EINVAL);
-        }
-        // SAFETY: num_sge entries of the application's list (checked above).
-        let sges: &[ibv_sge] = if w.num_sge == 0 { &[] } else { unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) } };
-        // SAFETY: the union member the opcode names.
-        let (remote_addr, rkey) = unsafe {
-            if is_atomic(w.opcode) {
-                (w.wr.atomic.remote_addr, w.wr.atomic.rkey)
-            } else {
-                (w.wr.rdma.remote_addr, w.wr.rdma.rkey)
-            }
-        };
-        let sw = SendWr { opcode: w.opcode, send_flags: w.send_flags, sge: sges, remote_addr, rkey };
+        // SAFETY: caller contract.
+        let sw = unsafe { self.send_wr(w) }?;
+        let sges = sw.sge;
         let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
         let total: u32 = sges.iter().map(|s| s.length).sum();
         let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
@@ -645,6 +634,105 @@ impl Vqp {
         Ok(())
     }
 
+    /// The pre-checks' view of the application's WR; EINVAL for an SGE
+    /// count beyond the caps (never made into a slice).
+    ///
+    /// # Safety
+    /// `w` and its SGE list are the application's valid WR.
+    unsafe fn send_wr<'a>(&self, w: &'a ibv_send_wr) -> Result<SendWr<'a>> {
+        if w.num_sge < 0 || w.num_sge as u32 > self.caps.max_send_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: num_sge entries of the application's list (checked above).
+        let sges: &[ibv_sge] = if w.num_sge == 0 { &[] } else { unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) } };
+        // SAFETY: the union member the opcode names.
+        let (remote_addr, rkey) = unsafe {
+            if is_atomic(w.opcode) {
+                (w.wr.atomic.remote_addr, w.wr.atomic.rkey)
+            } else {
+                (w.wr.rdma.remote_addr, w.wr.rdma.rkey)
+            }
+        };
+        Ok(SendWr { opcode: w.opcode, send_flags: w.send_flags, sge: sges, remote_addr, rkey })
+    }
+
+    /// `ibv_wr_complete`: post a batch of `n` requests built by the
+    /// `ibv_wr_*` builders, all or nothing as far as the pre-checks can
+    /// tell. Every request is pre-checked first (the peer's MR table READ
+    /// where needed) and the send queue must have room for all of them:
+    /// the first failure returns its errno with nothing posted. Then the
+    /// batch goes through [`Vqp::post_send`]. What the pre-checks cannot
+    /// foresee (an MR the batch uses deregistered, or the queue filled by
+    /// another thread's `ibv_post_send`, in between; staging memory for a
+    /// message above 4 KiB not available) fails there, with the requests
+    /// before the failing one posted.
+    ///
+    /// # Safety
+    /// `head` is a valid chain of `n` requests with their SGE lists.
+    pub unsafe fn post_batch(&self, head: *mut ibv_send_wr, n: usize) -> i32 {
+        // One request: post_send is already all or nothing.
+        if n > 1 {
+            // SAFETY: caller contract.
+            if let Err(e) = unsafe { self.check_batch(head, n) } {
+                return e.0;
+            }
+        }
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: caller contract.
+        unsafe { self.post_send(head, &mut bad) }
+    }
+
+    /// The checks of [`Vqp::post_batch`], posting nothing.
+    ///
+    /// # Safety
+    /// As [`Vqp::post_batch`].
+    unsafe fn check_batch(&self, head: *mut ibv_send_wr, n: usize) -> Result<()> {
+        let Some(rt) = self.rt.get() else { return Err(Errno::EINVAL) };
+        {
+            let st = self.st.lock();
+            if st.rc.as_ref().is_some_and(|rc| rc.state() == ibv_qp_state::IBV_QPS_ERR) {
+                // Accepted and flushed, each of them.
+                return Ok(());
+            }
+            if st.rc.as_ref().is_some_and(|rc| !rc.can_send()) || st.conn.is_none() {
+                return Err(Errno::EINVAL);
+            }
+            if st.sq.outstanding() + n > self.sq_cap as usize {
+                return Err(Errno::ENOMEM);
+            }
+        }
+        let mut wr = head;
+        while !wr.is_null() {
+            // SAFETY: caller contract.
+            let w = unsafe { &*wr };
+            // SAFETY: as above.
+            let sw = unsafe { self.send_wr(w) }?;
+            let mut fetched = false;
+            loop {
+                let guard = self.st.lock();
+                let Some(conn) = &guard.conn else { return Err(Errno::EINVAL) };
+                match self.precheck(&guard.memo, &sw) {
+                    Ok(()) => break,
+                    Err(Verdict::Reject(r)) => {
+                        klog!(Level::Debug, "vqp {:#x}: rejected a work request of a batch: {r}", self.vqpn);
+                        return Err(r.errno());
+                    }
+                    Err(Verdict::NeedRemote { rkey }) => {
+                        let link = Arc::clone(&conn.link);
+                        drop(guard);
+                        if fetched || !self.fetch_remote(rt, &link, rkey)? {
+                            klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
+                            return Err(Errno::EINVAL);
+                        }
+                        fetched = true;
+                    }
+                }
+            }
+            wr = w.next;
+        }
+        Ok(())
+    }
+
     /// The common one-sided request, a READ or WRITE of one SGE without
     /// inline data, when both its MRs are known (the VQP's memo, else the
     /// registry and the peer's MRStore) and the VQP and its link have
@@ -736,7 +824,10 @@ impl Vqp {
             let id = SendId::new(self.slot, self.gen, seq.wrapping_sub(1), wire_retired(&d), true)?;
             // SAFETY: a plain C struct.
             let mut write: ibv_send_wr = unsafe { std::mem::zeroed() };
-            let n = self.fill_sges(&mut list, sges, inline, seq, &[])?;
+            // Inline data goes behind the header's bytes of the slot: the
+            // header is written there right after this post, while the NIC
+            // may still be reading the WRITE's data.
+            let n = self.fill_sges_at(&mut list, sges, inline, seq, &[], HEADER_LEN)?;
             write.wr_id = WrId::Send(id).encode();
             write.sg_list = list.as_mut_ptr();
             write.num_sge = n;
@@ -803,6 +894,14 @@ impl Vqp {
     /// The physical SGE list: the header (and inline data, copied behind
     /// it) in this WR's header slot, then the application's SGEs.
     fn fill_sges(&self, list: &mut [ibv_sge], sges: &[ibv_sge], inline: bool, seq: u16, header: &[u8]) -> Result<i32> {
+        self.fill_sges_at(list, sges, inline, seq, header, 0)
+    }
+
+    /// [`Vqp::fill_sges`] from `skip` bytes into the slot (a header-less
+    /// WR whose slot also carries a header posted after it; the header
+    /// plus `skip` must fit the slot: `skip <= HEADER_LEN`).
+    fn fill_sges_at(&self, list: &mut [ibv_sge], sges: &[ibv_sge], inline: bool, seq: u16, header: &[u8], skip: usize) -> Result<i32> {
+        debug_assert!(skip <= HEADER_LEN && (skip == 0 || header.is_empty()));
         let mut n = 0;
         if header.is_empty() && !inline {
             // One-sided without inline data: the application's SGEs only
@@ -815,7 +914,7 @@ impl Vqp {
         }
         let rt = self.rt.get().ok_or(Errno::EINVAL)?;
         let (hdrs, base) = self.hdrs(rt)?;
-        let off = base + (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT;
+        let off = base + (seq as usize % self.sq_cap.max(1) as usize) * HDR_SLOT + skip;
         let mut used = 0;
         if !header.is_empty() {
             // SAFETY: this WR's slot: the ring holds at most sq_cap WRs, so
@@ -828,7 +927,8 @@ impl Vqp {
                 // SAFETY: inline data is read from the application's
                 // addresses at post time, as verbs does.
                 let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
-                // SAFETY: within the slot (inline total <= MAX_INLINE).
+                // SAFETY: within the slot: inline total <= MAX_INLINE after
+                // at most HEADER_LEN bytes (a header, or `skip`).
                 unsafe { hdrs.bytes_mut(off + used, src.len()) }.copy_from_slice(src);
                 used += src.len();
             }
