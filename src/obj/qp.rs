@@ -25,6 +25,9 @@ pub struct Qp {
     pub vqp: Option<std::sync::Arc<crate::vqp::qp::Vqp>>,
     /// A VQP created with send-ops flags: its `ibv_wr_*` batch.
     pub wr: Option<Box<crate::vqp::wr_builder::QpWr>>,
+    /// `KRCORE_VIRTUALIZE=auto`: the real QP, in RESET, that takes the
+    /// VQP's place if its peer does not resolve (its QPN is the one shown).
+    backup: *mut ibv_qp,
 }
 wrapper!(Qp, ibv_qp_ex);
 
@@ -67,6 +70,7 @@ impl Qp {
             path: Forwarder::default(),
             vqp: None,
             wr: None,
+            backup: null_mut(),
         })
     }
 
@@ -106,6 +110,11 @@ impl Qp {
             Some("its SRQ serves real QPs (or was made without KRCORE_VIRTUALIZE)")
         } else if p.send_cq.is_null() || p.recv_cq.is_null() {
             Some("it lacks a CQ")
+        } else if [p.send_cq, p.recv_cq].iter().any(|&c| {
+            // SAFETY: a CQ of this context is one of ours.
+            super::misc::check_owner!(c, p.ctx) && unsafe { !Cq::from_cq(c).real_ex.is_null() }
+        }) {
+            Some("a CQ of it comes from ibv_create_cq_ex (ibv_start_poll does not see VQP completions)")
         } else {
             extra
         };
@@ -116,6 +125,72 @@ impl Qp {
             }
             None => true,
         }
+    }
+
+    /// `KRCORE_VIRTUALIZE=auto`: a real QP as `a` asks, kept in RESET
+    /// behind the VQP (NULL otherwise, and for QPs with an SRQ: a virtual
+    /// SRQ cannot serve a real QP).
+    fn fallback_qp(ctx: *mut ibv_context, real_pd: *mut ibv_pd, a: &ibv_qp_init_attr) -> Result<*mut ibv_qp> {
+        if crate::config::get().virtualize != crate::config::Virtualize::Auto || !a.srq.is_null() {
+            return Ok(null_mut());
+        }
+        let mut b = *a;
+        // SAFETY: the application's CQs, checked to be ours of ctx.
+        unsafe { translate_queues(ctx, &mut b.send_cq, &mut b.recv_cq, &mut b.srq)? };
+        non_null(call_real!(ibv_create_qp(real_pd, &mut b))?)
+    }
+
+    /// `KRCORE_VIRTUALIZE=auto`, an RTR whose peer does not resolve: the
+    /// real QP takes over (INIT as the VQP was, then this RTR), with the
+    /// receives posted so far; the VQP is dropped.
+    ///
+    /// # Safety
+    /// `attr` is valid for the fields `mask` names.
+    unsafe fn fall_back(&mut self, attr: *mut ibv_qp_attr, mask: c_int) -> Result<()> {
+        let (Some(v), real) = (self.vqp.clone(), self.backup) else { return Err(Errno::EINVAL) };
+        let kept = v.query_rc().ok_or(Errno::EINVAL)?;
+        // SAFETY: a plain C struct.
+        let mut init: ibv_qp_attr = unsafe { zeroed() };
+        init.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        init.pkey_index = kept.pkey_index;
+        init.port_num = kept.port_num;
+        init.qp_access_flags = kept.qp_access_flags;
+        use ibv_qp_attr_mask as M;
+        let init_mask = (M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS).0 as c_int;
+        let r = ok_or_errno(call_real!(ibv_modify_qp(real, &mut init, init_mask))?)
+            .and_then(|_| ok_or_errno(call_real!(ibv_modify_qp(real, attr, mask))?));
+        if let Err(e) = r {
+            // Back to RESET: the application may retry its RTR.
+            init.qp_state = ibv_qp_state::IBV_QPS_RESET;
+            let _ = call_real!(ibv_modify_qp(real, &mut init, M::IBV_QP_STATE.0 as c_int));
+            return Err(e);
+        }
+        // SAFETY: our QP's context is our live context; real is live.
+        self.path = unsafe { Forwarder::new(real, Context::from_ibv(self.ibv.qp_base.context)) };
+        for (wr_id, mut sges) in v.take_receives() {
+            // SAFETY: a plain C struct.
+            let mut wr: ibv_recv_wr = unsafe { zeroed() };
+            wr.wr_id = wr_id;
+            wr.sg_list = sges.as_mut_ptr();
+            wr.num_sge = sges.len() as c_int;
+            let mut bad = null_mut();
+            // SAFETY: the real QP (INIT or later takes receives); the list
+            // lives across the call.
+            ok_or_errno(unsafe { self.path.post_recv(&mut wr, &mut bad) })?;
+        }
+        self.real = real;
+        self.backup = null_mut();
+        self.vqp = None;
+        v.destroy();
+        let b = &mut self.ibv.qp_base;
+        // SAFETY: the real QP is live.
+        unsafe {
+            b.handle = (*real).handle;
+            b.state = (*real).state;
+        }
+        stats::inc(Stat::KRCORE_STAT_QPS_FALLBACK);
+        crate::klog!(crate::log::Level::Info, "KRCORE_VIRTUALIZE=auto: QP {:#x}: its peer runs no krcore (nothing resolves): a real QP from now on", b.qp_num);
+        Ok(())
     }
 
     /// The application's SRQ, if it is one of ours.
@@ -129,7 +204,7 @@ impl Qp {
 
     /// A transparent VQP for an application's RC QP: in RESET, its
     /// published QPN as `qp_num`.
-    fn create_transparent(pd: &mut Pd, p: &Parents, cap: &mut ibv_qp_cap, sq_sig_all: bool) -> Result<*mut ibv_qp> {
+    fn create_transparent(pd: &mut Pd, p: &Parents, cap: &mut ibv_qp_cap, sq_sig_all: bool, backup: *mut ibv_qp) -> Result<*mut ibv_qp> {
         let srq = match Qp::srq_of(p) {
             Some(s) => {
                 let v = s.virt.clone().ok_or(Errno::EINVAL)?;
@@ -141,14 +216,31 @@ impl Qp {
             }
             None => None,
         };
-        let q = Qp::create_virtual(pd, p, cap, sq_sig_all)?;
+        let q = match Qp::create_virtual(pd, p, cap, sq_sig_all) {
+            Ok(q) => q,
+            Err(e) => {
+                if !backup.is_null() {
+                    let _ = call_real!(ibv_destroy_qp(backup));
+                }
+                return Err(e);
+            }
+        };
         // SAFETY: just made by create_virtual.
         let qp = unsafe { Qp::from_qp(q) };
+        let real_qpn = (!backup.is_null()).then(|| {
+            qp.backup = backup;
+            // SAFETY: a live real QP; its context slot names our wrapper
+            // (async events).
+            unsafe {
+                (*backup).qp_context = q.cast();
+                (*backup).qp_num
+            }
+        });
         let made = qp.vqp.as_ref().map(|v| {
             if let Some(s) = srq {
                 v.set_srq(s);
             }
-            v.make_transparent()
+            v.make_transparent(real_qpn)
         });
         match made {
             Some(Ok(qpn)) => {
@@ -220,7 +312,8 @@ impl Qp {
             return Ok(q);
         }
         if Qp::virtualizes(&parents, a.qp_type, None) {
-            let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
+            let backup = Qp::fallback_qp(ctx, pd.real, &a)?;
+            let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0, backup)?;
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
             return Ok(q);
@@ -300,7 +393,18 @@ impl Qp {
             unsafe { Pd::real_of(a.pd, me)? };
             // SAFETY: as above.
             let pd = unsafe { Pd::from_ibv(a.pd) };
-            let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0)?;
+            let basic = ibv_qp_init_attr {
+                qp_context: a.qp_context,
+                send_cq: a.send_cq,
+                recv_cq: a.recv_cq,
+                srq: a.srq,
+                cap: a.cap,
+                qp_type: a.qp_type,
+                sq_sig_all: a.sq_sig_all,
+            };
+            // The ibv_wr_* builders are the VQP's: no real QP to fall back to.
+            let backup = if send_ops.is_some() { null_mut() } else { Qp::fallback_qp(me, pd.real, &basic)? };
+            let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0, backup)?;
             // SAFETY: attr is valid for writes.
             unsafe { (*attr).cap = a.cap };
             // SAFETY: just made by create_transparent.
@@ -397,7 +501,11 @@ impl Qp {
                 return Err(Errno::EINVAL);
             }
             // SAFETY: attr is the caller's valid attribute struct.
-            v.modify_rc(unsafe { &*attr }, mask as u32)?;
+            match v.modify_rc(unsafe { &*attr }, mask as u32) {
+                // SAFETY: as above.
+                Err(e) if e.0 == libc::ECONNREFUSED && !self.backup.is_null() => return unsafe { self.fall_back(attr, mask) },
+                r => r?,
+            }
             if let Some(now) = v.query_rc() {
                 self.ibv.qp_base.state = now.qp_state;
             }
@@ -491,6 +599,10 @@ impl Qp {
     pub unsafe fn destroy(p: *mut ibv_qp) -> Result<()> {
         // SAFETY: caller contract.
         let qp = unsafe { Qp::from_qp(p) };
+        if !qp.backup.is_null() {
+            ok_or_errno(call_real!(ibv_destroy_qp(qp.backup))?)?;
+            qp.backup = null_mut();
+        }
         if let Some(v) = qp.vqp.take() {
             for src in v.destroy() {
                 // SAFETY: VQPs made for qpop_msgs, owned by the library.

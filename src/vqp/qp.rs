@@ -263,6 +263,8 @@ impl Vqp {
         });
         slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_VQPS);
+        v.send_soft.add_user();
+        v.recv_soft.add_user();
         Ok(v)
     }
 
@@ -378,12 +380,14 @@ impl Vqp {
     /// RESET, with a QPN of its own, random with bit 23 set (above every
     /// real QPN of rxe and mlx5), published on the process's GID so that
     /// a peer's RTR naming it resolves here. Returns that QPN.
-    pub fn make_transparent(&self) -> Result<u32> {
+    /// `real_qpn`: publish that QPN instead (`KRCORE_VIRTUALIZE=auto`: the
+    /// number of the real QP kept for a fallback, unique on the device).
+    pub fn make_transparent(&self, real_qpn: Option<u32>) -> Result<u32> {
         let rt = self.runtime(None)?;
         let meta = rt.meta()?;
         let ep = Endpoint { vqpn: self.vqpn, ..rt.svc.endpoint() };
         for _ in 0..32 {
-            let qpn = 0x80_0000 | (rdma::random_u64() as u32 & 0x7f_ffff);
+            let qpn = real_qpn.unwrap_or_else(|| 0x80_0000 | (rdma::random_u64() as u32 & 0x7f_ffff));
             let key = crate::meta::Key::Vqpn { gid: ep.gid, vqpn: qpn };
             match meta.bind(&key, &ep) {
                 Ok(()) => {
@@ -395,7 +399,7 @@ impl Vqp {
                 }
                 // Taken on this GID (by another process), or its place in
                 // the table is full: draw again.
-                Err(e) if e.0 == libc::EADDRINUSE || e.0 == libc::ENOSPC => continue,
+                Err(e) if real_qpn.is_none() && (e.0 == libc::EADDRINUSE || e.0 == libc::ENOSPC) => continue,
                 Err(e) => return Err(e),
             }
         }
@@ -484,6 +488,17 @@ impl Vqp {
         }
         self.st.lock().rc = Some(next);
         Ok(())
+    }
+
+    /// The posted receives, oldest first, taken out (a fallback to a real
+    /// QP posts them there).
+    pub fn take_receives(&self) -> Vec<(u64, Vec<ibv_sge>)> {
+        let mut st = self.st.lock();
+        let mut out = Vec::with_capacity(st.rq.len());
+        while let Some(r) = st.rq.pop_front() {
+            out.push((r.wr_id, r.sg_list.to_vec()));
+        }
+        out
     }
 
     /// `ibv_query_qp` on a transparent VQP: what `ibv_modify_qp` set.
@@ -1404,6 +1419,9 @@ impl Vqp {
         slots.entries[self.slot as usize].1 = Weak::new();
         slots.free.push(self.slot);
         crate::stats::sub(crate::stats::Stat::KRCORE_STAT_VQPS, 1);
+        drop(slots);
+        self.send_soft.remove_user();
+        self.recv_soft.remove_user();
         srcs
     }
 }

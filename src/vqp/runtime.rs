@@ -97,6 +97,12 @@ pub struct CqSoft {
     /// a poll that finds none looks no further, and delivers straight
     /// into its caller's array (see [`Sink`]).
     queued: AtomicUsize,
+    /// Live VQPs that complete into this CQ (a destroyed VQP may still be
+    /// referenced for a moment by the service thread: that is no user).
+    users: AtomicUsize,
+    /// The application destroyed the CQ: raise no more events (its real
+    /// CQ is gone).
+    released: AtomicBool,
 }
 
 /// The array of an `ibv_poll_cq` in progress on one CQ: while that CQ has
@@ -148,7 +154,18 @@ impl CqSoft {
             notifier_qpn: AtomicU32::new(u32::MAX),
             receives: AtomicBool::new(false),
             queued: AtomicUsize::new(0),
+            users: AtomicUsize::new(0),
+            released: AtomicBool::new(false),
         })
+    }
+
+    /// A VQP completes into this CQ from now on (until [`CqSoft::remove_user`]).
+    pub fn add_user(&self) {
+        self.users.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn remove_user(&self) {
+        self.users.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// This CQ gets completions of `rt`'s VQPs (`receives`: receive
@@ -288,6 +305,9 @@ impl CqSoft {
 
     fn raise(&self) {
         let mut n = self.notifier.lock();
+        if self.released.load(Ordering::Acquire) {
+            return;
+        }
         if n.is_none() {
             let rt = self.runtimes.lock().iter().find_map(Weak::upgrade);
             let Some(rt) = rt else { return };
@@ -322,9 +342,10 @@ impl CqSoft {
     /// Before the application's CQ is destroyed: EBUSY while VQPs use it;
     /// else the notifier goes (its QP holds the real CQ).
     pub fn release(self: &Arc<Self>) -> Result<()> {
-        if Arc::strong_count(self) > 1 {
+        if self.users.load(Ordering::Acquire) > 0 {
             return Err(Errno(libc::EBUSY));
         }
+        self.released.store(true, Ordering::Release);
         self.notifier.lock().take();
         Ok(())
     }
