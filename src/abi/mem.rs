@@ -10,10 +10,10 @@ use libc::{c_int, c_void, intptr_t, off_t, size_t};
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// A libc function resolved with `dlsym(RTLD_NEXT)`, once.
-struct Next(AtomicPtr<c_void>, &'static std::ffi::CStr);
+pub(super) struct Next(pub(super) AtomicPtr<c_void>, pub(super) &'static std::ffi::CStr);
 
 impl Next {
-    fn get(&self) -> *mut c_void {
+    pub(super) fn get(&self) -> *mut c_void {
         let p = self.0.load(Ordering::Relaxed);
         if !p.is_null() {
             return p;

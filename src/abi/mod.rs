@@ -19,6 +19,7 @@ mod mem;
 mod mr;
 mod pd;
 mod qp;
+mod rdmacm;
 mod srq;
 mod util;
 

@@ -75,7 +75,13 @@ pub unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
 fn real_qp(qp: *mut ibv_qp) -> crate::error::Result<*mut ibv_qp> {
     if owner!(qp)? {
         // SAFETY: ours.
-        Ok(unsafe { Qp::from_qp(qp) }.real)
+        let real = unsafe { Qp::from_qp(qp) }.real;
+        // A virtual QP has no real one: what needs it is not offered (as
+        // by a provider without it).
+        if real.is_null() {
+            return Err(crate::error::Errno::EOPNOTSUPP);
+        }
+        Ok(real)
     } else {
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_FOREIGN_CALLS);
         Ok(qp)

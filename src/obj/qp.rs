@@ -31,6 +31,11 @@ pub struct Qp {
 }
 wrapper!(Qp, ibv_qp_ex);
 
+thread_local! {
+    /// This thread is inside librdmacm's `rdma_create_qp(_ex)`.
+    static VIA_RDMACM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// The application's pointers to a QP's parents.
 struct Parents {
     ctx: *mut ibv_context,
@@ -106,6 +111,8 @@ impl Qp {
         }
         let why = if cfg.meta.is_none() {
             Some("KRCORE_META is not set")
+        } else if VIA_RDMACM.with(|v| v.get()) {
+            Some("librdmacm creates it (rdma_create_qp): its connection goes through the kernel's CM")
         } else if !p.srq.is_null() && !Qp::srq_of(p).is_some_and(|s| s.serves_virtual()) {
             Some("its SRQ serves real QPs (or was made without KRCORE_VIRTUALIZE)")
         } else if p.send_cq.is_null() || p.recv_cq.is_null() {
@@ -125,6 +132,15 @@ impl Qp {
             }
             None => true,
         }
+    }
+
+    /// Run `f` (librdmacm creating a QP): the QPs it creates stay real
+    /// (`abi/rdmacm.rs` says why).
+    pub fn created_by_rdmacm<R>(f: impl FnOnce() -> R) -> R {
+        VIA_RDMACM.with(|v| v.set(true));
+        let r = f();
+        VIA_RDMACM.with(|v| v.set(false));
+        r
     }
 
     /// `KRCORE_VIRTUALIZE=auto`: a real QP as `a` asks, kept in RESET

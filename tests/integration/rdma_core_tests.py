@@ -39,7 +39,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = ("baseline", "preloaded")
+MODES = ("baseline", "preloaded", "virtualized")
+
+# Tests whose outcome under KRCORE_VIRTUALIZE=1 may differ from the
+# baseline's, by test key prefix, and why (docs/vqp.md lists them too).
+# Filled from the runs: each entry is a test that depends on what only a
+# real QP has.
+VIRT_EXCEPTIONS: dict[str, str] = {}
+
+
+def virt_exception(key: str) -> str | None:
+    return next((why for k, why in VIRT_EXCEPTIONS.items() if key.startswith(k)), None)
 
 # --------------------------------------------------------------------------
 # Parsing unittest's verbose (-v) output (it goes to stderr).
@@ -174,16 +184,18 @@ def run_mode(a, mode: str, out: Path) -> dict:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = clean_env()
-    if mode == "preloaded":
+    if mode != "baseline":
         for old in out.glob("stats-*.json"):
             old.unlink()
         env["KRCORE_STATS_FILE"] = str(out / "stats-%p.json")
         env["LD_PRELOAD"] = str(Path(a.lib).resolve())
+    if mode == "virtualized":
+        env.update(KRCORE_VIRTUALIZE="1", KRCORE_META=a.meta, KRCORE_GID_INDEX=str(a.gid))
     argv = [a.python, "run_tests.py", "--dev", a.dev, "--port", str(a.port),
             "--gid", str(a.gid), "-v", *a.unittest_args]
     res = {"argv": argv, "cwd": str(a.tests_dir), "errors": []}
     print(f"==> {mode}: {' '.join(argv)}" + (f"  (LD_PRELOAD={env['LD_PRELOAD']})"
-                                              if mode == "preloaded" else ""), flush=True)
+                                              if mode != "baseline" else ""), flush=True)
     t0 = time.monotonic()
     with open(logs / f"{mode}.err", "wb") as fe, open(logs / f"{mode}.out", "wb") as fo:
         try:
@@ -216,10 +228,12 @@ def run_mode(a, mode: str, out: Path) -> dict:
                              "(crashed?)")
     if parsed["ran"] is not None and parsed["ran"] != n:
         res["errors"].append(f"unittest ran {parsed['ran']} tests but {n} results were parsed")
-    if mode == "preloaded":
+    if mode != "baseline":
         res["stats"], err = read_stats(out, p.pid)
         if err:
             res["errors"].append(err)
+        if mode == "virtualized" and not res["stats"]["total"].get("qps_virtualized"):
+            res["errors"].append("no QP was virtualized (qps_virtualized = 0 in every process)")
     counts: dict[str, int] = {}
     for t in parsed["tests"].values():
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
@@ -228,6 +242,23 @@ def run_mode(a, mode: str, out: Path) -> dict:
           f"(unittest: Ran {parsed['ran']}, {parsed['verdict']}): "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), flush=True)
     return res
+
+
+def start_meta(a, out: Path) -> tuple[subprocess.Popen, str]:
+    """krcore-meta (next to the library) for the virtualized run, waited for."""
+    log = out / "logs" / "krcore-meta"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{log}.out", "wb") as fo:
+        p = subprocess.Popen([str(Path(a.lib).resolve().parent / "krcore-meta"), "--listen",
+                              a.meta_listen, "--slots", "65536"], env=clean_env(),
+                             stdin=subprocess.DEVNULL, stdout=fo, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    deadline = time.monotonic() + 30
+    while "serving on" not in Path(f"{log}.out").read_text(errors="replace"):
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"krcore-meta did not start (see {log}.out)")
+        time.sleep(0.05)
+    return p, a.meta_listen
 
 
 def read_stats(out: Path, main_pid: int) -> tuple[dict, str | None]:
@@ -275,6 +306,9 @@ def compare(runs: dict) -> dict[str, dict]:
                 row[f"{m}_error"] = last_error_line(t["traceback"])
         # Baseline only (--no-preload): nothing to compare.
         row["same"] = row["baseline"] == row["preloaded"] or "preloaded" not in runs
+        if "virtualized" in runs and row["baseline"] != row["virtualized"]:
+            row["virt_exception"] = virt_exception(k)
+            row["same"] = row["same"] and row["virt_exception"] is not None
         rows[k] = row
     return rows
 
@@ -282,10 +316,13 @@ def compare(runs: dict) -> dict[str, dict]:
 def write_txt(path: Path, rows: dict[str, dict]):
     w = max([len(k) for k in rows] + [4])
     wo = max([len(r[m]) for r in rows.values() for m in MODES] + [9])
-    lines = [f"{'test':{w}}  {'baseline':{wo}}  {'preloaded':{wo}}  diff"]
+    lines = [f"{'test':{w}}  {'baseline':{wo}}  {'preloaded':{wo}}  {'virtualized':{wo}}  diff"]
     for k, r in rows.items():
+        note = "" if r["same"] else "DIFF"
+        if r["same"] and r.get("virt_exception"):
+            note = "listed: " + r["virt_exception"]
         lines.append(f"{k:{w}}  {r['baseline']:{wo}}  {r['preloaded']:{wo}}  "
-                     f"{'' if r['same'] else 'DIFF'}".rstrip())
+                     f"{r.get('virtualized', '-'):{wo}}  {note}".rstrip())
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -308,6 +345,10 @@ def main() -> int:
                     help="fail if the baseline parsed fewer tests than this")
     ap.add_argument("--no-preload", action="store_true",
                     help="baseline run only (developing the harness)")
+    ap.add_argument("--no-virtualize", action="store_true",
+                    help="no KRCORE_VIRTUALIZE=1 run")
+    ap.add_argument("--meta-listen", default="10.77.0.1:18599",
+                    help="where the virtualized run's krcore-meta listens (the GID's address)")
     ap.add_argument("unittest_args", nargs="*", metavar="UNITTEST_ARG",
                     help="passed to run_tests.py after '--' (e.g. -- -k test_mr; "
                          "lower --min-tests to match)")
@@ -342,8 +383,17 @@ def main() -> int:
 
     t_start = time.monotonic()
     runs = {}
-    for m in MODES[:1] if a.no_preload else MODES:
-        runs[m] = run_mode(a, m, out)
+    modes = MODES[:1] if a.no_preload else MODES[:2] if a.no_virtualize else MODES
+    meta = None
+    try:
+        for m in modes:
+            if m == "virtualized":
+                meta, a.meta = start_meta(a, out)
+            runs[m] = run_mode(a, m, out)
+    finally:
+        if meta is not None:
+            os.killpg(meta.pid, signal.SIGKILL)
+            meta.wait()
     rows = compare(runs)
     errors = [f"{m}: {e}" for m, r in runs.items() for e in r.get("errors", [])]
     if runs["baseline"].get("parsed", 0) < a.min_tests:
@@ -366,11 +416,12 @@ def main() -> int:
 
     print()
     if diffs:
-        print(f"{len(diffs)} test(s) with a different outcome under LD_PRELOAD:")
+        print(f"{len(diffs)} test(s) with a different outcome under LD_PRELOAD"
+              " (preloaded, or virtualized and not listed in VIRT_EXCEPTIONS):")
         w = max(len(k) for k in diffs)
-        print(f"  {'test':{w}}  {'baseline':18}  preloaded")
+        print(f"  {'test':{w}}  {'baseline':18}  {'preloaded':18}  virtualized")
         for k, r in diffs.items():
-            print(f"  {k:{w}}  {r['baseline']:18}  {r['preloaded']}")
+            print(f"  {k:{w}}  {r['baseline']:18}  {r['preloaded']:18}  {r.get('virtualized', '-')}")
             for m in MODES:
                 if r.get(f"{m}_error"):
                     print(f"      {m}: {r[f'{m}_error']}")
