@@ -61,6 +61,7 @@ impl CompChannel {
         // SAFETY: every real CQ on our channels has its wrapper as context.
         let cq = unsafe { &mut *rctx.cast::<Cq>() };
         stats::inc(Stat::KRCORE_STAT_CQ_EVENTS);
+        cq.app_armed.store(false, std::sync::atomic::Ordering::Release);
         // SAFETY: out pointers valid (caller contract).
         unsafe {
             *cq_out = cq.as_ibv().cast();
@@ -96,6 +97,9 @@ pub struct Cq {
     /// A real QP or SRQ was created with this CQ (its real queue then has
     /// completions for the application; else only VQPs feed it).
     real_users: std::sync::atomic::AtomicBool,
+    /// The application armed the real CQ (`ibv_req_notify_cq`) and has not
+    /// had its event yet: a software side made now starts armed.
+    pub app_armed: std::sync::atomic::AtomicBool,
 }
 wrapper!(Cq, ibv_cq_ex);
 
@@ -111,6 +115,7 @@ impl Cq {
             real_channel: null_mut(),
             soft: once_cell::sync::OnceCell::new(),
             real_users: std::sync::atomic::AtomicBool::new(false),
+            app_armed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -118,7 +123,15 @@ impl Cq {
     /// with the CQ's capacity.
     pub fn soft(&self) -> Result<std::sync::Arc<crate::vqp::runtime::CqSoft>> {
         self.soft
-            .get_or_try_init(|| crate::vqp::runtime::CqSoft::new(self.ibv.cqe.max(1) as u32, self.real).map(std::sync::Arc::new))
+            .get_or_try_init(|| {
+                let soft = CqSoft::new(self.ibv.cqe.max(1) as u32, self.real)?;
+                // Armed before its first VQP (pyverbs' tests, perftest):
+                // that VQP's first completion must raise the event.
+                if self.app_armed.load(std::sync::atomic::Ordering::Acquire) {
+                    soft.arm();
+                }
+                Ok(std::sync::Arc::new(soft))
+            })
             .cloned()
     }
 

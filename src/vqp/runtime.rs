@@ -178,6 +178,13 @@ impl CqSoft {
         if !r.iter().any(|w| w.as_ptr() == Arc::as_ptr(rt)) {
             r.push(Arc::downgrade(rt));
             rt.cqs.lock().push(Arc::downgrade(self));
+            // Armed already: this runtime's completions must raise the
+            // event too.
+            if self.armed.load(Ordering::Acquire) {
+                rt.armed_cqs.fetch_add(1, Ordering::AcqRel);
+                drop(r);
+                self.want_events(std::slice::from_ref(rt));
+            }
         }
     }
 
@@ -250,17 +257,23 @@ impl CqSoft {
     #[inline]
     fn raise_if_armed(&self) {
         // A load first: the swap is a locked instruction, rarely needed.
-        if self.armed.load(Ordering::Acquire) && self.armed.swap(false, Ordering::AcqRel) {
-            klog!(Level::Debug, "vqp: completion event on CQ {:p}", self.real_cq);
-            self.disarmed();
-            self.raise();
+        if !self.armed.load(Ordering::Acquire) {
+            return;
         }
-    }
-
-    fn disarmed(&self) {
-        for rt in self.runtimes.lock().iter().filter_map(Weak::upgrade) {
-            rt.armed_cqs.fetch_sub(1, Ordering::AcqRel);
+        // The runtimes' count of armed CQs changes under the list's lock,
+        // with the state: a runtime that starts serving the CQ meanwhile
+        // is counted once (see serve).
+        {
+            let r = self.runtimes.lock();
+            if !self.armed.swap(false, Ordering::AcqRel) {
+                return;
+            }
+            for rt in r.iter().filter_map(Weak::upgrade) {
+                rt.armed_cqs.fetch_sub(1, Ordering::AcqRel);
+            }
         }
+        klog!(Level::Debug, "vqp: completion event on CQ {:p}", self.real_cq);
+        self.raise();
     }
 
     /// Take up to `out.len()` completions, oldest first.
@@ -279,14 +292,29 @@ impl CqSoft {
     /// `ibv_req_notify_cq` on the application's CQ: the next VQP
     /// completion raises an event (the real CQ is armed by the caller).
     pub fn arm(&self) {
-        if self.armed.swap(true, Ordering::AcqRel) {
-            return;
-        }
+        let rts: Vec<Arc<Runtime>> = {
+            let r = self.runtimes.lock();
+            if self.armed.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            r.iter().filter_map(Weak::upgrade).collect()
+        };
         klog!(Level::Debug, "vqp: CQ {:p} armed", self.real_cq);
-        let rts: Vec<Arc<Runtime>> = self.runtimes.lock().iter().filter_map(Weak::upgrade).collect();
-        let receives = self.receives.load(Ordering::Acquire);
         for rt in &rts {
             rt.armed_cqs.fetch_add(1, Ordering::AcqRel);
+        }
+        self.want_events(&rts);
+        // What completed before the links' CQ was armed raises no event:
+        // deliver it now (an armed CQ then raises its own).
+        for rt in rts {
+            rt.progress();
+        }
+    }
+
+    /// Wake the service thread of each runtime on its links' completions.
+    fn want_events(&self, rts: &[Arc<Runtime>]) {
+        let receives = self.receives.load(Ordering::Acquire);
+        for rt in rts {
             if let Err(e) = rt.svc.want_link_events() {
                 klog!(Level::Warn, "vqp: arming the links' CQ: {e:?}");
             }
@@ -295,11 +323,6 @@ impl CqSoft {
                     klog!(Level::Warn, "vqp: arming the links' receive CQ: {e:?}");
                 }
             }
-        }
-        // What completed before the links' CQ was armed raises no event:
-        // deliver it now (an armed CQ then raises its own).
-        for rt in rts {
-            rt.progress();
         }
     }
 
