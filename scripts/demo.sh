@@ -13,7 +13,9 @@
 #      qconnect warm (live link) and cold (new process), medians and ratios;
 #   4. pass-through: unmodified ibv_rc_pingpong and ib_write_lat with
 #      LD_PRELOAD=libkrcore.so and KRCORE_STATS=1 (counters prove the data
-#      went through the library).
+#      went through the library);
+#   5. transparent VQPs: the same programs with KRCORE_VIRTUALIZE=1, their
+#      counters showing their QPs were virtual.
 # Exit status 0 only if every step succeeded and its checks passed. Logs in
 # target/demo.
 #   scripts/demo.sh
@@ -95,9 +97,9 @@ stop() {
     wait "$pid"
 }
 
-echo_ok=0 bench_ok=0 pass_ok=0
+echo_ok=0 bench_ok=0 pass_ok=0 virt_ok=0
 summary_echo="" summary_bench=""
-t_echo=0 t_bench=0 t_pass=0
+t_echo=0 t_bench=0 t_pass=0 t_virt=0
 
 # ---- 1. krcore-meta ---------------------------------------------------------
 echo
@@ -246,22 +248,25 @@ EOF
 t=$SECONDS
 bench_demo && bench_ok=1
 t_bench=$((SECONDS - t))
-# The pass-through part needs no meta server.
-stop "$meta_pid" >/dev/null 2>&1 || true
+# Pass-through needs no meta server (step 5 names it itself).
 unset KRCORE_META
 
 # ---- 4. pass-through ---------------------------------------------------------
 # counters LOG: the library's counters from a stderr log, one short line;
 # fail unless data moved through the library (posts or ibv_wr_*, and polls).
 counters() {
-    python3 - "$1" <<'EOF'
+    python3 - "$1" "${2:-0}" <<'EOF'
 import json, sys
 for line in open(sys.argv[1], errors="replace"):
     if '{"krcore"' in line:   # "krcore-stats: {...}" (prefix tolerated)
         c = json.loads(line[line.index('{"krcore"'):])["counters"]
         moved = c["post_send"] + c["post_recv"] + c["post_srq_recv"] + c["wr_calls"]
         print(f"post_send={c['post_send']} post_recv={c['post_recv']} poll_cq={c['poll_cq']}", end="")
-        sys.exit(0 if c["contexts_opened"] >= 1 and moved > 0 and c["poll_cq"] > 0 else 1)
+        virt = sys.argv[2] == "1"
+        if virt:
+            print(f" qps_virtualized={c['qps_virtualized']} links_opened={c['links_opened']}", end="")
+        sys.exit(0 if c["contexts_opened"] >= 1 and moved > 0 and c["poll_cq"] > 0
+                 and (not virt or c["qps_virtualized"] > 0) else 1)
 print("no krcore stats line: the library was not on the path", end="")
 sys.exit(1)
 EOF
@@ -269,11 +274,15 @@ EOF
 
 # pair NAME PORT RESULT_REGEX AWK_FORMAT SERVER_CMD... -- CLIENT_CMD...
 # (prints the client's first line matching RESULT_REGEX through AWK_FORMAT)
+# With VIRT=1 both run with KRCORE_VIRTUALIZE=1 (server on GID 1, client on
+# GID 2) and must show their QPs were virtual.
 pair() {
     local name="$1" port="$2" re="$3" fmt="$4"; shift 4
     local srv=() ok=0 spid role res c
     while [[ "$1" != -- ]]; do srv+=("$1"); shift; done; shift
-    timeout 120 env LD_PRELOAD="$lib" KRCORE_STATS=1 "${srv[@]}" \
+    local venv=()
+    ((${VIRT:-0})) && venv=(KRCORE_VIRTUALIZE=1 KRCORE_META="$meta_addr")
+    timeout 120 env LD_PRELOAD="$lib" KRCORE_STATS=1 "${venv[@]}" KRCORE_GID_INDEX=1 "${srv[@]}" \
         >"$out/$name.server.out" 2>"$out/$name.server.err" &
     spid=$!
     local _
@@ -282,13 +291,13 @@ pair() {
         kill -0 "$spid" 2>/dev/null || break
         sleep 0.05
     done
-    timeout 120 env LD_PRELOAD="$lib" KRCORE_STATS=1 "$@" \
+    timeout 120 env LD_PRELOAD="$lib" KRCORE_STATS=1 "${venv[@]}" KRCORE_GID_INDEX=2 "$@" \
         >"$out/$name.client.out" 2>"$out/$name.client.err" || ok=1
     wait "$spid" || ok=1
     res="$(grep -E "$re" "$out/$name.client.out" | head -n 1 | awk "$fmt")"
     printf '   %-16s %s\n' "$name" "${res:-no result line}"
     for role in server client; do
-        c="$(counters "$out/$name.$role.err")" || ok=1
+        c="$(counters "$out/$name.$role.err" "${VIRT:-0}")" || ok=1
         printf '   %-16s %s through libkrcore.so: %s\n' "" "$role" "$c"
     done
     ((ok == 0)) || { echo "   $name FAILED (logs in target/demo/$name.*)"; }
@@ -308,14 +317,30 @@ pair ib_write_lat 18516 '^ *2 +1000 ' \
 ((rc4 == 0)) && pass_ok=1
 t_pass=$((SECONDS - t))
 
+echo
+echo "== 5. transparent virtual QPs: the same unmodified programs with KRCORE_VIRTUALIZE=1:"
+echo "      their RC QPs become virtual QPs on one shared link per peer process"
+rc5=0 t=$SECONDS
+VIRT=1 pair ibv_rc_pingpong_v 18517 'bytes in' '{ print $1, "bytes in", $4, "s:", $7, "Mbit/s" }' \
+    ibv_rc_pingpong -d rxe0 -g 1 -p 18517 -c -- \
+    ibv_rc_pingpong -d rxe0 -g 2 -p 18517 -c 10.77.0.1 || rc5=1
+VIRT=1 pair ib_write_lat_v 18518 '^ *2 +1000 ' \
+    '{ printf "%s B x %s: latency typical %s us, average %s us\n", $1, $2, $5, $6 }' \
+    ib_write_lat -d rxe0 -x 1 -p 18518 -s 2 -n 1000 -F -- \
+    ib_write_lat -d rxe0 -x 2 -p 18518 -s 2 -n 1000 -F 10.77.0.1 || rc5=1
+((rc5 == 0)) && virt_ok=1
+t_virt=$((SECONDS - t))
+stop "$meta_pid" >/dev/null 2>&1 || true
+
 # ---- summary ------------------------------------------------------------------
 verdict() { (($1)) && echo "OK    " || echo "FAILED"; }
 echo
-echo "== summary (steps 1-4: $SECONDS s)"
+echo "== summary (steps 1-5: $SECONDS s)"
 echo "   $(verdict $echo_ok) echo over virtual QPs (${t_echo} s): ${summary_echo:-see above}"
 echo "   $(verdict $bench_ok) connect cost (${t_bench} s): ${summary_bench:-see above}"
 echo "   $(verdict $pass_ok) pass-through (${t_pass} s): ibv_rc_pingpong and ib_write_lat moved data through libkrcore.so"
-if ((echo_ok && bench_ok && pass_ok)); then
+echo "   $(verdict $virt_ok) transparent (${t_virt} s): the same programs ran on virtual QPs (KRCORE_VIRTUALIZE=1)"
+if ((echo_ok && bench_ok && pass_ok && virt_ok)); then
     echo "demo: OK (logs in target/demo)"
     exit 0
 fi

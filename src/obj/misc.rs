@@ -176,6 +176,11 @@ impl Mw {
         if !check_owner!(mr, ctx.as_ibv()) || !check_owner!(qp, ctx.as_ibv()) {
             return Err(Errno::EINVAL);
         }
+        // A virtual QP (KRCORE_VQP, KRCORE_VIRTUALIZE) has no real QP to
+        // post the bind on: memory windows are not offered there.
+        if real_qp.is_null() {
+            return Err(Errno::EOPNOTSUPP);
+        }
         if !mr.is_null() {
             // SAFETY: owned by our context, hence one of our MRs.
             b.bind_info.mr = unsafe { Mr::from_ibv(mr) }.real;

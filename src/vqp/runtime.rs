@@ -103,6 +103,11 @@ pub struct CqSoft {
     /// The application destroyed the CQ: raise no more events (its real
     /// CQ is gone).
     released: AtomicBool,
+    /// A completion was queued while the CQ was not armed and is still
+    /// there: the next arm raises an event at once (as the kernel's
+    /// `IB_CQ_REPORT_MISSED_EVENTS` would report it). perftest arms its
+    /// CQs after the handshake, when the peer's first message may be in.
+    missed: AtomicBool,
 }
 
 /// The array of an `ibv_poll_cq` in progress on one CQ: while that CQ has
@@ -156,6 +161,7 @@ impl CqSoft {
             queued: AtomicUsize::new(0),
             users: AtomicUsize::new(0),
             released: AtomicBool::new(false),
+            missed: AtomicBool::new(false),
         })
     }
 
@@ -231,6 +237,9 @@ impl CqSoft {
     /// the CQ is armed.
     pub fn push(&self, wc: ibv_wc) {
         self.enqueue(wc);
+        if !self.armed.load(Ordering::Acquire) {
+            self.missed.store(true, Ordering::Release);
+        }
         self.raise_if_armed();
     }
 
@@ -285,7 +294,11 @@ impl CqSoft {
             out[n].write(wc);
             n += 1;
         }
-        self.queued.store(g.q.len() + g.spill.len(), Ordering::Release);
+        let left = g.q.len() + g.spill.len();
+        self.queued.store(left, Ordering::Release);
+        if left == 0 {
+            self.missed.store(false, Ordering::Release);
+        }
         n
     }
 
@@ -308,6 +321,9 @@ impl CqSoft {
         // deliver it now (an armed CQ then raises its own).
         for rt in rts {
             rt.progress();
+        }
+        if self.missed.swap(false, Ordering::AcqRel) && !self.is_empty() {
+            self.raise_if_armed();
         }
     }
 
