@@ -103,7 +103,7 @@ impl Qp {
 
     /// Whether `KRCORE_VIRTUALIZE` makes this RC QP a transparent VQP;
     /// `Err(why)` keeps it real, and the log says why.
-    fn virtualizes(p: &Parents, qp_type: ibv_qp_type::Type, extra: Option<&'static str>) -> bool {
+    fn virtualizes(p: &Parents, qp_type: ibv_qp_type::Type, cap: &ibv_qp_cap, extra: Option<&'static str>) -> bool {
         use crate::config::Virtualize;
         let cfg = crate::config::get();
         if cfg.virtualize == Virtualize::Off || qp_type != ibv_qp_type::IBV_QPT_RC {
@@ -111,6 +111,8 @@ impl Qp {
         }
         let why = if cfg.meta.is_none() {
             Some("KRCORE_META is not set")
+        } else if !crate::vqp::qp::caps_fit(cap) {
+            Some("its capabilities exceed a VQP's (3 send SGEs, 16 receive SGEs, 256 B inline, 32,768 WRs per queue)")
         } else if VIA_RDMACM.with(|v| v.get()) {
             Some("librdmacm creates it (rdma_create_qp): its connection goes through the kernel's CM")
         } else if !p.srq.is_null() && !Qp::srq_of(p).is_some_and(|s| s.serves_virtual()) {
@@ -327,7 +329,7 @@ impl Qp {
             unsafe { (*attr).cap = a.cap };
             return Ok(q);
         }
-        if Qp::virtualizes(&parents, a.qp_type, None) {
+        if Qp::virtualizes(&parents, a.qp_type, &a.cap, None) {
             let backup = Qp::fallback_qp(ctx, pd.real, &a)?;
             let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0, backup)?;
             // SAFETY: attr is valid for writes.
@@ -404,7 +406,7 @@ impl Qp {
             // Send ops a VQP cannot do (the ibv_wr_* ones it can are its own).
             lacks_op
         };
-        if Qp::virtualizes(&parents, a.qp_type, extra) {
+        if Qp::virtualizes(&parents, a.qp_type, &a.cap, extra) {
             // SAFETY: checked to be one of our PDs of this context.
             unsafe { Pd::real_of(a.pd, me)? };
             // SAFETY: as above.

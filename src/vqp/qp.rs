@@ -47,6 +47,15 @@ pub const MAX_RECV_SGE: u32 = 16;
 /// Inline data a VQP accepts (copied behind the header).
 pub const MAX_INLINE: u32 = 256;
 
+/// Whether a VQP can grant these capabilities (what [`Vqp::new`] takes).
+pub fn caps_fit(cap: &ibv_qp_cap) -> bool {
+    cap.max_send_sge <= MAX_SEND_SGE
+        && cap.max_recv_sge <= MAX_RECV_SGE
+        && cap.max_inline_data <= MAX_INLINE
+        && cap.max_send_wr <= super::queue::MAX_DEPTH
+        && cap.max_recv_wr <= super::queue::MAX_DEPTH
+}
+
 /// The VQP table: slot -> VQP with a generation, so that a completion or
 /// message for a destroyed VQP is recognised as such.
 struct Slots {

@@ -34,7 +34,7 @@ NODES = 10
 COUNTERS = ("contexts_opened", "pds_allocated", "mrs_registered", "cqs_created",
             "qps_created", "post_send", "post_recv", "post_srq_recv", "poll_cq",
             "wr_calls", "cq_events", "async_events", "foreign_calls", "qps_virtualized",
-            "links_opened")
+            "qps_fallback", "links_opened")
 DATA_COUNTERS = ("post_send", "post_recv", "post_srq_recv", "wr_calls")
 
 
@@ -132,7 +132,9 @@ class Case:
     preload: bool = True      # False: runs once, as is (C tests link the library)
     # The preloaded run under KRCORE_VIRTUALIZE=1 (the suite runs
     # krcore-meta): "virtual": every process must show qps_virtualized;
-    # "real": no QP may be virtualized (what stays real by design).
+    # "real": no QP may be virtualized (what stays real by design);
+    # "auto": KRCORE_VIRTUALIZE=auto on the server only, the client runs
+    # without the library: the server's QP must fall back (qps_fallback).
     virt: str | None = None
 
     def argv(self, t: Topo, port: int) -> tuple[list[str] | None, list[str]]:
@@ -342,6 +344,9 @@ def all_cases(ctest_dir: Path, rust_test_dir: Path) -> list[Case]:
     ]
     cases += [dataclasses.replace(c, name=f"{c.name}_virt", group="virtualized", virt=VIRT[c.name])
               for c in cases if c.name in VIRT]
+    # KRCORE_VIRTUALIZE=auto against a peer without the library.
+    cases += [dataclasses.replace(c, name=f"{c.name}_auto", group="virtualized", virt="auto")
+              for c in cases if c.name in ("ibv_rc_pingpong", "ib_send_bw_rc")]
     if ctest_dir.is_dir():
         for p in sorted(ctest_dir.iterdir()):
             if p.is_file() and os.access(p, os.X_OK) and not p.name.endswith((".so", ".o", ".d")):
@@ -524,7 +529,8 @@ class Runner:
             env["LD_PRELOAD"] = str(self.lib)
         role_env = {"server": {}, "client": {}}
         if mode == "virtualized":
-            env.update(KRCORE_VIRTUALIZE="1", KRCORE_META=self.meta())
+            env.update(KRCORE_VIRTUALIZE="auto" if case.virt == "auto" else "1",
+                       KRCORE_META=self.meta())
             # The GID the process publishes its QPNs on: the one it advertises.
             role_env["server"]["KRCORE_GID_INDEX"] = str(self.topo.srv_gid)
             role_env["client"]["KRCORE_GID_INDEX"] = str(self.topo.cli_gid)
@@ -549,7 +555,12 @@ class Runner:
                 if err:
                     errs.append(err)
             if not errs:
-                p, f = spawn(cli_argv, env | role_env["client"], logdir / f"{mode}-client", REPO)
+                cenv = env | role_env["client"]
+                if case.virt == "auto" and mode == "virtualized":
+                    # A peer that does not run the library at all.
+                    cenv = {k: v for k, v in cenv.items()
+                            if k != "LD_PRELOAD" and not k.startswith("KRCORE_")}
+                p, f = spawn(cli_argv, cenv, logdir / f"{mode}-client", REPO)
                 procs["client"], files = p, files + f
                 rc = wait(p, time.monotonic() + self.a.timeout)
                 res["client_rc"] = rc
@@ -578,6 +589,8 @@ class Runner:
         if mode != "baseline" and procs:
             per_pid, missing = {}, []
             for role, p in procs.items():
+                if case.virt == "auto" and mode == "virtualized" and role == "client":
+                    continue
                 c, e = load_stats(self.stats_dir, case.name, p.pid)
                 if c is not None:
                     per_pid[p.pid] = c
@@ -589,6 +602,9 @@ class Runner:
             if mode == "virtualized" and case.virt == "virtual":
                 errs += [f"pid {pid}: no QP was virtualized (qps_virtualized = 0)"
                          for pid, c in per_pid.items() if c["qps_virtualized"] == 0]
+            if mode == "virtualized" and case.virt == "auto":
+                errs += [f"pid {pid}: no QP fell back to a real one (qps_fallback = 0)"
+                         for pid, c in per_pid.items() if c["qps_fallback"] == 0]
             if mode == "virtualized" and case.virt == "real":
                 errs += [f"pid {pid}: {c['qps_virtualized']} QP(s) virtualized, none expected"
                          for pid, c in per_pid.items() if c["qps_virtualized"]]
