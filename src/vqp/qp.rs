@@ -580,26 +580,9 @@ impl Vqp {
                 Some(_) if !st.rc.as_ref().is_some_and(RcShadow::can_send) => return Err(Errno::EINVAL),
                 _ => {}
             }
+            let Some(mut guard) = self.precheck_fetching(rt, guard, &sw, &mut fetched)? else { continue };
+            let st = &mut *guard;
             let Some(conn) = &st.conn else { return Err(Errno::EINVAL) };
-            match self.precheck(&st.memo, &sw) {
-                Ok(()) => {}
-                Err(Verdict::Reject(r)) => {
-                    klog!(Level::Debug, "vqp {:#x}: rejected a work request: {r}", self.vqpn);
-                    return Err(r.errno());
-                }
-                Err(Verdict::NeedRemote { rkey }) => {
-                    let link = Arc::clone(&conn.link);
-                    drop(guard);
-                    // One READ of the peer's table: if the rkey is still
-                    // unknown after it, the peer has no such MR.
-                    if fetched || !self.fetch_remote(rt, &link, rkey)? {
-                        klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
-                        return Err(Errno::EINVAL);
-                    }
-                    fetched = true;
-                    continue;
-                }
-            }
             // Above a receive buffer the receiver READs the payload: stage
             // it (a copy into a registered buffer) outside the lock.
             if is_send && total as usize > MAX_MSG && staged.is_none() {
@@ -643,6 +626,38 @@ impl Vqp {
                 self.link_refused(&mut st.sq, seq, e);
             }
             return Ok(());
+        }
+    }
+
+    /// Pre-check `sw` under the VQP's lock (`guard`), given back when it
+    /// passes. An rkey neither the memo nor the peer's table as last read
+    /// knows makes one READ of that table, without the lock: `Ok(None)`,
+    /// check again; still unknown after it (`fetched`), the peer has no
+    /// such MR: EINVAL.
+    fn precheck_fetching<'g>(
+        &self,
+        rt: &Runtime,
+        guard: parking_lot::MutexGuard<'g, State>,
+        sw: &SendWr<'_>,
+        fetched: &mut bool,
+    ) -> Result<Option<parking_lot::MutexGuard<'g, State>>> {
+        let Some(conn) = &guard.conn else { return Err(Errno::EINVAL) };
+        match self.precheck(&guard.memo, sw) {
+            Ok(()) => Ok(Some(guard)),
+            Err(Verdict::Reject(r)) => {
+                klog!(Level::Debug, "vqp {:#x}: rejected a work request: {r}", self.vqpn);
+                Err(r.errno())
+            }
+            Err(Verdict::NeedRemote { rkey }) => {
+                let link = Arc::clone(&conn.link);
+                drop(guard);
+                if *fetched || !self.fetch_remote(rt, &link, rkey)? {
+                    klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
+                    return Err(Errno::EINVAL);
+                }
+                *fetched = true;
+                Ok(None)
+            }
         }
     }
 
@@ -732,26 +747,7 @@ impl Vqp {
             // SAFETY: as above.
             let sw = unsafe { self.send_wr(w) }?;
             let mut fetched = false;
-            loop {
-                let guard = self.st.lock();
-                let Some(conn) = &guard.conn else { return Err(Errno::EINVAL) };
-                match self.precheck(&guard.memo, &sw) {
-                    Ok(()) => break,
-                    Err(Verdict::Reject(r)) => {
-                        klog!(Level::Debug, "vqp {:#x}: rejected a work request of a batch: {r}", self.vqpn);
-                        return Err(r.errno());
-                    }
-                    Err(Verdict::NeedRemote { rkey }) => {
-                        let link = Arc::clone(&conn.link);
-                        drop(guard);
-                        if fetched || !self.fetch_remote(rt, &link, rkey)? {
-                            klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
-                            return Err(Errno::EINVAL);
-                        }
-                        fetched = true;
-                    }
-                }
-            }
+            while self.precheck_fetching(rt, self.st.lock(), &sw, &mut fetched)?.is_none() {}
             wr = w.next;
         }
         Ok(())
