@@ -38,6 +38,7 @@
  *   scale node=1|2 mode=LABEL n=N pid=.. create_us= exchange_us=
  *         connect_us= msgs_us= total_us= teardown_us= rss_before_kB=
  *         rss_after_kB= rss_delta_B= virt_delta_B= pin_delta_B=
+ *         anon_delta_B= file_delta_B= shmem_delta_B= (VmRSS's parts)
  *         app_qps_virtual= (qp_num with bit 23 set) stat_qps_virtualized=
  *         stat_vqps= stat_links= stat_links_opened= (the library's
  *         counters, -1 without the library)
@@ -162,7 +163,7 @@ static void barrier(int fd, char c)
 /* ---- memory ----------------------------------------------------------------- */
 
 struct snap {
-	long rss_kb, pin_kb, virt_kb;
+	long rss_kb, anon_kb, file_kb, shmem_kb, pin_kb, virt_kb;
 };
 
 static void snap_now(struct snap *s)
@@ -175,6 +176,9 @@ static void snap_now(struct snap *s)
 		die("/proc/self/status: %s", strerror(errno));
 	while (fgets(line, sizeof(line), f)) {
 		sscanf(line, "VmRSS: %ld", &s->rss_kb);
+		sscanf(line, "RssAnon: %ld", &s->anon_kb);
+		sscanf(line, "RssFile: %ld", &s->file_kb);
+		sscanf(line, "RssShmem: %ld", &s->shmem_kb);
 		sscanf(line, "VmPin: %ld", &s->pin_kb);
 		sscanf(line, "VmSize: %ld", &s->virt_kb);
 	}
@@ -558,13 +562,17 @@ static int run(const char *dev, int fd, pid_t child, pid_t meta)
 		printf("scale node=%d mode=%s n=%d pid=%d create_us=%.0f exchange_us=%.0f "
 		       "connect_us=%.0f msgs_us=%.0f total_us=%.0f teardown_us=%.0f "
 		       "rss_before_kB=%ld rss_after_kB=%ld rss_delta_B=%ld virt_delta_B=%ld "
-		       "pin_delta_B=%ld app_qps_virtual=%d stat_qps_virtualized=%lld "
+		       "pin_delta_B=%ld anon_delta_B=%ld file_delta_B=%ld shmem_delta_B=%ld "
+		       "app_qps_virtual=%d stat_qps_virtualized=%lld "
 		       "stat_vqps=%lld stat_links=%lld stat_links_opened=%lld\n",
 		       node, label, n_qp, (int)getpid(), t_create - t0, t_exch - t_create,
 		       t_conn - t_exch, t_msgs - t_conn, t_msgs - t0, t_down, before.rss_kb,
 		       after.rss_kb, (after.rss_kb - before.rss_kb) * 1024,
 		       (after.virt_kb - before.virt_kb) * 1024,
-		       (after.pin_kb - before.pin_kb) * 1024, virtual_qpns, st_virt, st_vqps,
+		       (after.pin_kb - before.pin_kb) * 1024,
+		       (after.anon_kb - before.anon_kb) * 1024,
+		       (after.file_kb - before.file_kb) * 1024,
+		       (after.shmem_kb - before.shmem_kb) * 1024, virtual_qpns, st_virt, st_vqps,
 		       st_links, st_opened);
 	}
 	/* Node 2 prints before node 1 goes on (one output file, in order). */

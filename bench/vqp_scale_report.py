@@ -164,6 +164,21 @@ def main():
                 cells.append(summary(r, ratio) if r else "– (plain: 0)")
             print(f"| {n} | " + " | ".join(cells) + " |")
 
+    print("\nWhere the time and the resident memory go (node 1; ms, KiB; median):\n")
+    print("| N | mode | create + INIT | exchange | RTR + RTS | messages | teardown (untimed above) "
+          "| RssAnon Δ | RssFile Δ | RssShmem Δ |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        for m in modes:
+            ok = [d for d in runs[(m, n)] if d]
+            if not ok:
+                continue
+            cells = [summary([d["node1"][k] / 1e3 for d in ok], ms)
+                     for k in ("create_us", "exchange_us", "connect_us", "msgs_us", "teardown_us")]
+            cells += [summary([d["node1"].get(k, "–") for d in ok], kib)
+                      for k in ("anon_delta_B", "file_delta_B", "shmem_delta_B")]
+            print(f"| {n} | {m} | " + " | ".join(cells) + " |")
+
     if len(sizes) >= 2:
         lo, hi = min(sizes), max(sizes)
         print(f"\nOne more application QP (node 1; (figure at N={hi} − figure at N={lo}) / "
