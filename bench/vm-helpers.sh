@@ -1,5 +1,5 @@
 # Helpers of the side-by-side VM benchmarks (bench/connect-compare.sh,
-# bench/vqp-compare.sh, bench/vqp-instructions.sh), sourced after `cd` to the repository. The caller
+# bench/vqp-compare.sh, bench/vqp-instructions.sh, bench/vqp-scale.sh), sourced after `cd` to the repository. The caller
 # sets `me` (its name, for messages) and `ready_s`.
 
 # Waits until the log ($1) of the process $2 has a line matching the sed
