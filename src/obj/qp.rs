@@ -101,8 +101,9 @@ impl Qp {
         Ok(Qp::wrap_virtual(v, p.qp_context))
     }
 
-    /// Whether `KRCORE_VIRTUALIZE` makes this RC QP a transparent VQP;
-    /// `Err(why)` keeps it real, and the log says why.
+    /// Whether `KRCORE_VIRTUALIZE` makes this RC QP a transparent VQP
+    /// (`extra`: a reason of the caller's to keep it real); the log says
+    /// why one stays real.
     fn virtualizes(p: &Parents, qp_type: ibv_qp_type::Type, cap: &ibv_qp_cap, extra: Option<&'static str>) -> bool {
         use crate::config::Virtualize;
         let cfg = crate::config::get();
@@ -139,10 +140,16 @@ impl Qp {
     /// Run `f` (librdmacm creating a QP): the QPs it creates stay real
     /// (`abi/rdmacm.rs` says why).
     pub fn created_by_rdmacm<R>(f: impl FnOnce() -> R) -> R {
+        /// Clears the mark however `f` returns.
+        struct Unmark;
+        impl Drop for Unmark {
+            fn drop(&mut self) {
+                VIA_RDMACM.with(|v| v.set(false));
+            }
+        }
         VIA_RDMACM.with(|v| v.set(true));
-        let r = f();
-        VIA_RDMACM.with(|v| v.set(false));
-        r
+        let _unmark = Unmark;
+        f()
     }
 
     /// `KRCORE_VIRTUALIZE=auto`: a real QP as `a` asks, kept in RESET
