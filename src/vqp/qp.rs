@@ -420,18 +420,13 @@ impl Vqp {
         let _ = self.srq.set(srq);
     }
 
-    /// Whether no receive is posted for the next message.
+    /// Whether no receive is posted for the next message. On an SRQ the
+    /// VQP then waits for the SRQ's next post (checked and registered
+    /// under the SRQ's lock: a post in between cannot miss it).
     fn rq_is_empty(&self, st: &State) -> bool {
         match self.srq.get() {
-            Some(srq) => srq.ring().is_empty(),
+            Some(srq) => srq.empty_or_wait(self.slot, self.gen),
             None => st.rq.is_empty(),
-        }
-    }
-
-    /// A message waits for a receive: an SRQ's post wakes this VQP.
-    fn wait_for_recv(&self) {
-        if let Some(srq) = self.srq.get() {
-            srq.wait(self.slot, self.gen);
         }
     }
 
@@ -1118,7 +1113,6 @@ impl Vqp {
         // Behind held messages or a large one being READ: RC order.
         if !st.held.is_empty() || st.reading.is_some() || self.rq_is_empty(&st) {
             st.held.push_back(Held { header: *h, payload: payload.to_vec(), link: Arc::clone(link) });
-            self.wait_for_recv();
             return;
         }
         self.land(&mut st, h, payload, link);
@@ -1136,7 +1130,6 @@ impl Vqp {
             let Some(front) = st.held.front() else { break };
             let closing = front.header.flags.contains(Flags::CLOSE);
             if !closing && self.rq_is_empty(st) {
-                self.wait_for_recv();
                 break;
             }
             let Some(m) = st.held.pop_front() else { break };

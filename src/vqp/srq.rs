@@ -99,12 +99,17 @@ impl VSrq {
         }
     }
 
-    /// VQP (slot, gen) holds a message for want of a receive.
-    pub fn wait(&self, slot: u32, gen: u8) {
+    /// Whether no receive is posted; if so VQP (slot, gen), which has a
+    /// message for one, is woken by the next post.
+    pub fn empty_or_wait(&self, slot: u32, gen: u8) -> bool {
         let mut g = self.inner.lock();
+        if !g.ring.is_empty() {
+            return false;
+        }
         if !g.waiting.contains(&(slot, gen)) {
             g.waiting.push((slot, gen));
         }
+        true
     }
 
     /// The ring, to take the next receive from (a VQP's lock is held:
@@ -124,10 +129,6 @@ impl VSrq {
 pub struct SrqRing<'a>(MutexGuard<'a, Inner>);
 
 impl SrqRing<'_> {
-    pub fn is_empty(&self) -> bool {
-        self.0.ring.is_empty()
-    }
-
     pub fn pop_front(&mut self) -> Option<RecvWr<'_>> {
         self.0.ring.pop_front()
     }
@@ -167,6 +168,18 @@ mod tests {
         assert_eq!(got, vec![(1, 1), (2, 2), (3, 3)]);
         assert_eq!(s.post(9, &[sge(9)]), Ok(false), "real now: the caller posts to the real SRQ");
         assert_eq!(s.attach(true, |_, _| Ok(())), Err(Errno::EINVAL));
+    }
+
+    #[test]
+    fn an_empty_ring_registers_the_waiter_once() {
+        let s = VSrq::new(1, 2, 1, 1 << 20).unwrap();
+        assert!(s.empty_or_wait(7, 1));
+        assert!(s.empty_or_wait(7, 1));
+        assert_eq!(s.inner.lock().waiting, vec![(7, 1)]);
+        s.post(1, &[sge(1)]).unwrap();
+        assert!(!s.empty_or_wait(8, 0), "a receive is there");
+        s.wake();
+        assert!(s.inner.lock().waiting.is_empty(), "the post's wake took the waiters");
     }
 
     #[test]
