@@ -521,6 +521,11 @@ pub struct Runtime {
     recv_bufs: Region,
     /// Held by the one thread making progress (see the module doc).
     progress: Mutex<LastVqp>,
+    /// A thread found `progress` held: its holder drains once more after
+    /// releasing it (else a completion that came after the holder's poll
+    /// and whose event woke only that thread waits for the next poll; an
+    /// application asleep on a completion channel never makes one).
+    progress_again: AtomicBool,
     /// The CQs this runtime's VQPs deliver to (their notifiers live on
     /// this PD).
     cqs: Mutex<Vec<Weak<CqSoft>>>,
@@ -578,6 +583,7 @@ impl Runtime {
             meta: OnceCell::new(),
             recv_bufs,
             progress: Mutex::new(LastVqp::default()),
+            progress_again: AtomicBool::new(false),
             cqs: Mutex::new(Vec::new()),
             armed_cqs: std::sync::atomic::AtomicUsize::new(0),
             control: Mutex::new(FxHashMap::default()),
@@ -695,15 +701,35 @@ impl Runtime {
     /// for the service thread, which takes them while nobody polls for
     /// them (`polls` tells it).
     /// Completions for the CQ behind `sink` go into it (see [`Sink`]).
-    pub fn progress_for(&self, receives: bool, sink: Option<&mut Sink<'_>>) {
-        let Some(mut last) = self.progress.try_lock() else { return };
-        let messages = receives || self.large.awaits_done();
+    pub fn progress_for(&self, receives: bool, mut sink: Option<&mut Sink<'_>>) {
+        let mut messages = receives || self.large.awaits_done();
         if messages {
             // A plain store, not a locked increment: the service thread
             // only asks whether it changed.
             self.polls.store(self.polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         }
-        self.drain(&mut last, messages, sink);
+        loop {
+            let mut last = match self.progress.try_lock() {
+                Some(l) => l,
+                None => {
+                    // Flag, then try again: the holder looks at the flag
+                    // after releasing, so one of the two drains.
+                    self.progress_again.store(true, Ordering::SeqCst);
+                    match self.progress.try_lock() {
+                        Some(l) => l,
+                        None => return,
+                    }
+                }
+            };
+            self.drain(&mut last, messages, sink.as_deref_mut());
+            drop(last);
+            // A load first: the swap is a locked instruction, rarely needed.
+            if !self.progress_again.load(Ordering::SeqCst) || !self.progress_again.swap(false, Ordering::SeqCst) {
+                return;
+            }
+            // For the other thread, which may have wanted the messages.
+            messages = true;
+        }
     }
 
     /// Poll the links' send (and, with `messages`, receive) completions
