@@ -319,7 +319,7 @@ t_pass=$((SECONDS - t))
 
 echo
 echo "== 5. transparent virtual QPs: the same unmodified programs with KRCORE_VIRTUALIZE=1:"
-echo "      their RC QPs become virtual QPs on one shared link per peer process"
+echo "      their RC QPs become virtual QPs on the links between the two processes"
 rc5=0 t=$SECONDS
 VIRT=1 pair ibv_rc_pingpong_v 18517 'bytes in' '{ print $1, "bytes in", $4, "s:", $7, "Mbit/s" }' \
     ibv_rc_pingpong -d rxe0 -g 1 -p 18517 -c -- \
