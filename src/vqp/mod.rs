@@ -1,9 +1,11 @@
 //! The QP data path.
 //!
-//! Today every application QP is backed one to one by a real QP and the
-//! [`Forwarder`] posts straight to it. The virtual-QP path (shared physical
-//! QPs, pre-checks, wr_id encoding) replaces this type; the ABI layer only
-//! calls `post_send` / `post_recv` on it and does not change.
+//! A pass-through QP is backed one to one by a real QP, and the
+//! [`Forwarder`] here posts straight to it. A virtual QP (`KRCORE_VQP`, or
+//! an RC QP under `KRCORE_VIRTUALIZE`) is a [`qp::Vqp`]: shared physical
+//! QPs (links), pre-checks, wr_id encoding; `rc.rs` is the RC state machine
+//! a transparent one plays, `srq.rs` its SRQs, `wr_builder.rs` its
+//! `ibv_wr_*` batches.
 
 pub mod api;
 pub mod header;
