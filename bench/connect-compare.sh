@@ -152,15 +152,7 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
 fi
 
 if ((!report_only)); then
-    for tool in cc python3; do
-        command -v "$tool" >/dev/null || { echo "connect-compare: $tool not found (scripts/install-deps.sh)" >&2; exit 2; }
-    done
-    for f in target/release/libkrcore.so target/release/krcore-meta; do
-        [[ -f "$f" ]] || { echo "connect-compare: $f is missing: run cargo build --release first" >&2; exit 2; }
-    done
-    if [[ -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
-        echo "connect-compare: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
-    fi
+    host_preflight
     build_pair bench/connect.c "$bin" "$kbin" "$klib"
     rm -rf "$out" && mkdir -p "$out"
     {

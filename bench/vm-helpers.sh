@@ -2,6 +2,22 @@
 # bench/vqp-compare.sh, bench/vqp-instructions.sh, bench/vqp-scale.sh), sourced after `cd` to the repository. The caller
 # sets `me` (its name, for messages) and `ready_s`.
 
+# The host side's prerequisites: the tools, the release library and
+# krcore-meta (exit 2 without them), and a warning when src/ is newer than
+# the library.
+host_preflight() {
+    local tool f
+    for tool in cc python3; do
+        command -v "$tool" >/dev/null || { echo "$me: $tool not found (scripts/install-deps.sh)" >&2; exit 2; }
+    done
+    for f in target/release/libkrcore.so target/release/krcore-meta; do
+        [[ -f "$f" ]] || { echo "$me: $f is missing: run cargo build --release first" >&2; exit 2; }
+    done
+    if [[ -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
+        echo "$me: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
+    fi
+}
+
 # Waits until the log ($1) of the process $2 has a line matching the sed
 # expression $3 (printed: what it extracts), the process is gone, or
 # $ready_s seconds have passed.

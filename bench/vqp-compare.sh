@@ -277,15 +277,7 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
 fi
 
 if ((!report_only)); then
-    for tool in cc python3; do
-        command -v "$tool" >/dev/null || { echo "vqp-compare: $tool not found (scripts/install-deps.sh)" >&2; exit 2; }
-    done
-    for f in target/release/libkrcore.so target/release/krcore-meta; do
-        [[ -f "$f" ]] || { echo "vqp-compare: $f is missing: run cargo build --release first" >&2; exit 2; }
-    done
-    if [[ -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
-        echo "vqp-compare: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
-    fi
+    host_preflight
     ((mesh_procs >= 2 && mesh_procs <= 10)) || { echo "vqp-compare: KRCORE_BENCH_MESH_PROCS must be in [2, 10] (10 emulated nodes)" >&2; exit 2; }
     ((mem_peers >= 2 && mem_peers <= 9)) || { echo "vqp-compare: KRCORE_BENCH_MEM_PEERS must be in [2, 9] (10 emulated nodes)" >&2; exit 2; }
     build_pair bench/datapath.c "$bin" "$kbin" "$klib"

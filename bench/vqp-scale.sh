@@ -119,15 +119,7 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
 fi
 
 if ((!report_only)); then
-    for tool in cc python3; do
-        command -v "$tool" >/dev/null || { echo "vqp-scale: $tool not found (scripts/install-deps.sh)" >&2; exit 2; }
-    done
-    for f in target/release/libkrcore.so target/release/krcore-meta; do
-        [[ -f "$f" ]] || { echo "vqp-scale: $f is missing: run cargo build --release first" >&2; exit 2; }
-    done
-    if [[ -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
-        echo "vqp-scale: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
-    fi
+    host_preflight
     mkdir -p "$(dirname "$bin")" "$klib"
     cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
     # -I include: the counters' enum (read through dlsym, not linked).
