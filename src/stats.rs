@@ -100,6 +100,11 @@ pub enum krcore_stat {
     KRCORE_STAT_QPS_FALLBACK,
     /// Links opened since start (cumulative; `links` is the live count).
     KRCORE_STAT_LINKS_OPENED,
+    /// Links that failed (an error completion: the peer died or cannot be
+    /// reached); their VQPs moved to the error state.
+    KRCORE_STAT_LINKS_FAILED,
+    /// Liveness probes posted on idle links (`KRCORE_LINK_PROBE_MS`).
+    KRCORE_STAT_LINK_PROBES,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -151,6 +156,8 @@ const NAMES_NUL: [&str; COUNT] = [
     "qps_virtualized\0",
     "qps_fallback\0",
     "links_opened\0",
+    "links_failed\0",
+    "link_probes\0",
 ];
 
 /// A counter's name ("post_send").

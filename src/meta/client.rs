@@ -150,6 +150,12 @@ impl MetaClient {
         self.cache.lock().remove(key);
     }
 
+    /// Forget every cached endpoint of the process with `incarnation` (its
+    /// link failed: it died, or cannot be reached).
+    pub fn forget_process(&self, incarnation: u64) {
+        self.cache.lock().retain(|_, ep| ep.incarnation != incarnation);
+    }
+
     /// Register `key` -> `ep` on every replica, then keep it alive.
     pub fn bind(self: &Arc<Self>, key: &Key, ep: &Endpoint) -> Result<()> {
         self.request_all(Op::Bind, key, ep)?;

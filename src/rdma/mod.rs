@@ -577,7 +577,9 @@ impl Qp {
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;
         a.timeout = 14;
-        a.retry_cnt = 7;
+        // 6, not 7: rxe takes 7 for "retry forever" (as rnr_retry), and a
+        // dead peer must fail the QP: (6 + 1) x 67 ms of transport time.
+        a.retry_cnt = 6;
         // Infinite RNR retry: a receiver out of buffers slows the sender
         // down instead of failing the link.
         a.rnr_retry = 7;

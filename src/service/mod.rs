@@ -91,6 +91,15 @@ pub struct Link {
     /// Overflow accounting of the send queue; held while posting, so that
     /// decisions are in posting order.
     pub sq: Mutex<PhysSq>,
+    /// An error completion came on it (the peer died or is unreachable):
+    /// it is out of the tables that hand links out, never posted on again.
+    failed: AtomicBool,
+}
+
+impl Link {
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
 }
 
 /// Links are found by the peer's endpoint and the link's index.
@@ -146,6 +155,20 @@ impl Links {
     fn insert(&mut self, key: LinkKey, link: Arc<Link>) -> Arc<Link> {
         self.by_qpn.insert(link.qp.qpn(), Arc::clone(&link));
         Arc::clone(self.by_key.entry(key).or_insert(link))
+    }
+
+    /// Hand `link` out no more; a live duplicate to the same peer (made
+    /// when both sides connected at once) serves its key instead.
+    fn retire(&mut self, link: &Arc<Link>) {
+        let key = LinkKey::of(&link.peer, link.index);
+        self.accepted.retain(|_, l| !Arc::ptr_eq(l, link));
+        if self.by_key.get(&key).is_some_and(|l| Arc::ptr_eq(l, link)) {
+            self.by_key.remove(&key);
+            let twin = self.by_qpn.values().find(|l| !l.is_failed() && LinkKey::of(&l.peer, l.index) == key);
+            if let Some(twin) = twin {
+                self.by_key.insert(key, Arc::clone(twin));
+            }
+        }
     }
 }
 
@@ -381,6 +404,38 @@ impl Service {
         self.shared.links.lock().by_qpn.get(&qpn).cloned()
     }
 
+    /// The link with QP `qpn` had an error completion: RC moved its QP to
+    /// the error state, for good. It is handed out no more (a connect to
+    /// that peer makes a new link) and its QP is moved to ERR, which
+    /// flushes every WQE still on it. The link, the first time only.
+    pub fn fail_link(&self, qpn: u32) -> Option<Arc<Link>> {
+        let link = {
+            let mut links = self.shared.links.lock();
+            let link = links.by_qpn.get(&qpn).cloned()?;
+            if link.failed.swap(true, Ordering::AcqRel) {
+                return None;
+            }
+            links.retire(&link);
+            link
+        };
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_FAILED);
+        if let Err(e) = link.qp.to_error() {
+            klog!(Level::Debug, "service: moving a failed link's QP to ERR: {e:?}");
+        }
+        Some(link)
+    }
+
+    /// Forget a failed link whose flushed WQEs were all seen: its QP is
+    /// destroyed when the last holder lets it go.
+    pub fn forget_link(&self, qpn: u32) {
+        self.shared.links.lock().by_qpn.remove(&qpn);
+    }
+
+    /// Every link not failed (what the liveness probes look at).
+    pub fn live_links(&self) -> Vec<Arc<Link>> {
+        self.shared.links.lock().by_qpn.values().filter(|l| !l.is_failed()).cloned().collect()
+    }
+
     /// Our MR table: (address, rkey, slots).
     pub fn mr_table(&self) -> (u64, u32, u32) {
         self.shared.mr_table_info()
@@ -523,6 +578,7 @@ impl Shared {
             initiated: true,
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
+            failed: AtomicBool::new(false),
         });
         // A link the peer asked for meanwhile may already serve this key:
         // ours is kept too (the peer sends on its other end), and the
@@ -764,6 +820,7 @@ impl Shared {
             initiated: false,
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
+            failed: AtomicBool::new(false),
         });
         let mut links = self.links.lock();
         links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));

@@ -90,13 +90,22 @@ pub enum Control {
     /// A READ a thread waits for (`Runtime::control_read`): its status is
     /// kept for the waiter.
     Wait { retired: u16 },
+    /// A liveness probe of an idle link (an 8-byte READ of the peer's MR
+    /// table): only its status matters.
+    Probe { retired: u16 },
+    /// Posted on a failed link after moving it to ERR: flushed behind every
+    /// WQE still on it, so its completion says all of theirs were seen.
+    Fence { link_qpn: u32 },
 }
 
 impl Control {
     /// What its signaled completion retires on the link.
     pub fn retired(self) -> u16 {
         match self {
-            Control::Read { retired, .. } | Control::Header { retired } | Control::Wait { retired } => retired,
+            Control::Read { retired, .. } | Control::Header { retired } | Control::Wait { retired } | Control::Probe { retired } => {
+                retired
+            }
+            Control::Fence { .. } => 0,
         }
     }
 }
@@ -191,6 +200,16 @@ impl Large {
         let p = sent.remove(&addr)?;
         self.awaiting_done.store(sent.len(), Ordering::Release);
         Some((p.slot, p.gen, p.seq))
+    }
+
+    /// Link `link_qpn` failed: its staging goes once no message uses it,
+    /// and no DONE will come for what was sent on it (the senders' VQPs
+    /// are in the error state, their WRs reported).
+    pub fn forget_link(&self, link_qpn: u32) {
+        self.staging.lock().remove(&link_qpn);
+        let mut sent = self.sent.lock();
+        sent.retain(|_, p| p.link_qpn != link_qpn);
+        self.awaiting_done.store(sent.len(), Ordering::Release);
     }
 
     pub fn track(&self, tag: u32, c: Control) {

@@ -80,6 +80,11 @@ pub fn lookup(slot: u32, gen: u8) -> Option<Arc<Vqp>> {
     w.upgrade()
 }
 
+/// Every VQP alive.
+pub fn live() -> Vec<Arc<Vqp>> {
+    SLOTS.lock().entries.iter().filter_map(|(_, w)| w.upgrade()).collect()
+}
+
 pub fn by_vqpn(vqpn: u32) -> Option<Arc<Vqp>> {
     if vqpn & 0x80_0000 == 0 {
         return None;
@@ -160,6 +165,9 @@ struct State {
     rc: Option<RcShadow>,
     /// A transparent VQP's published QPN (unpublished at destroy).
     published: Option<crate::meta::Key>,
+    /// Its link failed: in the error state (sends and, once the messages
+    /// that came before are delivered, receives are flushed).
+    failed: bool,
 }
 
 /// An entry of a bound VQP's inbox.
@@ -238,6 +246,7 @@ impl Vqp {
             memo: MrMemo::default(),
             rc: None,
             published: None,
+            failed: false,
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {
@@ -484,6 +493,7 @@ impl Vqp {
                 st.rq.flush(&mut |_| {});
                 st.held.clear();
                 st.conn = None;
+                st.failed = false;
                 st.memo = MrMemo::default();
                 st.rc = Some(next);
                 return Ok(());
@@ -573,6 +583,9 @@ impl Vqp {
                     return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
                 }
                 Some(_) if !st.rc.as_ref().is_some_and(RcShadow::can_send) => return Err(Errno::EINVAL),
+                _ if st.failed => {
+                    return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
+                }
                 _ => {}
             }
             let Some(mut guard) = self.precheck_fetching(rt, guard, &sw, &mut fetched)? else { continue };
@@ -1069,17 +1082,17 @@ impl Vqp {
                 let mut st = self.st.lock();
                 match st.rc.as_ref().map(RcShadow::state) {
                     // As a real RC QP: no receives in RESET; in ERR they are
-                    // taken and flushed at once.
+                    // taken and flushed at once (after the messages that
+                    // came before the error: see `flush_receives_if_failed`).
                     Some(ibv_qp_state::IBV_QPS_RESET) => Err(Errno::EINVAL),
-                    Some(ibv_qp_state::IBV_QPS_ERR) => {
+                    _ => {
                         st.rq.push(w.wr_id, sges)?;
                         let mut out = Vec::new();
-                        st.rq.flush(&mut |c| out.push(c));
+                        self.flush_receives_if_failed(&mut st, &mut out);
                         drop(st);
                         out.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
                         Ok(())
                     }
-                    _ => st.rq.push(w.wr_id, sges),
                 }
             })();
             if let Err(e) = r {
@@ -1123,6 +1136,66 @@ impl Vqp {
     pub fn deliver_held(&self) {
         let mut st = self.st.lock();
         self.drain_held(&mut st);
+        let mut out = Vec::new();
+        self.flush_receives_if_failed(&mut st, &mut out);
+        drop(st);
+        out.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+    }
+
+    /// In the error state (moved to ERR, or its link failed) once every
+    /// message that arrived before is delivered: the posted receives are
+    /// flushed, as RC flushes its receive queue.
+    fn flush_receives_if_failed(&self, st: &mut State, out: &mut Vec<Completion>) {
+        let in_error = st.failed || st.rc.as_ref().is_some_and(|rc| rc.state() == ibv_qp_state::IBV_QPS_ERR);
+        if in_error && st.held.is_empty() && st.reading.is_none() && self.srq.get().is_none() {
+            st.rq.flush(&mut |c| out.push(c));
+        }
+    }
+
+    /// The link this VQP sends on failed (its peer died or cannot be
+    /// reached): as an RC QP whose retries ran out, it enters the error
+    /// state. What is still outstanding on its send queue completes with
+    /// `IBV_WC_WR_FLUSH_ERR` (the WR that met the error was reported with
+    /// its status already), its receives are flushed once the messages
+    /// that came before are delivered, and later posts are flushed. A bound
+    /// VQP reports the senders of that process closed (`qpop_msgs`) and
+    /// serves the others as before.
+    pub fn on_link_failed(&self, link: &Arc<Link>) {
+        let mut st = self.st.lock();
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        if st.conn.as_ref().is_some_and(|c| Arc::ptr_eq(&c.link, link)) {
+            st.conn = None;
+            st.failed = true;
+            st.sq.flush(&mut |c| sends.push(c));
+            if let Some(rc) = st.rc.as_mut() {
+                rc.fail();
+            }
+        }
+        if st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, link)) {
+            if let Some(mut rd) = st.reading.take() {
+                rd.wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+                self.complete_recv(&mut st, rd.wc, link);
+                self.drain_held(&mut st);
+            }
+        }
+        if st.bound.is_some() {
+            let incarnation = link.peer.incarnation;
+            let gone: Vec<u32> = st.src_qps.keys().filter(|(i, _)| *i == incarnation).map(|(_, src)| *src).collect();
+            for src in gone {
+                // Behind what that sender's messages still wait for.
+                if st.held.is_empty() && st.reading.is_none() {
+                    st.inbox.push_back(Inbox::Closed(incarnation, src));
+                } else {
+                    let header = Header { flags: Flags::CLOSE, src_vqpn: src, dst: self.vqpn, ..Header::default() };
+                    st.held.push_back(Held { header, payload: Vec::new(), link: Arc::clone(link) });
+                }
+            }
+        }
+        self.flush_receives_if_failed(&mut st, &mut recvs);
+        drop(st);
+        sends.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
+        recvs.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
     }
 
     fn drain_held(&self, st: &mut State) {

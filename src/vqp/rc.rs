@@ -140,6 +140,13 @@ impl RcShadow {
         self.attr.qp_state
     }
 
+    /// The connection failed (its link did): in ERR, as a real RC QP whose
+    /// retries ran out.
+    pub fn fail(&mut self) {
+        self.attr.qp_state = IBV_QPS_ERR;
+        self.attr.cur_qp_state = IBV_QPS_ERR;
+    }
+
     /// `ibv_modify_qp(attr, mask)`: EINVAL as a real RC QP on RoCE would
     /// refuse it (the transition, the mask, an out-of-range MTU or QPN, an
     /// RTR address without a GRH), else the state moves, the attributes

@@ -28,12 +28,14 @@ use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Payload bytes a message may carry (a receive buffer holds the header
 /// and this much).
 pub const MAX_MSG: usize = 4096;
 const RECV_BUF: usize = HEADER_LEN + MAX_MSG;
+/// Bytes a liveness probe READs.
+const PROBE_LEN: usize = 8;
 
 /// The wr_id of a notifier's sends (with its QP number, tells them apart
 /// from the application's own completions on the same real CQ).
@@ -542,6 +544,10 @@ pub struct Runtime {
     /// service thread saw last: whether the application polls by itself.
     polls: std::sync::atomic::AtomicU64,
     polls_seen: std::sync::atomic::AtomicU64,
+    /// Where liveness probes land (their bytes are not looked at).
+    probe_buf: Region,
+    /// Probes keep being scheduled until the runtime is released.
+    probing: AtomicBool,
 }
 
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
@@ -574,6 +580,7 @@ impl Runtime {
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
         let hdr_arena = Arc::new(HdrArena::new(&dev)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
+        let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
         let rt = Arc::new(Runtime {
             pd: pd as usize,
             hdr_arenas: Mutex::new(vec![hdr_arena]),
@@ -591,6 +598,8 @@ impl Runtime {
             large: Large::default(),
             polls: std::sync::atomic::AtomicU64::new(0),
             polls_seen: std::sync::atomic::AtomicU64::new(0),
+            probe_buf,
+            probing: AtomicBool::new(true),
         });
         for buf in 0..service::Options::default().srq_wr {
             rt.post_recv_buf(buf)?;
@@ -609,16 +618,126 @@ impl Runtime {
         let weak = Arc::downgrade(&rt);
         rt.svc.on_link_recv(Box::new(move || {
             let Some(rt) = weak.upgrade() else { return false };
-            let mut last = rt.progress.lock();
-            rt.drain(&mut last, true, None);
+            rt.progress_messages();
             let polls = rt.polls.load(Ordering::Relaxed);
             let polled = polls != rt.polls_seen.swap(polls, Ordering::Relaxed);
             // An application with an armed CQ waits for its event, however
             // often it polled before: messages must wake this thread.
             polled && rt.armed_cqs.load(Ordering::Acquire) == 0
         }));
+        Runtime::schedule_probes(&rt);
         map.insert(pd as usize, Arc::clone(&rt));
         Ok(rt)
+    }
+
+    /// Probe the idle links every `KRCORE_LINK_PROBE_MS` on the service
+    /// thread (a deferred work that defers itself again).
+    fn schedule_probes(rt: &Arc<Runtime>) {
+        let ms = crate::config::get().link_probe_ms;
+        if ms == 0 {
+            return;
+        }
+        let weak = Arc::downgrade(rt);
+        rt.svc.defer(
+            Instant::now() + Duration::from_millis(ms),
+            Box::new(move || {
+                let Some(rt) = weak.upgrade() else { return };
+                if rt.probing.load(Ordering::Acquire) {
+                    rt.probe_links();
+                    Runtime::schedule_probes(&rt);
+                }
+            }),
+        );
+    }
+
+    /// One READ of 8 bytes of the peer's MR table on every link with
+    /// nothing outstanding. RC has no keepalive: a link on which nothing
+    /// is posted never learns that its peer died, and the VQPs waiting on
+    /// it for messages would wait forever. A busy link needs no probe: its
+    /// own WQEs fail. The probe's completion wakes the service thread
+    /// (an error one fails the link, see `dispatch`).
+    fn probe_links(&self) {
+        let mut posted = false;
+        for link in self.svc.live_links() {
+            let mut sq = link.sq.lock();
+            if sq.outstanding() > 0 {
+                continue;
+            }
+            let Some(d) = sq.try_post(true) else { continue };
+            let tag = self.next_tag();
+            self.large.track(tag, Control::Probe { retired: d.retired });
+            let mut sge = self.probe_buf.sge(0, PROBE_LEN);
+            // SAFETY: a plain C struct.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = WrId::Control { tag }.encode();
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+            wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.wr.rdma.remote_addr = link.peer_mr_table.0;
+            wr.wr.rdma.rkey = link.peer_mr_table.1;
+            // SAFETY: one READ into our own registered buffer from the
+            // peer's MR table (registered for remote READ by the peer).
+            match unsafe { link.qp.post_send(&mut wr) } {
+                Ok(()) => {
+                    posted = true;
+                    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINK_PROBES);
+                }
+                Err(e) => {
+                    self.large.take(tag);
+                    let _ = sq.on_completion(d.retired);
+                    klog!(Level::Warn, "vqp: cannot probe the link to {:?}: {e:?}", link.peer.gid);
+                }
+            }
+        }
+        if posted {
+            if let Err(e) = self.svc.want_link_events() {
+                klog!(Level::Warn, "vqp: arming the links' CQ: {e:?}");
+            }
+        }
+    }
+
+    /// An error completion came on link `qpn`: RC moved its QP to the error
+    /// state, for good (the peer died, or cannot be reached). The link is
+    /// handed out no more, the peer's endpoint leaves the DCCache, and a
+    /// fence posted behind the link's WQEs says when all of their (flushed)
+    /// completions were seen; then the link's VQPs move to the error state.
+    fn link_failed(&self, qpn: u32, status: u32) {
+        let Some(link) = self.svc.fail_link(qpn) else { return };
+        klog!(
+            Level::Warn,
+            "vqp: the link to {:02x?} (QP {qpn}) failed with status {status}: the peer is gone; its VQPs move to the error state",
+            link.peer.gid
+        );
+        if let Some(meta) = self.meta.get() {
+            meta.forget_process(link.peer.incarnation);
+        }
+        let tag = self.next_tag();
+        self.large.track(tag, Control::Fence { link_qpn: qpn });
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = WrId::Control { tag }.encode();
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        // SAFETY: a WR without data; the QP is in ERR and flushes it.
+        if let Err(e) = unsafe { link.qp.post_send(&mut wr) } {
+            // No fence: what is still in flight on the link completes as
+            // stale (the VQPs' queues are flushed already by then).
+            klog!(Level::Debug, "vqp: no fence on the failed link: {e:?}");
+            self.large.take(tag);
+            self.link_gone(&link);
+        }
+    }
+
+    /// Every completion of a failed link was seen: its VQPs move to the
+    /// error state, what it held goes.
+    fn link_gone(&self, link: &Arc<service::Link>) {
+        let qpn = link.qp.qpn();
+        self.svc.forget_link(qpn);
+        self.large.forget_link(qpn);
+        for v in vqp::live() {
+            v.on_link_failed(link);
+        }
     }
 
     /// The PD's MRs go into the MR table linked peers READ, and follow it.
@@ -732,6 +851,21 @@ impl Runtime {
         }
     }
 
+    /// The service thread's pass over the links' messages: it waits for
+    /// the progress lock (the messages must be taken off the shared
+    /// buffers), then, like [`Runtime::progress_for`], drains once more
+    /// for a thread that found the lock held meanwhile and left its work
+    /// to this one (an application arming its CQ relies on that pass for
+    /// a completion that came before the links' CQ was armed).
+    fn progress_messages(&self) {
+        let mut last = self.progress.lock();
+        self.drain(&mut last, true, None);
+        drop(last);
+        if self.progress_again.load(Ordering::SeqCst) && self.progress_again.swap(false, Ordering::SeqCst) {
+            self.progress_for(true, None);
+        }
+    }
+
     /// Poll the links' send (and, with `messages`, receive) completions
     /// and deliver them (the progress lock held).
     fn drain(&self, last: &mut LastVqp, messages: bool, mut sink: Option<&mut Sink<'_>>) {
@@ -769,6 +903,16 @@ impl Runtime {
     }
 
     fn dispatch(&self, wc: &ibv_wc, last: &mut LastVqp, sink: Option<&mut Sink<'_>>) {
+        self.dispatch_one(wc, last, sink);
+        // Any error completion of a link's send queue (the receive side's
+        // are flushes of the SRQ's buffers, handled there) means its QP
+        // is in ERR: every VQP on it follows.
+        if wc.status != ibv_wc_status::IBV_WC_SUCCESS && !matches!(WrId::decode(wc.wr_id), Ok(WrId::Recv { .. })) {
+            self.link_failed(wc.qp_num, wc.status);
+        }
+    }
+
+    fn dispatch_one(&self, wc: &ibv_wc, last: &mut LastVqp, sink: Option<&mut Sink<'_>>) {
         let id = match WrId::decode(wc.wr_id) {
             Ok(id) => id,
             Err(_) => {
@@ -786,7 +930,7 @@ impl Runtime {
                     None => false,
                 };
                 if !accounted {
-                    if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
+                    if let Some(link) = self.svc.link_by_qpn(wc.qp_num).filter(|l| !l.is_failed()) {
                         if let Err(e) = link.sq.lock().on_completion(s.retired()) {
                             klog!(Level::Warn, "vqp: link accounting: {e:?}");
                         }
@@ -794,8 +938,13 @@ impl Runtime {
                 }
             }
             WrId::Control { tag } => match self.large.take(tag) {
+                Some(Control::Fence { link_qpn }) => {
+                    if let Some(link) = self.svc.link_by_qpn(link_qpn) {
+                        self.link_gone(&link);
+                    }
+                }
                 Some(c) => {
-                    if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
+                    if let Some(link) = self.svc.link_by_qpn(wc.qp_num).filter(|l| !l.is_failed()) {
                         if let Err(e) = link.sq.lock().on_completion(c.retired()) {
                             klog!(Level::Warn, "vqp: link accounting: {e:?}");
                         }
@@ -809,7 +958,7 @@ impl Runtime {
                         Control::Wait { .. } => {
                             self.control.lock().insert(tag, wc.status);
                         }
-                        Control::Header { .. } => {}
+                        Control::Header { .. } | Control::Probe { .. } | Control::Fence { .. } => {}
                     }
                 }
                 None => klog!(Level::Warn, "vqp: a completion for no control WQE of ours (tag {tag})"),
@@ -945,6 +1094,7 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
     let rt = map.remove(&(pd as usize)).expect("present");
     drop(g);
     // Delayed deregistrations hold the PD: they go now.
+    rt.probing.store(false, Ordering::Release);
     rt.svc.run_deferred_now();
     mrs::unobserve(pd as usize);
     if let Some(meta) = rt.meta.get() {
