@@ -100,6 +100,15 @@ pub enum krcore_stat {
     KRCORE_STAT_QPS_FALLBACK,
     /// Links opened since start (cumulative; `links` is the live count).
     KRCORE_STAT_LINKS_OPENED,
+    /// Meta-server replicas connected again after their connection failed
+    /// or they were down (a restart, a network failure).
+    KRCORE_STAT_META_RECONNECTS,
+    /// Bindings registered again on a replica that was reconnected or had
+    /// lost them (the repopulation of a restarted meta server).
+    KRCORE_STAT_META_REBINDS,
+    /// Lookups answered by a replica other than the first in `KRCORE_META`
+    /// (the first was down, busy or did not have the entry).
+    KRCORE_STAT_META_LOOKUP_FAILOVERS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -151,6 +160,9 @@ const NAMES_NUL: [&str; COUNT] = [
     "qps_virtualized\0",
     "qps_fallback\0",
     "links_opened\0",
+    "meta_reconnects\0",
+    "meta_rebinds\0",
+    "meta_lookup_failovers\0",
 ];
 
 /// A counter's name ("post_send").
