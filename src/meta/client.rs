@@ -187,6 +187,8 @@ enum Step {
     Found(Endpoint),
     Absent,
     Failed(Errno),
+    /// It went down meanwhile.
+    Skipped,
 }
 
 impl MetaClient {
@@ -257,6 +259,7 @@ impl MetaClient {
                 *last = e;
                 None
             }
+            Step::Skipped => None,
         };
         for (i, r) in self.replicas.iter().enumerate() {
             if r.state() != UP {
@@ -300,7 +303,7 @@ impl MetaClient {
 
     fn lookup_on(&self, i: usize, mut g: MutexGuard<'_, Option<Conn>>, key: &Key) -> Step {
         let r = &self.replicas[i];
-        let Some(conn) = g.as_mut().filter(|_| r.state() == UP) else { return Step::Failed(Errno(libc::ENOTCONN)) };
+        let Some(conn) = g.as_mut().filter(|_| r.state() == UP) else { return Step::Skipped };
         match conn.lookup(key, self.opts.timeout, &r.state) {
             Ok(Some(ep)) => Step::Found(ep),
             Ok(None) => Step::Absent,
