@@ -648,8 +648,19 @@ pid_t ct_start_meta(void)
 
 pid_t ct_start_meta_slots(unsigned slots)
 {
+	static char addr[64];
+	pid_t pid;
+
+	snprintf(addr, sizeof(addr), "10.77.0.1:%d", 20000 + getpid() % 20000);
+	pid = ct_start_meta_at(addr, slots);
+	setenv("KRCORE_META", addr, 1);
+	return pid;
+}
+
+pid_t ct_start_meta_at(const char *addr, unsigned slots)
+{
 	char nslots[16];
-	static char addr[64], path[4096];
+	static char path[4096];
 	const char *bin = getenv("KRCORE_META_BIN");
 	int p[2];
 	char line[512];
@@ -666,7 +677,6 @@ pid_t ct_start_meta_slots(unsigned slots)
 		strcat(path, "/../release/krcore-meta");
 		bin = path;
 	}
-	snprintf(addr, sizeof(addr), "10.77.0.1:%d", 20000 + getpid() % 20000);
 	snprintf(nslots, sizeof(nslots), "%u", slots);
 	CT_CHECK(pipe(p) == 0, "pipe");
 	pid = fork();
@@ -685,12 +695,12 @@ pid_t ct_start_meta_slots(unsigned slots)
 
 		CT_CHECK(poll(&pfd, 1, 30000) == 1, "krcore-meta did not start (%s)", bin);
 		k = read(p[0], line + used, sizeof(line) - 1 - used);
-		CT_CHECK(k > 0, "krcore-meta exited (%s)", bin);
+		CT_CHECK(k > 0, "krcore-meta exited (%s on %s)", bin, addr);
 		used += (size_t)k;
 	}
+	/* p[0] stays open: a later line must not kill it with SIGPIPE. */
 	line[used] = 0;
 	CT_CHECK(strstr(line, "serving on") != NULL, "krcore-meta said: %s", line);
-	setenv("KRCORE_META", addr, 1);
 	return pid;
 }
 

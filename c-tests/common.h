@@ -227,6 +227,10 @@ union ibv_gid ct_node_gid(int node);
 pid_t ct_start_meta(void);
 /* The same with a table of `slots` slots (about four per key published). */
 pid_t ct_start_meta_slots(unsigned slots);
+/* Start krcore-meta listening on `addr` ("ip:port"; the RDMA device
+ * whose GIDs include ip serves its table) with `slots` slots, wait for it
+ * to serve; its pid. KRCORE_META is left alone. */
+pid_t ct_start_meta_at(const char *addr, unsigned slots);
 /* A VQP (KRCORE_VQP) with these capabilities; the granted ones in
  * *granted when not NULL. */
 struct ibv_qp *ct_create_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_cq *rcq,

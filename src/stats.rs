@@ -105,6 +105,15 @@ pub enum krcore_stat {
     KRCORE_STAT_LINKS_FAILED,
     /// Liveness probes posted on idle links (`KRCORE_LINK_PROBE_MS`).
     KRCORE_STAT_LINK_PROBES,
+    /// Meta-server replicas connected again after their connection failed
+    /// or they were down (a restart, a network failure).
+    KRCORE_STAT_META_RECONNECTS,
+    /// Bindings registered again on a replica that was reconnected or had
+    /// lost them (the repopulation of a restarted meta server).
+    KRCORE_STAT_META_REBINDS,
+    /// Lookups answered by a replica other than the first in `KRCORE_META`
+    /// (the first was down, busy or did not have the entry).
+    KRCORE_STAT_META_LOOKUP_FAILOVERS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -158,6 +167,9 @@ const NAMES_NUL: [&str; COUNT] = [
     "links_opened\0",
     "links_failed\0",
     "link_probes\0",
+    "meta_reconnects\0",
+    "meta_rebinds\0",
+    "meta_lookup_failovers\0",
 ];
 
 /// A counter's name ("post_send").

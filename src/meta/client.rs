@@ -3,14 +3,40 @@
 //! request messages, each with a lease that a background thread renews.
 //!
 //! Every replica named in `KRCORE_META` gets one TCP connection (bootstrap,
-//! then only a liveness signal: closing it, which the kernel does when the
-//! process dies, removes our entries at once) and one RC QP. Registrations
-//! go to every replica; a lookup uses the first replica that answers.
+//! then only a liveness signal both ways: closing it, which the kernel does
+//! when the process dies, removes our entries at once; the server's end
+//! closing tells us it died) and one RC QP.
+//!
+//! Failover. A replica is down (never reached, or its connection failed),
+//! being repopulated, up, or failed (waiting for the background thread to
+//! drop its connection). The background thread wakes every renewal period
+//! (and at once when a connection fails or the server's end of a TCP
+//! connection closes), renews our leases on every connected replica,
+//! reconnects to every replica that is down (at most once a period each),
+//! and registers everything this process has bound on a replica it
+//! reached again, before lookups use it: a restarted meta server is
+//! repopulated by its clients without the application doing anything. A
+//! renewal answered with fewer entries than we registered (they expired
+//! while we could not renew, e.g. the process was stopped) registers them
+//! again too.
+//!
+//! - A lookup uses the up replicas in `KRCORE_META` order, skipping one
+//!   that is busy (the background thread or another lookup holds it) and
+//!   coming back to it, waiting at most the timeout, only when no other
+//!   one answered. "Not bound" from one replica is confirmed with the
+//!   others (a replica that came back may not have every process's
+//!   entries yet); an entry one of them holds is the answer. It fails
+//!   (ECONNREFUSED, or the last transport error) only when no replica
+//!   can answer, and never waits for a replica known to be down.
+//! - A binding succeeds when at least one connected replica accepted it
+//!   and none refused it (a refusal, EADDRINUSE or ENOSPC, is undone on
+//!   the replicas that had accepted and returned). A replica that was down
+//!   gets it when it is reached again.
 //!
 //! Lookups run on the caller's thread and poll their own completion (the
 //! caller is inside an extended verb that waits for the answer anyway);
-//! the renewal thread sleeps on a condition variable and on the replicas'
-//! completion channels, never spinning.
+//! the background thread sleeps in poll(2) on the TCP connections and an
+//! eventfd, and on the replicas' completion channels, never spinning.
 
 use super::proto::{self, Hello, Op, Request, Response, Welcome};
 use super::table::{Lookup, RemoteEndpointTable, HEADER_SIZE, NEIGHBORHOOD};
@@ -19,13 +45,16 @@ use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
 use crate::rdma::{self, Caps, Cq, Device, Qp, RcPeer, Region};
+use crate::stats::{self, Stat};
 use crate::sys::*;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 /// Torn reads tolerated in a row before a lookup gives up (EAGAIN).
@@ -38,6 +67,18 @@ const READ_OFF: usize = 2 * proto::META_LEN;
 /// Room for one neighborhood READ (or the table header).
 const READ_LEN: usize = NEIGHBORHOOD * 128;
 
+/// The longest sleep of a request's wait between looks at its replica's
+/// state (only while a request is outstanding).
+const WAIT_SLICE: Duration = Duration::from_millis(10);
+
+/// A replica's state ([`Replica::state`]).
+const DOWN: u8 = 0;
+/// Connected; our entries are being registered; not used for lookups.
+const REPOPULATING: u8 = 1;
+const UP: u8 = 2;
+/// Its connection failed; the background thread drops it.
+const FAILED: u8 = 3;
+
 /// How the client behaves (`KRCORE_META*`).
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -47,10 +88,39 @@ pub struct Options {
     pub lease: Duration,
 }
 
+impl Options {
+    fn period(&self) -> Duration {
+        (self.lease / 3).max(Duration::from_millis(1))
+    }
+
+    /// Bound on the background thread's requests: a replica that does not
+    /// answer within a period is reconnected, and the others' renewals are
+    /// not held up past their lease.
+    fn background_timeout(&self) -> Duration {
+        self.timeout.min(self.period())
+    }
+
+    /// Bound on a reconnection attempt (TCP connect, Welcome, header READ):
+    /// half a period, so that an unreachable replica does not delay the
+    /// renewals on the others.
+    fn reconnect_timeout(&self) -> Duration {
+        self.timeout.min(self.period() / 2).max(Duration::from_millis(1))
+    }
+}
+
+/// One meta-server replica and our connection to it.
 struct Replica {
     addr: SocketAddr,
+    state: AtomicU8,
+    /// The connection's TCP socket (-1: none), for the background thread's
+    /// poll; only that thread changes it once the client runs.
+    tcp_fd: AtomicI32,
+    conn: Mutex<Option<Conn>>,
+}
+
+struct Conn {
     /// Held open: the server drops our entries when it closes.
-    _tcp: TcpStream,
+    tcp: TcpStream,
     cq: Arc<Cq>,
     qp: Qp,
     bufs: Region,
@@ -58,21 +128,31 @@ struct Replica {
     table_rkey: u32,
     /// The table's geometry, from its header (read once, at connect).
     table: Option<RemoteEndpointTable>,
+    incarnation: u64,
     next_req: u32,
-    /// A failed QP stays failed: the replica is skipped from then on.
-    dead: bool,
+    /// Keys this replica refused when we registered them again (another
+    /// process took them while it did not have ours): not retried on this
+    /// connection.
+    refused: HashSet<Key>,
+    /// A transport failure: the QP may hold work we no longer track.
+    broken: bool,
 }
 
 pub struct MetaClient {
-    replicas: Vec<Mutex<Replica>>,
+    replicas: Vec<Replica>,
+    dev: Arc<Device>,
+    sgid_index: u32,
     /// The DCCache: endpoints looked up, valid until the peer is found dead.
     cache: Mutex<FxHashMap<Key, Endpoint>>,
-    /// What this process registered, for renewal.
+    /// What this process registered, for renewal and repopulation. Held
+    /// while a registration is sent, so that a replica being repopulated
+    /// gets every binding (lock order: `bound`, then a replica's `conn`).
     bound: Mutex<HashMap<Key, Endpoint>>,
     opts: Options,
     renewer: Mutex<Option<std::thread::JoinHandle<()>>>,
-    wake: Condvar,
-    stop: Mutex<bool>,
+    stop: AtomicBool,
+    /// Wakes the background thread (a failure, or `shutdown`).
+    wake_fd: OwnedFd,
 }
 
 /// Parse `KRCORE_META`: `ip:port[,ip:port...]`.
@@ -88,61 +168,154 @@ pub fn parse_addrs(spec: &str) -> Result<Vec<SocketAddr>> {
     Ok(out)
 }
 
+/// Whether a replica that answered a renewal with `held` entries lost some
+/// of the `bound` we registered (`refused` of them it never had).
+fn lost_entries(held: u32, bound: usize, refused: usize) -> bool {
+    (held as usize) < bound.saturating_sub(refused)
+}
+
+/// When a replica that is down may be tried next: a period after the last
+/// attempt, and not before `now` (at once after a failure, unless the last
+/// attempt was less than a period ago: a replica that fails every request
+/// is not reconnected in a loop).
+fn next_attempt(last: Option<Instant>, now: Instant, period: Duration) -> Instant {
+    last.map_or(now, |l| (l + period).max(now))
+}
+
+/// The outcome of a lookup on one replica.
+enum Step {
+    Found(Endpoint),
+    Absent,
+    Failed(Errno),
+    /// It went down meanwhile.
+    Skipped,
+}
+
 impl MetaClient {
     /// Connect to every replica from our GID at `sgid_index` on `dev`.
-    /// Fails (ECONNREFUSED, ETIMEDOUT, ...) when no replica is reachable.
+    /// Fails (ECONNREFUSED, ETIMEDOUT, ...) when no replica is reachable;
+    /// the others are reconnected in the background.
     pub fn connect(dev: &Arc<Device>, sgid_index: u32, addrs: &[SocketAddr], opts: Options) -> Result<Arc<MetaClient>> {
         let mut replicas = Vec::new();
         let mut last = Errno(libc::ECONNREFUSED);
         for addr in addrs {
-            match Replica::connect(dev, sgid_index, *addr, opts.timeout) {
-                Ok(r) => replicas.push(Mutex::new(r)),
+            let r = Replica { addr: *addr, state: AtomicU8::new(DOWN), tcp_fd: AtomicI32::new(-1), conn: Mutex::new(None) };
+            match Conn::connect(dev, sgid_index, *addr, opts.timeout) {
+                Ok(c) => {
+                    r.tcp_fd.store(c.tcp.as_raw_fd(), Ordering::Relaxed);
+                    *r.conn.lock() = Some(c);
+                    r.state.store(UP, Ordering::Release);
+                }
                 Err(e) => {
-                    klog!(Level::Warn, "meta server {addr}: cannot connect: {e:?}");
+                    klog!(Level::Warn, "meta server {addr}: cannot connect: {e:?} (tried again every {:?})", opts.period());
                     last = e;
                 }
             }
+            replicas.push(r);
         }
-        if replicas.is_empty() {
+        if replicas.iter().all(|r| r.state() == DOWN) {
             return Err(last);
         }
-        Ok(Arc::new(MetaClient {
+        // SAFETY: plain syscall; the fd is checked and then owned.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(Errno::last());
+        }
+        let me = Arc::new(MetaClient {
             replicas,
+            dev: Arc::clone(dev),
+            sgid_index,
             cache: Mutex::new(FxHashMap::default()),
             bound: Mutex::new(HashMap::new()),
             opts,
             renewer: Mutex::new(None),
-            wake: Condvar::new(),
-            stop: Mutex::new(false),
-        }))
+            stop: AtomicBool::new(false),
+            // SAFETY: a new fd that nothing else owns.
+            wake_fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        });
+        // Always: lookups need failed replicas reconnected, bindings need
+        // renewing, a replica down now must be reached when it comes back.
+        me.start_renewer();
+        Ok(me)
     }
 
     /// The endpoint bound at `key`: from the DCCache, else one READ of the
-    /// table (re-read while torn). `Ok(None)`: nothing is bound there.
+    /// table on an up replica (re-read while torn). `Ok(None)`: nothing is
+    /// bound there, on any replica that answered.
     pub fn lookup(&self, key: &Key) -> Result<Option<Endpoint>> {
         if let Some(ep) = self.cache.lock().get(key) {
             return Ok(Some(*ep));
         }
         let mut last = Errno(libc::ECONNREFUSED);
-        for r in &self.replicas {
-            let mut r = r.lock();
-            if r.dead {
+        let mut absent = false;
+        let mut busy = Vec::new();
+        let mut step = |i: usize, g: MutexGuard<'_, Option<Conn>>, last: &mut Errno| match self.lookup_on(i, g, key) {
+            Step::Found(ep) => Some(ep),
+            Step::Absent => {
+                absent = true;
+                None
+            }
+            Step::Failed(e) => {
+                *last = e;
+                None
+            }
+            Step::Skipped => None,
+        };
+        for (i, r) in self.replicas.iter().enumerate() {
+            if r.state() != UP {
                 continue;
             }
-            match r.lookup(key, self.opts.timeout) {
-                Ok(found) => {
-                    if let Some(ep) = found {
-                        self.cache.lock().insert(*key, ep);
-                    }
-                    return Ok(found);
-                }
-                Err(e) => {
-                    klog!(Level::Warn, "meta server {}: lookup failed: {e:?}", r.addr);
-                    last = e;
-                }
+            // Never wait behind a renewal (or another lookup) here.
+            let Some(g) = r.conn.try_lock() else {
+                busy.push(i);
+                continue;
+            };
+            if let Some(ep) = step(i, g, &mut last) {
+                return Ok(Some(self.found(i, key, ep)));
             }
         }
+        for i in busy {
+            let r = &self.replicas[i];
+            if r.state() != UP {
+                continue;
+            }
+            let Some(g) = r.conn.try_lock_for(self.opts.timeout) else {
+                last = Errno(libc::ETIMEDOUT);
+                continue;
+            };
+            if let Some(ep) = step(i, g, &mut last) {
+                return Ok(Some(self.found(i, key, ep)));
+            }
+        }
+        if absent {
+            return Ok(None);
+        }
         Err(last)
+    }
+
+    fn found(&self, i: usize, key: &Key, ep: Endpoint) -> Endpoint {
+        if i != 0 {
+            stats::inc(Stat::KRCORE_STAT_META_LOOKUP_FAILOVERS);
+        }
+        self.cache.lock().insert(*key, ep);
+        ep
+    }
+
+    fn lookup_on(&self, i: usize, mut g: MutexGuard<'_, Option<Conn>>, key: &Key) -> Step {
+        let r = &self.replicas[i];
+        let Some(conn) = g.as_mut().filter(|_| r.state() == UP) else { return Step::Skipped };
+        match conn.lookup(key, self.opts.timeout, &r.state) {
+            Ok(Some(ep)) => Step::Found(ep),
+            Ok(None) => Step::Absent,
+            Err(e) => {
+                klog!(Level::Warn, "meta server {}: lookup failed: {e:?}", r.addr);
+                if conn.broken {
+                    drop(g);
+                    self.fail(i);
+                }
+                Step::Failed(e)
+            }
+        }
     }
 
     /// Forget a cached endpoint (its process was found dead).
@@ -156,39 +329,97 @@ impl MetaClient {
         self.cache.lock().retain(|_, ep| ep.incarnation != incarnation);
     }
 
-    /// Register `key` -> `ep` on every replica, then keep it alive.
-    pub fn bind(self: &Arc<Self>, key: &Key, ep: &Endpoint) -> Result<()> {
-        self.request_all(Op::Bind, key, ep)?;
-        self.bound.lock().insert(*key, *ep);
-        self.start_renewer();
-        Ok(())
-    }
-
-    pub fn unbind(&self, key: &Key) -> Result<()> {
-        let Some(ep) = self.bound.lock().remove(key) else { return Err(Errno(libc::ENOENT)) };
-        self.request_all(Op::Unbind, key, &ep)
-    }
-
-    fn request_all(&self, op: Op, key: &Key, ep: &Endpoint) -> Result<()> {
-        let lease_ms = self.opts.lease.as_millis().min(u32::MAX as u128) as u32;
-        let mut ok = 0;
+    /// Register `key` -> `ep` on every connected replica, then keep it
+    /// alive (and register it on the others when they are reached).
+    pub fn bind(&self, key: &Key, ep: &Endpoint) -> Result<()> {
+        let mut bound = self.bound.lock();
+        let mut accepted = Vec::new();
+        let mut refusal = None;
         let mut last = Errno(libc::ECONNREFUSED);
-        for r in &self.replicas {
-            let mut r = r.lock();
-            if r.dead {
-                continue;
-            }
-            match r.request(op, lease_ms, key, ep, self.opts.timeout) {
-                Ok(()) => ok += 1,
+        for (i, r) in self.replicas.iter().enumerate() {
+            match self.request_on(i, Op::Bind, key, ep, self.opts.timeout) {
+                None => {}
+                Some(Ok(_)) => accepted.push(i),
+                Some(Err((e, true))) => last = e,
                 // The server's verdict (EADDRINUSE, ENOSPC, ...) is the answer.
-                Err(e) if !r.dead => return Err(e),
-                Err(e) => last = e,
+                Some(Err((e, false))) => {
+                    klog!(Level::Debug, "meta server {}: bind refused: {e:?}", r.addr);
+                    refusal = Some(e);
+                    break;
+                }
             }
         }
-        if ok == 0 {
+        if let Some(e) = refusal {
+            // Undo a new binding where it was accepted (not one we held).
+            if !bound.contains_key(key) {
+                for i in accepted {
+                    let _ = self.request_on(i, Op::Unbind, key, ep, self.opts.timeout);
+                }
+            }
+            return Err(e);
+        }
+        if accepted.is_empty() {
             return Err(last);
         }
+        bound.insert(*key, *ep);
         Ok(())
+    }
+
+    /// Withdraw a binding of ours from every connected replica (a replica
+    /// that did not have it, or cannot be reached, does not matter: it
+    /// loses it with our connection or its lease).
+    pub fn unbind(&self, key: &Key) -> Result<()> {
+        let mut bound = self.bound.lock();
+        let Some(ep) = bound.remove(key) else { return Err(Errno(libc::ENOENT)) };
+        for (i, r) in self.replicas.iter().enumerate() {
+            let _ = self.request_on(i, Op::Unbind, key, &ep, self.opts.timeout);
+            if let Some(c) = r.conn.lock().as_mut() {
+                c.refused.remove(key);
+            }
+        }
+        drop(bound);
+        Ok(())
+    }
+
+    /// One request on replica `i` if it is connected (None when it is
+    /// not): the response's `held`, or the error and whether it was a
+    /// transport failure (the replica is then failed).
+    fn request_on(&self, i: usize, op: Op, key: &Key, ep: &Endpoint, timeout: Duration) -> Option<std::result::Result<u32, (Errno, bool)>> {
+        let r = &self.replicas[i];
+        if !matches!(r.state(), REPOPULATING | UP) {
+            return None;
+        }
+        let mut g = r.conn.lock();
+        let conn = g.as_mut().filter(|_| matches!(r.state(), REPOPULATING | UP))?;
+        let lease_ms = self.opts.lease.as_millis().min(u32::MAX as u128) as u32;
+        let res = conn.request(op, lease_ms, key, ep, timeout, &r.state);
+        let broken = conn.broken;
+        drop(g);
+        Some(res.map_err(|e| {
+            if broken {
+                klog!(Level::Warn, "meta server {}: {op:?} failed: {e:?}", r.addr);
+                self.fail(i);
+            }
+            (e, broken)
+        }))
+    }
+
+    /// Replica `i`'s connection failed: skip it from now on, and have the
+    /// background thread drop it and reconnect.
+    fn fail(&self, i: usize) {
+        let r = &self.replicas[i];
+        let was = r.state.fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| matches!(s, REPOPULATING | UP).then_some(FAILED));
+        if was.is_ok() {
+            klog!(Level::Warn, "meta server {}: connection failed; reconnecting in the background", r.addr);
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes to our eventfd (non-blocking: a full
+        // counter already wakes the thread).
+        unsafe { libc::write(self.wake_fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
     fn start_renewer(self: &Arc<Self>) {
@@ -197,49 +428,211 @@ impl MetaClient {
             return;
         }
         let me = Arc::downgrade(self);
-        let period = self.opts.lease / 3;
         *t = std::thread::Builder::new()
             .name("krcore-meta-renew".into())
-            .spawn(move || renew_loop(&me, period))
+            .spawn(move || background(&me))
             .map_err(|e| klog!(Level::Warn, "meta: cannot start the lease renewal thread: {e}"))
             .ok();
     }
 
-    /// Stop renewing (the entries then expire, unless unbound first).
+    /// Stop renewing and reconnecting (the entries then expire, unless
+    /// unbound first).
     pub fn shutdown(&self) {
-        *self.stop.lock() = true;
-        self.wake.notify_all();
+        self.stop.store(true, Ordering::Release);
+        self.wake();
         if let Some(h) = self.renewer.lock().take() {
             let _ = h.join();
         }
     }
-}
 
-fn renew_loop(me: &std::sync::Weak<MetaClient>, period: Duration) {
-    loop {
-        let Some(c) = me.upgrade() else { return };
-        {
-            let mut stop = c.stop.lock();
-            if !*stop {
-                c.wake.wait_for(&mut stop, period);
-            }
-            if *stop {
-                return;
+    /// Renew our leases on every connected replica (one request each,
+    /// however many entries); one that answers with fewer entries than we
+    /// registered gets them all again.
+    fn renew(&self) {
+        let n = self.bound.lock().len();
+        if n == 0 {
+            return;
+        }
+        let any = Key::Port { gid: [0; 16], port: 0 };
+        let none = Endpoint { gid: [0; 16], qpn: 0, qkey: 0, incarnation: 0, vqpn: 0 };
+        for (i, r) in self.replicas.iter().enumerate() {
+            match self.request_on(i, Op::RenewAll, &any, &none, self.opts.background_timeout()) {
+                Some(Ok(held)) => {
+                    let refused = r.conn.lock().as_ref().map_or(0, |c| c.refused.len());
+                    if lost_entries(held, n, refused) {
+                        klog!(Level::Warn, "meta server {}: holds {held} of our {n} entries (leases ran out?): registering them again", r.addr);
+                        self.repopulate(i);
+                    }
+                }
+                Some(Err((e, false))) => klog!(Level::Warn, "meta server {}: lease renewal refused: {e:?}", r.addr),
+                _ => {}
             }
         }
-        // A server holds our entries as long as our connection to it: one
-        // request renews them all (a restarted server is a new connection).
-        let any = c.bound.lock().iter().next().map(|(k, e)| (*k, *e));
-        if let Some((k, ep)) = any {
-            if let Err(e) = c.request_all(Op::RenewAll, &k, &ep) {
-                klog!(Level::Warn, "meta: lease renewal failed: {e:?}");
+    }
+
+    /// Register every binding of ours on replica `i` (Bind of a key it has
+    /// with our endpoint is a no-op). False when the replica failed.
+    fn repopulate(&self, i: usize) -> bool {
+        let r = &self.replicas[i];
+        let keys: Vec<Key> = self.bound.lock().keys().copied().collect();
+        let mut done = 0;
+        for key in keys {
+            // Held across the request: an unbind in between must not be
+            // undone by this registration.
+            let bound = self.bound.lock();
+            let Some(ep) = bound.get(&key).copied() else { continue };
+            if r.conn.lock().as_ref().is_some_and(|c| c.refused.contains(&key)) {
+                continue;
             }
+            match self.request_on(i, Op::Bind, &key, &ep, self.opts.background_timeout()) {
+                Some(Ok(_)) => done += 1,
+                Some(Err((e, false))) => {
+                    // Another process took it there while that replica did
+                    // not have ours. It stays ours on the replicas that
+                    // have it (and in our renewals): the application has
+                    // no way to hear of a lost binding, and dropping it
+                    // everywhere would lose it for good.
+                    klog!(Level::Warn, "meta server {}: {key:?} refused when registered again: {e:?}; kept on the other replicas, not retried here", r.addr);
+                    if let Some(c) = r.conn.lock().as_mut() {
+                        c.refused.insert(key);
+                    }
+                }
+                _ => return false,
+            }
+            drop(bound);
         }
+        stats::add(Stat::KRCORE_STAT_META_REBINDS, done);
+        true
+    }
+
+    /// Connect to replica `i` again and register our entries there; it is
+    /// up (used for lookups) once they all are.
+    fn reconnect(&self, i: usize) -> Result<()> {
+        let r = &self.replicas[i];
+        let conn = Conn::connect(&self.dev, self.sgid_index, r.addr, self.opts.reconnect_timeout())?;
+        let incarnation = conn.incarnation;
+        r.tcp_fd.store(conn.tcp.as_raw_fd(), Ordering::Relaxed);
+        *r.conn.lock() = Some(conn);
+        r.state.store(REPOPULATING, Ordering::Release);
+        stats::inc(Stat::KRCORE_STAT_META_RECONNECTS);
+        let t0 = Instant::now();
+        if self.repopulate(i) && r.state.compare_exchange(REPOPULATING, UP, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            klog!(Level::Info, "meta server {}: connected again (incarnation {incarnation:#x}); our {} entries registered in {:?}", r.addr, self.bound.lock().len(), t0.elapsed());
+        }
+        Ok(())
+    }
+
+    /// Drop replica `i`'s failed connection (closing its TCP connection:
+    /// the server drops what we had there).
+    fn reap(&self, i: usize) {
+        let r = &self.replicas[i];
+        let old = r.conn.lock().take();
+        r.tcp_fd.store(-1, Ordering::Relaxed);
+        r.state.store(DOWN, Ordering::Release);
+        drop(old);
     }
 }
 
 impl Replica {
-    fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration) -> Result<Replica> {
+    fn state(&self) -> u8 {
+        self.state.load(Ordering::Acquire)
+    }
+}
+
+/// The background thread: renewals every period, failure detection, and
+/// reconnection. Sleeps in poll(2) on the eventfd and the TCP connections
+/// (the server's end closing: it died) until the next thing due.
+fn background(me: &Weak<MetaClient>) {
+    let Some(c) = me.upgrade() else { return };
+    let period = c.opts.period();
+    let n = c.replicas.len();
+    let t0 = Instant::now();
+    let mut next_renew = t0 + period;
+    // Replicas down from the start were just tried.
+    let mut last_try: Vec<Option<Instant>> = vec![Some(t0); n];
+    let mut next_try: Vec<Instant> = vec![t0 + period; n];
+    let mut warned = vec![false; n];
+    drop(c);
+    loop {
+        let Some(c) = me.upgrade() else { return };
+        if c.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let now = Instant::now();
+        let mut due = next_renew;
+        let mut fds = vec![libc::pollfd { fd: c.wake_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        let mut watched = Vec::new();
+        for (i, r) in c.replicas.iter().enumerate() {
+            match r.state() {
+                DOWN => due = due.min(next_try[i]),
+                FAILED => due = now,
+                _ => {
+                    let fd = r.tcp_fd.load(Ordering::Relaxed);
+                    if fd >= 0 {
+                        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                        watched.push(i);
+                    }
+                }
+            }
+        }
+        let ms = due.saturating_duration_since(now).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        // SAFETY: valid pollfds; the sockets are closed only by this
+        // thread (`reap`), the eventfd when the client is dropped, which
+        // our reference prevents.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if rc < 0 && Errno::last().0 != libc::EINTR {
+            klog!(Level::Warn, "meta: background poll failed: {:?}", Errno::last());
+            return;
+        }
+        if fds[0].revents != 0 {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes from our non-blocking eventfd.
+            unsafe { libc::read(c.wake_fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        }
+        if c.stop.load(Ordering::Acquire) {
+            return;
+        }
+        // The server never sends on TCP after its Welcome: readable means
+        // it closed (died or restarted).
+        for (k, &i) in watched.iter().enumerate() {
+            if fds[1 + k].revents != 0 {
+                klog!(Level::Warn, "meta server {}: closed our connection", c.replicas[i].addr);
+                c.fail(i);
+            }
+        }
+        let now = Instant::now();
+        for (i, r) in c.replicas.iter().enumerate() {
+            if r.state() == FAILED {
+                c.reap(i);
+                next_try[i] = next_attempt(last_try[i], now, period);
+            }
+        }
+        if now >= next_renew {
+            c.renew();
+            next_renew = now + period;
+        }
+        for (i, r) in c.replicas.iter().enumerate() {
+            let now = Instant::now();
+            if r.state() != DOWN || now < next_try[i] {
+                continue;
+            }
+            last_try[i] = Some(now);
+            match c.reconnect(i) {
+                Ok(()) => warned[i] = false,
+                Err(e) => {
+                    // Once per outage at warn: a replica may be down long.
+                    let lvl = if warned[i] { Level::Debug } else { Level::Warn };
+                    klog!(lvl, "meta server {}: cannot reconnect: {e:?} (tried again every {period:?})", r.addr);
+                    warned[i] = true;
+                }
+            }
+            next_try[i] = Instant::now().max(now + period);
+        }
+    }
+}
+
+impl Conn {
+    fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration) -> Result<Conn> {
         let mut tcp = TcpStream::connect_timeout(&addr, timeout)?;
         tcp.set_read_timeout(Some(timeout))?;
         let _ = tcp.set_nodelay(true);
@@ -260,28 +653,30 @@ impl Replica {
             return Err(Errno(w.status as i32));
         }
         qp.rc_connect(sgid_index, psn, &RcPeer { gid: w.gid, qpn: w.qpn, psn: w.psn })?;
-        let mut r = Replica {
-            addr,
-            _tcp: tcp,
+        let mut c = Conn {
+            tcp,
             cq,
             qp,
             bufs,
             table_addr: w.table_addr,
             table_rkey: w.table_rkey,
             table: None,
+            incarnation: w.incarnation,
             next_req: 1,
-            dead: false,
+            refused: HashSet::new(),
+            broken: false,
         };
-        r.post_recv()?;
+        c.post_recv()?;
         // The header, once: it says how to find a key's neighborhood.
-        r.read(0, HEADER_SIZE, timeout)?;
+        let up = AtomicU8::new(REPOPULATING);
+        c.read(0, HEADER_SIZE, timeout, &up)?;
         // SAFETY: the READ completed; nothing else writes the buffer.
-        let table = RemoteEndpointTable::parse(unsafe { r.bufs.bytes(READ_OFF, HEADER_SIZE) })?;
+        let table = RemoteEndpointTable::parse(unsafe { c.bufs.bytes(READ_OFF, HEADER_SIZE) })?;
         if table.nslots() != w.table_slots || table.incarnation() != w.incarnation {
             return Err(Errno(libc::EPROTO));
         }
-        r.table = Some(table);
-        Ok(r)
+        c.table = Some(table);
+        Ok(c)
     }
 
     fn post_recv(&self) -> Result<()> {
@@ -296,7 +691,7 @@ impl Replica {
 
     /// One signaled READ of `len` bytes at `off` in the table into our
     /// buffer, waited for.
-    fn read(&mut self, off: u64, len: usize, timeout: Duration) -> Result<()> {
+    fn read(&mut self, off: u64, len: usize, timeout: Duration, state: &AtomicU8) -> Result<()> {
         let mut sge = self.bufs.sge(READ_OFF, len);
         // SAFETY: a plain C struct.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
@@ -307,8 +702,8 @@ impl Replica {
         wr.wr.rdma.remote_addr = self.table_addr + off;
         wr.wr.rdma.rkey = self.table_rkey;
         // SAFETY: one WR into our own registered buffer.
-        unsafe { self.qp.post_send(&mut wr) }.inspect_err(|_| self.dead = true)?;
-        match self.wait(timeout, false)? {
+        unsafe { self.qp.post_send(&mut wr) }.inspect_err(|_| self.broken = true)?;
+        match self.wait(timeout, false, state)? {
             ibv_wc_opcode::IBV_WC_RDMA_READ => Ok(()),
             other => Err(self.protocol_error(other)),
         }
@@ -316,16 +711,16 @@ impl Replica {
 
     /// A completion we did not expect: our bookkeeping of this QP is lost.
     fn protocol_error(&mut self, opcode: u32) -> Errno {
-        klog!(Level::Warn, "meta server {}: unexpected completion (opcode {opcode})", self.addr);
-        self.dead = true;
+        klog!(Level::Warn, "meta: unexpected completion (opcode {opcode})");
+        self.broken = true;
         Errno(libc::EPROTO)
     }
 
-    fn lookup(&mut self, key: &Key, timeout: Duration) -> Result<Option<Endpoint>> {
+    fn lookup(&mut self, key: &Key, timeout: Duration, state: &AtomicU8) -> Result<Option<Endpoint>> {
         let table = self.table.ok_or(Errno(libc::ENOTCONN))?;
         let (off, len) = table.neighborhood(*key);
         for _ in 0..TORN_RETRIES {
-            self.read(off, len, timeout)?;
+            self.read(off, len, timeout, state)?;
             // SAFETY: the READ completed; nothing else writes the buffer.
             match table.lookup_in(unsafe { self.bufs.bytes(READ_OFF, len) }, *key) {
                 Lookup::Found(ep) => return Ok(Some(ep)),
@@ -336,7 +731,9 @@ impl Replica {
         Err(Errno(libc::EAGAIN))
     }
 
-    fn request(&mut self, op: Op, lease_ms: u32, key: &Key, ep: &Endpoint, timeout: Duration) -> Result<()> {
+    /// One request and its response: the response's `held`, or its errno
+    /// (`broken` false: the server's verdict).
+    fn request(&mut self, op: Op, lease_ms: u32, key: &Key, ep: &Endpoint, timeout: Duration, state: &AtomicU8) -> Result<u32> {
         let req_id = self.next_req;
         self.next_req = self.next_req.wrapping_add(1);
         let req = Request { op, req_id, lease_ms, key: *key, endpoint: *ep };
@@ -351,12 +748,12 @@ impl Replica {
         wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
         wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         // SAFETY: one WR over our own registered buffer.
-        unsafe { self.qp.post_send(&mut wr) }.inspect_err(|_| self.dead = true)?;
+        unsafe { self.qp.post_send(&mut wr) }.inspect_err(|_| self.broken = true)?;
         // The response's receive may complete before our send's ACK does:
         // the two queues' completions come in either order.
         let (mut sent, mut answered) = (false, false);
         while !(sent && answered) {
-            match self.wait(timeout, true)? {
+            match self.wait(timeout, true, state)? {
                 ibv_wc_opcode::IBV_WC_SEND if !sent => sent = true,
                 ibv_wc_opcode::IBV_WC_RECV if !answered => answered = true,
                 other => return Err(self.protocol_error(other)),
@@ -364,44 +761,99 @@ impl Replica {
         }
         // SAFETY: the receive completed; the next one is posted below.
         let resp = Response::decode(unsafe { self.bufs.bytes(RECV_OFF, proto::META_LEN) });
-        self.post_recv().inspect_err(|_| self.dead = true)?;
-        let resp = resp?;
+        self.post_recv().inspect_err(|_| self.broken = true)?;
+        let resp = resp.inspect_err(|_| self.broken = true)?;
         if resp.req_id != req_id {
+            self.broken = true;
             return Err(Errno(libc::EPROTO));
         }
         match resp.status {
-            0 => Ok(()),
+            0 => Ok(resp.held),
             e => Err(Errno(e as i32)),
         }
     }
 
     /// Wait for our next completion and return its opcode: polling
     /// (`sleep` false: a lookup on the caller's thread) or sleeping on the
-    /// completion channel between polls. A failure or a timeout marks the
-    /// replica dead: its QP may hold work we no longer track.
-    fn wait(&mut self, timeout: Duration, sleep: bool) -> Result<u32> {
+    /// completion channel between polls; either gives up as soon as the
+    /// replica is found failed (by the background thread: its server
+    /// closed the connection). A failure or a timeout breaks the
+    /// connection: its QP may hold work we no longer track.
+    fn wait(&mut self, timeout: Duration, sleep: bool, state: &AtomicU8) -> Result<u32> {
         let deadline = Instant::now() + timeout;
         // SAFETY: plain C data.
         let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
         loop {
-            if self.cq.poll(&mut wc).inspect_err(|_| self.dead = true)? == 1 {
+            if self.cq.poll(&mut wc).inspect_err(|_| self.broken = true)? == 1 {
                 if wc[0].status != ibv_wc_status::IBV_WC_SUCCESS {
-                    klog!(Level::Warn, "meta server {}: completion status {}", self.addr, wc[0].status);
-                    self.dead = true;
+                    klog!(Level::Warn, "meta: completion status {}", wc[0].status);
+                    self.broken = true;
                     return Err(Errno(libc::ECONNRESET));
                 }
                 return Ok(wc[0].opcode);
             }
             let now = Instant::now();
             if now >= deadline {
-                self.dead = true;
+                self.broken = true;
                 return Err(Errno(libc::ETIMEDOUT));
             }
+            if state.load(Ordering::Acquire) == FAILED {
+                // Found dead meanwhile (its server closed the connection).
+                self.broken = true;
+                return Err(Errno(libc::ECONNRESET));
+            }
             if sleep {
-                self.cq.wait(Some(deadline - now)).inspect_err(|_| self.dead = true)?;
+                // In slices, to see the replica found dead meanwhile.
+                let slice = (deadline - now).min(WAIT_SLICE);
+                self.cq.wait(Some(slice)).inspect_err(|_| self.broken = true)?;
             } else {
                 std::hint::spin_loop();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lost_entries_counts_what_the_replica_should_hold() {
+        assert!(!lost_entries(3, 3, 0));
+        assert!(!lost_entries(4, 3, 0), "more (an unbind in flight) is not a loss");
+        assert!(lost_entries(2, 3, 0));
+        assert!(lost_entries(0, 1, 0), "a restarted server knows nothing of us");
+        // Keys it refused are not expected there.
+        assert!(!lost_entries(2, 3, 1));
+        assert!(!lost_entries(0, 1, 5));
+    }
+
+    #[test]
+    fn reconnection_attempts_are_a_period_apart() {
+        let t = Instant::now();
+        let p = Duration::from_millis(500);
+        assert_eq!(next_attempt(None, t, p), t, "never tried: at once");
+        assert_eq!(next_attempt(Some(t - Duration::from_secs(2)), t, p), t, "long ago: at once");
+        assert_eq!(next_attempt(Some(t - Duration::from_millis(100)), t, p), t + Duration::from_millis(400));
+    }
+
+    #[test]
+    fn background_bounds_fit_the_lease() {
+        let o = Options { timeout: Duration::from_secs(2), lease: Duration::from_millis(1500) };
+        assert_eq!(o.period(), Duration::from_millis(500));
+        assert_eq!(o.background_timeout(), Duration::from_millis(500));
+        assert_eq!(o.reconnect_timeout(), Duration::from_millis(250));
+        let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(30) };
+        assert_eq!(o.background_timeout(), Duration::from_millis(100));
+        assert_eq!(o.reconnect_timeout(), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn parse_addrs_takes_a_list() {
+        let a = parse_addrs("10.0.0.1:5, 10.0.0.2:6,").unwrap();
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[1].port(), 6);
+        assert_eq!(parse_addrs(" , ").unwrap_err(), Errno::EINVAL);
+        assert_eq!(parse_addrs("nonsense").unwrap_err(), Errno::EINVAL);
     }
 }

@@ -127,12 +127,16 @@ pub struct Request {
 
 /// Meta server -> process, SENT on the same RC QP.
 ///
-/// 4: req_id, 8: status.
+/// 4: req_id, 8: status, 12: held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Response {
     pub req_id: u32,
     /// 0, or an errno such as EADDRINUSE or ENOSPC.
     pub status: u32,
+    /// The entries the sender holds on this server after the request:
+    /// fewer than it registered tells it that some were lost (expired
+    /// while it could not renew) and must be registered again.
+    pub held: u32,
 }
 
 /// What each side of a link announces: the link request carries the
@@ -286,6 +290,7 @@ impl Response {
         let mut w = Writer::new(out, KIND_RESPONSE);
         w.u32(self.req_id);
         w.status(self.status);
+        w.u32(self.held);
     }
 
     pub fn decode(buf: &[u8]) -> Result<Response> {
@@ -293,6 +298,7 @@ impl Response {
         let response = Response {
             req_id: r.u32()?,
             status: r.status()?,
+            held: r.u32()?,
         };
         r.finish()?;
         Ok(response)
@@ -725,6 +731,7 @@ mod tests {
         let resp = Response {
             req_id: 0x0102_0304,
             status: libc::ENOSPC as u32,
+            held: 0x0a0b_0c0d,
         };
         assert_eq!(
             meta(Response::encode, &resp),
@@ -734,6 +741,7 @@ mod tests {
                     (0, &[0x4d, 0x4b, 1, 4]),
                     (4, &[4, 3, 2, 1]),
                     (8, &(libc::ENOSPC as u32).to_le_bytes()),
+                    (12, &[0x0d, 0x0c, 0x0b, 0x0a]),
                 ]
             )
         );
@@ -857,9 +865,9 @@ mod tests {
                 }
             }
         }
-        for (req_id, status) in [(0, 0), (u32::MAX, ERRNO_MAX), (7, libc::EADDRINUSE as u32)] {
+        for (req_id, status, held) in [(0, 0, 0), (u32::MAX, ERRNO_MAX, u32::MAX), (7, libc::EADDRINUSE as u32, 3)] {
             all.push((
-                meta(Response::encode, &Response { req_id, status }),
+                meta(Response::encode, &Response { req_id, status, held }),
                 re_response,
             ));
         }
@@ -996,6 +1004,7 @@ mod tests {
             &Response {
                 req_id: 1,
                 status: 0,
+                held: 0,
             },
         );
         assert_eq!(Response::decode(&set(resp, 8, &not_errno)), Err(EBADMSG));
@@ -1033,7 +1042,7 @@ mod tests {
             (KIND_HELLO, &[(12, 16), (32, BOOT_LEN)]),
             (KIND_WELCOME, &[(56, BOOT_LEN)]),
             (KIND_REQUEST, &[(6, 8), (36, 40), (76, META_LEN)]),
-            (KIND_RESPONSE, &[(12, META_LEN)]),
+            (KIND_RESPONSE, &[(16, META_LEN)]),
             (KIND_LINK_REQUEST, &[(6, 8), (12, 16), (76, LINK_LEN)]),
             (KIND_LINK_REPLY, &[(6, 8), (76, LINK_LEN)]),
         ];

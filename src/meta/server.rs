@@ -12,8 +12,15 @@
 //! loses them when they expire.
 //!
 //! One thread, event driven: `poll(2)` on the listening socket, every
-//! client's socket and the completion channel, with the next lease expiry
-//! as timeout. No locks; nothing spins.
+//! client's socket (and those still owing their `Hello`) and the
+//! completion channel, with the next lease sweep as timeout. No locks;
+//! nothing spins.
+//!
+//! An expired entry must never resolve, yet lookups are READs the server
+//! does not see: so an entry is removed a margin *before* its deadline
+//! ([`sweep_margin`]), and nothing in the loop blocks for longer than that
+//! margin (a new client's `Hello` is read when its socket is readable, not
+//! waited for).
 
 use super::proto::{self, Hello, Op, Request, Response, Welcome};
 use super::table::EndpointTable;
@@ -50,11 +57,102 @@ struct Client {
     bufs: Region,
 }
 
+/// How long a client that connected may take to send its `Hello`.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+
 struct Lease {
     deadline: Instant,
+    /// When the sweep removes it: a margin before `deadline`.
+    sweep_at: Instant,
     /// The client (its QP number) that holds it.
     owner: u32,
     endpoint: Endpoint,
+}
+
+/// How long before its deadline an entry is removed: a tenth of its
+/// lease, at most 200 ms. It covers the server's wakeup latency (poll(2)
+/// rounds to milliseconds; a loaded machine schedules late), so that a
+/// READ never finds an entry past its deadline. Renewals come every third
+/// of the lease, long before it.
+pub fn sweep_margin(lease: Duration) -> Duration {
+    (lease / 10).min(Duration::from_millis(200))
+}
+
+/// The leases of the entries served, and how many each client holds.
+#[derive(Default)]
+struct Leases {
+    map: HashMap<Key, Lease>,
+    held: HashMap<u32, u32>,
+}
+
+impl Leases {
+    /// `key` is `owner`'s now, until `now + lease`.
+    fn insert(&mut self, key: Key, owner: u32, endpoint: Endpoint, now: Instant, lease: Duration) {
+        let (deadline, sweep_at) = (now + lease, now + lease - sweep_margin(lease));
+        if let Some(old) = self.map.insert(key, Lease { deadline, sweep_at, owner, endpoint }) {
+            self.dec(old.owner);
+        }
+        *self.held.entry(owner).or_default() += 1;
+    }
+
+    fn remove(&mut self, key: &Key) -> Option<Lease> {
+        let l = self.map.remove(key)?;
+        self.dec(l.owner);
+        Some(l)
+    }
+
+    fn dec(&mut self, owner: u32) {
+        if let Some(n) = self.held.get_mut(&owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(&owner);
+            }
+        }
+    }
+
+    fn get(&self, key: &Key) -> Option<&Lease> {
+        self.map.get(key)
+    }
+
+    /// Extend every lease `owner` holds; how many that is.
+    fn renew_all(&mut self, owner: u32, now: Instant, lease: Duration) -> u32 {
+        let held = self.held(owner);
+        if held > 0 {
+            let (deadline, sweep_at) = (now + lease, now + lease - sweep_margin(lease));
+            for l in self.map.values_mut().filter(|l| l.owner == owner) {
+                l.deadline = deadline;
+                l.sweep_at = sweep_at;
+            }
+        }
+        held
+    }
+
+    fn held(&self, owner: u32) -> u32 {
+        self.held.get(&owner).copied().unwrap_or(0)
+    }
+
+    fn owned_by(&self, owner: u32) -> Vec<Key> {
+        self.map.iter().filter(|(_, l)| l.owner == owner).map(|(k, _)| *k).collect()
+    }
+
+    /// The entries to remove at `now`, with how late each is past its
+    /// deadline (zero when on time).
+    fn due(&self, now: Instant) -> Vec<(Key, Duration)> {
+        self.map
+            .iter()
+            .filter(|(_, l)| l.sweep_at <= now)
+            .map(|(k, l)| (*k, now.saturating_duration_since(l.deadline)))
+            .collect()
+    }
+
+    /// When the next sweep is due.
+    fn next_sweep(&self) -> Option<Instant> {
+        self.map.values().map(|l| l.sweep_at).min()
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
 }
 
 pub struct Server {
@@ -70,7 +168,9 @@ pub struct Server {
     incarnation: u64,
     listener: TcpListener,
     clients: HashMap<u32, Client>,
-    leases: HashMap<Key, Lease>,
+    /// Accepted connections whose `Hello` has not come yet.
+    pending: Vec<(TcpStream, std::net::SocketAddr, Instant)>,
+    leases: Leases,
     max_lease: Duration,
 }
 
@@ -102,7 +202,8 @@ impl Server {
             incarnation,
             listener,
             clients: HashMap::new(),
-            leases: HashMap::new(),
+            pending: Vec::new(),
+            leases: Leases::default(),
             max_lease: cfg.max_lease,
         })
     }
@@ -134,17 +235,28 @@ impl Server {
                 events: libc::POLLIN,
                 revents: 0,
             }));
-            // Wake for the next lease expiry, and at least once a second so
-            // that `stop` is seen.
-            let next = self.leases.values().map(|l| l.deadline).min();
-            let wait = next
+            let npending = self.pending.len();
+            fds.extend(self.pending.iter().map(|(t, _, _)| libc::pollfd {
+                fd: t.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }));
+            // Wake for the next sweep, and at least once a second so that
+            // `stop` is seen (and silent new clients are dropped).
+            let wait = self
+                .leases
+                .next_sweep()
                 .map_or(Duration::from_secs(1), |d| d.saturating_duration_since(Instant::now()))
                 .min(Duration::from_secs(1));
+            // Rounded up: waking before the sweep is due would spin.
+            let ms = wait.as_micros().div_ceil(1000) as i32;
             // SAFETY: fds is a valid array of pollfds.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as i32 + 1) };
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
             if rc < 0 && Errno::last().0 != libc::EINTR {
                 return Err(Errno::last());
             }
+            // Sweep first: requests served below must not delay it.
+            self.expire(Instant::now());
             if fds[0].revents != 0 {
                 self.accept();
             }
@@ -158,23 +270,45 @@ impl Server {
                     self.check_alive(*q);
                 }
             }
+            let ready: Vec<bool> = fds[2 + order.len()..][..npending].iter().map(|f| f.revents != 0).collect();
+            self.greet(&ready);
             self.expire(Instant::now());
         }
         Ok(())
     }
 
+    /// Queue a new connection until its `Hello` is readable: reading it
+    /// here would stall the loop (and the sweep) behind a slow client.
     fn accept(&mut self) {
         let Ok((tcp, peer)) = self.listener.accept() else { return };
-        match self.handshake(tcp) {
-            Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
-            Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
-        }
+        self.pending.push((tcp, peer, Instant::now() + HELLO_TIMEOUT));
     }
 
-    /// Hello -> a QP for the client -> Welcome.
+    /// Hand QPs to the pending clients whose `Hello` came (`ready`, in
+    /// `pending` order; those accepted since are not in it); drop those
+    /// that stayed silent too long.
+    fn greet(&mut self, ready: &[bool]) {
+        let now = Instant::now();
+        let mut keep = Vec::new();
+        for (i, (tcp, peer, until)) in std::mem::take(&mut self.pending).into_iter().enumerate() {
+            if ready.get(i).copied().unwrap_or(false) {
+                match self.handshake(tcp) {
+                    Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
+                    Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
+                }
+            } else if now < until {
+                keep.push((tcp, peer, until));
+            } else {
+                crate::klog!(crate::log::Level::Warn, "meta: client {peer} sent no Hello");
+            }
+        }
+        self.pending = keep;
+    }
+
+    /// Hello -> a QP for the client -> Welcome. The Hello is readable (one
+    /// 64-byte segment): the short timeout only guards a partial one.
     fn handshake(&mut self, mut tcp: TcpStream) -> Result<u32> {
-        // A silent client must not stall the server.
-        tcp.set_read_timeout(Some(Duration::from_secs(2)))?;
+        tcp.set_read_timeout(Some(Duration::from_millis(20)))?;
         let _ = tcp.set_nodelay(true);
         let mut buf = [0u8; proto::BOOT_LEN];
         tcp.read_exact(&mut buf)?;
@@ -244,9 +378,10 @@ impl Server {
             Ok(r) => (r.req_id, self.apply(qpn, &r)),
             Err(e) => (0, e),
         };
+        let held = self.leases.held(qpn);
         let client = &self.clients[&qpn];
-        if client.reply(slot, &Response { req_id, status: status.0 as u32 }).and_then(|_| client.post_recv(slot)).is_err()
-        {
+        let resp = Response { req_id, status: status.0 as u32, held };
+        if client.reply(slot, &resp).and_then(|_| client.post_recv(slot)).is_err() {
             self.drop_client(qpn);
         }
     }
@@ -254,7 +389,7 @@ impl Server {
     /// Carry out one request of client `qpn`; the errno to answer (0: done).
     fn apply(&mut self, qpn: u32, r: &Request) -> Errno {
         let lease = Duration::from_millis(r.lease_ms as u64).min(self.max_lease);
-        let deadline = Instant::now() + lease;
+        let now = Instant::now();
         match r.op {
             Op::Bind | Op::Renew => {
                 // A Renew of an entry this server does not have (it
@@ -263,13 +398,13 @@ impl Server {
                 if let Err(e) = self.table.insert(r.key, r.endpoint) {
                     return e;
                 }
-                self.leases.insert(r.key, Lease { deadline, owner: qpn, endpoint: r.endpoint });
+                self.leases.insert(r.key, qpn, r.endpoint, now, lease);
                 Errno(0)
             }
             Op::RenewAll => {
-                for l in self.leases.values_mut().filter(|l| l.owner == qpn) {
-                    l.deadline = deadline;
-                }
+                // The response says how many entries that was: a client
+                // that registered more learns that some were lost.
+                self.leases.renew_all(qpn, now, lease);
                 Errno(0)
             }
             Op::Unbind => match self.leases.get(&r.key) {
@@ -302,15 +437,23 @@ impl Server {
     /// Forget a client and every entry it holds.
     fn drop_client(&mut self, qpn: u32) {
         self.clients.remove(&qpn);
-        let keys: Vec<Key> = self.leases.iter().filter(|(_, l)| l.owner == qpn).map(|(k, _)| *k).collect();
+        let keys = self.leases.owned_by(qpn);
         self.remove_keys(&keys);
     }
 
+    /// Remove the entries whose sweep is due (a margin before their
+    /// deadline). One removed past its deadline means READs may have
+    /// found it expired: said loudly, it must not happen.
     fn expire(&mut self, now: Instant) {
-        let keys: Vec<Key> = self.leases.iter().filter(|(_, l)| l.deadline <= now).map(|(k, _)| *k).collect();
-        if !keys.is_empty() {
-            crate::klog!(crate::log::Level::Info, "meta: {} lease(s) expired", keys.len());
+        let due = self.leases.due(now);
+        if due.is_empty() {
+            return;
         }
+        crate::klog!(crate::log::Level::Info, "meta: {} lease(s) expired", due.len());
+        if let Some(late) = due.iter().map(|(_, l)| *l).max().filter(|l| !l.is_zero()) {
+            crate::klog!(crate::log::Level::Warn, "meta: an expired lease was removed {late:?} past its deadline");
+        }
+        let keys: Vec<Key> = due.into_iter().map(|(k, _)| k).collect();
         self.remove_keys(&keys);
     }
 
@@ -355,5 +498,73 @@ impl Client {
         wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         // SAFETY: one WR over our own registered buffer.
         unsafe { self.qp.post_send(&mut wr) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(port: u32) -> Key {
+        Key::Port { gid: [1; 16], port }
+    }
+
+    fn ep(qpn: u32) -> Endpoint {
+        Endpoint { gid: [2; 16], qpn, qkey: 1, incarnation: 3, vqpn: 4 }
+    }
+
+    #[test]
+    fn margin_is_a_tenth_capped() {
+        assert_eq!(sweep_margin(Duration::from_millis(1500)), Duration::from_millis(150));
+        assert_eq!(sweep_margin(Duration::from_secs(30)), Duration::from_millis(200));
+        assert_eq!(sweep_margin(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[test]
+    fn an_entry_is_swept_before_its_deadline() {
+        let mut l = Leases::default();
+        let t0 = Instant::now();
+        let lease = Duration::from_millis(1000);
+        l.insert(key(1), 7, ep(1), t0, lease);
+        assert_eq!(l.next_sweep(), Some(t0 + Duration::from_millis(900)));
+        assert!(l.due(t0 + Duration::from_millis(899)).is_empty());
+        // Due at the sweep, not late.
+        assert_eq!(l.due(t0 + Duration::from_millis(900)), vec![(key(1), Duration::ZERO)]);
+        // A sweep that ran after the deadline says how late.
+        assert_eq!(l.due(t0 + Duration::from_millis(1030)), vec![(key(1), Duration::from_millis(30))]);
+    }
+
+    #[test]
+    fn renew_all_extends_the_owners_leases_and_counts_them() {
+        let mut l = Leases::default();
+        let t0 = Instant::now();
+        let lease = Duration::from_millis(1000);
+        l.insert(key(1), 7, ep(1), t0, lease);
+        l.insert(key(2), 7, ep(2), t0, lease);
+        l.insert(key(3), 8, ep(3), t0, lease);
+        assert_eq!(l.renew_all(7, t0 + Duration::from_millis(500), lease), 2);
+        let due: Vec<Key> = l.due(t0 + Duration::from_millis(950)).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(due, vec![key(3)], "only the unrenewed lease is due");
+        // A client the server does not know (it restarted) holds nothing.
+        assert_eq!(l.renew_all(9, t0, lease), 0);
+    }
+
+    #[test]
+    fn held_counts_follow_inserts_removals_and_owner_changes() {
+        let mut l = Leases::default();
+        let t0 = Instant::now();
+        let lease = Duration::from_secs(1);
+        l.insert(key(1), 7, ep(1), t0, lease);
+        l.insert(key(1), 7, ep(1), t0, lease); // a renewal by Bind
+        l.insert(key(2), 7, ep(2), t0, lease);
+        assert_eq!(l.held(7), 2);
+        // The same process, reconnected: the entry changes owner.
+        l.insert(key(2), 9, ep(2), t0, lease);
+        assert_eq!((l.held(7), l.held(9)), (1, 1));
+        assert!(l.remove(&key(1)).is_some());
+        assert!(l.remove(&key(1)).is_none());
+        assert_eq!((l.held(7), l.held(9), l.len()), (0, 1, 1));
+        assert_eq!(l.owned_by(9), vec![key(2)]);
+        assert!(!l.held.contains_key(&7), "no count left for an owner without entries");
     }
 }
