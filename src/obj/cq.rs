@@ -124,6 +124,7 @@ impl Cq {
     pub fn soft(&self) -> Result<std::sync::Arc<crate::vqp::runtime::CqSoft>> {
         self.soft
             .get_or_try_init(|| {
+                self.room_for_notifications();
                 let soft = CqSoft::new(self.ibv.cqe.max(1) as u32, self.real)?;
                 // Armed before its first VQP (pyverbs' tests, perftest):
                 // that VQP's first completion must raise the event.
@@ -133,6 +134,26 @@ impl Cq {
                 Ok(std::sync::Arc::new(soft))
             })
             .cloned()
+    }
+
+    /// The real CQ receives our event notifications (see `CqSoft`). A small
+    /// one (perftest's latency tests make CQs of 1 entry) overflows when a
+    /// second notification lands before the application polled the first,
+    /// and the provider then drops that completion, and with it the event
+    /// the application sleeps for: grow it (the application still sees the
+    /// size it asked for; a failure only leaves the risk).
+    fn room_for_notifications(&self) {
+        const ROOM: c_int = 64;
+        // SAFETY: the real CQ is live.
+        let cqe = unsafe { (*self.real).cqe };
+        if cqe >= ROOM {
+            return;
+        }
+        match call_real!(ibv_resize_cq(self.real, ROOM)) {
+            Ok(0) => {}
+            Ok(rc) => crate::klog!(crate::log::Level::Debug, "cq: cannot grow a CQ of {cqe} for event notifications: {rc}"),
+            Err(e) => crate::klog!(crate::log::Level::Debug, "cq: cannot grow a CQ of {cqe} for event notifications: {e:?}"),
+        }
     }
 
     /// `ibv_poll_cq`: VQP completions first (after progress), then the
