@@ -1,5 +1,7 @@
 #!/bin/bash
-# Reproduces the open ib_send_lat -e hang of virtualized runs (docs/vqp.md, Limits):
+# Loops ib_send_lat -e with both sides virtualized, to catch lost completion
+# events (a hang once in ~15 runs under CPU load before real CQs were grown
+# for event notifications; docs/vqp.md, Limits):
 #   scripts/vm-run.sh target/hang/o env HOG=1 SNAP=target/release bash scripts/repro-events-hang.sh 40
 # N pairs of ib_send_lat -e, both virtualized (HOG busy loops beside them in
 # the VM, LOGLVL the KRCORE_LOG level); a pair still running after 40 s is a
