@@ -20,7 +20,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_MR_LEASE_MS", "1000", "how long a peer may use a remote MR it checked; the real ibv_dereg_mr of an MR peers can access waits this long"),
     ("KRCORE_LINKS_PER_PEER", "1", "RC links to each peer process; a process's VQPs are spread over them (more for many threads sending to one peer)"),
     ("KRCORE_STAGING_BYTES", "4194304", "per link: registered memory that holds messages above 4 KiB until the receiver READs them (larger ones get a registration each)"),
-    ("KRCORE_LINK_PROBE_MS", "1000", "an idle link is probed (one 8-byte READ) this often: a peer that died is found within this plus the RC retry time (about 0.6 s); 0: never"),
+    ("KRCORE_LINK_PROBE_MS", "1000", "an idle link is probed (one 8-byte READ) this often: a peer that died is found within this plus the RC retry time (about 3.8 s); 0: never"),
     ("KRCORE_VIRTUALIZE", "0", "1: the application's RC QPs become virtual QPs on shared links (needs KRCORE_META); auto: as 1, but a QP whose peer does not resolve falls back to a real QP"),
 ];
 

@@ -576,9 +576,12 @@ impl Qp {
         // SAFETY: a plain C struct.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;
-        a.timeout = 14;
+        // 537 ms per try: rxe under load (a busy emulated CPU) can leave a
+        // live peer unanswered for a good part of a second, which must not
+        // pass for its death.
+        a.timeout = 17;
         // 6, not 7: rxe takes 7 for "retry forever" (as rnr_retry), and a
-        // dead peer must fail the QP: (6 + 1) x 67 ms of transport time.
+        // dead peer must fail the QP: (6 + 1) x 537 ms of transport time.
         a.retry_cnt = 6;
         // Infinite RNR retry: a receiver out of buffers slows the sender
         // down instead of failing the link.
