@@ -21,6 +21,8 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_LINKS_PER_PEER", "1", "RC links to each peer process; a process's VQPs are spread over them (more for many threads sending to one peer)"),
     ("KRCORE_STAGING_BYTES", "4194304", "per link: registered memory that holds messages above 4 KiB until the receiver READs them (larger ones get a registration each)"),
     ("KRCORE_LINK_PROBE_MS", "1000", "an idle link is probed (one 8-byte READ) this often: a peer that died is found within this plus the RC retry time (about 3.8 s); 0: never"),
+    ("KRCORE_MAX_LINKS", "64", "links (physical RC QPs) a process keeps: above it the least recently used idle ones are closed, and made again when next used; 0: no limit"),
+    ("KRCORE_LINK_IDLE_MS", "1000", "a link is idle (may be closed to keep KRCORE_MAX_LINKS) when this process posted nothing on it for this long"),
     ("KRCORE_VIRTUALIZE", "0", "1: the application's RC QPs become virtual QPs on shared links (needs KRCORE_META); auto: as 1, but a QP whose peer does not resolve falls back to a real QP"),
 ];
 
@@ -69,6 +71,8 @@ pub struct Config {
     pub links_per_peer: u32,
     pub staging_bytes: usize,
     pub link_probe_ms: u64,
+    pub max_links: usize,
+    pub link_idle_ms: u64,
     pub virtualize: Virtualize,
 }
 
@@ -96,6 +100,8 @@ impl Config {
             links_per_peer: var("KRCORE_LINKS_PER_PEER").and_then(|v| v.parse().ok()).unwrap_or(1).clamp(1, 64),
             staging_bytes: var("KRCORE_STAGING_BYTES").and_then(|v| v.parse().ok()).unwrap_or(4 << 20),
             link_probe_ms: var("KRCORE_LINK_PROBE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
+            max_links: var("KRCORE_MAX_LINKS").and_then(|v| v.parse().ok()).unwrap_or(64),
+            link_idle_ms: var("KRCORE_LINK_IDLE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
             virtualize: Virtualize::parse(var("KRCORE_VIRTUALIZE")),
         }
     }
@@ -120,6 +126,8 @@ impl Config {
             self.links_per_peer.to_string(),
             self.staging_bytes.to_string(),
             self.link_probe_ms.to_string(),
+            self.max_links.to_string(),
+            self.link_idle_ms.to_string(),
             self.virtualize.name().to_string(),
         ];
         VARIABLES

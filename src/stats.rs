@@ -114,6 +114,10 @@ pub enum krcore_stat {
     /// Lookups answered by a replica other than the first in `KRCORE_META`
     /// (the first was down, busy or did not have the entry).
     KRCORE_STAT_META_LOOKUP_FAILOVERS,
+    /// Links closed by agreement with their peer (`KRCORE_MAX_LINKS`
+    /// reclaim, or the second link two processes made by connecting to
+    /// each other at once); their VQPs move to a new link when next used.
+    KRCORE_STAT_LINKS_CLOSED,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -170,6 +174,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "meta_reconnects\0",
     "meta_rebinds\0",
     "meta_lookup_failovers\0",
+    "links_closed\0",
 ];
 
 /// A counter's name ("post_send").

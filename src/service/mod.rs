@@ -38,7 +38,7 @@ use crate::sys::*;
 use parking_lot::{Condvar, Mutex};
 use rustc_hash::FxHashMap;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -94,11 +94,66 @@ pub struct Link {
     /// An error completion came on it (the peer died or is unreachable):
     /// it is out of the tables that hand links out, never posted on again.
     failed: AtomicBool,
+    /// Being closed (reclaim, or a duplicate): handed out no more; VQPs
+    /// move to a new link once every WQE of theirs on it completed.
+    closing: AtomicBool,
+    /// Our LINK_CLOSE was posted / its completion seen / the peer's came.
+    pub close_posted: AtomicBool,
+    pub close_done: AtomicBool,
+    pub close_heard: AtomicBool,
+    /// When this process last posted on it (`coarse_ms`), for LRU reclaim.
+    last_used: AtomicU64,
 }
 
 impl Link {
+    fn new(qp: Qp, peer: Endpoint, index: u16, theirs: &LinkInfo, initiated: bool, psn: u32) -> Result<Link> {
+        let qp_depth = qp.caps.send_wr;
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
+        Ok(Link {
+            qp,
+            peer,
+            index,
+            peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
+            initiated,
+            psn,
+            sq: Mutex::new(PhysSq::new(qp_depth)?),
+            failed: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            close_posted: AtomicBool::new(false),
+            close_done: AtomicBool::new(false),
+            close_heard: AtomicBool::new(false),
+            last_used: AtomicU64::new(crate::vqp::runtime::coarse_ms()),
+        })
+    }
+
     pub fn is_failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
+    }
+
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// Whether a VQP may start new work on it.
+    pub fn is_open(&self) -> bool {
+        !self.is_closing() && !self.is_failed()
+    }
+
+    /// This process posts on it (an LRU stamp; coarse, so cheap).
+    pub fn touch(&self) {
+        self.last_used.store(crate::vqp::runtime::coarse_ms(), Ordering::Relaxed);
+    }
+
+    /// The link the two processes keep when both made one (they connected
+    /// to each other at once): the one whose initiator has the smaller
+    /// endpoint, a choice both sides make alike without talking.
+    fn preferred_over(&self, other: &Link, me: &Endpoint) -> bool {
+        let initiator = |l: &Link| {
+            let e = if l.initiated { me } else { &l.peer };
+            (e.gid, e.qpn, e.incarnation)
+        };
+        initiator(self) < initiator(other)
     }
 }
 
@@ -139,10 +194,10 @@ impl LinkKey {
 /// links a peer asked for, by the peer's QP (what a repeated request names).
 ///
 /// Two processes that connect to each other at the same time make two
-/// links, each side's request accepted by the other: both QP pairs are
-/// connected and both are kept (a link's QPs are never destroyed while the
-/// peer may still use the other end). The first one made serves new
-/// connects; the other still carries what the peer sends on it.
+/// links, each side's request accepted by the other. Both sides keep
+/// serving new connects with the same one ([`Link::preferred_over`]); the
+/// other is a duplicate, closed like an idle link (LINK_CLOSE both ways)
+/// once the VQPs that were given it moved.
 #[derive(Default)]
 struct Links {
     by_key: FxHashMap<LinkKey, Arc<Link>>,
@@ -151,24 +206,39 @@ struct Links {
 }
 
 impl Links {
-    /// Keep `link`; it serves new connects unless one already does.
-    fn insert(&mut self, key: LinkKey, link: Arc<Link>) -> Arc<Link> {
+    /// Keep `link`; it serves new connects unless the one that already
+    /// does is preferred. The one that serves.
+    fn insert(&mut self, key: LinkKey, link: Arc<Link>, me: &Endpoint) -> Arc<Link> {
         self.by_qpn.insert(link.qp.qpn(), Arc::clone(&link));
-        Arc::clone(self.by_key.entry(key).or_insert(link))
+        match self.by_key.get(&key) {
+            Some(l) if !link.preferred_over(l, me) => Arc::clone(l),
+            _ => {
+                self.by_key.insert(key, Arc::clone(&link));
+                link
+            }
+        }
     }
 
-    /// Hand `link` out no more; a live duplicate to the same peer (made
-    /// when both sides connected at once) serves its key instead.
+    /// Hand `link` out no more; a live duplicate to the same peer serves
+    /// its key instead.
     fn retire(&mut self, link: &Arc<Link>) {
         let key = LinkKey::of(&link.peer, link.index);
         self.accepted.retain(|_, l| !Arc::ptr_eq(l, link));
         if self.by_key.get(&key).is_some_and(|l| Arc::ptr_eq(l, link)) {
             self.by_key.remove(&key);
-            let twin = self.by_qpn.values().find(|l| !l.is_failed() && LinkKey::of(&l.peer, l.index) == key);
+            let twin = self.by_qpn.values().find(|l| l.is_open() && LinkKey::of(&l.peer, l.index) == key);
             if let Some(twin) = twin {
                 self.by_key.insert(key, Arc::clone(twin));
             }
         }
+    }
+
+    /// Open links that serve no key: the duplicates of simultaneous
+    /// connects.
+    fn duplicates(&self) -> impl Iterator<Item = &Arc<Link>> {
+        self.by_qpn.values().filter(|l| {
+            l.is_open() && !self.by_key.get(&LinkKey::of(&l.peer, l.index)).is_some_and(|k| Arc::ptr_eq(k, l))
+        })
     }
 }
 
@@ -212,6 +282,8 @@ struct Shared {
     /// Called by the progress thread when messages arrived; says whether
     /// the application made progress itself since the last call.
     on_link_recv: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
+    /// Called when a link was made (by either side).
+    on_new_link: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// While the application polls by itself the receive CQ is not armed
     /// (an event per message would wake this thread at every message):
     /// it is looked at again at this time, then less and less often.
@@ -286,6 +358,7 @@ impl Service {
             event_fd,
             on_link_event: Mutex::new(None),
             on_link_recv: Mutex::new(None),
+            on_new_link: Mutex::new(None),
             recv_recheck: Mutex::new(None),
             deferred: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
@@ -425,15 +498,69 @@ impl Service {
         Some(link)
     }
 
-    /// Forget a failed link whose flushed WQEs were all seen: its QP is
-    /// destroyed when the last holder lets it go.
-    pub fn forget_link(&self, qpn: u32) {
-        self.shared.links.lock().by_qpn.remove(&qpn);
+    /// Forget a failed link whose flushed WQEs were all seen, or a closed
+    /// one: its QP is destroyed when the last holder lets it go. Whether
+    /// it was known.
+    pub fn forget_link(&self, qpn: u32) -> bool {
+        let mut links = self.shared.links.lock();
+        let Some(link) = links.by_qpn.remove(&qpn) else { return false };
+        links.retire(&link);
+        true
     }
 
-    /// Every link not failed (what the liveness probes look at).
+    /// Physical QPs of links held (open, closing or failed).
+    pub fn physical_links(&self) -> usize {
+        self.shared.links.lock().by_qpn.len()
+    }
+
+    /// Every open link (what the liveness probes look at).
     pub fn live_links(&self) -> Vec<Arc<Link>> {
-        self.shared.links.lock().by_qpn.values().filter(|l| !l.is_failed()).cloned().collect()
+        self.shared.links.lock().by_qpn.values().filter(|l| l.is_open()).cloned().collect()
+    }
+
+    /// Run `f` when a link was made (by either side).
+    pub fn on_new_link(&self, f: Box<dyn Fn() + Send + Sync>) {
+        *self.shared.on_new_link.lock() = Some(f);
+    }
+
+    /// The links to close now: the duplicates of simultaneous connects,
+    /// then, while more than `max` physical QPs are held (0: no limit),
+    /// the least recently used open links this process posted nothing on
+    /// for `idle_ms`.
+    pub fn links_to_close(&self, max: usize, idle_ms: u64) -> Vec<Arc<Link>> {
+        let links = self.shared.links.lock();
+        let mut out: Vec<Arc<Link>> = links.duplicates().cloned().collect();
+        let held = links.by_qpn.values().filter(|l| !l.is_closing()).count() - out.len();
+        if max > 0 && held > max {
+            let now = crate::vqp::runtime::coarse_ms();
+            let mut idle: Vec<(u64, &Arc<Link>)> = links
+                .by_key
+                .values()
+                .filter(|l| l.is_open())
+                .map(|l| (l.last_used.load(Ordering::Relaxed), l))
+                .filter(|(used, _)| now.saturating_sub(*used) >= idle_ms)
+                .collect();
+            idle.sort_by_key(|(used, _)| *used);
+            out.extend(idle.into_iter().take(held - max).map(|(_, l)| Arc::clone(l)));
+        }
+        out
+    }
+
+    /// Start closing `link`: handed out no more (a connect to its peer
+    /// makes a new link). False when it is closing or failed already.
+    pub fn begin_close(&self, link: &Arc<Link>) -> bool {
+        let mut links = self.shared.links.lock();
+        if !link.is_open() || !links.by_qpn.contains_key(&link.qp.qpn()) {
+            return false;
+        }
+        link.closing.store(true, Ordering::Release);
+        links.retire(link);
+        true
+    }
+
+    /// Links being closed and not failed.
+    pub fn closing_links(&self) -> Vec<Arc<Link>> {
+        self.shared.links.lock().by_qpn.values().filter(|l| l.is_closing() && !l.is_failed()).cloned().collect()
     }
 
     /// Our MR table: (address, rkey, slots).
@@ -567,23 +694,20 @@ impl Shared {
             return Err(Errno(libc::ECONNREFUSED));
         }
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
-        let qp_depth = qp.caps.send_wr;
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
-        let link = Arc::new(Link {
-            qp,
-            peer: *peer,
-            index,
-            peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
-            initiated: true,
-            psn,
-            sq: Mutex::new(PhysSq::new(qp_depth)?),
-            failed: AtomicBool::new(false),
-        });
-        // A link the peer asked for meanwhile may already serve this key:
-        // ours is kept too (the peer sends on its other end), and the
-        // caller uses the one that serves.
-        Ok(self.links.lock().insert(LinkKey::of(peer, index), link))
+        let link = Arc::new(Link::new(qp, *peer, index, &theirs, true, psn)?);
+        // A link the peer asked for meanwhile may serve this key instead:
+        // ours is kept until closed (the peer may send on its other end),
+        // and the caller uses the one that serves.
+        let serving = self.links.lock().insert(LinkKey::of(peer, index), link, &self.me);
+        self.new_link_made();
+        Ok(serving)
+    }
+
+    /// A link was made: the owner of the links may have some to close.
+    fn new_link_made(&self) {
+        if let Some(f) = self.on_new_link.lock().as_ref() {
+            f();
+        }
     }
 
     /// One link message to a peer's UD QP (inline: `msg` may go at once).
@@ -809,22 +933,13 @@ impl Shared {
         let qp = self.take_warm()?;
         let psn = rdma::random_psn();
         qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
-        let qp_depth = qp.caps.send_wr;
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
-        let link = Arc::new(Link {
-            qp,
-            peer: theirs.from,
-            index: theirs.link,
-            peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
-            initiated: false,
-            psn,
-            sq: Mutex::new(PhysSq::new(qp_depth)?),
-            failed: AtomicBool::new(false),
-        });
-        let mut links = self.links.lock();
-        links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
-        links.insert(LinkKey::of(&theirs.from, theirs.link), Arc::clone(&link));
+        let link = Arc::new(Link::new(qp, theirs.from, theirs.link, theirs, false, psn)?);
+        {
+            let mut links = self.links.lock();
+            links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
+            links.insert(LinkKey::of(&theirs.from, theirs.link), Arc::clone(&link), &self.me);
+        }
+        self.new_link_made();
         Ok(link)
     }
 }

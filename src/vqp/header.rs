@@ -42,8 +42,11 @@
 //! - CLOSE: the VQP `src_vqpn` was destroyed; `dst` is the VQP it was
 //!   connected to, which may release what it keeps for it (a `qpop_msgs`
 //!   src_qp). No payload; every other field 0.
+//! - LINK_CLOSE: the sender closes the link this came on (link reclaim):
+//!   everything it sent on the link before came first, and it starts
+//!   nothing new there. No payload, no VQPs; every other field 0.
 //!
-//! Decoding is strict (unknown flag bits, a second message kind, fields that
+//! Decoding is strict (a second message kind, fields that
 //! the message does not use left non-zero are all refused), so every buffer
 //! that decodes re-encodes to the same 32 bytes. Errors: EPROTO for a
 //! header of another protocol version (a peer we cannot talk to), EBADMSG
@@ -81,8 +84,11 @@ impl Flags {
     pub const SOLICITED: Flags = Flags(1 << 5);
     /// The sending VQP is gone.
     pub const CLOSE: Flags = Flags(1 << 6);
+    /// The sender closes the link this came on: it starts nothing new on
+    /// it (only the READs and DONEs of large messages already announced).
+    pub const LINK_CLOSE: Flags = Flags(1 << 7);
 
-    const NAMES: [(Flags, &'static str); 7] = [
+    const NAMES: [(Flags, &'static str); 8] = [
         (Flags::HAS_IMM, "HAS_IMM"),
         (Flags::TO_PORT, "TO_PORT"),
         (Flags::WRITE_IMM, "WRITE_IMM"),
@@ -90,16 +96,10 @@ impl Flags {
         (Flags::DONE, "DONE"),
         (Flags::SOLICITED, "SOLICITED"),
         (Flags::CLOSE, "CLOSE"),
+        (Flags::LINK_CLOSE, "LINK_CLOSE"),
     ];
-    const KNOWN: u8 = Flags::HAS_IMM.0
-        | Flags::TO_PORT.0
-        | Flags::WRITE_IMM.0
-        | Flags::LARGE.0
-        | Flags::DONE.0
-        | Flags::SOLICITED.0
-        | Flags::CLOSE.0;
     /// The flags that say which message this is; at most one is set.
-    const KIND: u8 = Flags::WRITE_IMM.0 | Flags::LARGE.0 | Flags::DONE.0 | Flags::CLOSE.0;
+    const KIND: u8 = Flags::WRITE_IMM.0 | Flags::LARGE.0 | Flags::DONE.0 | Flags::CLOSE.0 | Flags::LINK_CLOSE.0;
 
     pub const fn empty() -> Flags {
         Flags(0)
@@ -180,9 +180,8 @@ impl Header {
         if prefix[2] != VERSION {
             return Err(EPROTO);
         }
-        if prefix[3] & !Flags::KNOWN != 0 {
-            return Err(EBADMSG);
-        }
+        // Every bit of the flag byte has a meaning; which combinations
+        // make sense is `check`'s business.
         let b = buf.first_chunk::<HEADER_LEN>().ok_or(EBADMSG)?;
         let h = Header {
             flags: Flags(b[3]),
@@ -215,6 +214,7 @@ impl Header {
             && (!f.contains(Flags::WRITE_IMM) || f.contains(Flags::HAS_IMM))
             && (!f.contains(Flags::DONE) || f.0 & (Flags::HAS_IMM.0 | Flags::SOLICITED.0) == 0)
             && (!f.contains(Flags::CLOSE) || (f == Flags::CLOSE && self.len == 0))
+            && (!f.contains(Flags::LINK_CLOSE) || (f == Flags::LINK_CLOSE && self.len == 0 && self.src_vqpn == 0 && self.dst == 0))
             && (self.imm == 0 || f.contains(Flags::HAS_IMM) || f.contains(Flags::DONE))
             && if f.contains(Flags::LARGE) {
                 self.len != 0
@@ -321,7 +321,8 @@ mod tests {
             addr: 0x1718_1920_2122_2324,
         };
         let close = Header { flags: Flags::CLOSE, src_vqpn: 3, dst: 4, ..Header::default() };
-        for h in [data, data_imm_port, write_imm, large(), large_min, done, close] {
+        let link_close = Header { flags: Flags::LINK_CLOSE, ..Header::default() };
+        for h in [data, data_imm_port, write_imm, large(), large_min, done, close, link_close] {
             assert_eq!(round_trip(h), h);
         }
     }
@@ -422,6 +423,10 @@ mod tests {
             Header { flags: Flags::CLOSE, len: 1, ..data },
             Header { flags: Flags::CLOSE | Flags::SOLICITED, ..data },
             Header { flags: Flags::CLOSE | Flags::DONE, ..data },
+            // LINK_CLOSE names no VQP and carries nothing.
+            Header { flags: Flags::LINK_CLOSE, len: 1, ..data },
+            Header { flags: Flags::LINK_CLOSE | Flags::CLOSE, ..data },
+            Header { flags: Flags::LINK_CLOSE | Flags::HAS_IMM, imm: 1, ..data },
             // An empty LARGE payload.
             Header {
                 flags: Flags::LARGE,
@@ -481,7 +486,7 @@ mod tests {
         for _ in 0..50_000 {
             let mut b = [0; HEADER_LEN];
             b[..3].copy_from_slice(&[0x52, 0x4b, VERSION]);
-            b[3] = rng.next() as u8 & Flags::KNOWN;
+            b[3] = rng.next() as u8;
             for chunk in b[4..].chunks_mut(4) {
                 let r = rng.next();
                 if r & 1 == 0 {

@@ -96,15 +96,19 @@ pub enum Control {
     /// Posted on a failed link after moving it to ERR: flushed behind every
     /// WQE still on it, so its completion says all of theirs were seen.
     Fence { link_qpn: u32 },
+    /// Our LINK_CLOSE: its completion says every WQE before it completed.
+    LinkClose { retired: u16 },
 }
 
 impl Control {
     /// What its signaled completion retires on the link.
     pub fn retired(self) -> u16 {
         match self {
-            Control::Read { retired, .. } | Control::Header { retired } | Control::Wait { retired } | Control::Probe { retired } => {
-                retired
-            }
+            Control::Read { retired, .. }
+            | Control::Header { retired }
+            | Control::Wait { retired }
+            | Control::Probe { retired }
+            | Control::LinkClose { retired } => retired,
             Control::Fence { .. } => 0,
         }
     }
@@ -202,14 +206,21 @@ impl Large {
         Some((p.slot, p.gen, p.seq))
     }
 
-    /// Link `link_qpn` failed: its staging goes once no message uses it,
-    /// and no DONE will come for what was sent on it (the senders' VQPs
-    /// are in the error state, their WRs reported).
+    /// Link `link_qpn` failed or was closed: its staging goes once no
+    /// message uses it, and no DONE will come for what was sent on it
+    /// (failed: the senders' VQPs are in the error state, their WRs
+    /// reported; closed: none was awaited).
     pub fn forget_link(&self, link_qpn: u32) {
         self.staging.lock().remove(&link_qpn);
         let mut sent = self.sent.lock();
         sent.retain(|_, p| p.link_qpn != link_qpn);
         self.awaiting_done.store(sent.len(), Ordering::Release);
+    }
+
+    /// Whether a large message sent on link `link_qpn` awaits its DONE
+    /// (the peer READs it over that link: it cannot close yet).
+    pub fn sent_on(&self, link_qpn: u32) -> bool {
+        self.awaits_done() && self.sent.lock().values().any(|p| p.link_qpn == link_qpn)
     }
 
     pub fn track(&self, tag: u32, c: Control) {

@@ -112,9 +112,25 @@ pub struct AppRefs {
 
 /// Where a connected VQP sends.
 struct Conn {
-    link: Arc<Link>,
+    /// The link it posts on; None once that link was closed (reclaim):
+    /// the next post makes or finds another to the same peer process.
+    link: Option<Arc<Link>>,
+    peer: Endpoint,
+    /// Which of the links to that peer (`KRCORE_LINKS_PER_PEER`).
+    index: u16,
     /// The peer VQP's number.
     dst: u32,
+}
+
+impl Conn {
+    /// Its link, while new work may go on it.
+    fn open_link(&self) -> Option<&Arc<Link>> {
+        self.link.as_ref().filter(|l| l.is_open())
+    }
+
+    fn is_on(&self, link: &Arc<Link>) -> bool {
+        self.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link))
+    }
 }
 
 /// A message that arrived before the application posted a receive (or
@@ -524,7 +540,86 @@ impl Vqp {
     /// made for `qpop_msgs` to answer a sender).
     fn attach(&self, rt: &Runtime, link: Arc<Link>, peer: Endpoint, dst: u32) {
         let _ = self.peer_mrs.set(rt.peer_mrs(peer.incarnation));
-        self.st.lock().conn = Some(Conn { link, dst });
+        let index = link.index;
+        self.st.lock().conn = Some(Conn { link: Some(link), peer, index, dst });
+    }
+
+    /// Make sure the connection has an open link: its own, or, once that
+    /// one is closing, another to the same peer process, taken after every
+    /// WQE of ours on the old one completed (the fence of a link close:
+    /// nothing sent later on the new link can overtake them). Ok when the
+    /// connection has one now (or the VQP is not connected or failed: the
+    /// caller looks again); an error when the peer cannot be reached.
+    fn ensure_link(&self, rt: &Runtime) -> Result<()> {
+        let deadline = std::time::Instant::now() + super::runtime::connect_timeout();
+        loop {
+            let (peer, index, old) = {
+                let st = self.st.lock();
+                match &st.conn {
+                    Some(c) if c.open_link().is_none() => (c.peer, c.index, c.link.clone()),
+                    _ => return Ok(()),
+                }
+            };
+            if let Some(old) = &old {
+                if old.is_failed() {
+                    // Its VQPs enter the error state (progress).
+                    rt.progress();
+                    std::thread::yield_now();
+                    continue;
+                }
+                if old.sq.lock().outstanding() > 0 {
+                    if std::time::Instant::now() > deadline {
+                        return Err(Errno(libc::ETIMEDOUT));
+                    }
+                    rt.progress();
+                    std::thread::yield_now();
+                    continue;
+                }
+            }
+            let new = rt.svc.link(&peer, index, super::runtime::connect_timeout())?;
+            let mut st = self.st.lock();
+            if let Some(c) = st.conn.as_mut() {
+                if c.link.as_ref().map(Arc::as_ptr) == old.as_ref().map(Arc::as_ptr) {
+                    klog!(Level::Debug, "vqp {:#x}: moves to link QP {}", self.vqpn, new.qp.qpn());
+                    c.link = Some(new);
+                }
+            }
+        }
+    }
+
+    /// A new link to our peer could not be made: as an RC QP whose retries
+    /// ran out, the VQP enters the error state.
+    fn fail_unreachable(&self, e: Errno) {
+        klog!(Level::Warn, "vqp {:#x}: its peer cannot be reached again ({e:?}): error state", self.vqpn);
+        let mut st = self.st.lock();
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        st.conn = None;
+        st.failed = true;
+        st.sq.flush(&mut |c| sends.push(c));
+        if let Some(rc) = st.rc.as_mut() {
+            rc.fail();
+        }
+        self.flush_receives_if_failed(&mut st, &mut recvs);
+        drop(st);
+        sends.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
+        recvs.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+    }
+
+    /// Link `link` was closed (both sides done with it): a connection on
+    /// it lets it go, and takes another at its next post.
+    pub fn on_link_closed(&self, link: &Arc<Link>) {
+        let mut st = self.st.lock();
+        if let Some(c) = st.conn.as_mut().filter(|c| c.is_on(link)) {
+            c.link = None;
+        }
+    }
+
+    /// Whether messages of ours still need `link` (a large one being READ
+    /// over it, or waiting for a receive): it cannot be closed yet.
+    pub fn pins(&self, link: &Arc<Link>) -> bool {
+        let st = self.st.lock();
+        st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, link)) || st.held.iter().any(|h| Arc::ptr_eq(&h.link, link))
     }
 
     pub fn is_bound(&self) -> bool {
@@ -588,13 +683,21 @@ impl Vqp {
                 }
                 _ => {}
             }
+            if st.conn.as_ref().is_some_and(|c| c.open_link().is_none()) {
+                drop(guard);
+                if let Err(e) = self.ensure_link(rt) {
+                    self.fail_unreachable(e);
+                }
+                continue;
+            }
             let Some(mut guard) = self.precheck_fetching(rt, guard, &sw, &mut fetched)? else { continue };
             let st = &mut *guard;
             let Some(conn) = &st.conn else { return Err(Errno::EINVAL) };
+            let Some(link) = conn.link.as_ref() else { continue };
             // Above a receive buffer the receiver READs the payload: stage
             // it (a copy into a registered buffer) outside the lock.
             if is_send && total as usize > MAX_MSG && staged.is_none() {
-                let qpn = conn.link.qp.qpn();
+                let qpn = link.qp.qpn();
                 drop(guard);
                 staged = Some(rt.large.stage(rt.svc.device(), qpn, sges, total as usize)?);
                 continue;
@@ -606,8 +709,12 @@ impl Vqp {
                 // As an RC QP in error: accepted, then flushed.
                 return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
             }
-            let (link, dst) = (&*conn.link, conn.dst);
+            let (link, dst) = (&**link, conn.dst);
             let mut sq = link.sq.lock();
+            if !link.is_open() {
+                // Closing since: nothing new goes behind its LINK_CLOSE.
+                continue;
+            }
             // WRITE_WITH_IMM is a WRITE and a notification SEND: two WQEs.
             let need = if w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM { 2 } else { 1 };
             if link.qp.caps.send_wr as usize - sq.outstanding() < need {
@@ -657,7 +764,9 @@ impl Vqp {
                 Err(r.errno())
             }
             Err(Verdict::NeedRemote { rkey }) => {
-                let link = Arc::clone(&conn.link);
+                // A closing link takes no new READ: look again once the
+                // connection has an open one.
+                let Some(link) = conn.open_link().cloned() else { return Ok(None) };
                 drop(guard);
                 if *fetched || !self.fetch_remote(rt, &link, rkey)? {
                     klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
@@ -755,7 +864,13 @@ impl Vqp {
             // SAFETY: as above.
             let sw = unsafe { self.send_wr(w) }?;
             let mut fetched = false;
-            while self.precheck_fetching(rt, self.st.lock(), &sw, &mut fetched)?.is_none() {}
+            while self.precheck_fetching(rt, self.st.lock(), &sw, &mut fetched)?.is_none() {
+                if let Err(e) = self.ensure_link(rt) {
+                    // Accepted, then flushed (the VQP is in error now).
+                    self.fail_unreachable(e);
+                    return Ok(());
+                }
+            }
             wr = w.next;
         }
         Ok(())
@@ -798,9 +913,9 @@ impl Vqp {
         if !precheck::one_sided_ok(w.opcode, sge, remote_addr, &self.caps, &local, &remote) {
             return None;
         }
-        let (link, dst) = (&*conn.link, conn.dst);
+        let (link, dst) = (&**conn.link.as_ref()?, conn.dst);
         let mut sq = link.sq.lock();
-        if sq.outstanding() >= link.qp.caps.send_wr as usize {
+        if sq.outstanding() >= link.qp.caps.send_wr as usize || !link.is_open() {
             return None;
         }
         let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
@@ -839,6 +954,7 @@ impl Vqp {
         total: u32,
         large: Option<(u64, u32)>,
     ) -> Result<()> {
+        link.touch();
         // SAFETY: a plain C struct.
         let mut p: ibv_send_wr = unsafe { std::mem::zeroed() };
         let mut list = [ibv_sge { addr: 0, length: 0, lkey: 0 }; crate::service::LINK_SEND_SGE as usize];
@@ -1039,8 +1155,8 @@ impl Vqp {
         // Delivered under the VQP's lock (then the CQ's), as receives are.
         let mut st = self.st.lock();
         let accounted = match &st.conn {
-            Some(c) if c.link.qp.qpn() == link_qpn => {
-                if let Err(e) = c.link.sq.lock().on_completion(retired) {
+            Some(Conn { link: Some(link), .. }) if link.qp.qpn() == link_qpn => {
+                if let Err(e) = link.sq.lock().on_completion(retired) {
                     klog!(Level::Warn, "vqp: link accounting: {e:?}");
                 }
                 true
@@ -1164,7 +1280,7 @@ impl Vqp {
         let mut st = self.st.lock();
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
-        if st.conn.as_ref().is_some_and(|c| Arc::ptr_eq(&c.link, link)) {
+        if st.conn.as_ref().is_some_and(|c| c.is_on(link)) {
             st.conn = None;
             st.failed = true;
             st.sq.flush(&mut |c| sends.push(c));
@@ -1442,6 +1558,25 @@ impl Vqp {
 
     /// Destroy: unpublish a binding, flush what is outstanding, free the
     /// slot. Returns the VQPs made for senders (the caller frees them).
+    /// Tell the peer VQP that we are gone (a CLOSE header on the
+    /// connection's link, or on the next one when that one closes),
+    /// bounded by the connect timeout; best effort.
+    fn post_close(&self, rt: &Runtime, h: &Header) {
+        let deadline = std::time::Instant::now() + super::runtime::connect_timeout();
+        while std::time::Instant::now() < deadline {
+            if self.ensure_link(rt).is_err() {
+                break;
+            }
+            let Some(link) = self.st.lock().conn.as_ref().and_then(|c| c.open_link().cloned()) else { break };
+            if post_header(rt, &link, h) {
+                return;
+            }
+            rt.progress();
+            std::thread::yield_now();
+        }
+        klog!(Level::Warn, "vqp {:#x}: the peer VQP was not told of its destruction", self.vqpn);
+    }
+
     pub fn destroy(&self) -> Vec<*mut ibv_qp> {
         if let Some((parent, key)) = self.parent.get() {
             // The application destroyed a src_qp itself.
@@ -1464,7 +1599,7 @@ impl Vqp {
         // made only for a sender of messages: a VQP that only READ, WROTE
         // or used atomics has none there, and its destroy sends nothing).
         let close = match (&st.conn, self.parent.get()) {
-            (Some(c), None) if st.sent_msgs => Some((Arc::clone(&c.link), Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() })),
+            (Some(c), None) if st.sent_msgs => Some(Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() }),
             _ => None,
         };
         // Large messages it will not finish READing: their senders are told
@@ -1479,8 +1614,8 @@ impl Vqp {
                 done.imm = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
                 post_header_waiting(rt, &link, &done);
             }
-            if let Some((link, h)) = close {
-                post_header_waiting(rt, &link, &h);
+            if let Some(h) = close {
+                self.post_close(rt, &h);
             }
         }
         if let Some(Hdrs::Arena { arena, start }) = self.hdrs.get() {
@@ -1509,13 +1644,22 @@ fn peer_remote(pm: &Mutex<PeerMrs>, rkey: u32) -> Option<(precheck::MrInfo, u64)
     pm.lock().get(rkey)
 }
 
-/// Post a bare header (DONE, CLOSE: inline, signaled) on `link`; false
-/// when the link has no room now.
+/// Post a bare header (DONE, CLOSE, LINK_CLOSE: inline, signaled) on
+/// `link`; false when the link has no room now, or (a CLOSE: new work)
+/// has started closing.
 fn post_header(rt: &Runtime, link: &Link, h: &Header) -> bool {
+    post_header_as(rt, link, h, |retired| Control::Header { retired })
+}
+
+/// [`post_header`], its completion doing what `control` says.
+pub(super) fn post_header_as(rt: &Runtime, link: &Link, h: &Header, control: impl FnOnce(u16) -> Control) -> bool {
     let mut sq = link.sq.lock();
+    if h.flags.contains(Flags::CLOSE) && !link.is_open() {
+        return false;
+    }
     let Some(d) = sq.try_post(true) else { return false };
     let tag = rt.next_tag();
-    rt.large.track(tag, Control::Header { retired: d.retired });
+    rt.large.track(tag, control(d.retired));
     let mut bytes = header_bytes(h);
     let mut sge = ibv_sge { addr: bytes.as_mut_ptr() as u64, length: HEADER_LEN as u32, lkey: 0 };
     // SAFETY: a plain C struct.

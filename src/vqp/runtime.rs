@@ -36,6 +36,9 @@ pub const MAX_MSG: usize = 4096;
 const RECV_BUF: usize = HEADER_LEN + MAX_MSG;
 /// Bytes a liveness probe READs.
 const PROBE_LEN: usize = 8;
+/// How often the links are looked after when they are not probed
+/// (`KRCORE_LINK_PROBE_MS=0`): closes beyond `KRCORE_MAX_LINKS`.
+const MAINTENANCE_MS: u64 = 1000;
 
 /// The wr_id of a notifier's sends (with its QP number, tells them apart
 /// from the application's own completions on the same real CQ).
@@ -625,29 +628,110 @@ impl Runtime {
             // often it polled before: messages must wake this thread.
             polled && rt.armed_cqs.load(Ordering::Acquire) == 0
         }));
-        Runtime::schedule_probes(&rt);
+        // A link made beyond KRCORE_MAX_LINKS: close the least recently
+        // used idle ones now, not at the next tick.
+        let weak = Arc::downgrade(&rt);
+        rt.svc.on_new_link(Box::new(move || {
+            let Some(rt) = weak.upgrade() else { return };
+            let max = crate::config::get().max_links;
+            if max > 0 && rt.svc.physical_links() > max {
+                let weak = Arc::downgrade(&rt);
+                rt.svc.defer(
+                    Instant::now(),
+                    Box::new(move || {
+                        if let Some(rt) = weak.upgrade() {
+                            rt.reclaim_links();
+                        }
+                    }),
+                );
+            }
+        }));
+        Runtime::schedule_maintenance(&rt);
         map.insert(pd as usize, Arc::clone(&rt));
         Ok(rt)
     }
 
-    /// Probe the idle links every `KRCORE_LINK_PROBE_MS` on the service
-    /// thread (a deferred work that defers itself again).
-    fn schedule_probes(rt: &Arc<Runtime>) {
-        let ms = crate::config::get().link_probe_ms;
-        if ms == 0 {
-            return;
-        }
+    /// Look after the links on the service thread (a deferred work that
+    /// defers itself again): probe the idle ones every
+    /// `KRCORE_LINK_PROBE_MS`, close those beyond `KRCORE_MAX_LINKS` and
+    /// the duplicates, and finish closes.
+    fn schedule_maintenance(rt: &Arc<Runtime>) {
+        let cfg = crate::config::get();
+        let ms = if cfg.link_probe_ms > 0 { cfg.link_probe_ms } else { MAINTENANCE_MS };
         let weak = Arc::downgrade(rt);
         rt.svc.defer(
             Instant::now() + Duration::from_millis(ms),
             Box::new(move || {
                 let Some(rt) = weak.upgrade() else { return };
                 if rt.probing.load(Ordering::Acquire) {
-                    rt.probe_links();
-                    Runtime::schedule_probes(&rt);
+                    if crate::config::get().link_probe_ms > 0 {
+                        rt.probe_links();
+                    }
+                    rt.reclaim_links();
+                    Runtime::schedule_maintenance(&rt);
                 }
             }),
         );
+    }
+
+    /// Close the links `links_to_close` names (LINK_CLOSE, see
+    /// [`Runtime::close_link`]) and move the closes under way along.
+    fn reclaim_links(&self) {
+        let cfg = crate::config::get();
+        for link in self.svc.links_to_close(cfg.max_links, cfg.link_idle_ms) {
+            if self.svc.begin_close(&link) {
+                klog!(Level::Info, "vqp: closing the link to {:02x?} (QP {})", link.peer.gid, link.qp.qpn());
+            }
+        }
+        for link in self.svc.closing_links() {
+            self.close_link(&link);
+        }
+    }
+
+    /// Link close, each side alike (DESIGN.md, "Moving a VQP from one link
+    /// to another"): a closing link is handed out no more and takes no new
+    /// work; we post a LINK_CLOSE behind everything we sent on it, and our
+    /// VQPs move to a new link once it completed (nothing they send there
+    /// can overtake what they sent here). The peer's LINK_CLOSE comes after
+    /// everything it sent on the link. When both are done and no large
+    /// message still needs the link (a READ of a staged payload, a DONE),
+    /// the link goes: its VQPs let it go and its QP is destroyed.
+    fn close_link(&self, link: &Arc<service::Link>) {
+        if !link.close_posted.load(Ordering::Acquire) {
+            let h = Header { flags: Flags::LINK_CLOSE, ..Header::default() };
+            // No room: the next tick tries again.
+            if super::qp::post_header_as(self, link, &h, |retired| Control::LinkClose { retired }) {
+                link.close_posted.store(true, Ordering::Release);
+                if let Err(e) = self.svc.want_link_events() {
+                    klog!(Level::Warn, "vqp: arming the links' CQ: {e:?}");
+                }
+            }
+        }
+        self.finish_close(link);
+    }
+
+    /// The link goes if both LINK_CLOSEs are done and nothing needs it.
+    fn finish_close(&self, link: &Arc<service::Link>) {
+        let qpn = link.qp.qpn();
+        if link.is_failed() || !link.close_done.load(Ordering::Acquire) || !link.close_heard.load(Ordering::Acquire) {
+            return;
+        }
+        if link.sq.lock().outstanding() > 0 || self.large.sent_on(qpn) {
+            return;
+        }
+        let live = vqp::live();
+        if live.iter().any(|v| v.pins(link)) {
+            return;
+        }
+        if !self.svc.forget_link(qpn) {
+            return;
+        }
+        self.large.forget_link(qpn);
+        for v in live {
+            v.on_link_closed(link);
+        }
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_CLOSED);
+        klog!(Level::Info, "vqp: the link to {:02x?} (QP {qpn}) is closed", link.peer.gid);
     }
 
     /// One READ of 8 bytes of the peer's MR table on every link with
@@ -958,6 +1042,14 @@ impl Runtime {
                         Control::Wait { .. } => {
                             self.control.lock().insert(tag, wc.status);
                         }
+                        Control::LinkClose { .. } => {
+                            if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
+                                if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
+                                    link.close_done.store(true, Ordering::Release);
+                                    self.finish_close(&link);
+                                }
+                            }
+                        }
                         Control::Header { .. } | Control::Probe { .. } | Control::Fence { .. } => {}
                     }
                 }
@@ -978,6 +1070,17 @@ impl Runtime {
         let bytes = unsafe { self.recv_bufs.bytes(off, RECV_BUF) };
         let link = self.svc.link_by_qpn(wc.qp_num);
         match Header::decode(bytes) {
+            Ok(h) if h.flags.contains(Flags::LINK_CLOSE) => match link {
+                Some(link) => {
+                    // Everything the peer sent on it came before this.
+                    link.close_heard.store(true, Ordering::Release);
+                    if self.svc.begin_close(&link) {
+                        klog!(Level::Info, "vqp: the peer closes the link to {:02x?} (QP {})", link.peer.gid, wc.qp_num);
+                    }
+                    self.close_link(&link);
+                }
+                None => klog!(Level::Warn, "vqp: a LINK_CLOSE on no link of ours (QP {})", wc.qp_num),
+            },
             Ok(h) if h.flags.contains(Flags::DONE) => match self.large.on_done(h.addr, wc.qp_num) {
                 Some((slot, gen, seq)) => {
                     if let Some(v) = vqp::lookup(slot, gen) {
