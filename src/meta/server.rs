@@ -423,13 +423,13 @@ impl Server {
     fn check_alive(&mut self, qpn: u32) {
         let Some(c) = self.clients.get(&qpn) else { return };
         let mut b = [0u8; 1];
-        let gone = match (&c.tcp).read(&mut b) {
-            Ok(0) => true,
-            Ok(_) => true, // nothing is ever sent after Hello
-            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::Interrupted,
+        let (gone, why) = match (&c.tcp).read(&mut b) {
+            Ok(0) => (true, "closed".to_string()),
+            Ok(_) => (true, format!("sent a byte ({:#04x}) after its Hello", b[0])), // nothing ever is
+            Err(e) => (e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::Interrupted, e.to_string()),
         };
         if gone {
-            crate::klog!(crate::log::Level::Info, "meta: client qp {qpn} disconnected");
+            crate::klog!(crate::log::Level::Info, "meta: client qp {qpn} disconnected ({why})");
             self.drop_client(qpn);
         }
     }

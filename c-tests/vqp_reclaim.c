@@ -1,0 +1,571 @@
+/*
+ * Link reclaim: KRCORE_MAX_LINKS and the duplicate links of simultaneous
+ * connects, several processes on several emulated nodes, krcore-meta
+ * started here on node 1.
+ *
+ * "lru reclaim": 4 servers (nodes 2-5) bound at a port each; a client on
+ * node 6 with KRCORE_MAX_LINKS=2 has 2 VQPs to each server and, round
+ * after round, posts a burst of SENDs and a READ on every VQP, server
+ * after server, without waiting: making the link to the next server
+ * closes the least recently used one, often with WQEs of the burst still
+ * on it (LINK_CLOSE is then a fence behind them). Every server gets every
+ * message of every VQP exactly once, in order, byte for byte, across the
+ * link changes, and answers each; the client checks every answer and
+ * READ, that links were closed and made again, and that it holds at most
+ * KRCORE_MAX_LINKS links once the closes are done.
+ *
+ * "simultaneous connects": two processes (nodes 7, 8), each bound at a
+ * port, connect 4 VQPs to each other at the same moment with
+ * KRCORE_LINKS_PER_PEER=4, so that both make the link of an index at once
+ * (each request accepted by the other: two links). Messages flow both
+ * ways, checked; the duplicates are closed (both sides keep the same
+ * one), leaving exactly 4 links in each process; more messages flow
+ * after the closes, checked.
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PORT 5600
+#define MSG_LEN 64
+#define NBUF 64
+
+struct ct_node_ {
+	struct ct_dev d;
+	struct ibv_cq *scq, *rcq;
+	uint8_t *buf;
+	size_t len;
+	struct ibv_mr *mr;
+};
+
+static void node_open(struct ct_node_ *n, int node, size_t len)
+{
+	char idx[16];
+
+	snprintf(idx, sizeof(idx), "%d", node);
+	setenv("CT_GID_A", idx, 1);
+	setenv("KRCORE_GID_INDEX", idx, 1);
+	ct_open(&n->d);
+	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, 1024, NULL, NULL, 0));
+	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 1024, NULL, NULL, 0));
+	n->len = (len + 4095) & ~(size_t)4095;
+	n->buf = aligned_alloc(4096, n->len);
+	CT_CHECK(n->buf != NULL, "alloc");
+	memset(n->buf, 0, n->len);
+	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, n->len,
+				  IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
+}
+
+static struct ibv_qp *vqp(struct ct_node_ *n, uint32_t sq, uint32_t rq)
+{
+	return ct_create_vqp(&n->d, n->scq, n->rcq, (struct ct_qp_caps){ sq, rq, 1, 1, 0, 0 }, NULL);
+}
+
+static void post_recv_at(struct ibv_qp *qp, struct ct_node_ *n, uint64_t wr_id, size_t off)
+{
+	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
+	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 };
+	struct ibv_recv_wr *bad = NULL;
+
+	CT_OK(ibv_post_recv(qp, &wr, &bad));
+}
+
+static void post_at(struct ibv_qp *qp, struct ct_node_ *n, uint64_t wr_id, enum ibv_wr_opcode op,
+		    size_t off, uint64_t raddr, uint32_t rkey)
+{
+	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
+	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
+				  .opcode = op, .send_flags = IBV_SEND_SIGNALED };
+	struct ibv_send_wr *bad = NULL;
+
+	wr.wr.rdma.remote_addr = raddr;
+	wr.wr.rdma.rkey = rkey;
+	CT_OK(ibv_post_send(qp, &wr, &bad));
+}
+
+/* Message `seq` of sender `id`: id and seq, then a pattern of both. */
+static void fill_msg(uint8_t *p, uint32_t id, uint32_t seq)
+{
+	ct_fill(p, MSG_LEN, id * 1000003u + seq);
+	memcpy(p, &id, 4);
+	memcpy(p + 4, &seq, 4);
+}
+
+static void expect_msg(const uint8_t *p, uint32_t id, uint32_t seq)
+{
+	uint8_t want[MSG_LEN];
+
+	fill_msg(want, id, seq);
+	ct_expect_bytes(p, want, MSG_LEN, "message bytes");
+}
+
+static unsigned long long kstat(enum krcore_stat s)
+{
+	return krcore_stat_get(s);
+}
+
+/* Wait (bounded) until the links gauge is at most `max`; its value. */
+static unsigned long long links_settle(unsigned long long max, int timeout_ms)
+{
+	uint64_t t0 = ct_now_ns();
+
+	while (kstat(KRCORE_STAT_LINKS) > max && ct_now_ns() - t0 < (uint64_t)timeout_ms * 1000000ull)
+		usleep(2000);
+	return kstat(KRCORE_STAT_LINKS);
+}
+
+#define ANSWER_ID 0xa5a5
+
+/* What a bound VQP's service has seen. */
+struct service {
+	uint32_t next[16];	/* per sender: the next message expected */
+	uint32_t got;		/* messages taken */
+	uint32_t ans_posted, ans_done;
+	uint32_t sends_done;	/* our own sends' completions (same CQ) */
+};
+
+/* Take the send completions there are: answers and our own sends. */
+static void reap_sends(struct ct_node_ *n, struct service *sv)
+{
+	struct ibv_wc s[16];
+	int m = ibv_poll_cq(n->scq, 16, s);
+
+	CT_CHECK(m >= 0, "poll");
+	for (int i = 0; i < m; i++) {
+		CT_CHECK(s[i].status == IBV_WC_SUCCESS, "send %llx: %s", (unsigned long long)s[i].wr_id,
+			 ibv_wc_status_str(s[i].status));
+		if (s[i].wr_id == ANSWER_ID)
+			sv->ans_done++;
+		else
+			sv->sends_done++;
+	}
+}
+
+/*
+ * A bound VQP's service, one pass: every message that came is checked
+ * (sender id from its bytes, in order per sender) and answered with the
+ * same bytes on its src_qp, from a ring of NBUF slots (a slot is reused
+ * once its answer completed). Returns the messages taken.
+ */
+static int serve_once(struct ibv_qp *bound, struct ct_node_ *n, size_t ans_off, struct service *sv,
+		      uint32_t nsenders)
+{
+	struct ibv_qp *src[16];
+	struct ibv_wc wc[16];
+	int k = qpop_msgs(bound, 16, src, wc);
+
+	CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+	for (int i = 0; i < k; i++) {
+		uint32_t id, seq;
+		uint8_t *p;
+
+		if (wc[i].status == IBV_WC_WR_FLUSH_ERR)
+			continue; /* a sender destroyed its VQP */
+		CT_CHECK(wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len == MSG_LEN,
+			 "message: %s, %u bytes", ibv_wc_status_str(wc[i].status), wc[i].byte_len);
+		p = n->buf + wc[i].wr_id * MSG_LEN;
+		memcpy(&id, p, 4);
+		memcpy(&seq, p + 4, 4);
+		CT_CHECK(id < nsenders, "sender id %u", id);
+		CT_CHECK(seq == sv->next[id], "sender %u: message %u, expected %u (lost, duplicated or reordered)",
+			 id, seq, sv->next[id]);
+		expect_msg(p, id, seq);
+		sv->next[id]++;
+		sv->got++;
+		{
+			uint64_t t0 = ct_now_ns();
+			size_t slot = ans_off + (sv->ans_posted % NBUF) * MSG_LEN;
+
+			while (sv->ans_posted - sv->ans_done >= NBUF) {
+				CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "answers stuck");
+				reap_sends(n, sv);
+			}
+			memcpy(n->buf + slot, p, MSG_LEN);
+			post_recv_at(bound, n, wc[i].wr_id, wc[i].wr_id * MSG_LEN);
+			post_at(src[i], n, ANSWER_ID, IBV_WR_SEND, slot, 0, 0);
+			sv->ans_posted++;
+		}
+	}
+	reap_sends(n, sv);
+	return k;
+}
+
+/* ---- lru reclaim -------------------------------------------------------- */
+
+#define SERVERS 4
+#define PER_SERVER 2
+#define CLIENT_VQPS (SERVERS * PER_SERVER)
+#define ROUNDS 6
+#define BURST 8
+#define MAX_LINKS 2
+
+static int info_pipe[2];	/* servers -> client: their memory (addr, rkey) */
+static int done_pipe[2];	/* parent -> servers: the client finished */
+static int server_idx;
+
+static int lru_server(int ready_fd)
+{
+	struct ct_node_ n;
+	struct ibv_qp *bound;
+	uint8_t *mem;
+	struct ibv_mr *mmr;
+	struct service sv = { 0 };
+	const uint32_t want = PER_SERVER * ROUNDS * BURST;
+	int node = 2 + server_idx;
+	char c;
+
+	ct_begin("vqp_reclaim: lru reclaim (server)");
+	node_open(&n, node, 2 * NBUF * MSG_LEN);
+	bound = vqp(&n, 64, NBUF);
+	mem = aligned_alloc(4096, 4096);
+	CT_CHECK(mem != NULL, "alloc");
+	ct_fill(mem, 4096, 7000 + node);
+	mmr = CT_PTR(ibv_reg_mr(n.d.pd, mem, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
+	for (int i = 0; i < NBUF; i++)
+		post_recv_at(bound, &n, (uint64_t)i, (size_t)i * MSG_LEN);
+	CT_OK(qbind(bound, ct_node_gid(node), PORT + node));
+	{
+		uint64_t info[3] = { (uint64_t)node, (uintptr_t)mem, mmr->rkey };
+
+		CT_CHECK(write(info_pipe[1], info, sizeof(info)) == sizeof(info), "info");
+	}
+	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
+	close(ready_fd);
+	while (sv.got < want || sv.ans_done < want) {
+		uint64_t t0 = ct_now_ns();
+		uint32_t before = sv.ans_done;
+
+		while (serve_once(bound, &n, NBUF * MSG_LEN, &sv, CLIENT_VQPS) == 0 && sv.ans_done == before) {
+			CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull,
+				 "nothing for %d ms (%u of %u messages, %u answers)", CT_TIMEOUT_MS, sv.got, want,
+				 sv.ans_done);
+			if (sv.got == want && sv.ans_done == want)
+				break;
+			sched_yield();
+		}
+	}
+	/* Stay up (the client READs us, and closes links with us) until the
+	 * parent says the client is done. */
+	CT_CHECK(read(done_pipe[0], &c, 1) == 1, "done");
+	ct_note("server on node %d: %u messages in order, %u answers; links_closed=%llu", node, sv.got,
+		sv.ans_done, kstat(KRCORE_STAT_LINKS_CLOSED));
+	ct_pass();
+	return 0;
+}
+
+static int lru_client(void)
+{
+	struct ct_node_ n;
+	struct ibv_qp *qp[CLIENT_VQPS];
+	uint64_t mem[SERVERS][2];
+	int node_of[SERVERS];
+	uint32_t answers[CLIENT_VQPS] = { 0 };
+	unsigned long long max_links = 0, links;
+	/* Per VQP: BURST send slots, a READ slot, BURST receive slots. */
+	const size_t per_vqp = (2 * BURST + 1) * MSG_LEN;
+
+	ct_begin("vqp_reclaim: lru reclaim (client, KRCORE_MAX_LINKS=2)");
+	node_open(&n, 6, CLIENT_VQPS * per_vqp);
+	for (int s = 0; s < SERVERS; s++) {
+		uint64_t info[3];
+
+		CT_CHECK(read(info_pipe[0], info, sizeof(info)) == sizeof(info), "server info");
+		node_of[s] = (int)info[0];
+		mem[s][0] = info[1];
+		mem[s][1] = info[2];
+	}
+	for (int v = 0; v < CLIENT_VQPS; v++) {
+		int s = v / PER_SERVER;
+
+		qp[v] = vqp(&n, 2 * BURST + 2, 2 * BURST);
+		for (int b = 0; b < BURST; b++)
+			post_recv_at(qp[v], &n, ((uint64_t)v << 32) | (uint64_t)b,
+				     v * per_vqp + (BURST + 1 + b) * MSG_LEN);
+		CT_OK(qconnect(qp[v], ct_node_gid(node_of[s]), PORT + node_of[s]));
+	}
+	for (int r = 0; r < ROUNDS; r++) {
+		int sends = 0, reads = 0, recvs = 0;
+
+		/* Server after server, without waiting: the link to the next
+		 * one pushes the least recently used one out. */
+		for (int v = 0; v < CLIENT_VQPS; v++) {
+			int s = v / PER_SERVER;
+
+			for (int b = 0; b < BURST; b++) {
+				uint32_t seq = (uint32_t)(r * BURST + b);
+
+				fill_msg(n.buf + v * per_vqp + b * MSG_LEN, (uint32_t)v, seq);
+				post_at(qp[v], &n, ((uint64_t)v << 32) | seq, IBV_WR_SEND, v * per_vqp + b * MSG_LEN, 0, 0);
+			}
+			post_at(qp[v], &n, (1ull << 63) | ((uint64_t)v << 32), IBV_WR_RDMA_READ,
+				v * per_vqp + BURST * MSG_LEN, mem[s][0] + (uint64_t)(r * 64 % 4032), (uint32_t)mem[s][1]);
+			links = kstat(KRCORE_STAT_LINKS);
+			max_links = links > max_links ? links : max_links;
+		}
+		while (sends + reads < CLIENT_VQPS * (BURST + 1) || recvs < CLIENT_VQPS * BURST) {
+			struct ibv_wc wc;
+
+			if (ibv_poll_cq(n.scq, 1, &wc) == 1) {
+				uint32_t v = (uint32_t)(wc.wr_id >> 32) & 0x7fffffff;
+
+				CT_CHECK(wc.status == IBV_WC_SUCCESS, "VQP %u: wr %llx: %s", v,
+					 (unsigned long long)wc.wr_id, ibv_wc_status_str(wc.status));
+				if (wc.wr_id >> 63) {
+					uint8_t want[4096];
+					int s = (int)v / PER_SERVER;
+
+					ct_fill(want, 4096, 7000 + node_of[s]);
+					ct_expect_bytes(n.buf + v * per_vqp + BURST * MSG_LEN, want + r * 64 % 4032,
+							MSG_LEN, "READ of the server's memory");
+					reads++;
+				} else {
+					sends++;
+				}
+				continue;
+			}
+			if (ibv_poll_cq(n.rcq, 1, &wc) == 1) {
+				uint32_t v = (uint32_t)(wc.wr_id >> 32), b = (uint32_t)wc.wr_id;
+				size_t off = v * per_vqp + (BURST + 1 + b) * MSG_LEN;
+
+				CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "answer: %s",
+					 ibv_wc_status_str(wc.status));
+				/* Answers come in order too. */
+				expect_msg(n.buf + off, v, answers[v]);
+				answers[v]++;
+				recvs++;
+				post_recv_at(qp[v], &n, wc.wr_id, off);
+				continue;
+			}
+			sched_yield();
+		}
+		links = links_settle(MAX_LINKS, CT_TIMEOUT_MS);
+		CT_CHECK(links <= MAX_LINKS, "round %d: %llu links, KRCORE_MAX_LINKS=%d", r, links, MAX_LINKS);
+	}
+	for (int v = 0; v < CLIENT_VQPS; v++)
+		CT_CHECK(answers[v] == ROUNDS * BURST, "VQP %d: %u answers", v, answers[v]);
+	ct_note("%d VQPs to %d servers, %d messages each way and %d READs, all checked: links_opened=%llu "
+		"links_closed=%llu, at most %llu links while posting, %llu after each round (max %d)",
+		CLIENT_VQPS, SERVERS, CLIENT_VQPS * ROUNDS * BURST, CLIENT_VQPS * ROUNDS,
+		kstat(KRCORE_STAT_LINKS_OPENED), kstat(KRCORE_STAT_LINKS_CLOSED), max_links,
+		kstat(KRCORE_STAT_LINKS), MAX_LINKS);
+	/* Each round needs every server's link again: at least one close per
+	 * round beyond the first. */
+	CT_CHECK(kstat(KRCORE_STAT_LINKS_CLOSED) >= ROUNDS, "only %llu links closed",
+		 kstat(KRCORE_STAT_LINKS_CLOSED));
+	CT_CHECK(kstat(KRCORE_STAT_LINKS_FAILED) == 0, "%llu links failed", kstat(KRCORE_STAT_LINKS_FAILED));
+	for (int v = 0; v < CLIENT_VQPS; v++)
+		CT_OK(ibv_destroy_qp(qp[v]));
+	ct_pass();
+	return 0;
+}
+
+static int lru_reclaim(void)
+{
+	pid_t srv[SERVERS], cli;
+	int fails = 0;
+
+	CT_CHECK(pipe(info_pipe) == 0 && pipe(done_pipe) == 0, "pipe");
+	setenv("KRCORE_MAX_LINKS", "2", 1);
+	setenv("KRCORE_LINK_IDLE_MS", "0", 1);
+	for (int s = 0; s < SERVERS; s++) {
+		server_idx = s;
+		srv[s] = ct_fork_ready(lru_server, "lru server");
+	}
+	cli = fork();
+	CT_CHECK(cli >= 0, "fork");
+	if (cli == 0)
+		_exit(lru_client());
+	fails += ct_wait_child(cli, "lru client");
+	for (int s = 0; s < SERVERS; s++)
+		CT_CHECK(write(done_pipe[1], "D", 1) == 1, "done");
+	for (int s = 0; s < SERVERS; s++)
+		fails += ct_wait_child(srv[s], "lru server");
+	unsetenv("KRCORE_MAX_LINKS");
+	unsetenv("KRCORE_LINK_IDLE_MS");
+	return fails;
+}
+
+/* ---- simultaneous connects ---------------------------------------------- */
+
+#define PAIR_VQPS 4
+#define PHASE_MSGS 16
+
+static int go_pipe[2][2];	/* parent -> peer i: go (connect, phase 2, end) */
+static int step_pipe[2];	/* peers -> parent: ready, phase done */
+static int peer_idx;
+
+static void wait_go(void)
+{
+	char c;
+
+	CT_CHECK(read(go_pipe[peer_idx][0], &c, 1) == 1, "go");
+}
+
+static void step(void)
+{
+	CT_CHECK(write(step_pipe[1], "S", 1) == 1, "step");
+}
+
+/* Send PHASE_MSGS more on each of qp[] and serve the other side's, until
+ * all of both are done and answered. */
+static void exchange(struct ct_node_ *n, struct ibv_qp *bound, struct ibv_qp **qp, uint32_t *sent,
+		     uint32_t *answers, struct service *sv, size_t send_off, size_t ans_off, size_t recv_off)
+{
+	uint32_t target = sent[0] + PHASE_MSGS;
+	uint64_t t0 = ct_now_ns();
+
+	for (int v = 0; v < PAIR_VQPS; v++) {
+		for (uint32_t s = sent[v]; s < target; s++) {
+			size_t off = send_off + ((size_t)v * PHASE_MSGS + s % PHASE_MSGS) * MSG_LEN;
+
+			fill_msg(n->buf + off, (uint32_t)v, s);
+			post_at(qp[v], n, (1ull << 62) | ((uint64_t)v << 32) | s, IBV_WR_SEND, off, 0, 0);
+		}
+		sent[v] = target;
+	}
+	for (;;) {
+		struct ibv_wc wc;
+		int all = 1;
+		const uint32_t total = (uint32_t)PAIR_VQPS * target;
+
+		for (int v = 0; v < PAIR_VQPS; v++)
+			all &= answers[v] == target;
+		/* Our messages answered, theirs all taken and answered, every
+		 * send of ours complete. */
+		if (all && sv->got == total && sv->ans_done == total && sv->sends_done == total)
+			break;
+		CT_CHECK(ct_now_ns() - t0 < (uint64_t)2 * CT_TIMEOUT_MS * 1000000ull,
+			 "exchange stuck: %u received, answers %u %u %u %u, %u answered, %u sends done", sv->got,
+			 answers[0], answers[1], answers[2], answers[3], sv->ans_done, sv->sends_done);
+		serve_once(bound, n, ans_off, sv, PAIR_VQPS);
+		if (ibv_poll_cq(n->rcq, 1, &wc) == 1) {
+			uint32_t v = (uint32_t)(wc.wr_id >> 32), b = (uint32_t)wc.wr_id;
+			size_t off = recv_off + ((size_t)v * PHASE_MSGS + b) * MSG_LEN;
+
+			CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "answer: %s",
+				 ibv_wc_status_str(wc.status));
+			expect_msg(n->buf + off, v, answers[v]);
+			answers[v]++;
+			post_recv_at(qp[v], n, wc.wr_id, off);
+		} else {
+			sched_yield();
+		}
+	}
+}
+
+static int pair_peer(void)
+{
+	struct ct_node_ n;
+	struct ibv_qp *bound, *qp[PAIR_VQPS];
+	int node = 7 + peer_idx, other = 7 + !peer_idx;
+	uint32_t sent[PAIR_VQPS] = { 0 }, answers[PAIR_VQPS] = { 0 };
+	struct service sv = { 0 };
+	const size_t area = (size_t)PAIR_VQPS * PHASE_MSGS * MSG_LEN;
+	unsigned long long opened, links;
+
+	ct_begin(peer_idx ? "vqp_reclaim: simultaneous connects (peer B)" : "vqp_reclaim: simultaneous connects (peer A)");
+	setenv("KRCORE_LINKS_PER_PEER", "4", 1);
+	/* NBUF receive buffers, then send, answer and answer-receive areas. */
+	node_open(&n, node, NBUF * MSG_LEN + 3 * area);
+	bound = vqp(&n, 2 * NBUF, NBUF);
+	for (int i = 0; i < NBUF; i++)
+		post_recv_at(bound, &n, (uint64_t)i, (size_t)i * MSG_LEN);
+	CT_OK(qbind(bound, ct_node_gid(node), PORT + node));
+	for (int v = 0; v < PAIR_VQPS; v++) {
+		qp[v] = vqp(&n, PHASE_MSGS + 1, PHASE_MSGS);
+		for (int b = 0; b < PHASE_MSGS; b++)
+			post_recv_at(qp[v], &n, ((uint64_t)v << 32) | (uint64_t)b,
+				     NBUF * MSG_LEN + 2 * area + ((size_t)v * PHASE_MSGS + b) * MSG_LEN);
+	}
+	step();
+	wait_go();
+	/* Both sides at once: each one's link requests cross the other's. */
+	for (int v = 0; v < PAIR_VQPS; v++)
+		CT_OK(qconnect(qp[v], ct_node_gid(other), PORT + other));
+	exchange(&n, bound, qp, sent, answers, &sv, NBUF * MSG_LEN, NBUF * MSG_LEN + area,
+		 NBUF * MSG_LEN + 2 * area);
+	opened = kstat(KRCORE_STAT_LINKS_OPENED);
+	/* The duplicates close (at the next link maintenance, both sides). */
+	links = links_settle(PAIR_VQPS, CT_TIMEOUT_MS);
+	CT_CHECK(links == PAIR_VQPS, "%llu links to the other process (opened %llu), want %d", links, opened,
+		 PAIR_VQPS);
+	step();
+	wait_go();
+	exchange(&n, bound, qp, sent, answers, &sv, NBUF * MSG_LEN, NBUF * MSG_LEN + area,
+		 NBUF * MSG_LEN + 2 * area);
+	CT_CHECK(kstat(KRCORE_STAT_LINKS) == PAIR_VQPS, "%llu links after phase 2", kstat(KRCORE_STAT_LINKS));
+	CT_CHECK(kstat(KRCORE_STAT_LINKS_OPENED) - kstat(KRCORE_STAT_LINKS_CLOSED) == PAIR_VQPS,
+		 "opened %llu, closed %llu", kstat(KRCORE_STAT_LINKS_OPENED), kstat(KRCORE_STAT_LINKS_CLOSED));
+	CT_CHECK(kstat(KRCORE_STAT_LINKS_FAILED) == 0, "%llu links failed", kstat(KRCORE_STAT_LINKS_FAILED));
+	ct_note("peer on node %d: %d messages each way checked; links opened %llu, duplicates closed %llu, "
+		"%llu links at the end", node, PAIR_VQPS * 2 * PHASE_MSGS, kstat(KRCORE_STAT_LINKS_OPENED),
+		kstat(KRCORE_STAT_LINKS_CLOSED), kstat(KRCORE_STAT_LINKS));
+	step();
+	/* Both stay up until both checked (a link close needs its peer). */
+	wait_go();
+	for (int v = 0; v < PAIR_VQPS; v++)
+		CT_OK(ibv_destroy_qp(qp[v]));
+	ct_pass();
+	return 0;
+}
+
+static int simultaneous(void)
+{
+	pid_t p[2];
+	int fails = 0;
+
+	CT_CHECK(pipe(go_pipe[0]) == 0 && pipe(go_pipe[1]) == 0 && pipe(step_pipe) == 0, "pipe");
+	for (int i = 0; i < 2; i++) {
+		peer_idx = i;
+		p[i] = fork();
+		CT_CHECK(p[i] >= 0, "fork");
+		if (p[i] == 0)
+			_exit(pair_peer());
+	}
+	/* Three steps: ready, phase 1 done (duplicates closed), phase 2 done. */
+	for (int s = 0; s < 3; s++) {
+		for (int i = 0; i < 2; i++) {
+			char c;
+
+			if (read(step_pipe[0], &c, 1) != 1) {
+				fails++;
+				break;
+			}
+		}
+		if (fails)
+			break;
+		for (int i = 0; i < 2; i++)
+			CT_CHECK(write(go_pipe[i][1], "G", 1) == 1, "go");
+	}
+	if (fails) {
+		kill(p[0], SIGKILL);
+		kill(p[1], SIGKILL);
+	}
+	for (int i = 0; i < 2; i++)
+		fails += ct_wait_child(p[i], "pair peer");
+	return fails;
+}
+
+int main(void)
+{
+	pid_t meta_pid;
+	int fails = 0;
+
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	/* Read once per process, at its first use of the library: link
+	 * maintenance (probes, closes) every 200 ms. */
+	setenv("KRCORE_LINK_PROBE_MS", "200", 1);
+	ct_watchdog(300);
+	meta_pid = ct_start_meta();
+	fails += lru_reclaim();
+	fails += simultaneous();
+	kill(meta_pid, SIGTERM);
+	waitpid(meta_pid, NULL, 0);
+	CT_CHECK(fails == 0, "%d process(es) failed", fails);
+	return 0;
+}
