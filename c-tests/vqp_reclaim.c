@@ -270,6 +270,9 @@ static int lru_client(void)
 	const size_t per_vqp = (2 * BURST + 1) * MSG_LEN;
 
 	ct_begin("vqp_reclaim: lru reclaim (client, KRCORE_MAX_LINKS=2)");
+	/* The client's limit only (read at its first use of the library). */
+	setenv("KRCORE_MAX_LINKS", "2", 1);
+	setenv("KRCORE_LINK_IDLE_MS", "0", 1);
 	node_open(&n, 6, CLIENT_VQPS * per_vqp);
 	for (int s = 0; s < SERVERS; s++) {
 		uint64_t info[3];
@@ -370,8 +373,6 @@ static int lru_reclaim(void)
 	int fails = 0;
 
 	CT_CHECK(pipe(info_pipe) == 0 && pipe(done_pipe) == 0, "pipe");
-	setenv("KRCORE_MAX_LINKS", "2", 1);
-	setenv("KRCORE_LINK_IDLE_MS", "0", 1);
 	for (int s = 0; s < SERVERS; s++) {
 		server_idx = s;
 		srv[s] = ct_fork_ready(lru_server, "lru server");
@@ -385,8 +386,6 @@ static int lru_reclaim(void)
 		CT_CHECK(write(done_pipe[1], "D", 1) == 1, "done");
 	for (int s = 0; s < SERVERS; s++)
 		fails += ct_wait_child(srv[s], "lru server");
-	unsetenv("KRCORE_MAX_LINKS");
-	unsetenv("KRCORE_LINK_IDLE_MS");
 	return fails;
 }
 

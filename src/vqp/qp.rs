@@ -768,12 +768,29 @@ impl Vqp {
                 // connection has an open one.
                 let Some(link) = conn.open_link().cloned() else { return Ok(None) };
                 drop(guard);
-                if *fetched || !self.fetch_remote(rt, &link, rkey)? {
-                    klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
-                    return Err(Errno::EINVAL);
+                let known = if *fetched { Ok(false) } else { self.fetch_remote(rt, &link, rkey) };
+                match known {
+                    Ok(true) => {
+                        *fetched = true;
+                        Ok(None)
+                    }
+                    Ok(false) => {
+                        klog!(Level::Debug, "vqp {:#x}: rkey {rkey:#x} unknown to the peer", self.vqpn);
+                        Err(Errno::EINVAL)
+                    }
+                    // The network never fails a post. The link began
+                    // closing (the post moves to the next link), the READ
+                    // failed and its link with it (the VQP enters the error
+                    // state: the post is flushed), or the peer's table was
+                    // being rewritten: look again.
+                    Err(e) if matches!(e.0, libc::ENOTCONN | libc::EIO | libc::EAGAIN) => Ok(None),
+                    // No answer within the transport's retries: as an RC
+                    // QP whose retries ran out.
+                    Err(e) => {
+                        self.fail_unreachable(e);
+                        Ok(None)
+                    }
                 }
-                *fetched = true;
-                Ok(None)
             }
         }
     }

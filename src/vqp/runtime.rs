@@ -39,6 +39,9 @@ const PROBE_LEN: usize = 8;
 /// How often the links are looked after when they are not probed
 /// (`KRCORE_LINK_PROBE_MS=0`): closes beyond `KRCORE_MAX_LINKS`.
 const MAINTENANCE_MS: u64 = 1000;
+/// How long a READ of a peer's MR table is waited for: beyond the link's
+/// retries (timeout 17, 6 retries: about 3.8 s), with room for load.
+const CONTROL_READ_WAIT: Duration = Duration::from_secs(10);
 
 /// The wr_id of a notifier's sends (with its QP number, tells them apart
 /// from the application's own completions on the same real CQ).
@@ -1124,6 +1127,10 @@ impl Runtime {
             let mut sq = link.sq.lock();
             let deadline = std::time::Instant::now() + connect_timeout();
             loop {
+                if !link.is_open() {
+                    // Nothing new behind a LINK_CLOSE (or on a failed link).
+                    return Err(Errno(libc::ENOTCONN));
+                }
                 if let Some(d) = sq.try_post(true) {
                     self.large.track(tag, Control::Wait { retired: d.retired });
                     break;
@@ -1141,7 +1148,9 @@ impl Runtime {
                 return Err(e);
             }
         }
-        let deadline = std::time::Instant::now() + connect_timeout();
+        // RC completes the READ, in error at worst, once its retries ran
+        // out (about 3.8 s): wait that long, and more under load.
+        let deadline = std::time::Instant::now() + connect_timeout().max(CONTROL_READ_WAIT);
         loop {
             self.progress();
             if let Some(status) = self.control.lock().remove(&tag) {
