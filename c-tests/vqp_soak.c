@@ -9,14 +9,14 @@
  *   no duplicate, bytes as sent) and answers each on its src_qp with a
  *   checked 32-byte echo; it reports its links/vqps gauges every second and
  *   one record per stream when the stream's src_qp is reported closed;
- * - clients (nodes 2..10, uid 1, 2, ...): 1-3 rounds to the server, each a
+ * - clients (nodes 2..10, uid 1, 2, ...): 1-4 rounds to the server, each a
  *   new VQP (create, qconnect, SENDs of 16 B..6 KiB with a READ of the
  *   server's memory every 4th, every echo checked, destroy: destroy and
  *   reconnect); 40% also bind a port of their own and serve (the same
  *   checks, the same echo) the clients that connect to them; 60% connect
  *   to one live binder and run a stream of SENDs and READs to it too;
  * - the driver: spawns clients (KRCORE_SOAK_CLIENTS at once, default 6),
- *   kills 30% of them with SIGKILL at a random point (0.1-12 s after their
+ *   kills 35% of them with SIGKILL at a random point (0.05-4 s after their
  *   start: while binding, connecting, streaming or serving), tells the
  *   others when to exit (a binder only once no connector still uses it),
  *   collects every report through one pipe, samples the server's VmRSS,
@@ -34,9 +34,12 @@
  * every process not killed exits 0; the server's links never exceed the
  * client processes alive in the last LINK_WINDOW_S seconds (a link to a
  * process that ended goes within the probe period plus RC's retries), all
- * go when the clients are gone, its physical QPs come back to what they
- * were before the first client, and its RSS after warm-up stays within
- * RSS_SLACK_KB of the warm-up sample.
+ * go when the clients are gone, its physical QPs (every QP its threads
+ * created, as `rdma resource show qp` lists them) never exceed those it had
+ * before the first client plus that many and come back to them, its RSS
+ * after warm-up stays within RSS_SLACK_KB of the warm-up sample, and after
+ * the last client its RSS is within RSS_END_SLACK_KB and its heap in use
+ * (mallinfo2) within HEAP_SLACK_KB of what they were before the first.
  *
  * The seed (KRCORE_SOAK_SEED, default the time) is printed; a run is
  * reproduced with the same seed up to timing.
@@ -44,7 +47,9 @@
 #define _GNU_SOURCE
 #include "common.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -72,8 +77,10 @@
 #define CLOSE_WAIT_MS 30000	/* finished connectors' src_qps closed */
 #define SAMPLE_S 5
 #define LINK_WINDOW_S 30
-#define RSS_SLACK_KB (24 * 1024)
-#define P_KILL 30
+#define RSS_SLACK_KB (24 * 1024)	/* after warm-up, over the warm-up sample */
+#define RSS_END_SLACK_KB (4 * 1024)	/* after the last client, over the first sample */
+#define HEAP_SLACK_KB 1024		/* heap in use after the last client, over before the first */
+#define P_KILL 35
 #define P_BINDER 40
 #define P_PEER 60
 
@@ -87,8 +94,8 @@ enum {
 	R_ACC_ERR,	/* uid: acceptor, a: from uid, c: status of an echo */
 	R_OWN_DONE,	/* uid: its own streams are done, waiting for 'X' */
 	R_EXIT,		/* uid: exiting with status 0 */
-	R_STAT,		/* server: a links, b vqps, c links_failed, d links_opened */
-	R_FINAL,	/* server: a open streams, b links, c vqps, x messages verified */
+	R_STAT,		/* server: a links, b vqps, c links_failed, d links_opened, x heap in use */
+	R_FINAL,	/* server: a open streams, b links, c vqps, x messages verified, y heap in use */
 };
 
 struct rec {
@@ -412,7 +419,8 @@ static int server_role(int ready_fd)
 			report((struct rec){ .type = R_STAT, .a = (uint32_t)krcore_stat_get(KRCORE_STAT_LINKS),
 					     .b = (uint32_t)krcore_stat_get(KRCORE_STAT_VQPS),
 					     .c = (uint32_t)krcore_stat_get(KRCORE_STAT_LINKS_FAILED),
-					     .d = (uint32_t)krcore_stat_get(KRCORE_STAT_LINKS_OPENED) });
+					     .d = (uint32_t)krcore_stat_get(KRCORE_STAT_LINKS_OPENED),
+					     .x = mallinfo2().uordblks });
 		}
 		if (!stopping && read(ctl_fd, &c, 1) == 1) {
 			CT_CHECK(c == 'S', "control byte %c", c);
@@ -442,7 +450,7 @@ static int server_role(int ready_fd)
 			usleep(stopping ? 2000 : 300);
 	}
 	report((struct rec){ .type = R_FINAL, .a = 0, .b = 0, .c = (uint32_t)krcore_stat_get(KRCORE_STAT_VQPS),
-			     .x = a.verified });
+			     .x = a.verified, .y = mallinfo2().uordblks });
 	/* The driver counts our physical QPs, then says 'Q'. */
 	{
 		struct pollfd pfd = { ctl_fd, POLLIN, 0 };
@@ -687,12 +695,12 @@ static int client_main(void)
 
 		if (!srv.active && round < plan.rounds) {
 			round++;
-			cs_start(&n, &srv, 0, (uint32_t)round, rnd_in(10, 150));
+			cs_start(&n, &srv, 0, (uint32_t)round, rnd_in(20, 300));
 			busy = 1;
 		}
 		if (plan.peer && !peer_started) {
 			peer_started = 1;
-			cs_start(&n, &peer, plan.peer, PEER_ROUND, rnd_in(10, 100));
+			cs_start(&n, &peer, plan.peer, PEER_ROUND, rnd_in(20, 300));
 			busy = 1;
 		}
 		busy |= cs_step(&srv);
@@ -743,6 +751,7 @@ static int failed;
 static struct rec *recs;
 static size_t nrecs, cap_recs;
 static uint64_t n_errors[64], n_refused[2];
+static uint64_t last_heap;
 static uint32_t last_links, last_vqps, last_links_failed, last_links_opened, max_links;
 static int got_final;
 static struct rec final_rec;
@@ -818,6 +827,7 @@ static void handle(struct rec r)
 		last_vqps = r.b;
 		last_links_failed = r.c;
 		last_links_opened = r.d;
+		last_heap = r.x;
 		if (r.a > max_links)
 			max_links = r.a;
 		break;
@@ -863,19 +873,37 @@ static long rss_kb(pid_t pid)
 }
 
 /* The server's physical QPs as the kernel lists them (rdma resource show
- * qp: one line per QP, with "pid N" for a user process's). */
+ * qp: one line per QP, "pid N" naming the thread that created it: the
+ * application's thread or the library's service thread, so every thread
+ * of the server counts). */
 static int phys_qps(pid_t pid)
 {
-	char line[512], want[32];
-	int n = 0;
-	FILE *f = popen("rdma resource show qp 2>/dev/null", "r");
+	char line[512], path[64];
+	int tids[64], ntid = 0, n = 0;
+	struct dirent *e;
+	DIR *dir;
+	FILE *f;
 
+	snprintf(path, sizeof(path), "/proc/%d/task", pid);
+	dir = opendir(path);
+	if (!dir)
+		return -1;
+	while ((e = readdir(dir)) && ntid < 64)
+		if (e->d_name[0] != '.')
+			tids[ntid++] = atoi(e->d_name);
+	closedir(dir);
+	f = popen("rdma resource show qp 2>/dev/null", "r");
 	if (!f)
 		return -1;
-	snprintf(want, sizeof(want), " pid %d ", pid);
-	while (fgets(line, sizeof(line), f))
-		if (strstr(line, want))
-			n++;
+	while (fgets(line, sizeof(line), f)) {
+		char *p = strstr(line, " pid ");
+
+		for (int i = 0; p && i < ntid; i++)
+			if (atoi(p + 5) == tids[i]) {
+				n++;
+				break;
+			}
+	}
 	if (pclose(f) != 0)
 		return -1;
 	return n;
@@ -921,7 +949,7 @@ static void spawn(pid_t srv_pid, uint64_t srv_info[2], uint64_t seed)
 	plan.uid = uid;
 	plan.node = 2 + (int)(uid % (NODES - 1));
 	plan.binder = rnd() % 100 < P_BINDER;
-	plan.rounds = (int)rnd_in(1, 3);
+	plan.rounds = (int)rnd_in(1, 4);
 	plan.srv_addr = srv_info[0];
 	plan.srv_rkey = (uint32_t)srv_info[1];
 	plan.seed = seed;
@@ -944,7 +972,7 @@ static void spawn(pid_t srv_pid, uint64_t srv_info[2], uint64_t seed)
 	k->peer = plan.peer;
 	k->t_spawn = ct_now_ns();
 	if (rnd() % 100 < P_KILL)
-		k->t_kill = k->t_spawn + (uint64_t)rnd_in(100, 12000) * 1000000ull;
+		k->t_kill = k->t_spawn + (uint64_t)rnd_in(50, 4000) * 1000000ull;
 	CT_CHECK(pipe(ctl) == 0, "pipe");
 	fflush(stdout);
 	pid = fork();
@@ -1018,7 +1046,7 @@ int main(void)
 	int max_live = (int)env_u64("KRCORE_SOAK_CLIENTS", 6);
 	uint64_t warm_s = soak_s / 5 < 60 ? soak_s / 5 : 60;
 	uint64_t t0, t_end, t_sample, t_last_spawn = 0;
-	uint64_t srv_info[2], rss_warm = 0, rss_max_after = 0, rss_first = 0;
+	uint64_t heap_first, heap_warm = 0, srv_info[2], rss_warm = 0, rss_max_after = 0, rss_first = 0;
 	int nkilled = 0, qps_base = -1, qps_max = -1, srv_ctl[2], rp[2];
 	pid_t meta_pid, srv_pid;
 	int st;
@@ -1052,9 +1080,18 @@ int main(void)
 	srv_pid = ct_fork_ready(server_role, "the server");
 	close(srv_ctl[0]);
 	CT_CHECK(read(info_pipe[0], srv_info, sizeof(srv_info)) == sizeof(srv_info), "server info");
-	drain_reports(1500);
+	/* A first STAT, then a quiet moment (the warm QP pool refilled). */
+	{
+		uint64_t t = ct_now_ns();
+
+		while (!last_heap && ms_since(t) < 10000)
+			drain_reports(100);
+		CT_CHECK(last_heap != 0, "no statistics from the server");
+		drain_reports(1500);
+	}
 	qps_base = phys_qps(srv_pid);
 	rss_first = (uint64_t)rss_kb(srv_pid);
+	heap_first = last_heap;
 	printf("NOTE vqp_soak: server pid %d: %llu kB RSS, %d physical QPs before the first client\n", srv_pid,
 	       (unsigned long long)rss_first, qps_base);
 	if (qps_base < 0)
@@ -1084,10 +1121,10 @@ int main(void)
 			int recent = recent_clients(now, LINK_WINDOW_S);
 
 			t_sample += SAMPLE_S * 1000000000ull;
-			printf("SAMPLE t=%.0fs started=%u live=%d killed=%d rss_kb=%ld links=%u vqps=%u "
+			printf("SAMPLE t=%.0fs started=%u live=%d killed=%d rss_kb=%ld heap_kb=%llu links=%u vqps=%u "
 			       "links_opened=%u links_failed=%u phys_qps=%d\n",
-			       t, next_uid - 1, live, nkilled, rss, last_links, last_vqps, last_links_opened,
-			       last_links_failed, q);
+			       t, next_uid - 1, live, nkilled, rss, (unsigned long long)last_heap / 1024, last_links,
+			       last_vqps, last_links_opened, last_links_failed, q);
 			if (q > qps_max)
 				qps_max = q;
 			if ((int)last_links > recent)
@@ -1097,8 +1134,10 @@ int main(void)
 				DFAIL("at %.0f s the server has %d physical QPs: more than %d before the first client + %d recent client processes",
 				      t, q, qps_base, recent);
 			if (rss > 0 && t >= (double)warm_s) {
-				if (!rss_warm)
+				if (!rss_warm) {
 					rss_warm = (uint64_t)rss;
+					heap_warm = last_heap;
+				}
 				if ((uint64_t)rss > rss_max_after)
 					rss_max_after = (uint64_t)rss;
 			}
@@ -1149,6 +1188,15 @@ int main(void)
 		if (rss_warm && rss_end > 0 && (uint64_t)rss_end > rss_warm + RSS_SLACK_KB)
 			DFAIL("the server's RSS at the end %ld kB, %llu kB at warm-up", rss_end,
 			      (unsigned long long)rss_warm);
+		printf("NOTE vqp_soak: server heap in use (mallinfo2) %llu kB before the first client, %llu kB at warm-up, %llu kB at the end (bound: before + %d kB)\n",
+		       (unsigned long long)heap_first / 1024, (unsigned long long)heap_warm / 1024,
+		       (unsigned long long)final_rec.y / 1024, HEAP_SLACK_KB);
+		if (got_final && final_rec.y > heap_first + HEAP_SLACK_KB * 1024ull)
+			DFAIL("the server's heap in use grew from %llu kB before the first client to %llu kB after the last",
+			      (unsigned long long)heap_first / 1024, (unsigned long long)final_rec.y / 1024);
+		if (rss_end > 0 && (uint64_t)rss_end > rss_first + RSS_END_SLACK_KB)
+			DFAIL("the server's RSS after the last client %ld kB, %llu kB before the first", rss_end,
+			      (unsigned long long)rss_first);
 		printf("NOTE vqp_soak: server RSS %llu kB before the first client, %llu kB at warm-up (%llu s), max %llu kB after it, %ld kB at the end (bound: warm-up + %d kB)\n",
 		       (unsigned long long)rss_first, (unsigned long long)rss_warm, (unsigned long long)warm_s,
 		       (unsigned long long)rss_max_after, rss_end, RSS_SLACK_KB);
