@@ -753,7 +753,7 @@ static size_t nrecs, cap_recs;
 static uint64_t n_errors[64], n_refused[2];
 static uint64_t last_heap;
 static uint32_t last_links, last_vqps, last_links_failed, last_links_opened, max_links;
-static int got_final;
+static int got_final, n_sigkilled;
 static struct rec final_rec;
 
 #define DFAIL(...)                                                            \
@@ -1005,6 +1005,7 @@ static void reap(void)
 		close(k->ctl);
 		k->ctl = -1;
 		if (k->killed && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) {
+			n_sigkilled++;
 			/* Its report of the peer stream will never come. */
 			drop_ref(u);
 			continue;
@@ -1254,10 +1255,10 @@ int main(void)
 			}
 			for (int s = 0; s < 64; s++)
 				errs += n_errors[s];
-			printf("NOTE vqp_soak: %.0f s, %u client processes (%d binders, %d connecting to a binder), %d killed; "
+			printf("NOTE vqp_soak: %.0f s, %u client processes (%d binders, %d connecting to a binder), %d killed (%d died of the SIGKILL, the others had just exited); "
 			       "%llu streams finished and cross-checked (%llu closed by a killed sender), %llu messages verified at acceptors, "
 			       "%llu echoes and %llu READs verified at clients\n",
-			       (double)(ct_now_ns() - t0) / 1e9, next_uid - 1, binders, connectors, killed_real,
+			       (double)(ct_now_ns() - t0) / 1e9, next_uid - 1, binders, connectors, killed_real, n_sigkilled,
 			       (unsigned long long)streams, (unsigned long long)killed_streams,
 			       (unsigned long long)acc_msgs, (unsigned long long)echoes, (unsigned long long)reads);
 			printf("NOTE vqp_soak: %llu error completions, all on VQPs to killed peers: RETRY_EXC_ERR %llu, WR_FLUSH_ERR %llu, REM_OP_ERR %llu; qconnect to a killed binder: %llu ECONNREFUSED, %llu ETIMEDOUT\n",

@@ -10,7 +10,8 @@
 # Soft-RoCE VM (scripts/vm-run.sh, scripts/rxe-up.sh 10) unless this machine
 # already has an RDMA device with the testbed's GIDs. KRCORE_SOAK_SEED
 # replays a run's random choices, KRCORE_SOAK_CLIENTS (6) sets how many
-# clients run at once. Output: target/soak-out/vqp_soak.log.
+# clients run at once (KRCORE_CONNECT_TIMEOUT_MS, KRCORE_MR_LEASE_MS,
+# KRCORE_LINK_PROBE_MS, KRCORE_META_LEASE_MS pass through too). Output: target/soak-out/vqp_soak.log.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 secs="${1:-${KRCORE_SOAK_S:-300}}"
@@ -23,8 +24,11 @@ out=target/soak-out
 mkdir -p "$out"
 log="$out/vqp_soak.log"
 envs=(env "KRCORE_SOAK_S=$secs")
-[[ -n "${KRCORE_SOAK_SEED:-}" ]] && envs+=("KRCORE_SOAK_SEED=$KRCORE_SOAK_SEED")
-[[ -n "${KRCORE_SOAK_CLIENTS:-}" ]] && envs+=("KRCORE_SOAK_CLIENTS=$KRCORE_SOAK_CLIENTS")
+# The soak's knobs and the library's timing knobs pass into the VM.
+for v in KRCORE_SOAK_SEED KRCORE_SOAK_CLIENTS KRCORE_CONNECT_TIMEOUT_MS KRCORE_MR_LEASE_MS \
+         KRCORE_LINK_PROBE_MS KRCORE_META_LEASE_MS; do
+    [[ -n "${!v:-}" ]] && envs+=("$v=${!v}")
+done
 echo "==> soak: $secs s (log: $log)"
 if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
     "${envs[@]}" target/soak/vqp_soak 2>&1 | tee "$log"
