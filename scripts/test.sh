@@ -6,6 +6,8 @@
 # on it), and a summary closes the run.
 #   scripts/test.sh            (exit status: 0 only if every stage passed)
 # KRCORE_SUITE_ARGS="-k perftest" passes extra arguments to the suite.
+# KRCORE_SOAK=1 adds the VQP soak (scripts/soak.sh, KRCORE_SOAK_S seconds,
+# default 300) as a last stage; it is not run otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -89,6 +91,9 @@ if stage build cargo build --release; then
         echo "==> [rdma-core-tests] skipped: ../shared/rdma-core-tests not found" \
              "(rdma-core's own test suite is not part of this checkout)"
         names+=(rdma-core-tests); secs+=(0); results+=("skipped (no tests dir)")
+    fi
+    if [[ "${KRCORE_SOAK:-0}" == 1 ]]; then
+        stage soak bash scripts/soak.sh "${KRCORE_SOAK_S:-300}"
     fi
 else
     skip install "build failed"
