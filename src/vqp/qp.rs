@@ -154,6 +154,10 @@ struct Reading {
     /// READs posted and not completed.
     inflight: u32,
     link: Arc<Link>,
+    /// The receive buffer it took (given back if the message is lost).
+    buf: Vec<ibv_sge>,
+    /// A READ failed: the link died under it, the message is lost.
+    lost: bool,
     /// The answer, sent when every READ completed (`imm`: the status).
     done: Header,
 }
@@ -620,6 +624,11 @@ impl Vqp {
     pub fn pins(&self, link: &Arc<Link>) -> bool {
         let st = self.st.lock();
         st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, link)) || st.held.iter().any(|h| Arc::ptr_eq(&h.link, link))
+    }
+
+    /// Whether this VQP uses runtime `rt` (its PD's).
+    pub fn runtime_is(&self, rt: &Arc<Runtime>) -> bool {
+        self.rt.get().is_some_and(|r| Arc::ptr_eq(r, rt))
     }
 
     pub fn is_bound(&self) -> bool {
@@ -1372,6 +1381,7 @@ impl Vqp {
             wc.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
         } else if h.flags.contains(Flags::LARGE) {
             let mut done = self.done_for(h);
+            let buf = r.sg_list.to_vec();
             let pieces = match r.scatter(h.len) {
                 Ok(p) => p.collect(),
                 Err(status) => {
@@ -1381,7 +1391,7 @@ impl Vqp {
                 }
             };
             drop(srq);
-            st.reading = Some(Reading { wc, pieces, next: 0, remote: h.addr, rkey: h.rkey, inflight: 0, link: Arc::clone(link), done });
+            st.reading = Some(Reading { wc, pieces, next: 0, remote: h.addr, rkey: h.rkey, inflight: 0, link: Arc::clone(link), done, buf, lost: false });
             self.pump(st);
             return;
         } else {
@@ -1454,12 +1464,44 @@ impl Vqp {
         if rd.inflight > 0 {
             return;
         }
+        if rd.lost {
+            self.lose_reading(st);
+            return;
+        }
         if !post_header(rt, &rd.link, &rd.done) {
             rt.large.wait_for_room(self.slot, self.gen);
             return;
         }
         let Some(rd) = st.reading.take() else { return };
         self.complete_recv(st, rd.wc, &rd.link);
+        self.drain_held(st);
+    }
+
+    /// The large message being READ is lost: a READ failed, so its link
+    /// died under it (RC moved the QP to ERR) and its sender's send never
+    /// completed either. As with RC, a message that did not arrive is not
+    /// completed: its receive goes back in front of the queue, for the
+    /// next message, and the messages its sender sent after it, held
+    /// behind it, are dropped (no gap in that sender's order). The link's
+    /// failure then does the rest (a connected VQP's receives are flushed;
+    /// a bound VQP reports the sender closed).
+    fn lose_reading(&self, st: &mut State) {
+        let Some(rd) = st.reading.take() else { return };
+        let src = rd.wc.src_qp;
+        klog!(Level::Info, "vqp {:#x}: a large message from VQP {src:#x} was lost with its link", self.vqpn);
+        let back = match self.srq.get() {
+            Some(srq) => srq.ring().push_front(rd.wc.wr_id, &rd.buf),
+            None => st.rq.push_front(rd.wc.wr_id, &rd.buf),
+        };
+        if back.is_err() {
+            // The queue was filled meanwhile: the receive is reported
+            // flushed instead.
+            let mut wc = rd.wc;
+            wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+            wc.byte_len = 0;
+            self.complete_recv(st, wc, &rd.link);
+        }
+        st.held.retain(|m| !(Arc::ptr_eq(&m.link, &rd.link) && m.header.src_vqpn == src && !m.header.flags.contains(Flags::CLOSE)));
         self.drain_held(st);
     }
 
@@ -1479,10 +1521,9 @@ impl Vqp {
         let mut st = self.st.lock();
         let Some(rd) = st.reading.as_mut() else { return };
         rd.inflight = rd.inflight.saturating_sub(1);
-        if status != ibv_wc_status::IBV_WC_SUCCESS && rd.wc.status == ibv_wc_status::IBV_WC_SUCCESS {
-            klog!(Level::Warn, "vqp {:#x}: READing a large message failed with status {status}", self.vqpn);
-            rd.wc.status = status;
-            rd.done.imm = status;
+        if status != ibv_wc_status::IBV_WC_SUCCESS {
+            klog!(Level::Debug, "vqp {:#x}: READing a large message failed with status {status}", self.vqpn);
+            rd.lost = true;
             rd.next = rd.pieces.len();
         }
         self.pump(&mut st);

@@ -91,6 +91,16 @@ impl Fifo {
         Some(self.slot(self.len - 1))
     }
 
+    /// Claims the slot before the front; `None` when full.
+    fn push_front(&mut self) -> Option<usize> {
+        if self.len == self.cap {
+            return None;
+        }
+        self.head = if self.head == 0 { self.cap - 1 } else { self.head - 1 };
+        self.len += 1;
+        Some(self.head)
+    }
+
     /// Releases the front slot and returns it; `None` when empty.
     fn pop(&mut self) -> Option<usize> {
         if self.len == 0 {
@@ -360,13 +370,29 @@ impl RecvRing {
             return Err(Errno::EINVAL);
         }
         let slot = self.fifo.push().ok_or(Errno::ENOMEM)?;
+        self.fill(slot, wr_id, sg_list);
+        Ok(())
+    }
+
+    /// Gives a buffer taken by [`RecvRing::pop_front`] back, in front (the
+    /// message it was taken for never arrived): `ENOMEM` when the queue
+    /// was filled meanwhile.
+    pub fn push_front(&mut self, wr_id: u64, sg_list: &[ibv_sge]) -> Result<()> {
+        if sg_list.len() > self.max_sge {
+            return Err(Errno::EINVAL);
+        }
+        let slot = self.fifo.push_front().ok_or(Errno::ENOMEM)?;
+        self.fill(slot, wr_id, sg_list);
+        Ok(())
+    }
+
+    fn fill(&mut self, slot: usize, wr_id: u64, sg_list: &[ibv_sge]) {
         let base = slot * self.max_sge;
         self.sges[base..base + sg_list.len()].copy_from_slice(sg_list);
         self.slots[slot] = RecvSlot {
             wr_id,
             num_sge: sg_list.len(),
         };
-        Ok(())
     }
 
     /// Takes the oldest buffer: the one the next message lands in.
@@ -1050,6 +1076,27 @@ mod tests {
         assert_eq!(r.pop_front().map(|w| w.wr_id), Some(1));
         assert_eq!(r.push(3, &[]), Ok(()));
         assert_eq!(r.len(), 2);
+    }
+
+    /// A buffer given back goes in front, with its SGEs, across the wrap
+    /// of the ring; a full ring refuses it.
+    #[test]
+    fn recv_ring_push_front_gives_a_buffer_back_first() {
+        let mut r = RecvRing::new(3, 2).unwrap();
+        r.push(1, &[sge(0x10, 8, 1), sge(0x20, 8, 1)]).unwrap();
+        r.push(2, &[sge(0x30, 8, 1)]).unwrap();
+        let (id, list) = {
+            let w = r.pop_front().unwrap();
+            (w.wr_id, w.sg_list.to_vec())
+        };
+        r.push(3, &[]).unwrap();
+        r.push_front(id, &list).unwrap();
+        assert_eq!(r.push_front(9, &[]), Err(Errno::ENOMEM));
+        let w = r.pop_front().unwrap();
+        assert_eq!((w.wr_id, w.sg_list.len(), w.sg_list[1].addr), (1, 2, 0x20));
+        assert_eq!(r.pop_front().map(|w| w.wr_id), Some(2));
+        assert_eq!(r.pop_front().map(|w| w.wr_id), Some(3));
+        assert!(r.is_empty());
     }
 
     /// Slots of different SGE counts are reused across several wraps and

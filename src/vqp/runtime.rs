@@ -1196,15 +1196,26 @@ pub fn defer(pd: usize, at: std::time::Instant, f: service::Deferred) {
 /// the PD. EBUSY while a VQP of the PD is alive, as the real verb with
 /// QPs on the PD.
 pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
-    let mut g = RUNTIMES.lock();
-    let Some(map) = g.as_mut() else { return Ok(()) };
-    let Some(rt) = map.get(&(pd as usize)) else { return Ok(()) };
-    // The map's reference is the only one when no VQP holds the runtime.
-    if Arc::strong_count(rt) > 1 {
-        return Err(Errno(libc::EBUSY));
-    }
-    let rt = map.remove(&(pd as usize)).expect("present");
-    drop(g);
+    // The map's reference is the only one when no VQP holds the runtime;
+    // the service thread and CQ polls hold it for moments, which are
+    // waited out (without the map's lock, which they may take).
+    let deadline = Instant::now() + connect_timeout();
+    let rt = loop {
+        let mut g = RUNTIMES.lock();
+        let Some(map) = g.as_mut() else { return Ok(()) };
+        let Some(rt) = map.get(&(pd as usize)) else { return Ok(()) };
+        if Arc::strong_count(rt) == 1 {
+            break map.remove(&(pd as usize)).expect("present");
+        }
+        let rt = Arc::clone(rt);
+        drop(g);
+        let used = vqp::live().iter().any(|v| v.runtime_is(&rt));
+        drop(rt);
+        if used || Instant::now() > deadline {
+            return Err(Errno(libc::EBUSY));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
     // Delayed deregistrations hold the PD: they go now.
     rt.probing.store(false, Ordering::Release);
     rt.svc.run_deferred_now();

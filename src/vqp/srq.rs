@@ -132,6 +132,10 @@ impl SrqRing<'_> {
     pub fn pop_front(&mut self) -> Option<RecvWr<'_>> {
         self.0.ring.pop_front()
     }
+
+    pub fn push_front(&mut self, wr_id: u64, sg_list: &[ibv_sge]) -> Result<()> {
+        self.0.ring.push_front(wr_id, sg_list)
+    }
 }
 
 #[cfg(test)]
