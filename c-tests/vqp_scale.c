@@ -305,29 +305,17 @@ static void node_open(struct node *n, int node, int cqe, size_t len)
 	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, n->len, IBV_ACCESS_LOCAL_WRITE));
 }
 
-/* Frees everything; the number of EBUSYs ibv_dealloc_pd returned first
- * (see below). */
-static int node_close(struct node *n)
+/* Frees everything: ibv_dealloc_pd succeeds once the PD's VQPs are gone
+ * (the library's service thread holding the PD's runtime for a moment
+ * once made it EBUSY now and then). */
+static void node_close(struct node *n)
 {
-	int busy = 0, rc;
-	uint64_t t0 = ct_now_ns();
-
 	CT_OK(ibv_dereg_mr(n->mr));
 	free(n->buf);
 	CT_OK(ibv_destroy_cq(n->scq));
 	CT_OK(ibv_destroy_cq(n->rcq));
-	/* A library bug: with every VQP of the PD destroyed, ibv_dealloc_pd
-	 * sometimes returns EBUSY because the library's service thread holds
-	 * the PD's runtime for a moment (a link probe or a wakeup). Retried,
-	 * bounded, and counted: the test reports how often. */
-	while ((rc = ibv_dealloc_pd(n->d.pd)) == EBUSY) {
-		busy++;
-		CT_CHECK(ms_since(t0) < 2000, "ibv_dealloc_pd: EBUSY for 2 s (%d tries)", busy);
-		usleep(1000);
-	}
-	CT_OK(rc);
+	CT_OK(ibv_dealloc_pd(n->d.pd));
 	CT_OK(ibv_close_device(n->d.ctx));
-	return busy;
 }
 
 static struct ibv_qp *vqp(struct node *n, uint32_t sq, uint32_t rq)
@@ -490,8 +478,7 @@ static int spread_server(int ready_fd)
 		CT_CHECK(write(figure_pipe[1], f, sizeof(f)) == sizeof(f), "figure");
 	}
 	CT_OK(ibv_destroy_qp(qp));
-	if (node_close(&n))
-		ct_note("ibv_dealloc_pd returned EBUSY with no VQP left (the library's bug, retried)");
+	node_close(&n);
 	ct_pass();
 	return 0;
 }
@@ -594,8 +581,7 @@ static int spread_client(void)
 		(long long)per_link, (long long)per_link_anon, (long long)per_link_rss);
 	/* Sanity: a VQP costs something, and not more than 64 KiB of heap. */
 	CT_CHECK(per_vqp > 0 && per_vqp < 65536, "%lld bytes per VQP", (long long)per_vqp);
-	if (node_close(&n))
-		ct_note("ibv_dealloc_pd returned EBUSY with no VQP left (the library's bug, retried)");
+	node_close(&n);
 	ct_pass();
 	return 0;
 }
@@ -854,8 +840,7 @@ static int churn_server(int ready_fd)
 	maps_diff(warm_maps, nwarm, end_maps, nend);
 	CT_CHECK(write(churn_pipe[1], &r, sizeof(r)) == sizeof(r), "report");
 	CT_OK(ibv_destroy_qp(qp));
-	if (node_close(&n))
-		ct_note("ibv_dealloc_pd returned EBUSY with no VQP left (the library's bug, retried)");
+	node_close(&n);
 	free(seen);
 	free(closed);
 	free(t_done);
@@ -866,7 +851,6 @@ static int churn_server(int ready_fd)
 /* What a client process reports to the parent. */
 struct client_report {
 	double open_ms, first_ms, vqps_ms, close_ms;
-	int busy;
 };
 static int client_pipe[2];
 
@@ -932,7 +916,7 @@ static int churn_client(int proc)
 	CT_KRCORE_STAT(KRCORE_STAT_VQPS, ==, 0);
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS_OPENED, <=, links_per_peer());
 	t = ct_now_ns();
-	cr.busy = node_close(&n);
+	node_close(&n);
 	cr.close_ms = ms_since(t);
 	CT_CHECK(write(client_pipe[1], &cr, sizeof(cr)) == sizeof(cr), "report");
 	return 0;
@@ -944,8 +928,7 @@ static int churn(void)
 	struct churn_report r;
 	int fails = 0, total;
 	uint64_t t0 = ct_now_ns(), t_clients;
-	struct client_report cr, sum = { 0, 0, 0, 0, 0 };
-	int busy_procs = 0;
+	struct client_report cr, sum = { 0, 0, 0, 0 };
 	double life_ms = 0;
 
 	nprocs = env_or("CT_SCALE_PROCS", CLIENT_PROCS);
@@ -970,8 +953,6 @@ static int churn(void)
 			sum.first_ms += cr.first_ms;
 			sum.vqps_ms += cr.vqps_ms;
 			sum.close_ms += cr.close_ms;
-			sum.busy += cr.busy;
-			busy_procs += cr.busy > 0;
 			life_ms += ms_since(tp);
 		}
 		ct_watchdog(120);	/* progress */
@@ -996,8 +977,6 @@ static int churn(void)
 	ct_note("a client process on average: %.0f ms fork to exit; device, PD, CQs, MR %.0f ms; first VQP (meta connection, link) %.0f ms; the other %d VQPs %.0f ms; freeing %.0f ms",
 		life_ms / nprocs, sum.open_ms / nprocs, sum.first_ms / nprocs, nvqps - 1, sum.vqps_ms / nprocs,
 		sum.close_ms / nprocs);
-	ct_note("ibv_dealloc_pd returned EBUSY with no VQP left (the library's bug, retried) in %d of %d client processes, %d times in all",
-		busy_procs, nprocs, sum.busy);
 	ct_note("figure server_rss_warm=%lld (VmRSS after %d clients; RssAnon %lld, heap %lld)",
 		(long long)r.warm.rss, WARM_CLIENTS, (long long)r.warm.anon, (long long)r.warm.heap);
 	ct_note("figure server_rss_end=%lld (VmRSS after %d clients; RssAnon %lld, heap %lld)",
