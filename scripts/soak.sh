@@ -11,7 +11,8 @@
 # already has an RDMA device with the testbed's GIDs. KRCORE_SOAK_SEED
 # replays a run's random choices, KRCORE_SOAK_CLIENTS (6) sets how many
 # clients run at once (KRCORE_CONNECT_TIMEOUT_MS, KRCORE_MR_LEASE_MS,
-# KRCORE_LINK_PROBE_MS, KRCORE_META_LEASE_MS pass through too). Output: target/soak-out/vqp_soak.log.
+# KRCORE_LINK_PROBE_MS, KRCORE_META_LEASE_MS, KRCORE_MAX_LINKS,
+# KRCORE_LINK_IDLE_MS pass through too). Output: target/soak-out/vqp_soak.log.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 secs="${1:-${KRCORE_SOAK_S:-300}}"
@@ -26,7 +27,7 @@ log="$out/vqp_soak.log"
 envs=(env "KRCORE_SOAK_S=$secs")
 # The soak's knobs and the library's timing knobs pass into the VM.
 for v in KRCORE_SOAK_SEED KRCORE_SOAK_CLIENTS KRCORE_CONNECT_TIMEOUT_MS KRCORE_MR_LEASE_MS \
-         KRCORE_LINK_PROBE_MS KRCORE_META_LEASE_MS; do
+         KRCORE_LINK_PROBE_MS KRCORE_META_LEASE_MS KRCORE_MAX_LINKS KRCORE_LINK_IDLE_MS; do
     [[ -n "${!v:-}" ]] && envs+=("$v=${!v}")
 done
 echo "==> soak: $secs s (log: $log)"

@@ -530,7 +530,7 @@ impl Service {
     pub fn links_to_close(&self, max: usize, idle_ms: u64) -> Vec<Arc<Link>> {
         let links = self.shared.links.lock();
         let mut out: Vec<Arc<Link>> = links.duplicates().cloned().collect();
-        let held = links.by_qpn.values().filter(|l| !l.is_closing()).count() - out.len();
+        let held = links.by_qpn.values().filter(|l| l.is_open()).count() - out.len();
         if max > 0 && held > max {
             let now = crate::vqp::runtime::coarse_ms();
             let mut idle: Vec<(u64, &Arc<Link>)> = links

@@ -555,7 +555,7 @@ impl Vqp {
     /// connection has one now (or the VQP is not connected or failed: the
     /// caller looks again); an error when the peer cannot be reached.
     fn ensure_link(&self, rt: &Runtime) -> Result<()> {
-        let deadline = std::time::Instant::now() + super::runtime::connect_timeout();
+        let deadline = std::time::Instant::now() + super::runtime::connect_timeout().max(super::runtime::TRANSPORT_WAIT);
         loop {
             let (peer, index, old) = {
                 let st = self.st.lock();

@@ -39,9 +39,11 @@ const PROBE_LEN: usize = 8;
 /// How often the links are looked after when they are not probed
 /// (`KRCORE_LINK_PROBE_MS=0`): closes beyond `KRCORE_MAX_LINKS`.
 const MAINTENANCE_MS: u64 = 1000;
-/// How long a READ of a peer's MR table is waited for: beyond the link's
-/// retries (timeout 17, 6 retries: about 3.8 s), with room for load.
-const CONTROL_READ_WAIT: Duration = Duration::from_secs(10);
+/// How long a link's work is waited for to complete (a READ of a peer's
+/// MR table, the WQEs before a link's LINK_CLOSE): RC completes it, in
+/// error at worst, once the retries ran out (timeout 17, 6 retries: about
+/// 3.8 s); more, for load.
+pub const TRANSPORT_WAIT: Duration = Duration::from_secs(10);
 
 /// The wr_id of a notifier's sends (with its QP number, tells them apart
 /// from the application's own completions on the same real CQ).
@@ -1150,7 +1152,7 @@ impl Runtime {
         }
         // RC completes the READ, in error at worst, once its retries ran
         // out (about 3.8 s): wait that long, and more under load.
-        let deadline = std::time::Instant::now() + connect_timeout().max(CONTROL_READ_WAIT);
+        let deadline = std::time::Instant::now() + connect_timeout().max(TRANSPORT_WAIT);
         loop {
             self.progress();
             if let Some(status) = self.control.lock().remove(&tag) {
