@@ -103,6 +103,8 @@ pub struct Link {
     pub close_heard: AtomicBool,
     /// When this process last posted on it (`coarse_ms`), for LRU reclaim.
     last_used: AtomicU64,
+    /// When it began closing (`coarse_ms`).
+    close_started: AtomicU64,
 }
 
 impl Link {
@@ -124,6 +126,7 @@ impl Link {
             close_done: AtomicBool::new(false),
             close_heard: AtomicBool::new(false),
             last_used: AtomicU64::new(crate::vqp::runtime::coarse_ms()),
+            close_started: AtomicU64::new(0),
         })
     }
 
@@ -138,6 +141,11 @@ impl Link {
     /// Whether a VQP may start new work on it.
     pub fn is_open(&self) -> bool {
         !self.is_closing() && !self.is_failed()
+    }
+
+    /// Milliseconds since it began closing.
+    pub fn closing_for_ms(&self) -> u64 {
+        crate::vqp::runtime::coarse_ms().saturating_sub(self.close_started.load(Ordering::Relaxed))
     }
 
     /// This process posts on it (an LRU stamp; coarse, so cheap).
@@ -553,6 +561,7 @@ impl Service {
         if !link.is_open() || !links.by_qpn.contains_key(&link.qp.qpn()) {
             return false;
         }
+        link.close_started.store(crate::vqp::runtime::coarse_ms(), Ordering::Relaxed);
         link.closing.store(true, Ordering::Release);
         links.retire(link);
         true

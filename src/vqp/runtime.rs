@@ -689,6 +689,14 @@ impl Runtime {
             }
         }
         for link in self.svc.closing_links() {
+            // Closing links are not probed (once the peer's LINK_CLOSE came
+            // its end may be gone); a peer that never answers is dead or
+            // stuck: the link fails, as on RC after its retries.
+            if !link.close_heard.load(Ordering::Acquire) && link.closing_for_ms() > 2 * TRANSPORT_WAIT.as_millis() as u64 {
+                klog!(Level::Warn, "vqp: the peer of link QP {} did not answer its LINK_CLOSE", link.qp.qpn());
+                self.link_failed(link.qp.qpn(), ibv_wc_status::IBV_WC_RETRY_EXC_ERR);
+                continue;
+            }
             self.close_link(&link);
         }
     }
