@@ -272,7 +272,10 @@ struct Shared {
     warm: Mutex<Vec<Qp>>,
     links: Mutex<Links>,
     /// Replies to our requests, by request id, until their waiter takes them.
-    replies: Mutex<HashMap<u32, LinkReply>>,
+    /// Replies to our requests, by request id: an entry per waiter (None
+    /// until its reply comes), so that a late or repeated reply (to a
+    /// retransmission) is dropped, not kept.
+    replies: Mutex<HashMap<u32, Option<LinkReply>>>,
     reply_ready: Condvar,
     next_req: AtomicU32,
     /// Cold connects one at a time: each is milliseconds of QP modifies.
@@ -672,6 +675,29 @@ impl Shared {
         unsafe { libc::write(self.event_fd, (&one as *const u64).cast(), 8) };
     }
 
+    /// Send request `req_id` (`msg`) every RETRANSMIT until its reply comes
+    /// or `deadline` passes (ETIMEDOUT).
+    fn await_reply(&self, peer: &Endpoint, req_id: u32, msg: &[u8; LINK_LEN], deadline: Instant) -> Result<LinkReply> {
+        loop {
+            self.send_ud(&peer.gid, peer.qpn, peer.qkey, msg)?;
+            let until = (Instant::now() + RETRANSMIT).min(deadline);
+            let mut replies = self.replies.lock();
+            loop {
+                if let Some(r) = replies.get_mut(&req_id).and_then(Option::take) {
+                    return Ok(r);
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                self.reply_ready.wait_until(&mut replies, until);
+            }
+            drop(replies);
+            if Instant::now() >= deadline {
+                return Err(Errno(libc::ETIMEDOUT));
+            }
+        }
+    }
+
     fn connect(&self, peer: &Endpoint, index: u16, timeout: Duration) -> Result<Arc<Link>> {
         let deadline = Instant::now() + timeout;
         let qp = self.take_warm()?;
@@ -680,21 +706,10 @@ impl Shared {
         let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index) };
         let mut msg = [0u8; LINK_LEN];
         req.encode(&mut msg);
-        let reply = loop {
-            self.send_ud(&peer.gid, peer.qpn, peer.qkey, &msg)?;
-            let until = (Instant::now() + RETRANSMIT).min(deadline);
-            let mut replies = self.replies.lock();
-            while !replies.contains_key(&req_id) && Instant::now() < until {
-                self.reply_ready.wait_until(&mut replies, until);
-            }
-            if let Some(r) = replies.remove(&req_id) {
-                break r;
-            }
-            drop(replies);
-            if Instant::now() >= deadline {
-                return Err(Errno(libc::ETIMEDOUT));
-            }
-        };
+        self.replies.lock().insert(req_id, None);
+        let reply = self.await_reply(peer, req_id, &msg, deadline);
+        self.replies.lock().remove(&req_id);
+        let reply = reply?;
         if reply.status != 0 {
             return Err(Errno(reply.status as i32));
         }
@@ -903,7 +918,9 @@ impl Shared {
             match msg {
                 Ok(LinkMessage::Request(r)) => self.on_request(&r),
                 Ok(LinkMessage::Reply(r)) => {
-                    self.replies.lock().insert(r.req_id, r);
+                    if let Some(slot) = self.replies.lock().get_mut(&r.req_id) {
+                        *slot = Some(r);
+                    }
                     self.reply_ready.notify_all();
                 }
                 Err(e) => klog!(Level::Warn, "service: dropped a malformed link message: {e:?}"),

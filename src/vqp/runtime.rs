@@ -832,6 +832,9 @@ impl Runtime {
         let qpn = link.qp.qpn();
         self.svc.forget_link(qpn);
         self.large.forget_link(qpn);
+        // The peer's MRs are forgotten with it (a new connect reads them
+        // again); VQPs holding them keep theirs until they go.
+        self.peer_mrs.lock().remove(&link.peer.incarnation);
         for v in vqp::live() {
             v.on_link_failed(link);
         }
