@@ -46,57 +46,9 @@
  * 17, retry_cnt 6: about 3.8 s of transport time), under emulation. */
 #define DEATH_BOUND_MS 8000
 
-struct node {
-	struct ct_dev d;
-	struct ibv_cq *scq, *rcq;
-	uint8_t *buf;
-	size_t len;
-	struct ibv_mr *mr;
-};
-
-static void node_open(struct node *n, int node, size_t len)
+static struct ibv_qp *vqp(struct ct_node *n, uint32_t sq, uint32_t rq)
 {
-	char idx[16];
-
-	snprintf(idx, sizeof(idx), "%d", node);
-	setenv("CT_GID_A", idx, 1);
-	setenv("KRCORE_GID_INDEX", idx, 1);
-	ct_open(&n->d);
-	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
-	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 256, NULL, NULL, 0));
-	n->len = (len + 4095) & ~(size_t)4095;
-	n->buf = aligned_alloc(4096, n->len);
-	CT_CHECK(n->buf != NULL, "alloc");
-	memset(n->buf, 0, n->len);
-	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, n->len,
-				  IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
-}
-
-static struct ibv_qp *vqp(struct node *n, uint32_t sq, uint32_t rq)
-{
-	return ct_create_vqp(&n->d, n->scq, n->rcq, (struct ct_qp_caps){ sq, rq, 1, 1, 0, 0 }, NULL);
-}
-
-static void post_recv_at(struct ibv_qp *qp, struct node *n, uint64_t wr_id, size_t off, uint32_t len)
-{
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, len, n->mr->lkey };
-	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 };
-	struct ibv_recv_wr *bad = NULL;
-
-	CT_OK(ibv_post_recv(qp, &wr, &bad));
-}
-
-static int post_at(struct ibv_qp *qp, struct node *n, uint64_t wr_id, enum ibv_wr_opcode op,
-		   size_t off, uint32_t len, uint64_t raddr, uint32_t rkey)
-{
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, len, n->mr->lkey };
-	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
-				  .opcode = op, .send_flags = IBV_SEND_SIGNALED };
-	struct ibv_send_wr *bad = NULL;
-
-	wr.wr.rdma.remote_addr = raddr;
-	wr.wr.rdma.rkey = rkey;
-	return ibv_post_send(qp, &wr, &bad);
+	return ct_node_vqp(n, sq, rq);
 }
 
 /* Poll one completion of cq within timeout_ms; 1 if one came. */
@@ -121,21 +73,14 @@ static double ms_since(uint64_t t0)
 	return (double)(ct_now_ns() - t0) / 1e6;
 }
 
-/* The payload of message `seq` of client `id`: its id and seq, then a
- * pattern of both. */
 static void fill_msg(uint8_t *p, uint32_t id, uint32_t seq)
 {
-	ct_fill(p, MSG_LEN, id * 1000003u + seq);
-	memcpy(p, &id, 4);
-	memcpy(p + 4, &seq, 4);
+	ct_fill_msg(p, MSG_LEN, id, seq);
 }
 
 static void expect_msg(const uint8_t *p, uint32_t id, uint32_t seq)
 {
-	uint8_t want[MSG_LEN];
-
-	fill_msg(want, id, seq);
-	ct_expect_bytes(p, want, MSG_LEN, "message bytes");
+	ct_expect_msg(p, MSG_LEN, id, seq);
 }
 
 /* qbind (node, port) on q until it succeeds (the old binding is gone);
@@ -162,7 +107,7 @@ static int client_id;
 
 static int stream_server(int ready_fd)
 {
-	struct node n;
+	struct ct_node n;
 	struct ibv_qp *qp;
 	uint8_t *mem;
 	struct ibv_mr *mmr;
@@ -173,14 +118,14 @@ static int stream_server(int ready_fd)
 	uint64_t vqps_before;
 
 	ct_begin("vqp_faults: a client killed mid-stream (server)");
-	node_open(&n, 1, NBUF * MSG_LEN);
+	ct_node_open(&n, 1, NBUF * MSG_LEN, 256);
 	qp = vqp(&n, 16, NBUF);
 	mem = aligned_alloc(4096, 4096);
 	CT_CHECK(mem != NULL, "alloc");
 	ct_fill(mem, 4096, 4242);
 	mmr = CT_PTR(ibv_reg_mr(n.d.pd, mem, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
 	for (int i = 0; i < NBUF; i++)
-		post_recv_at(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
+		ct_node_post_recv(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
 	CT_OK(qbind(qp, ct_node_gid(1), PORT));
 	for (int i = 0; i < CLIENTS; i++) {
 		uint64_t info[2] = { (uintptr_t)mem, mmr->rkey };
@@ -224,7 +169,7 @@ static int stream_server(int ready_fd)
 			next[id]++;
 			if (id != 0 && next[id] == MSGS)
 				survivors_done++;
-			post_recv_at(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
+			ct_node_post_recv(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
 		}
 	}
 	CT_CHECK(read(kill_pipe[0], &t_kill, sizeof(t_kill)) == sizeof(t_kill), "kill time");
@@ -264,14 +209,14 @@ static int stream_client(void)
 {
 	uint32_t id = (uint32_t)client_id;
 	int node = 2 + client_id;
-	struct node n;
+	struct ct_node n;
 	struct ibv_qp *qp;
 	uint64_t info[2];
 	uint32_t sent = 0, done = 0, reads = 0;
 	int outstanding = 0;
 
 	ct_begin(id == 0 ? "vqp_faults: the client to kill" : "vqp_faults: a surviving client");
-	node_open(&n, node, (WINDOW + 1) * 2 * MSG_LEN);
+	ct_node_open(&n, node, (WINDOW + 1) * 2 * MSG_LEN, 256);
 	qp = vqp(&n, 2 * WINDOW, 1);
 	CT_OK(qbind(vqp(&n, 1, 1), ct_node_gid(node), PORT + node));
 	CT_CHECK(read(info_pipe[0], info, sizeof(info)) == sizeof(info), "server info");
@@ -285,10 +230,10 @@ static int stream_client(void)
 			size_t slot = (sent % WINDOW) * 2 * MSG_LEN;
 
 			fill_msg(n.buf + slot, id, sent);
-			CT_OK(post_at(qp, &n, sent, IBV_WR_SEND, slot, MSG_LEN, 0, 0));
+			CT_OK(ct_node_post(qp, &n, sent, IBV_WR_SEND, slot, MSG_LEN, 0, 0));
 			outstanding++;
 			if (sent % 8 == 0) {
-				CT_OK(post_at(qp, &n, (1ull << 32) | sent, IBV_WR_RDMA_READ, slot + MSG_LEN,
+				CT_OK(ct_node_post(qp, &n, (1ull << 32) | sent, IBV_WR_RDMA_READ, slot + MSG_LEN,
 					      MSG_LEN, info[0] + (sent % 64) * MSG_LEN, (uint32_t)info[1]));
 				outstanding++;
 			}
@@ -360,14 +305,14 @@ static int srv_info[2];		/* a server's memory, for the client */
 
 static int plain_server(int ready_fd)
 {
-	struct node n;
+	struct ct_node n;
 	struct ibv_qp *qp;
 
-	node_open(&n, server_node, NBUF * MSG_LEN);
+	ct_node_open(&n, server_node, NBUF * MSG_LEN, 256);
 	qp = vqp(&n, 16, NBUF);
 	ct_fill(n.buf, n.len, 900 + (uint32_t)server_node);
 	for (int i = 0; i < NBUF; i++)
-		post_recv_at(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
+		ct_node_post_recv(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
 	CT_OK(qbind(qp, ct_node_gid(server_node), PORT + 50 + server_node));
 	{
 		uint64_t info[2] = { (uintptr_t)n.buf, n.mr->rkey };
@@ -385,7 +330,7 @@ static int plain_server(int ready_fd)
 		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
 		for (int i = 0; i < k; i++)
 			if (wc[i].status == IBV_WC_SUCCESS)
-				post_recv_at(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
+				ct_node_post_recv(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
 		if (k == 0)
 			usleep(1000);
 	}
@@ -426,7 +371,7 @@ static void expect_all_fail(struct ibv_cq *cq, int outstanding, const char *what
 
 static int killed_client(void)
 {
-	struct node n;
+	struct ct_node n;
 	struct ibv_cq *idle_rcq;
 	struct ibv_qp *busy, *idle, *again;
 	uint64_t info6[2], info9[2], t_kill;
@@ -438,7 +383,7 @@ static int killed_client(void)
 	ct_begin("vqp_faults: a server killed");
 	close(go_pipe[1]);
 	close(client_pipe[0]);
-	node_open(&n, 7, 64 * MSG_LEN);
+	ct_node_open(&n, 7, 64 * MSG_LEN, 256);
 	CT_CHECK(read(go_pipe[0], info6, sizeof(info6)) == sizeof(info6), "info 6");
 	CT_CHECK(read(go_pipe[0], info9, sizeof(info9)) == sizeof(info9), "info 9");
 	busy = vqp(&n, 64, 4);
@@ -448,8 +393,8 @@ static int killed_client(void)
 	CT_OK(qconnect(busy, ct_node_gid(6), PORT + 56));
 	CT_OK(qconnect(idle, ct_node_gid(9), PORT + 59));
 	for (int i = 0; i < 4; i++) {
-		post_recv_at(busy, &n, 100 + (uint64_t)i, 32 * MSG_LEN, MSG_LEN);
-		post_recv_at(idle, &n, 200 + (uint64_t)i, 40 * MSG_LEN, MSG_LEN);
+		ct_node_post_recv(busy, &n, 100 + (uint64_t)i, 32 * MSG_LEN, MSG_LEN);
+		ct_node_post_recv(idle, &n, 200 + (uint64_t)i, 40 * MSG_LEN, MSG_LEN);
 	}
 	/* Stream until the first error completion (the servers were killed
 	 * meanwhile): posting stops there. */
@@ -464,7 +409,7 @@ static int killed_client(void)
 			int send = sent % 4 != 0;
 
 			fill_msg(n.buf + slot, 7, sent);
-			CT_OK(post_at(busy, &n, sent, send ? IBV_WR_SEND : IBV_WR_RDMA_READ,
+			CT_OK(ct_node_post(busy, &n, sent, send ? IBV_WR_SEND : IBV_WR_RDMA_READ,
 				      slot + (send ? 0 : 16 * MSG_LEN), MSG_LEN, info6[0], (uint32_t)info6[1]));
 			outstanding++;
 			sent++;
@@ -522,14 +467,14 @@ static int killed_client(void)
 		busy_ms, recv_ms, idle_ms, PROBE_MS);
 	CT_CHECK(busy_ms < DEATH_BOUND_MS && idle_ms < DEATH_BOUND_MS, "beyond the bound");
 	/* In error: a post is accepted and flushed, as on an RC QP. */
-	CT_OK(post_at(busy, &n, 77, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
+	CT_OK(ct_node_post(busy, &n, 77, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
 	{
 		struct ibv_wc wc;
 
 		ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
 		CT_CHECK(wc.wr_id == 77 && wc.status == IBV_WC_WR_FLUSH_ERR, "post in error: %s",
 			 ibv_wc_status_str(wc.status));
-		post_recv_at(idle, &n, 299, 40 * MSG_LEN, MSG_LEN);
+		ct_node_post_recv(idle, &n, 299, 40 * MSG_LEN, MSG_LEN);
 		ct_poll_n(idle_rcq, &wc, 1, CT_TIMEOUT_MS);
 		CT_CHECK(wc.wr_id == 299 && wc.status == IBV_WC_WR_FLUSH_ERR, "receive in error: %s",
 			 ibv_wc_status_str(wc.status));
@@ -551,8 +496,8 @@ static int killed_client(void)
 	CT_CHECK(read(go_pipe[0], info6, sizeof(info6)) == sizeof(info6), "new info");
 	CT_OK(qconnect(again, ct_node_gid(6), PORT + 56));
 	fill_msg(n.buf, 7, 4242);
-	CT_OK(post_at(again, &n, 1, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
-	CT_OK(post_at(again, &n, 2, IBV_WR_RDMA_READ, MSG_LEN, MSG_LEN, info6[0] + MSG_LEN, (uint32_t)info6[1]));
+	CT_OK(ct_node_post(again, &n, 1, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
+	CT_OK(ct_node_post(again, &n, 2, IBV_WR_RDMA_READ, MSG_LEN, MSG_LEN, info6[0] + MSG_LEN, (uint32_t)info6[1]));
 	{
 		struct ibv_wc wc[2];
 		uint8_t want[NBUF * MSG_LEN];

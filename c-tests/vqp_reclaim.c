@@ -35,73 +35,30 @@
 #define MSG_LEN 64
 #define NBUF 64
 
-struct ct_node_ {
-	struct ct_dev d;
-	struct ibv_cq *scq, *rcq;
-	uint8_t *buf;
-	size_t len;
-	struct ibv_mr *mr;
-};
-
-static void node_open(struct ct_node_ *n, int node, size_t len)
+static struct ibv_qp *vqp(struct ct_node *n, uint32_t sq, uint32_t rq)
 {
-	char idx[16];
-
-	snprintf(idx, sizeof(idx), "%d", node);
-	setenv("CT_GID_A", idx, 1);
-	setenv("KRCORE_GID_INDEX", idx, 1);
-	ct_open(&n->d);
-	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, 1024, NULL, NULL, 0));
-	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, 1024, NULL, NULL, 0));
-	n->len = (len + 4095) & ~(size_t)4095;
-	n->buf = aligned_alloc(4096, n->len);
-	CT_CHECK(n->buf != NULL, "alloc");
-	memset(n->buf, 0, n->len);
-	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, n->len,
-				  IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
+	return ct_node_vqp(n, sq, rq);
 }
 
-static struct ibv_qp *vqp(struct ct_node_ *n, uint32_t sq, uint32_t rq)
+static void post_recv_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off)
 {
-	return ct_create_vqp(&n->d, n->scq, n->rcq, (struct ct_qp_caps){ sq, rq, 1, 1, 0, 0 }, NULL);
+	ct_node_post_recv(qp, n, wr_id, off, MSG_LEN);
 }
 
-static void post_recv_at(struct ibv_qp *qp, struct ct_node_ *n, uint64_t wr_id, size_t off)
-{
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
-	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 };
-	struct ibv_recv_wr *bad = NULL;
-
-	CT_OK(ibv_post_recv(qp, &wr, &bad));
-}
-
-static void post_at(struct ibv_qp *qp, struct ct_node_ *n, uint64_t wr_id, enum ibv_wr_opcode op,
+static void post_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, enum ibv_wr_opcode op,
 		    size_t off, uint64_t raddr, uint32_t rkey)
 {
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
-	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
-				  .opcode = op, .send_flags = IBV_SEND_SIGNALED };
-	struct ibv_send_wr *bad = NULL;
-
-	wr.wr.rdma.remote_addr = raddr;
-	wr.wr.rdma.rkey = rkey;
-	CT_OK(ibv_post_send(qp, &wr, &bad));
+	CT_OK(ct_node_post(qp, n, wr_id, op, off, MSG_LEN, raddr, rkey));
 }
 
-/* Message `seq` of sender `id`: id and seq, then a pattern of both. */
 static void fill_msg(uint8_t *p, uint32_t id, uint32_t seq)
 {
-	ct_fill(p, MSG_LEN, id * 1000003u + seq);
-	memcpy(p, &id, 4);
-	memcpy(p + 4, &seq, 4);
+	ct_fill_msg(p, MSG_LEN, id, seq);
 }
 
 static void expect_msg(const uint8_t *p, uint32_t id, uint32_t seq)
 {
-	uint8_t want[MSG_LEN];
-
-	fill_msg(want, id, seq);
-	ct_expect_bytes(p, want, MSG_LEN, "message bytes");
+	ct_expect_msg(p, MSG_LEN, id, seq);
 }
 
 static unsigned long long kstat(enum krcore_stat s)
@@ -130,7 +87,7 @@ struct service {
 };
 
 /* Take the send completions there are: answers and our own sends. */
-static void reap_sends(struct ct_node_ *n, struct service *sv)
+static void reap_sends(struct ct_node *n, struct service *sv)
 {
 	struct ibv_wc s[16];
 	int m = ibv_poll_cq(n->scq, 16, s);
@@ -152,7 +109,7 @@ static void reap_sends(struct ct_node_ *n, struct service *sv)
  * same bytes on its src_qp, from a ring of NBUF slots (a slot is reused
  * once its answer completed). Returns the messages taken.
  */
-static int serve_once(struct ibv_qp *bound, struct ct_node_ *n, size_t ans_off, struct service *sv,
+static int serve_once(struct ibv_qp *bound, struct ct_node *n, size_t ans_off, struct service *sv,
 		      uint32_t nsenders)
 {
 	struct ibv_qp *src[16];
@@ -211,7 +168,7 @@ static int server_idx;
 
 static int lru_server(int ready_fd)
 {
-	struct ct_node_ n;
+	struct ct_node n;
 	struct ibv_qp *bound;
 	uint8_t *mem;
 	struct ibv_mr *mmr;
@@ -221,7 +178,7 @@ static int lru_server(int ready_fd)
 	char c;
 
 	ct_begin("vqp_reclaim: lru reclaim (server)");
-	node_open(&n, node, 2 * NBUF * MSG_LEN);
+	ct_node_open(&n, node, 2 * NBUF * MSG_LEN, 1024);
 	bound = vqp(&n, 64, NBUF);
 	mem = aligned_alloc(4096, 4096);
 	CT_CHECK(mem != NULL, "alloc");
@@ -264,7 +221,7 @@ static int lru_server(int ready_fd)
 
 static int lru_client(void)
 {
-	struct ct_node_ n;
+	struct ct_node n;
 	struct ibv_qp *qp[CLIENT_VQPS];
 	uint64_t mem[SERVERS][2];
 	int node_of[SERVERS];
@@ -277,7 +234,7 @@ static int lru_client(void)
 	/* The client's limit only (read at its first use of the library). */
 	setenv("KRCORE_MAX_LINKS", "2", 1);
 	setenv("KRCORE_LINK_IDLE_MS", "0", 1);
-	node_open(&n, 6, CLIENT_VQPS * per_vqp);
+	ct_node_open(&n, 6, CLIENT_VQPS * per_vqp, 1024);
 	for (int s = 0; s < SERVERS; s++) {
 		uint64_t info[3];
 
@@ -418,7 +375,7 @@ static void step(void)
 
 /* Send PHASE_MSGS more on each of qp[] and serve the other side's, until
  * all of both are done and answered. */
-static void exchange(struct ct_node_ *n, struct ibv_qp *bound, struct ibv_qp **qp, uint32_t *sent,
+static void exchange(struct ct_node *n, struct ibv_qp *bound, struct ibv_qp **qp, uint32_t *sent,
 		     uint32_t *answers, struct service *sv, size_t send_off, size_t ans_off, size_t recv_off)
 {
 	uint32_t target = sent[0] + PHASE_MSGS;
@@ -465,7 +422,7 @@ static void exchange(struct ct_node_ *n, struct ibv_qp *bound, struct ibv_qp **q
 
 static int pair_peer(void)
 {
-	struct ct_node_ n;
+	struct ct_node n;
 	struct ibv_qp *bound, *qp[PAIR_VQPS];
 	int node = 7 + peer_idx, other = 7 + !peer_idx;
 	uint32_t sent[PAIR_VQPS] = { 0 }, answers[PAIR_VQPS] = { 0 };
@@ -476,7 +433,7 @@ static int pair_peer(void)
 	ct_begin(peer_idx ? "vqp_reclaim: simultaneous connects (peer B)" : "vqp_reclaim: simultaneous connects (peer A)");
 	setenv("KRCORE_LINKS_PER_PEER", "4", 1);
 	/* NBUF receive buffers, then send, answer and answer-receive areas. */
-	node_open(&n, node, NBUF * MSG_LEN + 3 * area);
+	ct_node_open(&n, node, NBUF * MSG_LEN + 3 * area, 1024);
 	bound = vqp(&n, 2 * NBUF, NBUF);
 	for (int i = 0; i < NBUF; i++)
 		post_recv_at(bound, &n, (uint64_t)i, (size_t)i * MSG_LEN);

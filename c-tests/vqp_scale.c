@@ -280,35 +280,10 @@ static double ms_since(uint64_t t0)
 	return (double)(ct_now_ns() - t0) / 1e6;
 }
 
-struct node {
-	struct ct_dev d;
-	struct ibv_cq *scq, *rcq;
-	uint8_t *buf;
-	size_t len;
-	struct ibv_mr *mr;
-};
-
-static void node_open(struct node *n, int node, int cqe, size_t len)
-{
-	char idx[16];
-
-	snprintf(idx, sizeof(idx), "%d", node);
-	setenv("CT_GID_A", idx, 1);
-	setenv("KRCORE_GID_INDEX", idx, 1);
-	ct_open(&n->d);
-	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, cqe, NULL, NULL, 0));
-	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, cqe, NULL, NULL, 0));
-	n->len = (len + 4095) & ~(size_t)4095;
-	n->buf = aligned_alloc(4096, n->len);
-	CT_CHECK(n->buf != NULL, "alloc");
-	memset(n->buf, 0, n->len);
-	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, n->len, IBV_ACCESS_LOCAL_WRITE));
-}
-
 /* Frees everything: ibv_dealloc_pd succeeds once the PD's VQPs are gone
  * (the library's service thread holding the PD's runtime for a moment
  * once made it EBUSY now and then). */
-static void node_close(struct node *n)
+static void node_close(struct ct_node *n)
 {
 	CT_OK(ibv_dereg_mr(n->mr));
 	free(n->buf);
@@ -318,12 +293,12 @@ static void node_close(struct node *n)
 	CT_OK(ibv_close_device(n->d.ctx));
 }
 
-static struct ibv_qp *vqp(struct node *n, uint32_t sq, uint32_t rq)
+static struct ibv_qp *vqp(struct ct_node *n, uint32_t sq, uint32_t rq)
 {
 	return ct_create_vqp(&n->d, n->scq, n->rcq, (struct ct_qp_caps){ sq, rq, 1, 1, 0, 0 }, NULL);
 }
 
-static void post_recv_at(struct ibv_qp *qp, struct node *n, uint64_t wr_id, size_t off)
+static void post_recv_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off)
 {
 	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
 	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 };
@@ -332,7 +307,7 @@ static void post_recv_at(struct ibv_qp *qp, struct node *n, uint64_t wr_id, size
 	CT_OK(ibv_post_recv(qp, &wr, &bad));
 }
 
-static void post_send_at(struct ibv_qp *qp, struct node *n, uint64_t wr_id, size_t off)
+static void post_send_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off)
 {
 	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
 	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
@@ -377,7 +352,7 @@ static int figure_pipe[2];	/* servers -> parent: bytes per src_qp */
 static int spread_server(int ready_fd)
 {
 	int s = server_idx, node = 2 + s;
-	struct node n;
+	struct ct_node n;
 	struct ibv_qp *qp;
 	struct ibv_qp *srcs[PER_SERVER] = { 0 };
 	struct mem m1 = { 0 }, m125 = { 0 };
@@ -388,7 +363,7 @@ static int spread_server(int ready_fd)
 
 	ct_begin("vqp_scale: 1000 vqps over 8 peers (server)");
 	/* Receive slots 0..NBUF-1, answer slots NBUF..2*NBUF-1. */
-	node_open(&n, node, 256, 2 * NBUF * MSG_LEN);
+	ct_node_open(&n, node, 2 * NBUF * MSG_LEN, 256);
 	qp = vqp(&n, 256, NBUF);
 	for (int i = 0; i < NBUF; i++)
 		post_recv_at(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN);
@@ -485,7 +460,7 @@ static int spread_server(int ready_fd)
 
 static int spread_client(void)
 {
-	struct node n;
+	struct ct_node n;
 	struct ibv_qp **qps;
 	struct mem m0, ma = { 0 }, mb = { 0 }, mc, md;
 	unsigned lpp = links_per_peer();
@@ -494,7 +469,7 @@ static int spread_client(void)
 
 	ct_begin("vqp_scale: 1000 vqps over 8 peers (client)");
 	/* Request slots 0..NVQP-1, answer slots NVQP..2*NVQP-1. */
-	node_open(&n, 10, 2 * NVQP + 16, 2 * (size_t)NVQP * MSG_LEN);
+	ct_node_open(&n, 10, 2 * (size_t)NVQP * MSG_LEN, 2 * NVQP + 16);
 	qps = calloc(NVQP, sizeof(*qps));
 	CT_CHECK(qps != NULL, "alloc");
 	m0 = mem_now();
@@ -651,7 +626,7 @@ struct churn_report {
 
 static int churn_server(int ready_fd)
 {
-	struct node n;
+	struct ct_node n;
 	struct ibv_qp *qp;
 	int total = nprocs * nvqps;
 	uint8_t *seen = calloc((size_t)total, 1);
@@ -673,7 +648,7 @@ static int churn_server(int ready_fd)
 	ct_begin("vqp_scale: 10000 short-lived clients (server)");
 	memset(&r, 0, sizeof(r));
 	CT_CHECK(seen && closed && t_done, "alloc");
-	node_open(&n, 2, 256, 2 * NBUF * MSG_LEN);
+	ct_node_open(&n, 2, 2 * NBUF * MSG_LEN, 256);
 	qp = vqp(&n, NBUF, NBUF);
 	for (int i = 0; i < NBUF; i++)
 		post_recv_at(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN);
@@ -856,13 +831,13 @@ static int client_pipe[2];
 
 static int churn_client(int proc)
 {
-	struct node n;
+	struct ct_node n;
 	int node = 3 + proc % 8;
 	struct client_report cr;
 	uint64_t t = ct_now_ns();
 
 	ct_begin("vqp_scale: 10000 short-lived clients (a client)");
-	node_open(&n, node, 2 * WINDOW + 4, 2 * WINDOW * MSG_LEN);
+	ct_node_open(&n, node, 2 * WINDOW * MSG_LEN, 2 * WINDOW + 4);
 	cr.open_ms = ms_since(t);
 	t = ct_now_ns();
 	/* VQP 0 alone (it makes the link), then WINDOW at a time: each
