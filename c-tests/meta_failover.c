@@ -346,26 +346,32 @@ int main(void)
 	/* Started now, it first uses the library (and M1) after the restart. */
 	spawn(&checker, 5, m1, NULL, "checker on M1 only (node 5)");
 	{
-		uint64_t t_restart, t_binder = 0, t_late = 0;
+		uint64_t t_restart, t_binder = 0, t_late = 0, t_looker = 0;
 		struct resp r[3], sb, sl;
 		const int keys[3][2] = { { 2, PORT + 2 }, { 2, PORT + 11 }, { 4, PORT + 20 } };
 		uint64_t rebinds0 = call(&binder, CMD_STATS, 0, 0, 0).rebinds;
 		uint64_t late0 = call(&late, CMD_STATS, 0, 0, 0).rebinds;
+		uint64_t looker0 = call(&looker, CMD_STATS, 0, 0, 0).reconnects;
 
 		p1 = ct_start_meta_at(m1, 4096);
 		t_restart = ct_now_ns();
-		/* Polling the binders' counters, with a deadline: the 4 + 3
-		 * bindings of the binder, the late starter's one. */
-		while (!t_binder || !t_late) {
+		/* Polling the counters, with a deadline: the 4 + 3 bindings of
+		 * the binder, the late starter's one, and the looker (which
+		 * binds nothing) connected to M1 again, each within a period
+		 * of its own. */
+		while (!t_binder || !t_late || !t_looker) {
 			struct resp x;
 
+			if (!t_looker && (x = call(&looker, CMD_STATS, 0, 0, 0)).reconnects >= looker0 + 1)
+				t_looker = x.t_end;
 			if (!t_binder && (x = call(&binder, CMD_STATS, 0, 0, 0)).rebinds >= rebinds0 + 7)
 				t_binder = x.t_end;
 			if (!t_late && (x = call(&late, CMD_STATS, 0, 0, 0)).rebinds >= late0 + 1)
 				t_late = x.t_end;
 			CT_CHECK(ct_now_ns() - t_restart < (uint64_t)REPOPULATE_BOUND_MS * MS,
-				 "not repopulated %d ms after the restart (binder %s, late starter %s)",
-				 REPOPULATE_BOUND_MS, t_binder ? "done" : "not done", t_late ? "done" : "not done");
+				 "not repopulated %d ms after the restart (binder %s, late starter %s, looker %s)",
+				 REPOPULATE_BOUND_MS, t_binder ? "done" : "not done", t_late ? "done" : "not done",
+				 t_looker ? "reconnected" : "not reconnected");
 			usleep(10000);
 		}
 		for (int k = 0; k < 3; k++) {
