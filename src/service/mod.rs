@@ -605,7 +605,12 @@ impl Drop for Service {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.kick();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // The last holder may be the progress thread itself (a handler
+            // or deferred work that upgraded its weak reference): it cannot
+            // join itself; it sees `stop` once that work returns, and ends.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
         self.run_deferred_now();
     }

@@ -564,21 +564,15 @@ impl Vqp {
                     _ => return Ok(()),
                 }
             };
-            if let Some(old) = &old {
-                if old.is_failed() {
-                    // Its VQPs enter the error state (progress).
-                    rt.progress();
-                    std::thread::yield_now();
-                    continue;
+            // A failed link: its VQPs enter the error state (progress);
+            // a closing one: its WQEs complete first (the fence).
+            if old.as_ref().is_some_and(|l| l.is_failed() || l.sq.lock().outstanding() > 0) {
+                if std::time::Instant::now() > deadline {
+                    return Err(Errno(libc::ETIMEDOUT));
                 }
-                if old.sq.lock().outstanding() > 0 {
-                    if std::time::Instant::now() > deadline {
-                        return Err(Errno(libc::ETIMEDOUT));
-                    }
-                    rt.progress();
-                    std::thread::yield_now();
-                    continue;
-                }
+                rt.progress();
+                std::thread::yield_now();
+                continue;
             }
             let new = rt.svc.link(&peer, index, super::runtime::connect_timeout())?;
             let mut st = self.st.lock();

@@ -1223,10 +1223,11 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
         let rt = Arc::clone(rt);
         drop(g);
         let used = vqp::live().iter().any(|v| v.runtime_is(&rt));
-        drop(rt);
         if used || Instant::now() > deadline {
+            klog!(Level::Debug, "vqp: the PD's runtime is still held ({} references, a VQP among them: {used})", Arc::strong_count(&rt));
             return Err(Errno(libc::EBUSY));
         }
+        drop(rt);
         std::thread::sleep(Duration::from_millis(1));
     };
     // Delayed deregistrations hold the PD: they go now.
