@@ -1210,9 +1210,10 @@ pub fn defer(pd: usize, at: std::time::Instant, f: service::Deferred) {
 /// QPs on the PD.
 pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
     // The map's reference is the only one when no VQP holds the runtime;
-    // the service thread and CQ polls hold it for moments, which are
-    // waited out (without the map's lock, which they may take).
-    let deadline = Instant::now() + connect_timeout();
+    // the service thread and CQ polls hold it while they work, which is
+    // waited out (without the map's lock, which they may take), as long
+    // as a link's work may take (a link failing under that work).
+    let deadline = Instant::now() + connect_timeout().max(TRANSPORT_WAIT);
     let rt = loop {
         let mut g = RUNTIMES.lock();
         let Some(map) = g.as_mut() else { return Ok(()) };
