@@ -101,7 +101,10 @@ pub struct Link {
     pub close_posted: AtomicBool,
     pub close_done: AtomicBool,
     pub close_heard: AtomicBool,
-    /// When this process last posted on it (`coarse_ms`), for LRU reclaim.
+    /// This process posted on it since the last maintenance tick; the tick
+    /// turns that into `last_used` (`coarse_ms`), for LRU reclaim: no clock
+    /// read on the data path.
+    used: AtomicBool,
     last_used: AtomicU64,
     /// When it began closing (`coarse_ms`).
     close_started: AtomicU64,
@@ -125,6 +128,7 @@ impl Link {
             close_posted: AtomicBool::new(false),
             close_done: AtomicBool::new(false),
             close_heard: AtomicBool::new(false),
+            used: AtomicBool::new(false),
             last_used: AtomicU64::new(crate::vqp::runtime::coarse_ms()),
             close_started: AtomicU64::new(0),
         })
@@ -148,9 +152,10 @@ impl Link {
         crate::vqp::runtime::coarse_ms().saturating_sub(self.close_started.load(Ordering::Relaxed))
     }
 
-    /// This process posts on it (an LRU stamp; coarse, so cheap).
+    /// This process posts on it (under its send lock: the line is hot).
+    #[inline]
     pub fn touch(&self) {
-        self.last_used.store(crate::vqp::runtime::coarse_ms(), Ordering::Relaxed);
+        self.used.store(true, Ordering::Relaxed);
     }
 
     /// The link the two processes keep when both made one (they connected
@@ -537,13 +542,19 @@ impl Service {
     /// The links to close now: the duplicates of simultaneous connects,
     /// then, while more than `max` physical QPs are held (0: no limit),
     /// the least recently used open links this process posted nothing on
-    /// for `idle_ms`.
+    /// for `idle_ms` (as seen at maintenance ticks: a post is dated by the
+    /// first tick after it).
     pub fn links_to_close(&self, max: usize, idle_ms: u64) -> Vec<Arc<Link>> {
         let links = self.shared.links.lock();
+        let now = crate::vqp::runtime::coarse_ms();
+        for l in links.by_qpn.values() {
+            if l.used.swap(false, Ordering::Relaxed) {
+                l.last_used.store(now, Ordering::Relaxed);
+            }
+        }
         let mut out: Vec<Arc<Link>> = links.duplicates().cloned().collect();
         let held = links.by_qpn.values().filter(|l| l.is_open()).count() - out.len();
         if max > 0 && held > max {
-            let now = crate::vqp::runtime::coarse_ms();
             let mut idle: Vec<(u64, &Arc<Link>)> = links
                 .by_key
                 .values()
