@@ -1225,7 +1225,10 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
         drop(g);
         let used = vqp::live().iter().any(|v| v.runtime_is(&rt));
         if used || Instant::now() > deadline {
-            klog!(Level::Debug, "vqp: the PD's runtime is still held ({} references, a VQP among them: {used})", Arc::strong_count(&rt));
+            if !used {
+                // Not expected: something held the runtime for the whole wait.
+                klog!(Level::Warn, "vqp: ibv_dealloc_pd: the PD's runtime is still held ({} references, no VQP among them)", Arc::strong_count(&rt));
+            }
             return Err(Errno(libc::EBUSY));
         }
         drop(rt);
