@@ -366,33 +366,28 @@ impl RecvRing {
     /// Appends a buffer (an application's `ibv_post_recv`): `EINVAL` for
     /// more SGEs than the queue was created with, `ENOMEM` when full.
     pub fn push(&mut self, wr_id: u64, sg_list: &[ibv_sge]) -> Result<()> {
-        if sg_list.len() > self.max_sge {
-            return Err(Errno::EINVAL);
-        }
-        let slot = self.fifo.push().ok_or(Errno::ENOMEM)?;
-        self.fill(slot, wr_id, sg_list);
-        Ok(())
+        self.put(wr_id, sg_list, Fifo::push)
     }
 
     /// Gives a buffer taken by [`RecvRing::pop_front`] back, in front (the
     /// message it was taken for never arrived): `ENOMEM` when the queue
     /// was filled meanwhile.
     pub fn push_front(&mut self, wr_id: u64, sg_list: &[ibv_sge]) -> Result<()> {
+        self.put(wr_id, sg_list, Fifo::push_front)
+    }
+
+    fn put(&mut self, wr_id: u64, sg_list: &[ibv_sge], claim: fn(&mut Fifo) -> Option<usize>) -> Result<()> {
         if sg_list.len() > self.max_sge {
             return Err(Errno::EINVAL);
         }
-        let slot = self.fifo.push_front().ok_or(Errno::ENOMEM)?;
-        self.fill(slot, wr_id, sg_list);
-        Ok(())
-    }
-
-    fn fill(&mut self, slot: usize, wr_id: u64, sg_list: &[ibv_sge]) {
+        let slot = claim(&mut self.fifo).ok_or(Errno::ENOMEM)?;
         let base = slot * self.max_sge;
         self.sges[base..base + sg_list.len()].copy_from_slice(sg_list);
         self.slots[slot] = RecvSlot {
             wr_id,
             num_sge: sg_list.len(),
         };
+        Ok(())
     }
 
     /// Takes the oldest buffer: the one the next message lands in.
