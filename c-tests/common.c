@@ -737,38 +737,12 @@ void ct_node_open(struct ct_node *n, int node, size_t len, int cqe)
 	ct_open(&n->d);
 	n->scq = CT_PTR(ibv_create_cq(n->d.ctx, cqe, NULL, NULL, 0));
 	n->rcq = CT_PTR(ibv_create_cq(n->d.ctx, cqe, NULL, NULL, 0));
-	n->len = (len + 4095) & ~(size_t)4095;
-	n->buf = aligned_alloc(4096, n->len);
-	CT_CHECK(n->buf != NULL, "alloc");
-	memset(n->buf, 0, n->len);
-	n->mr = CT_PTR(ibv_reg_mr(n->d.pd, n->buf, n->len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
+	ct_buf_alloc(&n->b, n->d.pd, (len + 4095) & ~(size_t)4095);
 }
 
 struct ibv_qp *ct_node_vqp(struct ct_node *n, uint32_t sq, uint32_t rq)
 {
 	return ct_create_vqp(&n->d, n->scq, n->rcq, (struct ct_qp_caps){ sq, rq, 1, 1, 0, 0 }, NULL);
-}
-
-void ct_node_post_recv(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off, uint32_t len)
-{
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, len, n->mr->lkey };
-	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 };
-	struct ibv_recv_wr *bad = NULL;
-
-	CT_OK(ibv_post_recv(qp, &wr, &bad));
-}
-
-int ct_node_post(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, enum ibv_wr_opcode op, size_t off,
-		 uint32_t len, uint64_t raddr, uint32_t rkey)
-{
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, len, n->mr->lkey };
-	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
-				  .opcode = op, .send_flags = IBV_SEND_SIGNALED };
-	struct ibv_send_wr *bad = NULL;
-
-	wr.wr.rdma.remote_addr = raddr;
-	wr.wr.rdma.rkey = rkey;
-	return ibv_post_send(qp, &wr, &bad);
 }
 
 void ct_fill_msg(uint8_t *p, size_t len, uint32_t id, uint32_t seq)

@@ -237,24 +237,17 @@ struct ibv_qp *ct_create_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_cq
 			     struct ct_qp_caps caps, struct ibv_qp_cap *granted);
 /* One process of a multi-process VQP test: the device on emulated node
  * `node` (GID index node, 10.77.0.node; also KRCORE_GID_INDEX, read at the
- * library's first use), a send and a receive CQ of `cqe` entries, and
- * `len` bytes (rounded up to pages, zeroed) registered for local write and
- * remote read. */
+ * library's first use), a send and a receive CQ of `cqe` entries, and a
+ * buffer of `len` bytes rounded up to pages (ct_buf_alloc), posted from
+ * with ct_post_send1 / ct_post_recv1. */
 struct ct_node {
 	struct ct_dev d;
 	struct ibv_cq *scq, *rcq;
-	uint8_t *buf;
-	size_t len;
-	struct ibv_mr *mr;
+	struct ct_buf b;
 };
 void ct_node_open(struct ct_node *n, int node, size_t len, int cqe);
 /* A VQP on the node's CQs with sq/rq WRs of one SGE each. */
 struct ibv_qp *ct_node_vqp(struct ct_node *n, uint32_t sq, uint32_t rq);
-/* Post a receive of len bytes at buf + off (fails the test on error). */
-void ct_node_post_recv(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off, uint32_t len);
-/* Post one signaled WR of len bytes at buf + off; ibv_post_send's result. */
-int ct_node_post(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, enum ibv_wr_opcode op, size_t off,
-		 uint32_t len, uint64_t raddr, uint32_t rkey);
 /* Message `seq` of sender `id` (len >= 8 bytes): id and seq, then a
  * pattern of both; ct_expect_msg fails the test if p is not that. */
 void ct_fill_msg(uint8_t *p, size_t len, uint32_t id, uint32_t seq);

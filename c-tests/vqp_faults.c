@@ -51,6 +51,17 @@ static struct ibv_qp *vqp(struct ct_node *n, uint32_t sq, uint32_t rq)
 	return ct_node_vqp(n, sq, rq);
 }
 
+static void post_recv_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off, uint32_t len)
+{
+	ct_post_recv1(qp, wr_id, &n->b, off, len);
+}
+
+static int post_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, enum ibv_wr_opcode op, size_t off,
+		   uint32_t len, uint64_t raddr, uint32_t rkey)
+{
+	return ct_post_send1(qp, wr_id, op, IBV_SEND_SIGNALED, &n->b, off, len, raddr, rkey, 0);
+}
+
 /* Poll one completion of cq within timeout_ms; 1 if one came. */
 static int poll_within(struct ibv_cq *cq, struct ibv_wc *wc, int timeout_ms)
 {
@@ -125,7 +136,7 @@ static int stream_server(int ready_fd)
 	ct_fill(mem, 4096, 4242);
 	mmr = CT_PTR(ibv_reg_mr(n.d.pd, mem, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
 	for (int i = 0; i < NBUF; i++)
-		ct_node_post_recv(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
+		post_recv_at(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
 	CT_OK(qbind(qp, ct_node_gid(1), PORT));
 	for (int i = 0; i < CLIENTS; i++) {
 		uint64_t info[2] = { (uintptr_t)mem, mmr->rkey };
@@ -157,7 +168,7 @@ static int stream_server(int ready_fd)
 			}
 			CT_CHECK(wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len == MSG_LEN,
 				 "message: %s, %u bytes", ibv_wc_status_str(wc[i].status), wc[i].byte_len);
-			p = n.buf + wc[i].wr_id * MSG_LEN;
+			p = n.b.p + wc[i].wr_id * MSG_LEN;
 			memcpy(&id, p, 4);
 			memcpy(&seq, p + 4, 4);
 			CT_CHECK(id < CLIENTS, "client id %u", id);
@@ -169,7 +180,7 @@ static int stream_server(int ready_fd)
 			next[id]++;
 			if (id != 0 && next[id] == MSGS)
 				survivors_done++;
-			ct_node_post_recv(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
+			post_recv_at(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
 		}
 	}
 	CT_CHECK(read(kill_pipe[0], &t_kill, sizeof(t_kill)) == sizeof(t_kill), "kill time");
@@ -229,11 +240,11 @@ static int stream_client(void)
 		while (outstanding < WINDOW && (id == 0 || sent < MSGS)) {
 			size_t slot = (sent % WINDOW) * 2 * MSG_LEN;
 
-			fill_msg(n.buf + slot, id, sent);
-			CT_OK(ct_node_post(qp, &n, sent, IBV_WR_SEND, slot, MSG_LEN, 0, 0));
+			fill_msg(n.b.p + slot, id, sent);
+			CT_OK(post_at(qp, &n, sent, IBV_WR_SEND, slot, MSG_LEN, 0, 0));
 			outstanding++;
 			if (sent % 8 == 0) {
-				CT_OK(ct_node_post(qp, &n, (1ull << 32) | sent, IBV_WR_RDMA_READ, slot + MSG_LEN,
+				CT_OK(post_at(qp, &n, (1ull << 32) | sent, IBV_WR_RDMA_READ, slot + MSG_LEN,
 					      MSG_LEN, info[0] + (sent % 64) * MSG_LEN, (uint32_t)info[1]));
 				outstanding++;
 			}
@@ -250,7 +261,7 @@ static int stream_client(void)
 			uint32_t seq = (uint32_t)wc.wr_id;
 
 			ct_fill(want, 4096, 4242);
-			ct_expect_bytes(n.buf + (seq % WINDOW) * 2 * MSG_LEN + MSG_LEN,
+			ct_expect_bytes(n.b.p + (seq % WINDOW) * 2 * MSG_LEN + MSG_LEN,
 					want + (seq % 64) * MSG_LEN, MSG_LEN, "READ of the server's memory");
 			reads++;
 		} else {
@@ -310,12 +321,12 @@ static int plain_server(int ready_fd)
 
 	ct_node_open(&n, server_node, NBUF * MSG_LEN, 256);
 	qp = vqp(&n, 16, NBUF);
-	ct_fill(n.buf, n.len, 900 + (uint32_t)server_node);
+	ct_fill(n.b.p, n.b.len, 900 + (uint32_t)server_node);
 	for (int i = 0; i < NBUF; i++)
-		ct_node_post_recv(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
+		post_recv_at(qp, &n, (uint64_t)i, (size_t)i * MSG_LEN, MSG_LEN);
 	CT_OK(qbind(qp, ct_node_gid(server_node), PORT + 50 + server_node));
 	{
-		uint64_t info[2] = { (uintptr_t)n.buf, n.mr->rkey };
+		uint64_t info[2] = { (uintptr_t)n.b.p, n.b.mr->rkey };
 
 		CT_CHECK(write(srv_info[1], info, sizeof(info)) == sizeof(info), "info");
 	}
@@ -330,7 +341,7 @@ static int plain_server(int ready_fd)
 		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
 		for (int i = 0; i < k; i++)
 			if (wc[i].status == IBV_WC_SUCCESS)
-				ct_node_post_recv(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
+				post_recv_at(qp, &n, wc[i].wr_id, wc[i].wr_id * MSG_LEN, MSG_LEN);
 		if (k == 0)
 			usleep(1000);
 	}
@@ -393,8 +404,8 @@ static int killed_client(void)
 	CT_OK(qconnect(busy, ct_node_gid(6), PORT + 56));
 	CT_OK(qconnect(idle, ct_node_gid(9), PORT + 59));
 	for (int i = 0; i < 4; i++) {
-		ct_node_post_recv(busy, &n, 100 + (uint64_t)i, 32 * MSG_LEN, MSG_LEN);
-		ct_node_post_recv(idle, &n, 200 + (uint64_t)i, 40 * MSG_LEN, MSG_LEN);
+		post_recv_at(busy, &n, 100 + (uint64_t)i, 32 * MSG_LEN, MSG_LEN);
+		post_recv_at(idle, &n, 200 + (uint64_t)i, 40 * MSG_LEN, MSG_LEN);
 	}
 	/* Stream until the first error completion (the servers were killed
 	 * meanwhile): posting stops there. */
@@ -408,8 +419,8 @@ static int killed_client(void)
 			size_t slot = (sent % 16) * MSG_LEN;
 			int send = sent % 4 != 0;
 
-			fill_msg(n.buf + slot, 7, sent);
-			CT_OK(ct_node_post(busy, &n, sent, send ? IBV_WR_SEND : IBV_WR_RDMA_READ,
+			fill_msg(n.b.p + slot, 7, sent);
+			CT_OK(post_at(busy, &n, sent, send ? IBV_WR_SEND : IBV_WR_RDMA_READ,
 				      slot + (send ? 0 : 16 * MSG_LEN), MSG_LEN, info6[0], (uint32_t)info6[1]));
 			outstanding++;
 			sent++;
@@ -467,14 +478,14 @@ static int killed_client(void)
 		busy_ms, recv_ms, idle_ms, PROBE_MS);
 	CT_CHECK(busy_ms < DEATH_BOUND_MS && idle_ms < DEATH_BOUND_MS, "beyond the bound");
 	/* In error: a post is accepted and flushed, as on an RC QP. */
-	CT_OK(ct_node_post(busy, &n, 77, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
+	CT_OK(post_at(busy, &n, 77, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
 	{
 		struct ibv_wc wc;
 
 		ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
 		CT_CHECK(wc.wr_id == 77 && wc.status == IBV_WC_WR_FLUSH_ERR, "post in error: %s",
 			 ibv_wc_status_str(wc.status));
-		ct_node_post_recv(idle, &n, 299, 40 * MSG_LEN, MSG_LEN);
+		post_recv_at(idle, &n, 299, 40 * MSG_LEN, MSG_LEN);
 		ct_poll_n(idle_rcq, &wc, 1, CT_TIMEOUT_MS);
 		CT_CHECK(wc.wr_id == 299 && wc.status == IBV_WC_WR_FLUSH_ERR, "receive in error: %s",
 			 ibv_wc_status_str(wc.status));
@@ -495,9 +506,9 @@ static int killed_client(void)
 	CT_CHECK(read(go_pipe[0], &b, 1) == 1, "new server");
 	CT_CHECK(read(go_pipe[0], info6, sizeof(info6)) == sizeof(info6), "new info");
 	CT_OK(qconnect(again, ct_node_gid(6), PORT + 56));
-	fill_msg(n.buf, 7, 4242);
-	CT_OK(ct_node_post(again, &n, 1, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
-	CT_OK(ct_node_post(again, &n, 2, IBV_WR_RDMA_READ, MSG_LEN, MSG_LEN, info6[0] + MSG_LEN, (uint32_t)info6[1]));
+	fill_msg(n.b.p, 7, 4242);
+	CT_OK(post_at(again, &n, 1, IBV_WR_SEND, 0, MSG_LEN, 0, 0));
+	CT_OK(post_at(again, &n, 2, IBV_WR_RDMA_READ, MSG_LEN, MSG_LEN, info6[0] + MSG_LEN, (uint32_t)info6[1]));
 	{
 		struct ibv_wc wc[2];
 		uint8_t want[NBUF * MSG_LEN];
@@ -506,7 +517,7 @@ static int killed_client(void)
 		CT_CHECK(wc[0].status == IBV_WC_SUCCESS && wc[1].status == IBV_WC_SUCCESS,
 			 "new server: %s, %s", ibv_wc_status_str(wc[0].status), ibv_wc_status_str(wc[1].status));
 		ct_fill(want, sizeof(want), 906);
-		ct_expect_bytes(n.buf + MSG_LEN, want + MSG_LEN, MSG_LEN, "READ of the new server");
+		ct_expect_bytes(n.b.p + MSG_LEN, want + MSG_LEN, MSG_LEN, "READ of the new server");
 	}
 	ct_pass();
 	return 0;

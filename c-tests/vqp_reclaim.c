@@ -42,13 +42,13 @@ static struct ibv_qp *vqp(struct ct_node *n, uint32_t sq, uint32_t rq)
 
 static void post_recv_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off)
 {
-	ct_node_post_recv(qp, n, wr_id, off, MSG_LEN);
+	ct_post_recv1(qp, wr_id, &n->b, off, MSG_LEN);
 }
 
 static void post_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, enum ibv_wr_opcode op,
 		    size_t off, uint64_t raddr, uint32_t rkey)
 {
-	CT_OK(ct_node_post(qp, n, wr_id, op, off, MSG_LEN, raddr, rkey));
+	CT_OK(ct_post_send1(qp, wr_id, op, IBV_SEND_SIGNALED, &n->b, off, MSG_LEN, raddr, rkey, 0));
 }
 
 static void fill_msg(uint8_t *p, uint32_t id, uint32_t seq)
@@ -125,7 +125,7 @@ static int serve_once(struct ibv_qp *bound, struct ct_node *n, size_t ans_off, s
 			continue; /* a sender destroyed its VQP */
 		CT_CHECK(wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len == MSG_LEN,
 			 "message: %s, %u bytes", ibv_wc_status_str(wc[i].status), wc[i].byte_len);
-		p = n->buf + wc[i].wr_id * MSG_LEN;
+		p = n->b.p + wc[i].wr_id * MSG_LEN;
 		memcpy(&id, p, 4);
 		memcpy(&seq, p + 4, 4);
 		CT_CHECK(id < nsenders, "sender id %u", id);
@@ -142,7 +142,7 @@ static int serve_once(struct ibv_qp *bound, struct ct_node *n, size_t ans_off, s
 				CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "answers stuck");
 				reap_sends(n, sv);
 			}
-			memcpy(n->buf + slot, p, MSG_LEN);
+			memcpy(n->b.p + slot, p, MSG_LEN);
 			post_recv_at(bound, n, wc[i].wr_id, wc[i].wr_id * MSG_LEN);
 			post_at(src[i], n, ANSWER_ID, IBV_WR_SEND, slot, 0, 0);
 			sv->ans_posted++;
@@ -263,7 +263,7 @@ static int lru_client(void)
 			for (int b = 0; b < BURST; b++) {
 				uint32_t seq = (uint32_t)(r * BURST + b);
 
-				fill_msg(n.buf + v * per_vqp + b * MSG_LEN, (uint32_t)v, seq);
+				fill_msg(n.b.p + v * per_vqp + b * MSG_LEN, (uint32_t)v, seq);
 				post_at(qp[v], &n, ((uint64_t)v << 32) | seq, IBV_WR_SEND, v * per_vqp + b * MSG_LEN, 0, 0);
 			}
 			post_at(qp[v], &n, (1ull << 63) | ((uint64_t)v << 32), IBV_WR_RDMA_READ,
@@ -284,7 +284,7 @@ static int lru_client(void)
 					int s = (int)v / PER_SERVER;
 
 					ct_fill(want, 4096, 7000 + node_of[s]);
-					ct_expect_bytes(n.buf + v * per_vqp + BURST * MSG_LEN, want + r * 64 % 4032,
+					ct_expect_bytes(n.b.p + v * per_vqp + BURST * MSG_LEN, want + r * 64 % 4032,
 							MSG_LEN, "READ of the server's memory");
 					reads++;
 				} else {
@@ -299,7 +299,7 @@ static int lru_client(void)
 				CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "answer: %s",
 					 ibv_wc_status_str(wc.status));
 				/* Answers come in order too. */
-				expect_msg(n.buf + off, v, answers[v]);
+				expect_msg(n.b.p + off, v, answers[v]);
 				answers[v]++;
 				recvs++;
 				post_recv_at(qp[v], &n, wc.wr_id, off);
@@ -385,7 +385,7 @@ static void exchange(struct ct_node *n, struct ibv_qp *bound, struct ibv_qp **qp
 		for (uint32_t s = sent[v]; s < target; s++) {
 			size_t off = send_off + ((size_t)v * PHASE_MSGS + s % PHASE_MSGS) * MSG_LEN;
 
-			fill_msg(n->buf + off, (uint32_t)v, s);
+			fill_msg(n->b.p + off, (uint32_t)v, s);
 			post_at(qp[v], n, (1ull << 62) | ((uint64_t)v << 32) | s, IBV_WR_SEND, off, 0, 0);
 		}
 		sent[v] = target;
@@ -411,7 +411,7 @@ static void exchange(struct ct_node *n, struct ibv_qp *bound, struct ibv_qp **qp
 
 			CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "answer: %s",
 				 ibv_wc_status_str(wc.status));
-			expect_msg(n->buf + off, v, answers[v]);
+			expect_msg(n->b.p + off, v, answers[v]);
 			answers[v]++;
 			post_recv_at(qp[v], n, wc.wr_id, off);
 		} else {

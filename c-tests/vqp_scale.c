@@ -285,8 +285,7 @@ static double ms_since(uint64_t t0)
  * once made it EBUSY now and then). */
 static void node_close(struct ct_node *n)
 {
-	CT_OK(ibv_dereg_mr(n->mr));
-	free(n->buf);
+	ct_buf_free(&n->b);
 	CT_OK(ibv_destroy_cq(n->scq));
 	CT_OK(ibv_destroy_cq(n->rcq));
 	CT_OK(ibv_dealloc_pd(n->d.pd));
@@ -295,26 +294,17 @@ static void node_close(struct ct_node *n)
 
 static struct ibv_qp *vqp(struct ct_node *n, uint32_t sq, uint32_t rq)
 {
-	return ct_create_vqp(&n->d, n->scq, n->rcq, (struct ct_qp_caps){ sq, rq, 1, 1, 0, 0 }, NULL);
+	return ct_node_vqp(n, sq, rq);
 }
 
 static void post_recv_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off)
 {
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
-	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1 };
-	struct ibv_recv_wr *bad = NULL;
-
-	CT_OK(ibv_post_recv(qp, &wr, &bad));
+	ct_post_recv1(qp, wr_id, &n->b, off, MSG_LEN);
 }
 
 static void post_send_at(struct ibv_qp *qp, struct ct_node *n, uint64_t wr_id, size_t off)
 {
-	struct ibv_sge sge = { (uintptr_t)n->buf + off, MSG_LEN, n->mr->lkey };
-	struct ibv_send_wr wr = { .wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
-				  .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED };
-	struct ibv_send_wr *bad = NULL;
-
-	CT_OK(ibv_post_send(qp, &wr, &bad));
+	CT_OK(ct_post_send1(qp, wr_id, IBV_WR_SEND, IBV_SEND_SIGNALED, &n->b, off, MSG_LEN, 0, 0, 0));
 }
 
 /* A request: (a, b, seq) then a pattern of seq; its answer: the same
@@ -383,7 +373,7 @@ static int spread_server(int ready_fd)
 		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
 		for (int i = 0; i < k; i++) {
 			uint32_t idx, b, seq, slot = (uint32_t)wc[i].wr_id;
-			uint8_t *p = n.buf + (size_t)slot * MSG_LEN;
+			uint8_t *p = n.b.p + (size_t)slot * MSG_LEN;
 			int mine;
 
 			if (wc[i].status == IBV_WC_WR_FLUSH_ERR) {
@@ -409,7 +399,7 @@ static int spread_server(int ready_fd)
 					 j * SERVERS + s);
 			srcs[idx / SERVERS] = src[i];
 			msgs++;
-			fill_msg(n.buf + (size_t)(NBUF + slot) * MSG_LEN, idx, 0, idx, 1);
+			fill_msg(n.b.p + (size_t)(NBUF + slot) * MSG_LEN, idx, 0, idx, 1);
 			post_send_at(src[i], &n, slot, (size_t)(NBUF + slot) * MSG_LEN);
 			if (msgs == 1)
 				m1 = mem_now();	/* a link and one src_qp */
@@ -493,7 +483,7 @@ static int spread_client(void)
 	/* Every VQP: a message and its answer. */
 	for (int i = 0; i < NVQP; i++) {
 		post_recv_at(qps[i], &n, (uint64_t)i, (size_t)(NVQP + i) * MSG_LEN);
-		fill_msg(n.buf + (size_t)i * MSG_LEN, (uint32_t)i, 0, (uint32_t)i, 0);
+		fill_msg(n.b.p + (size_t)i * MSG_LEN, (uint32_t)i, 0, (uint32_t)i, 0);
 		post_send_at(qps[i], &n, (uint64_t)i, (size_t)i * MSG_LEN);
 	}
 	{
@@ -518,7 +508,7 @@ static int spread_client(void)
 				 "answer %d: %s, wr_id %u, %u bytes", i, ibv_wc_status_str(wc[i].status), w,
 				 wc[i].byte_len);
 			got[w] = 1;
-			expect_msg(n.buf + (size_t)(NVQP + w) * MSG_LEN, w, 0, w, 1, "answer");
+			expect_msg(n.b.p + (size_t)(NVQP + w) * MSG_LEN, w, 0, w, 1, "answer");
 		}
 	}
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS, <=, lpp * SERVERS);
@@ -668,7 +658,7 @@ static int churn_server(int ready_fd)
 		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
 		for (int i = 0; i < k; i++) {
 			uint32_t proc, v, seq, slot = (uint32_t)wc[i].wr_id;
-			uint8_t *p = n.buf + (size_t)slot * MSG_LEN;
+			uint8_t *p = n.b.p + (size_t)slot * MSG_LEN;
 
 			if (wc[i].status == IBV_WC_WR_FLUSH_ERR) {
 				/* A client VQP destroyed (or its process found
@@ -738,7 +728,7 @@ static int churn_server(int ready_fd)
 			if ((int)proc != last_proc)
 				last_proc = (int)proc;
 			msgs++;
-			fill_msg(n.buf + (size_t)(NBUF + slot) * MSG_LEN, proc, v, seq, 1);
+			fill_msg(n.b.p + (size_t)(NBUF + slot) * MSG_LEN, proc, v, seq, 1);
 			post_send_at(src[i], &n, slot, (size_t)(NBUF + slot) * MSG_LEN);
 			outstanding++;
 		}
@@ -855,7 +845,7 @@ static int churn_client(int proc)
 			q[j] = vqp(&n, 1, 1);
 			CT_OK(qconnect(q[j], ct_node_gid(2), PORT2));
 			post_recv_at(q[j], &n, (uint64_t)j, (size_t)(WINDOW + j) * MSG_LEN);
-			fill_msg(n.buf + (size_t)j * MSG_LEN, (uint32_t)proc, v, seq, 0);
+			fill_msg(n.b.p + (size_t)j * MSG_LEN, (uint32_t)proc, v, seq, 0);
 			post_send_at(q[j], &n, (uint64_t)j, (size_t)j * MSG_LEN);
 		}
 		ct_poll_n(n.scq, wc, w, CT_TIMEOUT_MS);
@@ -876,7 +866,7 @@ static int churn_client(int proc)
 				 "process %d VQP %u: answer %s, %u bytes", proc, v,
 				 ibv_wc_status_str(wc[i].status), wc[i].byte_len);
 			got[j] = 1;
-			expect_msg(n.buf + (size_t)(WINDOW + j) * MSG_LEN, (uint32_t)proc, v,
+			expect_msg(n.b.p + (size_t)(WINDOW + j) * MSG_LEN, (uint32_t)proc, v,
 				   (uint32_t)proc * (uint32_t)nvqps + v, 1, "answer");
 		}
 		for (int j = 0; j < w; j++)
