@@ -85,9 +85,11 @@
  *      not explained yet, see docs/performance.md). Other runs: -0.3 to
  *      +1.0 MiB. A steady leak of 2 KiB per client VQP (less than half a
  *      src_qp) would still exceed it; smaller leaks are the heap bound's.
- *    - mappings (/proc/self/maps lines): fewer than MAPS_GROWTH (8) more:
- *      a mapping left behind per client process (a link's registered
- *      buffers, a thread's stack), whatever its size, adds 16.
+ *    - mappings (/proc/self/maps lines, but the device's: the rxe queues
+ *      of the links alive at that moment, which the links bound covers):
+ *      fewer than MAPS_GROWTH (8) more: a mapping left behind per client
+ *      process (a link's registered buffers, a thread's stack), whatever
+ *      its size, adds 16.
  *    When RssAnon steps up by more than 2 MiB between two checkpoints the
  *    server notes which mappings grew (diagnostics).
  *
@@ -243,13 +245,15 @@ static struct mem mem_now(void)
 	m.anon = status_kb(text, "RssAnon:");
 	m.asan_mapped = (int64_t)__sanitizer_get_heap_size();
 	{
+		/* Not the device's mappings (the rxe queues of the links, which
+		 * come and go with them: the links bound's business). */
 		FILE *mf = fopen("/proc/self/maps", "r");
-		int c;
+		char line[512];
 
 		m.maps = 0;
 		CT_CHECK(mf != NULL, "maps");
-		while ((c = fgetc(mf)) != EOF)
-			m.maps += c == '\n';
+		while (fgets(line, sizeof(line), mf))
+			m.maps += strstr(line, "/dev/infiniband/") == NULL;
 		fclose(mf);
 	}
 	return m;
