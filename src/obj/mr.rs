@@ -160,6 +160,13 @@ impl Mr {
             // Providers read the PD only with CHANGE_PD (ibv_cmd_rereg_mr).
             std::ptr::null_mut()
         };
+        // SAFETY: an MR's PD outlives it.
+        let old_pd = unsafe { Pd::from_ibv(self.ibv.pd) }.real as usize;
+        let lease_end = if self.access & REMOTE_ACCESS != 0 { crate::vqp::runtime::mr_lease_end(old_pd) } else { None };
+        if lease_end.is_some() || crate::vqp::runtime::links_busy(old_pd) {
+            let wrapper = if real_pd.is_null() { std::ptr::null_mut() } else { new_pd };
+            return self.rereg_aside(flags, wrapper, addr, length, access, lease_end);
+        }
         let real = if self.lease != 0 { self.exclusive_real(flags, addr, length, access)? } else { self.real };
         let rc = call_real!(ibv_rereg_mr(real, flags, real_pd, addr, length, access)).map_err(|e| {
             e.set();
@@ -191,6 +198,69 @@ impl Mr {
         let new_pd = unsafe { Pd::from_ibv(pd) }.real as usize;
         let info = crate::vqp::precheck::MrInfo { addr: self.ibv.addr as u64, len: self.ibv.length as u64, access: self.access };
         crate::vqp::mrs::added(new_pd, self.ibv.lkey, self.ibv.rkey, info);
+        Ok(())
+    }
+
+    /// `ibv_rereg_mr` while peers may still use the MR (its lease) or a
+    /// WQE queued on a link may: as a deregistration, the old registration
+    /// stays until they are done (see [`Mr::dereg`]); the MR gets a new
+    /// registration with the new attributes, and new keys, at once (the
+    /// keys may change at a rereg). `new_pd`: the application's new PD
+    /// with `IBV_REREG_MR_CHANGE_PD`, else null.
+    fn rereg_aside(
+        &mut self,
+        flags: c_int,
+        new_pd: *mut ibv_pd,
+        addr: *mut c_void,
+        length: usize,
+        access: c_int,
+        lease_end: Option<std::time::Instant>,
+    ) -> std::result::Result<(), c_int> {
+        let f = flags as u32;
+        let translation = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0;
+        let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
+        let supported = (change_access << 1) - 1; // IBV_REREG_MR_FLAGS_SUPPORTED
+        if f & !supported != 0
+            || (f & translation != 0 && (length == 0 || addr.is_null()))
+            || (access != 0 && f & change_access == 0)
+        {
+            Errno::EINVAL.set();
+            return Err(REREG_ERR_INPUT);
+        }
+        // SAFETY: an MR's PD outlives it.
+        let old_pd = unsafe { Pd::from_ibv(self.ibv.pd) }.real;
+        // SAFETY: checked by the caller to be one of our PDs.
+        let pd = if new_pd.is_null() { old_pd } else { unsafe { Pd::from_ibv(new_pd) }.real };
+        let (addr, len) = if f & translation != 0 { (addr, length) } else { (self.ibv.addr, self.ibv.length) };
+        let acc = if f & change_access != 0 { access as u32 } else { self.access };
+        let new = call_real!(ibv_reg_mr_iova2(pd, addr, len, addr as u64, acc)).and_then(non_null).map_err(|e| {
+            e.set();
+            REREG_ERR_CMD
+        })?;
+        let (old_real, old_lease, old_lkey) = (self.real as usize, self.lease, self.ibv.lkey);
+        crate::vqp::mrs::removed(old_pd as usize, old_lkey);
+        stats::inc(Stat::KRCORE_STAT_MR_DEREG_DELAYED);
+        let later: crate::service::Deferred = Box::new(move || {
+            stats::sub(Stat::KRCORE_STAT_MR_DEREG_DELAYED, 1);
+            let r = if old_lease != 0 {
+                crate::mr::cache().map_or(Ok(()), |c| c.release(old_lease))
+            } else {
+                call_real!(ibv_dereg_mr(old_real as *mut ibv_mr)).and_then(ok_or_errno)
+            };
+            if let Err(e) = r {
+                crate::klog!(crate::log::Level::Warn, "mr: deregistering the registration a rereg replaced failed: {e:?}");
+            }
+        });
+        if let Err(now) = crate::vqp::runtime::defer_dereg(old_pd as usize, lease_end, later) {
+            now();
+        }
+        let ibv_pd = if new_pd.is_null() { self.ibv.pd } else { new_pd };
+        self.real = new;
+        self.lease = 0;
+        self.access = acc;
+        self.ibv = ibv_mr { context: self.ibv.context, pd: ibv_pd, ..Self::copy(new) };
+        let info = crate::vqp::precheck::MrInfo { addr: self.ibv.addr as u64, len: self.ibv.length as u64, access: acc };
+        crate::vqp::mrs::added(pd as usize, self.ibv.lkey, self.ibv.rkey, info);
         Ok(())
     }
 
@@ -252,33 +322,39 @@ impl Mr {
         let mr = unsafe { Mr::from_ibv(p) };
         // SAFETY: an MR's PD outlives it.
         let real_pd = unsafe { Pd::from_ibv(mr.ibv.pd) }.real as usize;
-        let lkey = mr.ibv.lkey;
-        if mr.access & REMOTE_ACCESS != 0 {
-            if let Some(at) = crate::vqp::runtime::mr_lease_end(real_pd) {
-                // Linked peers may have checked this MR within their lease
-                // and still use its rkey: an access to a deregistered key
-                // would break the link they share with every other VQP.
-                // Unpublished now, deregistered when their leases ran out.
-                crate::vqp::mrs::removed(real_pd, lkey);
-                let addr = p as usize;
-                stats::inc(Stat::KRCORE_STAT_MR_DEREG_DELAYED);
-                crate::vqp::runtime::defer(real_pd, at, Box::new(move || {
-                    stats::sub(Stat::KRCORE_STAT_MR_DEREG_DELAYED, 1);
-                    let p = addr as *mut ibv_mr;
-                    // SAFETY: the application gave the MR up at its
-                    // ibv_dereg_mr; nobody else frees it.
-                    let r = unsafe { Self::dereg_real(Mr::from_ibv(p), p) };
-                    if let Err(e) = r {
-                        crate::klog!(crate::log::Level::Warn, "mr: delayed deregistration failed: {e:?}");
-                    }
-                }));
-                return Ok(());
+        let (lkey, rkey) = (mr.ibv.lkey, mr.ibv.rkey);
+        // Linked peers may have checked an MR they can access within their
+        // lease and still use its rkey; and a WQE of this process queued on
+        // a link (behind other VQPs' work, or RNR) may use it. A key
+        // deregistered under either fails the link, for every VQP on it.
+        // So the MR leaves the registry now (nothing new can use it) and
+        // the real deregistration waits for both.
+        let lease_end = if mr.access & REMOTE_ACCESS != 0 { crate::vqp::runtime::mr_lease_end(real_pd) } else { None };
+        let info = crate::vqp::mrs::with(real_pd, |m| crate::vqp::precheck::LocalMrs::local(m, lkey));
+        crate::vqp::mrs::removed(real_pd, lkey);
+        let addr = p as usize;
+        stats::inc(Stat::KRCORE_STAT_MR_DEREG_DELAYED);
+        let later: crate::service::Deferred = Box::new(move || {
+            stats::sub(Stat::KRCORE_STAT_MR_DEREG_DELAYED, 1);
+            let p = addr as *mut ibv_mr;
+            // SAFETY: the application gave the MR up at its ibv_dereg_mr;
+            // nobody else frees it.
+            let r = unsafe { Self::dereg_real(Mr::from_ibv(p), p) };
+            if let Err(e) = r {
+                crate::klog!(crate::log::Level::Warn, "mr: delayed deregistration failed: {e:?}");
             }
+        });
+        if crate::vqp::runtime::defer_dereg(real_pd, lease_end, later).is_ok() {
+            return Ok(());
         }
+        stats::sub(Stat::KRCORE_STAT_MR_DEREG_DELAYED, 1);
         // SAFETY: caller contract.
         let r = unsafe { Self::dereg_real(mr, p) };
-        if r.is_ok() {
-            crate::vqp::mrs::removed(real_pd, lkey);
+        if r.is_err() {
+            // Still registered (EBUSY: a memory window bound to it).
+            if let Some(info) = info {
+                crate::vqp::mrs::added(real_pd, lkey, rkey, info);
+            }
         }
         r
     }

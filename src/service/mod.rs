@@ -529,6 +529,11 @@ impl Service {
         self.shared.links.lock().by_qpn.len()
     }
 
+    /// Every link held (open, closing or failed).
+    pub fn all_links(&self) -> Vec<Arc<Link>> {
+        self.shared.links.lock().by_qpn.values().cloned().collect()
+    }
+
     /// Every open link (what the liveness probes look at).
     pub fn live_links(&self) -> Vec<Arc<Link>> {
         self.shared.links.lock().by_qpn.values().filter(|l| l.is_open()).cloned().collect()

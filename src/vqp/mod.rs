@@ -18,6 +18,7 @@ pub mod runtime;
 pub mod qp;
 pub mod rc;
 pub mod srq;
+pub mod wire;
 pub mod wr_builder;
 pub mod wrid;
 

@@ -41,6 +41,8 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 
+mod teardown;
+
 /// Application SGEs per send: the link has one more for the header.
 pub const MAX_SEND_SGE: u32 = crate::service::LINK_SEND_SGE - 1;
 pub const MAX_RECV_SGE: u32 = 16;
@@ -188,6 +190,14 @@ struct State {
     /// Its link failed: in the error state (sends and, once the messages
     /// that came before are delivered, receives are flushed).
     failed: bool,
+    /// The link of its last WQE and the link's mark after it: every WQE
+    /// of ours completed once the link reached it (see teardown.rs).
+    wire: Option<(Arc<Link>, u64)>,
+    /// Flush completions of sends held until the link completed the WQEs
+    /// they report (ERR with WQEs in flight), in order.
+    held_sends: Vec<Completion>,
+    /// Being destroyed or reset: no new READ of a large message.
+    torn_down: bool,
 }
 
 /// An entry of a bound VQP's inbox.
@@ -267,6 +277,9 @@ impl Vqp {
             rc: None,
             published: None,
             failed: false,
+            wire: None,
+            held_sends: Vec::new(),
+            torn_down: false,
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {
@@ -496,18 +509,25 @@ impl Vqp {
                 }
             }
             Effect::Flush => {
+                // Sends still on the link report their flush once it
+                // completed them (teardown.rs); receives at once.
                 let mut out = Vec::new();
                 let mut st = self.st.lock();
-                st.sq.flush(&mut |c| out.push((true, c)));
+                let held = self.flush_sends(&mut st, &mut |c| out.push((true, c)));
                 st.rq.flush(&mut |c| out.push((false, c)));
                 st.rc = Some(next);
                 drop(st);
                 for (send, c) in out {
                     self.deliver(if send { &self.send_soft } else { &self.recv_soft }, c);
                 }
+                if held {
+                    self.watch_held();
+                }
                 return Ok(());
             }
             Effect::Reset => {
+                // Nothing of ours may be in flight once RESET returns.
+                let unread = self.quiesce();
                 let mut st = self.st.lock();
                 st.sq.revive();
                 st.rq.flush(&mut |_| {});
@@ -515,7 +535,11 @@ impl Vqp {
                 st.conn = None;
                 st.failed = false;
                 st.memo = MrMemo::default();
+                st.wire = None;
+                st.torn_down = false;
                 st.rc = Some(next);
+                drop(st);
+                self.tell_unread(unread);
                 return Ok(());
             }
             Effect::Ready | Effect::None => {}
@@ -594,7 +618,7 @@ impl Vqp {
         let mut recvs = Vec::new();
         st.conn = None;
         st.failed = true;
-        st.sq.flush(&mut |c| sends.push(c));
+        let held = self.flush_sends(&mut st, &mut |c| sends.push(c));
         if let Some(rc) = st.rc.as_mut() {
             rc.fail();
         }
@@ -602,6 +626,9 @@ impl Vqp {
         drop(st);
         sends.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
         recvs.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+        if held {
+            self.watch_held();
+        }
     }
 
     /// Link `link` was closed (both sides done with it): a connection on
@@ -712,6 +739,7 @@ impl Vqp {
                 // As an RC QP in error: accepted, then flushed.
                 return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
             }
+            let wire_link = link;
             let (link, dst) = (&**link, conn.dst);
             let mut sq = link.sq.lock();
             if !link.is_open() {
@@ -737,6 +765,7 @@ impl Vqp {
                 rt.large.sent(s, self.slot, self.gen, seq, link.qp.qpn());
             }
             let r = self.post_physical(link, &mut sq, w, sges, seq, signaled, dst, total, large);
+            note_wire(&mut st.wire, wire_link, sq.mark());
             if let Err(e) = r {
                 if let Some((addr, _)) = large {
                     rt.large.unsend(addr);
@@ -805,6 +834,11 @@ impl Vqp {
         st.sq.push(entry)?;
         let mut out = Vec::new();
         st.sq.take_flushed(&mut |c| out.push(c));
+        if !st.held_sends.is_empty() {
+            // Behind flushes held for the link (teardown.rs): in order.
+            st.held_sends.append(&mut out);
+            return Ok(());
+        }
         drop(guard);
         out.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
         Ok(())
@@ -933,7 +967,8 @@ impl Vqp {
         if !precheck::one_sided_ok(w.opcode, sge, remote_addr, &self.caps, &local, &remote) {
             return None;
         }
-        let (link, dst) = (&**conn.link.as_ref()?, conn.dst);
+        let wire_link = conn.link.as_ref()?;
+        let (link, dst) = (&**wire_link, conn.dst);
         let mut sq = link.sq.lock();
         if sq.outstanding() >= link.qp.caps.send_wr as usize || !link.is_open() {
             return None;
@@ -946,6 +981,7 @@ impl Vqp {
         };
         klog!(Level::Debug, "vqp {:#x}: post opcode {} len {} seq {seq} to {dst:#x}", self.vqpn, w.opcode, sge.length);
         let r = self.post_physical(link, &mut sq, w, std::slice::from_ref(sge), seq, signaled, dst, sge.length, None);
+        note_wire(&mut st.wire, wire_link, sq.mark());
         if let Err(e) = r {
             self.link_refused(&mut st.sq, seq, e);
         }
@@ -1153,11 +1189,14 @@ impl Vqp {
         };
         let (off, len) = table.neighborhood(rkey);
         for _ in 0..64 {
+            // The lease counts from the READ's post (the owner counts from
+            // its deregistration, which may come right after our READ).
+            let posted = coarse_ms();
             rt.control_read(link, &scratch, addr + off, trkey, len)?;
             // SAFETY: as above.
             match table.lookup_in(unsafe { scratch.bytes(0, len) }, rkey) {
                 Lookup::Found(info) => {
-                    pm.lock().learn(rkey, info);
+                    pm.lock().learn(rkey, info, posted);
                     return Ok(true);
                 }
                 Lookup::Absent => return Ok(false),
@@ -1303,6 +1342,8 @@ impl Vqp {
         if st.conn.as_ref().is_some_and(|c| c.is_on(link)) {
             st.conn = None;
             st.failed = true;
+            // The link is drained: what was held for it goes first.
+            sends.append(&mut st.held_sends);
             st.sq.flush(&mut |c| sends.push(c));
             if let Some(rc) = st.rc.as_mut() {
                 rc.fail();
@@ -1420,6 +1461,11 @@ impl Vqp {
     /// its DONE as the link has room, and complete it when both are done.
     fn pump(&self, st: &mut State) {
         let Some(rt) = self.rt.get() else { return };
+        if st.torn_down {
+            // Destroyed or reset: its READs in flight are waited for, the
+            // message is given up (teardown.rs).
+            return;
+        }
         let Some(rd) = st.reading.as_mut() else { return };
         while rd.next < rd.pieces.len() {
             let mut sq = rd.link.sq.lock();
@@ -1636,6 +1682,9 @@ impl Vqp {
                 p.st.lock().src_qps.remove(key);
             }
         }
+        // RC's promise: once destroy returns, nothing touches the memory of
+        // its WRs; they may still be on the link (teardown.rs).
+        let unread = self.quiesce();
         let mut st = self.st.lock();
         for key in [st.bound.take(), st.published.take()].into_iter().flatten() {
             if let Some(Ok(meta)) = self.rt.get().map(|rt| rt.meta()) {
@@ -1654,18 +1703,9 @@ impl Vqp {
             (Some(c), None) if st.sent_msgs => Some(Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() }),
             _ => None,
         };
-        // Large messages it will not finish READing: their senders are told
-        // (best effort), so that their sends complete and copies go.
-        let mut unread: Vec<(Arc<Link>, Header)> = st.reading.take().map(|r| (r.link, r.done)).into_iter().collect();
-        for m in st.held.drain(..).filter(|m| m.header.flags.contains(Flags::LARGE)) {
-            unread.push((m.link, self.done_for(&m.header)));
-        }
         drop(st);
+        self.tell_unread(unread);
         if let Some(rt) = self.rt.get() {
-            for (link, mut done) in unread {
-                done.imm = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
-                post_header_waiting(rt, &link, &done);
-            }
             if let Some(h) = close {
                 self.post_close(rt, &h);
             }
@@ -1742,6 +1782,16 @@ fn post_header_waiting(rt: &Runtime, link: &Link, h: &Header) {
         }
         rt.progress();
         std::thread::yield_now();
+    }
+}
+
+/// `wire` (a VQP's last link and its mark) after a post on `link`, whose
+/// mark is now `mark`; the link is cloned only when it changed.
+#[inline]
+fn note_wire(wire: &mut Option<(Arc<Link>, u64)>, link: &Arc<Link>, mark: u64) {
+    match wire {
+        Some((l, m)) if Arc::ptr_eq(l, link) => *m = mark,
+        _ => *wire = Some((Arc::clone(link), mark)),
     }
 }
 

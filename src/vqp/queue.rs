@@ -512,6 +512,14 @@ pub struct PhysSq {
     outstanding: u16,
     /// Unsignaled WQEs posted since the last signaled one (always < period).
     run: u16,
+    /// WQEs ever posted and ever retired: RC completes a send queue in
+    /// order, so `retired_total >= m` says that every WQE posted up to
+    /// the [`PhysSq::mark`] `m` completed (teardown waits on it).
+    posted_total: u64,
+    retired_total: u64,
+    /// Every completion of the link was seen (it failed: its QP is in ERR
+    /// and flushed): nothing posted on it touches memory any more.
+    drained: bool,
 }
 
 impl PhysSq {
@@ -533,6 +541,9 @@ impl PhysSq {
             period: period as u16,
             outstanding: 0,
             run: 0,
+            posted_total: 0,
+            retired_total: 0,
+            drained: false,
         })
     }
 
@@ -545,6 +556,7 @@ impl PhysSq {
         }
         debug_assert!(self.run < self.period);
         self.outstanding += 1;
+        self.posted_total += 1;
         let forced = !app_signaled && self.run + 1 == self.period;
         if !(app_signaled || forced) {
             self.run += 1;
@@ -572,7 +584,31 @@ impl PhysSq {
             return Err(Errno::EINVAL);
         }
         self.outstanding -= retired;
+        self.retired_total += u64::from(retired);
         Ok(())
+    }
+
+    /// Where the queue stands: every WQE posted so far is before it.
+    pub fn mark(&self) -> u64 {
+        self.posted_total
+    }
+
+    /// Whether every WQE posted before `mark` completed (or the link was
+    /// drained: failed, every completion seen).
+    pub fn reached(&self, mark: u64) -> bool {
+        self.drained || self.retired_total >= mark
+    }
+
+    /// Whether a signaled WQE at or after `mark` is posted: its completion
+    /// (which retires the ones before it) will come. An unsignaled tail
+    /// needs a signaled WQE behind it.
+    pub fn covered(&self, mark: u64) -> bool {
+        self.posted_total - u64::from(self.run) >= mark
+    }
+
+    /// The link failed and every completion it had was seen.
+    pub fn set_drained(&mut self) {
+        self.drained = true;
     }
 
     /// WQEs posted and not yet retired.
@@ -585,6 +621,7 @@ impl PhysSq {
     pub fn reset(&mut self) {
         self.outstanding = 0;
         self.run = 0;
+        self.retired_total = self.posted_total;
     }
 }
 

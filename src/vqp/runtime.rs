@@ -44,6 +44,11 @@ const MAINTENANCE_MS: u64 = 1000;
 /// error at worst, once the retries ran out (timeout 17, 6 retries: about
 /// 3.8 s); more, for load.
 pub const TRANSPORT_WAIT: Duration = Duration::from_secs(10);
+/// RC's own time to give up on a WQE the peer does not answer: a link
+/// QP's timeout (17: 4.096 us x 2^17 = 537 ms) times its tries (retry
+/// count 6, plus the first), about 3.76 s. A WQE posted at t has reached
+/// the peer, or failed its link, by t plus this (once it left the queue).
+pub const RC_RETRY_TIME: Duration = Duration::from_micros(4096 * (1 << 17) * 7 / 1000);
 
 /// The wr_id of a notifier's sends (with its QP number, tells them apart
 /// from the application's own completions on the same real CQ).
@@ -473,8 +478,12 @@ pub struct PeerMrs {
 }
 
 impl PeerMrs {
-    pub fn learn(&mut self, rkey: u32, info: super::precheck::MrInfo) {
-        self.known.insert(rkey, (info, coarse_ms()));
+    /// The peer's table said `info` for `rkey` in a READ posted at `at_ms`
+    /// ([`coarse_ms`]): the lease is counted from the post, not from the
+    /// READ's completion (which may come a transport's retries later,
+    /// while the owner counts from its deregistration).
+    pub fn learn(&mut self, rkey: u32, info: super::precheck::MrInfo, at_ms: u64) {
+        self.known.insert(rkey, (info, at_ms));
     }
 
     /// The peer's MR of `rkey` and when its table said so (coarse ms); the
@@ -556,6 +565,8 @@ pub struct Runtime {
     probe_buf: Region,
     /// Probes keep being scheduled until the runtime is released.
     probing: AtomicBool,
+    /// What waits for WQEs on the links to complete (teardown, MRs).
+    pub wire: super::wire::Waiters,
 }
 
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
@@ -608,6 +619,7 @@ impl Runtime {
             polls_seen: std::sync::atomic::AtomicU64::new(0),
             probe_buf,
             probing: AtomicBool::new(true),
+            wire: Default::default(),
         });
         for buf in 0..service::Options::default().srq_wr {
             rt.post_recv_buf(buf)?;
@@ -760,31 +772,9 @@ impl Runtime {
             if sq.outstanding() > 0 {
                 continue;
             }
-            let Some(d) = sq.try_post(true) else { continue };
-            let tag = self.next_tag();
-            self.large.track(tag, Control::Probe { retired: d.retired });
-            let mut sge = self.probe_buf.sge(0, PROBE_LEN);
-            // SAFETY: a plain C struct.
-            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-            wr.wr_id = WrId::Control { tag }.encode();
-            wr.sg_list = &mut sge;
-            wr.num_sge = 1;
-            wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
-            wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-            wr.wr.rdma.remote_addr = link.peer_mr_table.0;
-            wr.wr.rdma.rkey = link.peer_mr_table.1;
-            // SAFETY: one READ into our own registered buffer from the
-            // peer's MR table (registered for remote READ by the peer).
-            match unsafe { link.qp.post_send(&mut wr) } {
-                Ok(()) => {
-                    posted = true;
-                    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINK_PROBES);
-                }
-                Err(e) => {
-                    self.large.take(tag);
-                    let _ = sq.on_completion(d.retired);
-                    klog!(Level::Warn, "vqp: cannot probe the link to {:?}: {e:?}", link.peer.gid);
-                }
+            if self.post_probe(&link, &mut sq) {
+                posted = true;
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINK_PROBES);
             }
         }
         if posted {
@@ -794,12 +784,78 @@ impl Runtime {
         }
     }
 
+    /// Post one signaled 8-byte READ of the peer's MR table on `link` (its
+    /// accounting `sq` held): a probe, or a fence behind WQEs a teardown
+    /// waits for. Whether it was posted.
+    fn post_probe(&self, link: &service::Link, sq: &mut super::queue::PhysSq) -> bool {
+        let Some(d) = sq.try_post(true) else { return false };
+        let tag = self.next_tag();
+        self.large.track(tag, Control::Probe { retired: d.retired });
+        let mut sge = self.probe_buf.sge(0, PROBE_LEN);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = WrId::Control { tag }.encode();
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.rdma.remote_addr = link.peer_mr_table.0;
+        wr.wr.rdma.rkey = link.peer_mr_table.1;
+        // SAFETY: one READ into our own registered buffer from the
+        // peer's MR table (registered for remote READ by the peer).
+        match unsafe { link.qp.post_send(&mut wr) } {
+            Ok(()) => true,
+            Err(e) => {
+                self.large.take(tag);
+                let _ = sq.on_completion(d.retired);
+                klog!(Level::Warn, "vqp: cannot post a READ on the link to {:?}: {e:?}", link.peer.gid);
+                false
+            }
+        }
+    }
+
+    /// Make sure the WQEs posted on `link` before `mark` will be reported
+    /// complete: they are, or a signaled WQE behind them will retire them
+    /// (RC completes in order), or one is posted now (the 8-byte READ of a
+    /// probe; nothing on a link that failed, whose fence covers all, or
+    /// whose LINK_CLOSE, signaled, is posted behind). False when the link
+    /// had no room: make progress and ask again.
+    pub fn fence_after(&self, link: &service::Link, mark: u64) -> bool {
+        let mut sq = link.sq.lock();
+        if sq.reached(mark) || sq.covered(mark) || link.is_failed() || link.close_posted.load(Ordering::Acquire) {
+            return true;
+        }
+        if !self.post_probe(link, &mut sq) {
+            return false;
+        }
+        drop(sq);
+        if let Err(e) = self.svc.want_link_events() {
+            klog!(Level::Warn, "vqp: arming the links' CQ: {e:?}");
+        }
+        true
+    }
+
+    /// Where each link with WQEs not yet completed stands now.
+    pub fn link_marks(&self) -> Vec<(Arc<service::Link>, u64)> {
+        self.svc
+            .all_links()
+            .into_iter()
+            .filter_map(|l| {
+                let m = {
+                    let sq = l.sq.lock();
+                    (!sq.reached(sq.mark())).then(|| sq.mark())
+                };
+                m.map(|m| (l, m))
+            })
+            .collect()
+    }
+
     /// An error completion came on link `qpn`: RC moved its QP to the error
     /// state, for good (the peer died, or cannot be reached). The link is
     /// handed out no more, the peer's endpoint leaves the DCCache, and a
     /// fence posted behind the link's WQEs says when all of their (flushed)
     /// completions were seen; then the link's VQPs move to the error state.
-    fn link_failed(&self, qpn: u32, status: u32) {
+    pub(super) fn link_failed(&self, qpn: u32, status: u32) {
         let Some(link) = self.svc.fail_link(qpn) else { return };
         klog!(
             Level::Warn,
@@ -830,6 +886,9 @@ impl Runtime {
     /// error state, what it held goes.
     fn link_gone(&self, link: &Arc<service::Link>) {
         let qpn = link.qp.qpn();
+        // Its QP is in ERR and every WQE's completion came: nothing on it
+        // touches memory any more (what teardowns wait for).
+        link.sq.lock().set_drained();
         self.svc.forget_link(qpn);
         self.large.forget_link(qpn);
         // The peer's MRs are forgotten with it (a new connect reads them
@@ -995,6 +1054,7 @@ impl Runtime {
                 v.pump_large();
             }
         }
+        self.wire.check(self);
     }
 
     /// A fresh tag for a control WQE's wr_id.
@@ -1191,7 +1251,58 @@ pub fn mr_lease_end(pd: usize) -> Option<std::time::Instant> {
     if !rt.svc.has_links() {
         return None;
     }
-    Some(std::time::Instant::now() + Duration::from_millis(lease + lease / 10))
+    Some(std::time::Instant::now() + mr_lease_hold(lease))
+}
+
+/// How long an MR peers may use stays registered after it left the MR
+/// table: a peer trusts what it READ for the lease, counted from that
+/// READ's post (before the owner's deregistration); a WQE it posts within
+/// the lease reaches us within RC's retry time (or fails its link); a
+/// tenth of the lease more for load.
+pub fn mr_lease_hold(lease_ms: u64) -> Duration {
+    Duration::from_millis(lease_ms + lease_ms / 10) + RC_RETRY_TIME
+}
+
+/// A deregistration of an MR of real `pd` (unpublished already: nothing
+/// new can use it): `f` does the real one. It waits until every WQE the
+/// PD's links had then completed (one of them may use the MR: a
+/// deregistered key fails the link, for every VQP on it) and, when
+/// `lease_end` is given, until that time too (peers may hold its rkey).
+/// `f` comes back (`Err`) when it may run at once (nothing to wait for).
+pub fn defer_dereg(pd: usize, lease_end: Option<Instant>, f: service::Deferred) -> std::result::Result<(), service::Deferred> {
+    let rt = RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned());
+    let Some(rt) = rt else { return Err(f) };
+    let marks = rt.link_marks();
+    if marks.is_empty() {
+        return match lease_end {
+            Some(at) => {
+                rt.svc.defer(at, f);
+                Ok(())
+            }
+            None => Err(f),
+        };
+    }
+    let mut f = Some(f);
+    rt.wire.wait(
+        &rt,
+        Box::new(move |rt: &Runtime, force: bool| {
+            if !force && !super::wire::marks_reached(rt, &marks) {
+                return false;
+            }
+            if let Some(f) = f.take() {
+                rt.svc.defer(if force { Instant::now() } else { lease_end.unwrap_or_else(Instant::now) }, f);
+            }
+            true
+        }),
+    );
+    Ok(())
+}
+
+/// Whether a link of real `pd` has WQEs not yet completed (one of them
+/// may use an MR about to change).
+pub fn links_busy(pd: usize) -> bool {
+    let rt = RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned());
+    rt.is_some_and(|rt| !rt.link_marks().is_empty())
 }
 
 /// Run `f` at `at` on the service thread of real `pd`'s runtime (at once
@@ -1236,6 +1347,7 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
     };
     // Delayed deregistrations hold the PD: they go now.
     rt.probing.store(false, Ordering::Release);
+    rt.wire.force(&rt);
     rt.svc.run_deferred_now();
     mrs::unobserve(pd as usize);
     if let Some(meta) = rt.meta.get() {
