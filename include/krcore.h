@@ -98,8 +98,10 @@ enum krcore_stat {
   KRCORE_STAT_VQPS,
   // Live links: physical RC QPs to peer processes (a gauge).
   KRCORE_STAT_LINKS,
-  // Deregistered MRs that peers may still use, really deregistered when
-  // the MR lease runs out (a gauge, `KRCORE_MR_LEASE_MS`).
+  // Deregistered MRs that peers may still use, or that WQEs queued on
+  // a link may, really deregistered when the MR lease runs out
+  // (`KRCORE_MR_LEASE_MS`, plus RC's retry time) and those WQEs
+  // completed (a gauge).
   KRCORE_STAT_MR_DEREG_DELAYED,
   // Evicted registrations deregistered on the application's thread:
   // no deregistration thread, the thread a full batch behind, or a

@@ -17,7 +17,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_GID_INDEX", "", "GID index of the links (default: the qbind GID, else the first RoCE v2 / IB GID)"),
     ("KRCORE_CONNECT_TIMEOUT_MS", "2000", "bound on qconnect and on every wait for the meta server or a peer's endpoint"),
     ("KRCORE_META_LEASE_MS", "3000", "lease of a qbind registration; renewed every third of it, dropped after it when not renewed"),
-    ("KRCORE_MR_LEASE_MS", "1000", "how long a peer may use a remote MR it checked; the real ibv_dereg_mr of an MR peers can access waits this long"),
+    ("KRCORE_MR_LEASE_MS", "1000", "how long a peer may use a remote MR it checked (from the post of the READ that checked it); the real ibv_dereg_mr of an MR peers can access waits 1.1 times this plus RC's retry time (about 3.76 s)"),
     ("KRCORE_LINKS_PER_PEER", "1", "RC links to each peer process; a process's VQPs are spread over them (more for many threads sending to one peer)"),
     ("KRCORE_STAGING_BYTES", "4194304", "per link: registered memory that holds messages above 4 KiB until the receiver READs them (larger ones get a registration each)"),
     ("KRCORE_LINK_PROBE_MS", "1000", "an idle link is probed (one 8-byte READ) this often: a peer that died is found within this plus the RC retry time (about 3.8 s); 0: never"),

@@ -1288,6 +1288,28 @@ mod tests {
     }
 
     #[test]
+    fn phys_sq_marks_are_reached_in_order_and_an_unsignaled_tail_is_not_covered() {
+        let mut q = PhysSq::with_signal_period(8, 4).unwrap();
+        let a = q.try_post(true).unwrap();
+        let m1 = q.mark();
+        assert!(!q.reached(m1) && q.covered(m1), "a signaled WQE: its completion will come");
+        q.try_post(false).unwrap();
+        let m2 = q.mark();
+        assert!(!q.covered(m2), "an unsignaled tail needs a signaled WQE behind it");
+        q.on_completion(a.retired).unwrap();
+        assert!(q.reached(m1) && !q.reached(m2));
+        let b = q.try_post(true).unwrap();
+        assert!(q.covered(m2), "a signaled WQE behind the tail");
+        q.on_completion(b.retired).unwrap();
+        assert!(q.reached(m2) && q.reached(q.mark()));
+        q.try_post(false).unwrap();
+        let m3 = q.mark();
+        assert!(!q.reached(m3));
+        q.set_drained();
+        assert!(q.reached(m3), "a drained link touches nothing any more");
+    }
+
+    #[test]
     fn phys_sq_reset_forgets_everything_outstanding() {
         let mut q = PhysSq::new(4).unwrap();
         assert_eq!(q.try_post(false), decision(false, false, 0));
