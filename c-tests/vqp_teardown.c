@@ -22,7 +22,12 @@
  *   right after the post: both WRITEs complete successfully and the peer
  *   finds both payloads, byte for byte; no link fails.
  *
- * CT_ONLY=destroy|err|reset|err_unmap|dereg_queued runs one case.
+ * - ibv_rereg_mr honours the MR lease: the peer re-registers an MR node 1
+ *   just READ (without remote access now); a READ with the old key right
+ *   after, within the lease node 1's check holds for, still succeeds and
+ *   no link fails (the old registration stays for the lease).
+ *
+ * CT_ONLY=destroy|err|reset|err_unmap|dereg_queued|rereg_lease runs one case.
  * KRCORE_MR_CACHE=0: a deregistration is then the real one at once (with
  * the cache it would wait for the cache's eviction, hiding the failure).
  * krcore-meta is started here on node 1.
@@ -45,6 +50,8 @@
 #define WIT (64u << 10)		/* VQP 2's checked transfers */
 #define SRC_SEED 7u		/* the peer's READ source */
 #define CANARY 0xc5
+#define LEASE_LEN 4096u
+#define LEASE_SEED 9u
 #define IO_MS 60000
 
 /* ---- out of band --------------------------------------------------------- */
@@ -83,10 +90,15 @@ static void xread(int fd, void *p, size_t n)
 struct offer {
 	uint64_t src, dst;
 	uint32_t rkey;
+	/* A small MR of its own (LEASE_LEN bytes of LEASE_SEED's pattern,
+	 * remote READ) that it re-registers on 'R'. */
+	uint64_t lease_addr;
+	uint32_t lease_rkey;
 };
 
 /* A command to the peer: 'Q' make a pair of QPs, 'V' verify a range of
- * its WRITE target, 'X' finish. */
+ * its WRITE target, 'R' re-register its small MR without remote access,
+ * 'X' finish. */
 struct cmd {
 	char op;
 	uint32_t seed;
@@ -102,13 +114,20 @@ static int peer(int fd)
 	int nq = 0;
 	union ibv_gid g1 = ct_node_gid(1);
 	struct offer o;
+	static uint8_t lease_buf[LEASE_LEN] __attribute__((aligned(4096)));
+	struct ibv_mr *lease_mr;
 
 	ct_begin("vqp_teardown: peer");
 	ct_node_open(&n, 2, 2 * (size_t)BIG + WIT, 64);
 	ct_fill(n.b.p, BIG, SRC_SEED);
+	ct_fill(lease_buf, LEASE_LEN, LEASE_SEED);
+	lease_mr = CT_PTR(ibv_reg_mr(n.d.pd, lease_buf, LEASE_LEN,
+				     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
 	o.src = (uintptr_t)n.b.p;
 	o.dst = (uintptr_t)n.b.p + BIG;
 	o.rkey = n.b.mr->rkey;
+	o.lease_addr = (uintptr_t)lease_buf;
+	o.lease_rkey = lease_mr->rkey;
 	xwrite(fd, &o, sizeof(o));
 	for (;;) {
 		struct cmd c;
@@ -143,6 +162,13 @@ static int peer(int fd)
 				ok = 'N';
 			free(want);
 			xwrite(fd, &ok, 1);
+		} else if (c.op == 'R') {
+			/* Peers checked it within their lease: they may still
+			 * READ it with the old key for that long. */
+			CT_CHECK(ibv_rereg_mr(lease_mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
+					      IBV_ACCESS_LOCAL_WRITE) == 0,
+				 "ibv_rereg_mr: %s", strerror(errno));
+			xwrite(fd, "r", 1);
 		} else if (c.op == 'X') {
 			uint64_t failed = krcore_stat_get(KRCORE_STAT_LINKS_FAILED);
 
@@ -389,6 +415,38 @@ static void case_err_unmap(struct t *t)
 	ct_pass();
 }
 
+static void case_rereg_lease(struct t *t)
+{
+	struct ibv_qp *q1, *q2;
+	uint8_t *r = t->n.b.p + BIG;
+	struct ibv_wc wc;
+	char ack;
+
+	ct_begin("vqp_teardown: ibv_rereg_mr honours the MR lease");
+	pair(t, &q1, &q2);
+	for (int i = 0; i < 2; i++) {
+		memset(r, 0, LEASE_LEN);
+		CT_OK(post1(q1, 41 + (uint64_t)i, IBV_WR_RDMA_READ, r, LEASE_LEN, t->n.b.mr->lkey,
+			    t->o.lease_addr, t->o.lease_rkey));
+		ct_poll_n(t->n.scq, &wc, 1, CT_TIMEOUT_MS);
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 41u + (unsigned)i,
+			 "READ %d of the peer's MR: %s", i, ibv_wc_status_str(wc.status));
+		ct_expect_pattern(r, LEASE_LEN, LEASE_SEED, "READ of the peer's MR");
+		if (i == 0) {
+			/* Re-registered without remote access: our check of it
+			 * (just made) holds for the lease, so must its key. */
+			cmd(t, 'R', 0, 0, 0);
+			xread(t->fd, &ack, 1);
+			CT_CHECK(ack == 'r', "rereg: '%c'", ack);
+		}
+	}
+	witness(t, q2, 106);
+	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
+	CT_OK(ibv_destroy_qp(q1));
+	CT_OK(ibv_destroy_qp(q2));
+	ct_pass();
+}
+
 static void case_dereg_queued(struct t *t)
 {
 	static uint8_t small[SMALL] __attribute__((aligned(4096)));
@@ -460,7 +518,8 @@ int main(void)
 			const char *name;
 			void (*run)(struct t *);
 		} cases[] = { { "destroy", case_destroy }, { "err", case_err }, { "reset", case_reset },
-			      { "err_unmap", case_err_unmap }, { "dereg_queued", case_dereg_queued } };
+			      { "err_unmap", case_err_unmap }, { "dereg_queued", case_dereg_queued },
+			      { "rereg_lease", case_rereg_lease } };
 
 		for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
 			if (!only || strcmp(only, cases[i].name) == 0)

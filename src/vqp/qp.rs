@@ -191,8 +191,10 @@ struct State {
     /// that came before are delivered, receives are flushed).
     failed: bool,
     /// The link of its last WQE and the link's mark after it: every WQE
-    /// of ours completed once the link reached it (see teardown.rs).
-    wire: Option<(Arc<Link>, u64)>,
+    /// of ours completed once the link reached it (see teardown.rs). Weak:
+    /// a link that is gone (closed or failed, its QP destroyed) has
+    /// nothing in flight, and a VQP must not keep it.
+    wire: Option<(Weak<Link>, u64)>,
     /// Flush completions of sends held until the link completed the WQEs
     /// they report (ERR with WQEs in flight), in order.
     held_sends: Vec<Completion>,
@@ -1786,12 +1788,12 @@ fn post_header_waiting(rt: &Runtime, link: &Link, h: &Header) {
 }
 
 /// `wire` (a VQP's last link and its mark) after a post on `link`, whose
-/// mark is now `mark`; the link is cloned only when it changed.
+/// mark is now `mark`; a new reference is taken only when it changed.
 #[inline]
-fn note_wire(wire: &mut Option<(Arc<Link>, u64)>, link: &Arc<Link>, mark: u64) {
+fn note_wire(wire: &mut Option<(Weak<Link>, u64)>, link: &Arc<Link>, mark: u64) {
     match wire {
-        Some((l, m)) if Arc::ptr_eq(l, link) => *m = mark,
-        _ => *wire = Some((Arc::clone(link), mark)),
+        Some((l, m)) if std::ptr::eq(l.as_ptr(), Arc::as_ptr(link)) => *m = mark,
+        _ => *wire = Some((Arc::downgrade(link), mark)),
     }
 }
 

@@ -1272,7 +1272,7 @@ pub fn mr_lease_hold(lease_ms: u64) -> Duration {
 pub fn defer_dereg(pd: usize, lease_end: Option<Instant>, f: service::Deferred) -> std::result::Result<(), service::Deferred> {
     let rt = RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned());
     let Some(rt) = rt else { return Err(f) };
-    let marks = rt.link_marks();
+    let marks: Vec<(Weak<service::Link>, u64)> = rt.link_marks().iter().map(|(l, m)| (Arc::downgrade(l), *m)).collect();
     if marks.is_empty() {
         return match lease_end {
             Some(at) => {

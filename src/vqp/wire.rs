@@ -106,14 +106,16 @@ fn schedule_tick(rt: Weak<Runtime>) {
     );
 }
 
-/// Whether every WQE before each mark completed; posts the fence a mark
-/// still needs (see `Runtime::fence_after`).
-pub fn marks_reached(rt: &Runtime, marks: &[(Arc<Link>, u64)]) -> bool {
+/// Whether every WQE before each mark completed (a link that is gone has
+/// nothing in flight); posts the fence a mark still needs (see
+/// `Runtime::fence_after`).
+pub fn marks_reached(rt: &Runtime, marks: &[(Weak<Link>, u64)]) -> bool {
     let mut all = true;
     for (link, mark) in marks {
+        let Some(link) = link.upgrade() else { continue };
         if !link.sq.lock().reached(*mark) {
             all = false;
-            rt.fence_after(link, *mark);
+            rt.fence_after(&link, *mark);
         }
     }
     all

@@ -31,11 +31,15 @@ use crate::sys::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Whether every WQE of the VQP's send side completed on its link.
+/// Whether every WQE of the VQP's send side completed on its link (a link
+/// that is gone has nothing in flight).
 fn sends_idle(st: &State) -> bool {
-    st.wire
-        .as_ref()
-        .is_none_or(|(l, m)| l.sq.lock().reached(*m))
+    wire_of(st).is_none_or(|(l, m)| l.sq.lock().reached(m))
+}
+
+/// The VQP's last link, while it exists, and its mark.
+fn wire_of(st: &State) -> Option<(Arc<Link>, u64)> {
+    st.wire.as_ref().and_then(|(l, m)| l.upgrade().map(|l| (l, *m)))
 }
 
 /// Whether nothing the VQP put on a link is in flight: its sends, and the
@@ -78,8 +82,8 @@ impl Vqp {
             return true;
         }
         if !force && !sends_idle(&st) {
-            if let Some((link, mark)) = &st.wire {
-                rt.fence_after(link, *mark);
+            if let Some((link, mark)) = wire_of(&st) {
+                rt.fence_after(&link, mark);
             }
             return false;
         }
@@ -153,7 +157,7 @@ impl Vqp {
                     return start.elapsed();
                 }
                 (
-                    st.wire.clone(),
+                    wire_of(&st),
                     st.reading.as_ref().map(|r| Arc::clone(&r.link)),
                 )
             };
