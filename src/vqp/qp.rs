@@ -1087,9 +1087,11 @@ impl Vqp {
             used = header.len();
         }
         if inline {
-            for s in sges {
+            // A zero-length SGE may have any address, NULL included: it is
+            // never made into a slice.
+            for s in sges.iter().filter(|s| s.length > 0) {
                 // SAFETY: inline data is read from the application's
-                // addresses at post time, as verbs does.
+                // addresses at post time, as verbs does (non-empty here).
                 let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
                 // SAFETY: within the slot: inline total <= MAX_INLINE after
                 // at most HEADER_LEN bytes (a header, or `skip`).
