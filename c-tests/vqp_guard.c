@@ -36,6 +36,8 @@
 #define WLEN 65536
 #define BIG 9000		/* above a library receive buffer: staged */
 #define NMSG 5			/* SENDs the server checks */
+/* Above this max_msg_sz the refusal is not checked (no such buffers). */
+#define MAX_TESTED (64u << 20)
 
 static int info_pipe[2];
 
@@ -57,6 +59,7 @@ static void post_recv_slot(struct ibv_qp *qp, struct ct_node *n, int i)
 
 static int server(int ready_fd)
 {
+	struct ct_buf big = { 0 };
 	struct ct_node n;
 	struct ibv_qp *qp;
 	int seen = 0;
@@ -66,8 +69,13 @@ static int server(int ready_fd)
 	for (int i = 0; i < NBUF; i++)
 		post_recv_slot(qp, &n, i);
 	CT_OK(qbind(qp, ct_node_gid(1), PORT));
+	/* A remote MR larger than max_msg_sz: a READ of max_msg_sz + 1 bytes
+	 * from it breaks no rule but the length. */
+	if (n.d.port_attr.max_msg_sz <= MAX_TESTED)
+		ct_buf_alloc(&big, n.d.pd, (size_t)n.d.port_attr.max_msg_sz + 4096);
 	{
-		uint64_t info[2] = { (uintptr_t)n.b.p + WAREA, n.b.mr->rkey };
+		uint64_t info[4] = { (uintptr_t)n.b.p + WAREA, n.b.mr->rkey,
+				     (uintptr_t)big.p, big.mr ? big.mr->rkey : 0 };
 
 		CT_CHECK(write(info_pipe[1], info, sizeof(info)) == sizeof(info), "info");
 	}
@@ -99,6 +107,8 @@ static int server(int ready_fd)
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
 	printf("server: %d messages checked\n", seen);
 	CT_OK(ibv_destroy_qp(qp));
+	if (big.mr)
+		ct_buf_free(&big);
 	node_close(&n);
 	return 0;
 }
@@ -175,7 +185,7 @@ static void write_and_check(struct ct_node *n, struct ibv_qp *qp, const uint64_t
 	ct_expect_pattern(back, len, seed, "a WRITE with a NULL zero-length SGE, read back");
 }
 
-static int client(const uint64_t info[2])
+static int client(const uint64_t info[4])
 {
 	struct ct_node n;
 	struct ibv_qp *qp;
@@ -211,21 +221,31 @@ static int client(const uint64_t info[2])
 	ct_begin("vqp_guard: a message above the port's max_msg_sz is refused");
 	max = n.d.port_attr.max_msg_sz;
 	ct_note("port max_msg_sz %u, atomic_cap %d", max, (int)n.d.dev_attr.atomic_cap);
-	if (max < UINT32_MAX) {
-		struct ibv_sge one = { (uintptr_t)sbuf, max + 1, n.b.mr->lkey };
+	if (max <= MAX_TESTED && info[3] != 0) {
+		/* Every SGE inside its MR, local and remote: only the length is
+		 * wrong. */
+		struct ct_buf big;
+
+		ct_buf_alloc(&big, n.d.pd, (size_t)max + 4096);
+		struct ibv_sge one = { (uintptr_t)big.p, max + 1, big.mr->lkey };
 		struct ibv_send_wr wr = { .wr_id = 60, .sg_list = &one, .num_sge = 1,
 					  .opcode = IBV_WR_SEND };
-		struct ibv_sge two[2] = { { (uintptr_t)sbuf, max / 2 + 1, n.b.mr->lkey },
-					  { (uintptr_t)sbuf, max - max / 2, n.b.mr->lkey } };
+		struct ibv_sge two[2] = { { (uintptr_t)big.p, max / 2 + 1, big.mr->lkey },
+					  { (uintptr_t)big.p + max / 2 + 1, max - max / 2, big.mr->lkey } };
 		struct ibv_send_wr rd = { .wr_id = 61, .sg_list = two, .num_sge = 2,
 					  .opcode = IBV_WR_RDMA_READ };
 
 		post_refused(&n, qp, &wr, "a SEND of max_msg_sz + 1 bytes");
-		rd.wr.rdma.remote_addr = info[0];
-		rd.wr.rdma.rkey = (uint32_t)info[1];
+		rd.wr.rdma.remote_addr = info[2];
+		rd.wr.rdma.rkey = (uint32_t)info[3];
 		post_refused(&n, qp, &rd, "a READ of max_msg_sz + 1 bytes in two SGEs");
+		/* At the limit it is not refused: a READ of max_msg_sz bytes. */
+		two[0].length = max / 2;
+		rd.wr_id = 62;
+		post_ok(&n, qp, &rd);
+		ct_buf_free(&big);
 	} else {
-		ct_note("max_msg_sz is UINT32_MAX: no message can be longer");
+		ct_note("max_msg_sz above %u: not checked", MAX_TESTED);
 	}
 	ct_pass();
 
@@ -320,7 +340,7 @@ static int victim(void)
 
 int main(int argc, char **argv)
 {
-	uint64_t info[2];
+	uint64_t info[4];
 	pid_t meta_pid, srv;
 	int fails = 0;
 
