@@ -141,6 +141,7 @@ fn a_message_whose_header_lies_about_its_length_is_never_delivered() {
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let (meta, port) = loop {
         let line = lines.next().expect("the victim exited").unwrap();
+        println!("victim: {line}");
         if let Some(rest) = line.strip_prefix("victim ready ") {
             let f: Vec<&str> = rest.split_whitespace().collect();
             break (f[0].to_string(), f[1].parse::<u32>().unwrap());
@@ -176,6 +177,7 @@ fn a_message_whose_header_lies_about_its_length_is_never_delivered() {
 
     let verdict = loop {
         let line = lines.next().expect("the victim exited without a verdict").unwrap();
+        println!("victim: {line}");
         if line.starts_with("victim ") {
             break line;
         }
