@@ -7,7 +7,10 @@
  *   not (a small message, and a 9000-byte one, staged), WRITE inline and
  *   not (read back): every message arrives byte for byte with the right
  *   byte_len (the server checks each), and the library never makes a
- *   slice from NULL (built with ASan+UBSan);
+ *   slice from NULL: ASan/UBSan do not see into Rust code, but a library
+ *   built with RUSTFLAGS='-C debug-assertions' (Rust's UB checks) aborts
+ *   here when it does ("slice::from_raw_parts requires the pointer to be
+ *   aligned and non-null", the inline copy before issue 18);
  * - a message one byte above the port's max_msg_sz (SEND, and a READ of
  *   two SGEs): EINVAL with *bad_wr at it, nothing posted;
  * - an MR registered with IBV_ACCESS_ON_DEMAND or IBV_ACCESS_ZERO_BASED
