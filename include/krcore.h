@@ -133,6 +133,12 @@ enum krcore_stat {
   // reclaim, or the second link two processes made by connecting to
   // each other at once); their VQPs move to a new link when next used.
   KRCORE_STAT_LINKS_CLOSED,
+  // Messages dropped as malformed (a header that does not decode, or
+  // claims another length than arrived); each fails its sender's link.
+  KRCORE_STAT_MSGS_MALFORMED,
+  // Panics caught on a service endpoint's progress thread (each logged;
+  // the endpoint's links were failed and the thread went on).
+  KRCORE_STAT_SERVICE_PANICS,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

@@ -797,12 +797,57 @@ impl Shared {
         unsafe { self.ud.post_recv(&mut wr) }
     }
 
-    /// The progress thread.
+    /// The progress thread. Each pass runs under a panic boundary: a bug
+    /// in it (or in the runtime's handlers and deferred work it calls)
+    /// must not end the thread, whose death would leave every VQP of this
+    /// PD waiting forever, nor unwind into the application. A pass that
+    /// panics is logged and fails this endpoint's links (their state can
+    /// no longer be trusted); the thread goes on serving.
     fn progress(&self) {
         // SAFETY: live channels.
-        let (cq_fd, link_fd, recv_fd) =
-            unsafe { ((*self.ud_cq.channel).fd, (*self.link_cq.channel).fd, (*self.recv_cq.channel).fd) };
+        let fds = unsafe { ((*self.ud_cq.channel).fd, (*self.link_cq.channel).fd, (*self.recv_cq.channel).fd) };
         while !self.stop.load(Ordering::SeqCst) {
+            let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.progress_pass(fds)));
+            if let Err(payload) = pass {
+                self.after_panic(&*payload);
+            }
+        }
+    }
+
+    /// A pass of the progress thread panicked: log it and move every link
+    /// to the error state. Their WQEs flush, and the runtime's handling of
+    /// those error completions (on the application's polls, or on the
+    /// link event raised here) moves their VQPs to the error state, as
+    /// when a peer dies.
+    fn after_panic(&self, payload: &(dyn std::any::Any + Send)) {
+        let what = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(no message)");
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_SERVICE_PANICS);
+        let links: Vec<Arc<Link>> = self.links.lock().by_qpn.values().cloned().collect();
+        klog!(Level::Error, "service: the progress thread panicked: {what}; failing its {} links", links.len());
+        for link in links {
+            if let Err(e) = link.qp.to_error() {
+                klog!(Level::Debug, "service: moving a link's QP to ERR: {e:?}");
+            }
+        }
+        // The flushes complete on the links' CQ: let its handler see them.
+        let handler = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if let Some(f) = self.on_link_event.lock().as_ref() {
+                f();
+            }
+        }));
+        if handler.is_err() {
+            klog!(Level::Error, "service: the link handler panicked again after a panic");
+        }
+    }
+
+    /// One pass: wait for something to do (bounded by the next deferred
+    /// work or recheck), then do it.
+    fn progress_pass(&self, (cq_fd, link_fd, recv_fd): (libc::c_int, libc::c_int, libc::c_int)) {
+        {
             let mut fds = [
                 libc::pollfd { fd: cq_fd, events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: self.event_fd, events: libc::POLLIN, revents: 0 },
@@ -903,7 +948,11 @@ impl Shared {
             due.into_iter().map(|(_, f)| f).collect()
         };
         for f in due {
-            f();
+            // Each under its own boundary: the works after a panicking one
+            // (delayed deregistrations) still run.
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                self.after_panic(&*payload);
+            }
         }
     }
 

@@ -196,9 +196,33 @@ impl Header {
         Ok(h)
     }
 
+    /// The header of a message received in full: `buf` holds the
+    /// `byte_len` bytes that arrived (the receive's `wc.byte_len`). The
+    /// length is never trusted from the header alone: the message must be
+    /// exactly the header plus [`carried_len`] bytes, a data message
+    /// carries at most `max_carried` bytes (a receive buffer), and a LARGE
+    /// one more than that (the sender stages only above it). Anything else
+    /// is EBADMSG: a malformed message, which the receiver must not deliver.
+    ///
+    /// [`carried_len`]: Header::carried_len
+    pub fn received(buf: &[u8], byte_len: u32, max_carried: usize) -> Result<Header> {
+        let h = Header::decode(buf)?;
+        let carried = h.carried_len() as usize;
+        let fits = carried <= max_carried
+            && byte_len as usize == HEADER_LEN + carried
+            && buf.len() >= byte_len as usize
+            && (!h.flags.contains(Flags::LARGE) || h.len as usize > max_carried);
+        if fits {
+            Ok(h)
+        } else {
+            Err(EBADMSG)
+        }
+    }
+
     /// Payload bytes that follow the header in the same SEND: `len` for a
     /// data message, 0 for the others (their `len` describes data that
-    /// travels elsewhere). The receiver checks `byte_len` against it.
+    /// travels elsewhere). The receiver checks `byte_len` against it
+    /// ([`Header::received`]).
     pub fn carried_len(&self) -> u32 {
         if self.flags.0 & Flags::KIND == 0 {
             self.len
@@ -325,6 +349,37 @@ mod tests {
         for h in [data, data_imm_port, write_imm, large(), large_min, done, close, link_close] {
             assert_eq!(round_trip(h), h);
         }
+    }
+
+    #[test]
+    fn received_checks_the_length_against_what_arrived() {
+        let mut buf = [0u8; HEADER_LEN + 64];
+        let mut put = |h: Header| {
+            h.encode(buf.first_chunk_mut().unwrap());
+            buf
+        };
+        let data = Header { len: 10, src_vqpn: 1, dst: 2, ..Header::default() };
+        let b = put(data);
+        assert_eq!(Header::received(&b, (HEADER_LEN + 10) as u32, 64), Ok(data));
+        // A header claiming more (or fewer) bytes than arrived.
+        assert_eq!(Header::received(&b, (HEADER_LEN + 9) as u32, 64), Err(EBADMSG));
+        assert_eq!(Header::received(&b, HEADER_LEN as u32, 64), Err(EBADMSG));
+        assert_eq!(Header::received(&b, (HEADER_LEN + 11) as u32, 64), Err(EBADMSG));
+        // More than a receive buffer holds, even if byte_len agrees.
+        let big = Header { len: 65, ..data };
+        assert_eq!(Header::received(&put(big), (HEADER_LEN + 65) as u32, 64), Err(EBADMSG));
+        // Shorter than a header.
+        assert_eq!(Header::received(&b, 8, 64), Err(EBADMSG));
+        // Kinds that carry nothing: exactly the header.
+        let large = Header { flags: Flags::LARGE, len: 65, rkey: 3, addr: 0x1000, ..data };
+        let b = put(large);
+        assert_eq!(Header::received(&b, HEADER_LEN as u32, 64), Ok(large));
+        assert_eq!(Header::received(&b, (HEADER_LEN + 1) as u32, 64), Err(EBADMSG));
+        // A LARGE message small enough for a receive buffer is not one we send.
+        let small_large = Header { len: 64, ..large };
+        assert_eq!(Header::received(&put(small_large), HEADER_LEN as u32, 64), Err(EBADMSG));
+        let wimm = Header { flags: Flags::WRITE_IMM | Flags::HAS_IMM, len: 1 << 20, imm: 5, ..data };
+        assert_eq!(Header::received(&put(wimm), HEADER_LEN as u32, 64), Ok(wimm));
     }
 
     #[test]

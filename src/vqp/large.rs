@@ -150,10 +150,12 @@ impl Large {
             }
         };
         let mut at = staged.addr as usize;
-        for s in sges {
+        // Zero-length SGEs are skipped: their address may be anything,
+        // NULL included, and is never read.
+        for s in sges.iter().filter(|s| s.length > 0) {
             // SAFETY: the application's SGE lies inside one of its MRs
-            // (pre-checked); the destination is our unit range or region,
-            // `total` bytes long, used by no other message.
+            // (pre-checked, non-empty); the destination is our unit range
+            // or region, `total` bytes long, used by no other message.
             unsafe { std::ptr::copy_nonoverlapping(s.addr as *const u8, at as *mut u8, s.length as usize) };
             at += s.length as usize;
         }

@@ -15,12 +15,20 @@
 //!    VQP's capabilities;
 //! 3. inline data only with SEND/RDMA_WRITE (with or without immediate) and
 //!    within `max_inline_data`;
-//! 4. atomics: one 8-byte SGE, both addresses 8-byte aligned;
+//! 4. atomics: the device supports them (`atomic_cap` is not
+//!    `IBV_ATOMIC_NONE`), one 8-byte SGE, both addresses 8-byte aligned;
 //! 5. unless inline, every SGE of non-zero length lies inside a local MR of
 //!    its lkey, which allows local write when the NIC writes into it (READ,
 //!    atomics, receives);
 //! 6. RDMA and atomics: the rkey names a peer MR with the right access, and
 //!    the remote range lies inside it.
+//!
+//! The length bound is the device port's `max_msg_sz` ([`Caps::on_device`]).
+//! An MR registered with `IBV_ACCESS_ZERO_BASED` (its WR addresses are
+//! offsets, not the iova the checks compare with) or `IBV_ACCESS_ON_DEMAND`
+//! (a page fault the NIC cannot resolve fails the WQE, and with it the
+//! link) is not modelled: a request that uses one, local or remote, is
+//! refused ([`Reason::MrNotSupported`]).
 //!
 //! All local checks come before the remote lookup, so the caller only pays
 //! for reading the peer's MR table ([`Verdict::NeedRemote`]) on a request
@@ -85,6 +93,21 @@ pub struct Caps {
     pub max_inline_data: u32,
     /// The port's `max_msg_sz`.
     pub max_msg_size: u32,
+    /// Whether the device performs atomics (`atomic_cap`).
+    pub atomics: bool,
+}
+
+impl Caps {
+    /// These caps on a device whose port reports `max_msg_sz` and whose
+    /// `atomic_cap` is `atomic_cap`: the message bound is the smaller one,
+    /// atomics only where the device has them.
+    pub fn on_device(self, max_msg_sz: u32, atomic_cap: u32) -> Caps {
+        Caps {
+            max_msg_size: self.max_msg_size.min(max_msg_sz),
+            atomics: self.atomics && atomic_cap != crate::sys::ibv_atomic_cap::IBV_ATOMIC_NONE,
+            ..self
+        }
+    }
 }
 
 /// A memory region as the checks see it: the entry of an MR table (its
@@ -179,7 +202,21 @@ pub enum Reason {
         mr_addr: u64,
         mr_len: u64,
     },
+    /// The device has no atomics (`atomic_cap` is `IBV_ATOMIC_NONE`).
+    AtomicsNotSupported,
+    /// The MR of `key` (an lkey, or with `remote` an rkey of the peer) was
+    /// registered with `access` bits ([`NOT_MODELLED`]) the checks do not
+    /// model.
+    MrNotSupported {
+        key: u32,
+        remote: bool,
+        access: u32,
+    },
 }
+
+/// MR access bits whose semantics the checks do not model: a request using
+/// such an MR is refused.
+pub const NOT_MODELLED: u32 = ibv_access_flags::IBV_ACCESS_ZERO_BASED.0 | ibv_access_flags::IBV_ACCESS_ON_DEMAND.0;
 
 impl Reason {
     /// The error the application sees.
@@ -277,6 +314,9 @@ where
         }
     }
     if op == Op::Atomic {
+        if !caps.atomics {
+            return Err(Reason::AtomicsNotSupported.into());
+        }
         check_atomic_shape(wr, len)?;
     }
     if !inline {
@@ -291,6 +331,9 @@ where
     let mr = remote
         .remote(wr.rkey)
         .ok_or(Verdict::NeedRemote { rkey: wr.rkey })?;
+    if mr.access & NOT_MODELLED != 0 {
+        return Err(Reason::MrNotSupported { key: wr.rkey, remote: true, access: mr.access & NOT_MODELLED }.into());
+    }
     if mr.access & need == 0 {
         return Err(Reason::RemoteAccess {
             rkey: wr.rkey,
@@ -327,6 +370,7 @@ pub fn one_sided_ok(opcode: u32, sge: &ibv_sge, remote_addr: u64, caps: &Caps, l
     len > 0
         && caps.max_send_sge >= 1
         && len <= u64::from(caps.max_msg_size)
+        && (local.access | remote.access) & NOT_MODELLED == 0
         && contains(local, sge.addr, len)
         && (local_need == 0 || local.access & local_need != 0)
         && remote.access & remote_need != 0
@@ -399,6 +443,9 @@ fn check_local<L: LocalMrs + ?Sized>(
             sge: i,
             lkey: s.lkey,
         })?;
+        if mr.access & NOT_MODELLED != 0 {
+            return Err(Reason::MrNotSupported { key: s.lkey, remote: false, access: mr.access & NOT_MODELLED });
+        }
         if !contains(&mr, s.addr, u64::from(s.length)) {
             return Err(Reason::SgeOutOfRange {
                 sge: i,
@@ -554,6 +601,11 @@ impl fmt::Display for Reason {
                 let (range, mr) = (Span(addr, len), Span(mr_addr, mr_len));
                 write!(f, "remote {range} is outside MR rkey {rkey:#x} {mr}")
             }
+            Reason::AtomicsNotSupported => write!(f, "atomics: the device's atomic_cap is IBV_ATOMIC_NONE"),
+            Reason::MrNotSupported { key, remote, access } => {
+                let (side, k) = if remote { ("remote MR", "rkey") } else { ("MR", "lkey") };
+                write!(f, "{side} {k} {key:#x} has access {access:#x} (IBV_ACCESS_ZERO_BASED/ON_DEMAND), not supported on a virtual QP")
+            }
         }
     }
 }
@@ -610,6 +662,7 @@ mod tests {
         max_recv_sge: 2,
         max_inline_data: 64,
         max_msg_size: 1 << 20,
+        atomics: true,
     };
 
     /// An MR table: local MRs by lkey, or the peer's by rkey with the ones
@@ -765,6 +818,67 @@ mod tests {
         );
         let r = check_recv(&RecvWr { sge: &four[..3] }, &CAPS, &local());
         assert_eq!(r, Err(Reason::TooManySge { num: 3, max: 2 }));
+    }
+
+    #[test]
+    fn the_device_bounds_messages_and_atomics() {
+        // A port below RC's 2 GiB: a 1.5 GiB READ is refused, not passed
+        // to the link (where it would fail the WQE and the link).
+        let qp = Caps { max_msg_size: 1 << 31, ..CAPS };
+        let dev = qp.on_device(1 << 30, crate::sys::ibv_atomic_cap::IBV_ATOMIC_HCA);
+        assert_eq!((dev.max_msg_size, dev.atomics), (1 << 30, true));
+        let mrs = Table::default().with(1, 0, 1 << 32, LOCAL_WRITE);
+        let peer = Table::default().with(9, 0, 1 << 32, ALL_REMOTE);
+        let big = [sge(0, 3 << 29, 1)];
+        let read = SendWr { remote_addr: 0, rkey: 9, ..wr(IBV_WR_RDMA_READ, &big) };
+        assert_eq!(check_send(&read, &qp, &mrs, &peer), Ok(()));
+        assert_eq!(check_send(&read, &dev, &mrs, &peer), reject(Reason::MessageTooLarge { len: 3 << 29, max: 1 << 30 }));
+        assert!(!one_sided_ok(IBV_WR_RDMA_READ, &big[0], 0, &dev, &mrs.get(1).unwrap(), &peer.get(9).unwrap()));
+        assert!(one_sided_ok(IBV_WR_RDMA_READ, &big[0], 0, &qp, &mrs.get(1).unwrap(), &peer.get(9).unwrap()));
+        // The smaller bound wins either way.
+        assert_eq!(Caps { max_msg_size: 100, ..CAPS }.on_device(u32::MAX, 1).max_msg_size, 100);
+        // No atomics on the device: refused before anything else about them.
+        let none = qp.on_device(1 << 31, crate::sys::ibv_atomic_cap::IBV_ATOMIC_NONE);
+        assert!(!none.atomics);
+        let one = [sge(8, 8, 1)];
+        let cas = SendWr { remote_addr: 8, rkey: 9, ..wr(IBV_WR_ATOMIC_CMP_AND_SWP, &one) };
+        assert_eq!(check_send(&cas, &qp, &mrs, &peer), Ok(()));
+        assert_eq!(check_send(&cas, &none, &mrs, &peer), reject(Reason::AtomicsNotSupported));
+        let faa = SendWr { opcode: IBV_WR_ATOMIC_FETCH_AND_ADD, ..cas };
+        assert_eq!(check_send(&faa, &none, &mrs, &peer), reject(Reason::AtomicsNotSupported));
+        // GLOB is as good as HCA for a VQP.
+        assert!(qp.on_device(1, crate::sys::ibv_atomic_cap::IBV_ATOMIC_GLOB).atomics);
+    }
+
+    #[test]
+    fn zero_based_and_on_demand_mrs_are_refused_on_either_side() {
+        const ZB: u32 = ibv_access_flags::IBV_ACCESS_ZERO_BASED.0;
+        const ODP: u32 = ibv_access_flags::IBV_ACCESS_ON_DEMAND.0;
+        for odd in [ZB, ODP, ZB | ODP] {
+            let mrs = Table::default().with(1, 0x1000, 4096, LOCAL_WRITE).with(2, 0x1000, 4096, LOCAL_WRITE | odd);
+            let peer = Table::default().with(8, 0, 4096, ALL_REMOTE).with(9, 0, 4096, ALL_REMOTE | odd);
+            let good = [sge(0x1000, 64, 1)];
+            let odd_local = [sge(0x1000, 64, 2)];
+            let local_reason = Reason::MrNotSupported { key: 2, remote: false, access: odd };
+            let remote_reason = Reason::MrNotSupported { key: 9, remote: true, access: odd };
+            for op in [IBV_WR_SEND, IBV_WR_RDMA_WRITE, IBV_WR_RDMA_READ] {
+                let w = SendWr { rkey: 8, ..wr(op, &odd_local) };
+                assert_eq!(check_send(&w, &CAPS, &mrs, &peer), reject(local_reason), "{op}");
+                if op != IBV_WR_SEND {
+                    let w = SendWr { rkey: 9, ..wr(op, &good) };
+                    assert_eq!(check_send(&w, &CAPS, &mrs, &peer), reject(remote_reason), "{op}");
+                    assert!(!one_sided_ok(op, &good[0], 0, &CAPS, &mrs.get(1).unwrap(), &peer.get(9).unwrap()));
+                    assert!(!one_sided_ok(op, &odd_local[0], 0, &CAPS, &mrs.get(2).unwrap(), &peer.get(8).unwrap()));
+                    assert!(one_sided_ok(op, &good[0], 0, &CAPS, &mrs.get(1).unwrap(), &peer.get(8).unwrap()));
+                }
+            }
+            // Receives too; a zero-length SGE names no MR.
+            assert_eq!(check_recv(&RecvWr { sge: &odd_local }, &CAPS, &mrs), Err(local_reason));
+            assert_eq!(check_recv(&RecvWr { sge: &[sge(0, 0, 2)] }, &CAPS, &mrs), Ok(()));
+            // Inline data reads no MR.
+            let inl = SendWr { send_flags: INLINE, ..wr(IBV_WR_SEND, &odd_local) };
+            assert_eq!(check_send(&inl, &CAPS, &mrs, &peer), Ok(()));
+        }
     }
 
     #[test]
@@ -1230,6 +1344,8 @@ mod tests {
                 },
                 "remote [0x10, +9) is outside MR rkey 0x7 [0x0, +16)",
             ),
+            (Reason::AtomicsNotSupported, "IBV_ATOMIC_NONE"),
+            (Reason::MrNotSupported { key: 3, remote: true, access: 32 }, "remote MR rkey 0x3 has access 0x20"),
         ];
         for (reason, text) in cases {
             assert_eq!(reason.errno(), Errno::EINVAL);
@@ -1482,6 +1598,7 @@ mod tests {
                 max_recv_sge: rng.pick(&[4, 4, 2, 1]),
                 max_inline_data: rng.pick(&[64, 64, 8, 0]),
                 max_msg_size: rng.pick(&[u32::MAX, 1 << 20, 4096, 16]),
+                atomics: true,
             };
             let mrs = random_table(&mut rng, true);
             let mut peer = random_table(&mut rng, false);

@@ -261,8 +261,11 @@ impl Vqp {
             max_send_sge: cap.max_send_sge,
             max_recv_sge: cap.max_recv_sge,
             max_inline_data: cap.max_inline_data,
-            // One-sided operations: RC's 2 GiB. Messages: see post_one.
+            // RC's 2 GiB, lowered to the port's max_msg_sz and with atomics
+            // only if the device has them once the runtime (the device) is
+            // known: `dev_caps`. Messages: see post_one.
             max_msg_size: 1 << 31,
+            atomics: true,
         };
         let st = State {
             sq: SendRing::new(cap.max_send_wr)?,
@@ -966,7 +969,7 @@ impl Vqp {
         let mrs = self.mrs(&st.memo);
         let local = mrs.local(sge.lkey)?;
         let remote = mrs.remote(rkey)?;
-        if !precheck::one_sided_ok(w.opcode, sge, remote_addr, &self.caps, &local, &remote) {
+        if !precheck::one_sided_ok(w.opcode, sge, remote_addr, &self.dev_caps(), &local, &remote) {
             return None;
         }
         let wire_link = conn.link.as_ref()?;
@@ -1125,9 +1128,11 @@ impl Vqp {
             used = header.len();
         }
         if inline {
-            for s in sges {
+            // A zero-length SGE may have any address, NULL included: it is
+            // never made into a slice.
+            for s in sges.iter().filter(|s| s.length > 0) {
                 // SAFETY: inline data is read from the application's
-                // addresses at post time, as verbs does.
+                // addresses at post time, as verbs does (non-empty here).
                 let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
                 // SAFETY: within the slot: inline total <= MAX_INLINE after
                 // at most HEADER_LEN bytes (a header, or `skip`).
@@ -1152,7 +1157,20 @@ impl Vqp {
     /// (the VQP's lock held: the memo is part of its state).
     fn precheck(&self, memo: &MrMemo, sw: &SendWr<'_>) -> std::result::Result<(), Verdict> {
         let mrs = self.mrs(memo);
-        precheck::check_send(sw, &self.caps, &mrs, &mrs)
+        precheck::check_send(sw, &self.dev_caps(), &mrs, &mrs)
+    }
+
+    /// The caps the pre-checks apply: the granted ones on the device of
+    /// the runtime (its port's `max_msg_sz`, its `atomic_cap`).
+    #[inline]
+    fn dev_caps(&self) -> Caps {
+        match self.rt.get() {
+            Some(rt) => {
+                let d = rt.svc.device();
+                self.caps.on_device(d.port_attr.max_msg_sz, d.dev_attr.atomic_cap)
+            }
+            None => self.caps,
+        }
     }
 
     /// The MRs as this VQP's pre-checks see them: its memo, then the
@@ -1253,7 +1271,7 @@ impl Vqp {
                     unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
                 };
                 mrs::with(self.app.real_pd as usize, |local| {
-                    precheck::check_recv(&precheck::RecvWr { sge: sges }, &self.caps, local)
+                    precheck::check_recv(&precheck::RecvWr { sge: sges }, &self.dev_caps(), local)
                 })
                 .map_err(|r| r.errno())?;
                 let mut st = self.st.lock();

@@ -1145,7 +1145,7 @@ impl Runtime {
         // once the message is copied out.
         let bytes = unsafe { self.recv_bufs.bytes(off, RECV_BUF) };
         let link = self.svc.link_by_qpn(wc.qp_num);
-        match Header::decode(bytes) {
+        match Header::received(bytes, wc.byte_len, MAX_MSG) {
             Ok(h) if h.flags.contains(Flags::LINK_CLOSE) => match link {
                 Some(link) => {
                     // Everything the peer sent on it came before this.
@@ -1166,13 +1166,22 @@ impl Runtime {
                 None => klog!(Level::Warn, "vqp: dropped a DONE for no message of ours ({:#x})", h.addr),
             },
             Ok(h) => {
-                let payload = &bytes[HEADER_LEN..HEADER_LEN + (h.carried_len() as usize).min(MAX_MSG)];
+                // Exactly what arrived (checked by `received`).
+                let payload = &bytes[HEADER_LEN..HEADER_LEN + h.carried_len() as usize];
                 match (vqp::by_vqpn(h.dst), link) {
                     (Some(v), Some(link)) => v.on_message(&h, payload, &link),
                     _ => klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} (none here)", h.dst),
                 }
             }
-            Err(e) => klog!(Level::Warn, "vqp: dropped a malformed message: {e:?}"),
+            Err(e) => {
+                // A header that does not decode, or whose length is not
+                // what arrived: delivering it would hand the application
+                // stale bytes of this shared buffer. Its sender broke the
+                // protocol; nothing more it sends can be trusted.
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_MALFORMED);
+                klog!(Level::Warn, "vqp: dropped a malformed message of {} bytes on QP {} ({e:?}): failing its link", wc.byte_len, wc.qp_num);
+                self.link_failed(wc.qp_num, ibv_wc_status::IBV_WC_LOC_PROT_ERR);
+            }
         }
         if let Err(e) = self.post_recv_buf(buf) {
             klog!(Level::Warn, "vqp: cannot repost a receive buffer: {e:?}");

@@ -43,7 +43,7 @@ impl VSrq {
         Ok(VSrq {
             inner: Mutex::new(Inner { mode: Mode::Open, ring: RecvRing::new(max_wr, max_sge)?, waiting: Vec::new() }),
             real_pd,
-            caps: Caps { max_send_sge: 0, max_recv_sge: max_sge, max_inline_data: 0, max_msg_size },
+            caps: Caps { max_send_sge: 0, max_recv_sge: max_sge, max_inline_data: 0, max_msg_size, atomics: false },
             max_wr,
         })
     }

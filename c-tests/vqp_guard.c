@@ -1,0 +1,364 @@
+/*
+ * What a VQP refuses or tolerates so that its shared link never fails
+ * (issue 18, items 3, 5 and 6). A server process bound with qbind on node 1
+ * and this process (the client) on node 2; krcore-meta started here.
+ *
+ * - zero-length SGEs at NULL addresses between real ones: SEND inline and
+ *   not (a small message, and a 9000-byte one, staged), WRITE inline and
+ *   not (read back): every message arrives byte for byte with the right
+ *   byte_len (the server checks each), and the library never makes a
+ *   slice from NULL: ASan/UBSan do not see into Rust code, but a library
+ *   built with RUSTFLAGS='-C debug-assertions' (Rust's UB checks) aborts
+ *   here when it does ("slice::from_raw_parts requires the pointer to be
+ *   aligned and non-null", the inline copy before issue 18);
+ * - a message one byte above the port's max_msg_sz (SEND, and a READ of
+ *   two SGEs): EINVAL with *bad_wr at it, nothing posted;
+ * - an MR registered with IBV_ACCESS_ON_DEMAND or IBV_ACCESS_ZERO_BASED
+ *   (when the device accepts the registration): a WRITE or SEND from it
+ *   is EINVAL with *bad_wr, never posted on the link;
+ * - after all of that the link still carries checked data, and
+ *   links_failed is 0 on both sides.
+ *
+ * `vqp_guard victim` is the other side of tests/rdma_guard.rs: a bound VQP
+ * that must never deliver a message whose header lies about its length.
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <arpa/inet.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PORT 7100
+#define NBUF 16
+#define SLOT 16384		/* one receive buffer of the server */
+#define WAREA (NBUF * SLOT)	/* the server's WRITE area, after them */
+#define WLEN 65536
+#define BIG 9000		/* above a library receive buffer: staged */
+#define NMSG 5			/* SENDs the server checks */
+/* Above this max_msg_sz the refusal is not checked (no such buffers). */
+#define MAX_TESTED (64u << 20)
+
+static int info_pipe[2];
+
+/* Message k of the client: ct_fill(seed 100 + k) of len[k] bytes. */
+static const uint32_t msg_len[NMSG] = { 100, 100, BIG, 3000, 64 };
+
+static void node_close(struct ct_node *n)
+{
+	ct_buf_free(&n->b);
+	CT_OK(ibv_destroy_cq(n->scq));
+	CT_OK(ibv_destroy_cq(n->rcq));
+	ct_close(&n->d);
+}
+
+static void post_recv_slot(struct ibv_qp *qp, struct ct_node *n, int i)
+{
+	ct_post_recv1(qp, (uint64_t)i, &n->b, (size_t)i * SLOT, SLOT);
+}
+
+static int server(int ready_fd)
+{
+	struct ct_buf big = { 0 };
+	struct ct_node n;
+	struct ibv_qp *qp;
+	int seen = 0;
+
+	ct_node_open(&n, 1, WAREA + WLEN, 256);
+	qp = ct_node_vqp(&n, 16, NBUF);
+	for (int i = 0; i < NBUF; i++)
+		post_recv_slot(qp, &n, i);
+	CT_OK(qbind(qp, ct_node_gid(1), PORT));
+	/* A remote MR larger than max_msg_sz: a READ of max_msg_sz + 1 bytes
+	 * from it breaks no rule but the length. */
+	if (n.d.port_attr.max_msg_sz <= MAX_TESTED)
+		ct_buf_alloc(&big, n.d.pd, (size_t)n.d.port_attr.max_msg_sz + 4096);
+	{
+		uint64_t info[4] = { (uintptr_t)n.b.p + WAREA, n.b.mr->rkey,
+				     (uintptr_t)big.p, big.mr ? big.mr->rkey : 0 };
+
+		CT_CHECK(write(info_pipe[1], info, sizeof(info)) == sizeof(info), "info");
+	}
+	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
+	close(ready_fd);
+	/* Messages carry their index in imm: check each byte for byte. */
+	while (seen < NMSG) {
+		struct ibv_qp *src[4];
+		struct ibv_wc wc[4];
+		int k = qpop_msgs(qp, 4, src, wc);
+
+		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+		for (int i = 0; i < k; i++) {
+			uint32_t m = ntohl(wc[i].imm_data);
+
+			CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "message status %s",
+				 ibv_wc_status_str(wc[i].status));
+			CT_CHECK(m == (uint32_t)seen, "message %u, expected %d", m, seen);
+			CT_CHECK(wc[i].byte_len == msg_len[m], "message %u: byte_len %u, sent %u",
+				 m, wc[i].byte_len, msg_len[m]);
+			ct_expect_pattern(n.b.p + wc[i].wr_id * SLOT, msg_len[m], 100 + m,
+					  "a message with NULL zero-length SGEs");
+			post_recv_slot(qp, &n, (int)wc[i].wr_id);
+			seen++;
+		}
+		if (k == 0)
+			usleep(1000);
+	}
+	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
+	printf("server: %d messages checked\n", seen);
+	CT_OK(ibv_destroy_qp(qp));
+	if (big.mr)
+		ct_buf_free(&big);
+	node_close(&n);
+	return 0;
+}
+
+/* Post one WR; its completion must be a success. */
+static void post_ok(struct ct_node *n, struct ibv_qp *qp, struct ibv_send_wr *wr)
+{
+	struct ibv_send_wr *bad = NULL;
+	struct ibv_wc wc;
+
+	wr->send_flags |= IBV_SEND_SIGNALED;
+	CT_OK(ibv_post_send(qp, wr, &bad));
+	ct_poll_n(n->scq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == wr->wr_id,
+		 "wr %llu: status %s, wr_id %llu", (unsigned long long)wr->wr_id,
+		 ibv_wc_status_str(wc.status), (unsigned long long)wc.wr_id);
+}
+
+/* Post one WR that the pre-checks must refuse: EINVAL, *bad_wr at it, no
+ * completion. */
+static void post_refused(struct ct_node *n, struct ibv_qp *qp, struct ibv_send_wr *wr,
+			 const char *what)
+{
+	struct ibv_send_wr *bad = NULL;
+	int rc;
+
+	wr->send_flags |= IBV_SEND_SIGNALED;
+	rc = ibv_post_send(qp, wr, &bad);
+	CT_CHECK(rc == EINVAL, "%s: ibv_post_send returned %d, expected EINVAL", what, rc);
+	CT_CHECK(bad == wr, "%s: *bad_wr %p, expected %p", what, (void *)bad, (void *)wr);
+	ct_expect_quiet(n->scq, 50, what);
+}
+
+/* SEND of message m from buf (filled here) with a NULL zero-length SGE
+ * between its two halves. */
+static void send_msg(struct ct_node *n, struct ibv_qp *qp, uint32_t m, uint8_t *buf,
+		     uint32_t lkey, unsigned flags)
+{
+	uint32_t len = msg_len[m], half = len / 2;
+	struct ibv_sge sge[3] = { { (uintptr_t)buf, half, lkey }, { 0, 0, 0 },
+				  { (uintptr_t)buf + half, len - half, lkey } };
+	struct ibv_send_wr wr = { .wr_id = 1000 + m, .sg_list = sge, .num_sge = 3,
+				  .opcode = IBV_WR_SEND_WITH_IMM, .send_flags = flags,
+				  .imm_data = htonl(m) };
+
+	ct_fill(buf, len, 100 + m);
+	post_ok(n, qp, &wr);
+}
+
+/* WRITE of len bytes (pattern seed) at the server's WRITE area + off with
+ * a NULL zero-length SGE first, then READ back and compared. */
+static void write_and_check(struct ct_node *n, struct ibv_qp *qp, const uint64_t info[2],
+			    size_t off, uint32_t len, unsigned flags, uint32_t seed)
+{
+	uint8_t *src = n->b.p, *back = n->b.p + WLEN;
+	struct ibv_sge sge[2] = { { 0, 0, n->b.mr->lkey }, { (uintptr_t)src, len, n->b.mr->lkey } };
+	struct ibv_send_wr wr = { .wr_id = 2000 + seed, .sg_list = sge, .num_sge = 2,
+				  .opcode = IBV_WR_RDMA_WRITE, .send_flags = flags };
+
+	ct_fill(src, len, seed);
+	wr.wr.rdma.remote_addr = info[0] + off;
+	wr.wr.rdma.rkey = (uint32_t)info[1];
+	post_ok(n, qp, &wr);
+	memset(back, 0, len);
+	{
+		struct ibv_sge rs = { (uintptr_t)back, len, n->b.mr->lkey };
+		struct ibv_send_wr rd = { .wr_id = 3000 + seed, .sg_list = &rs, .num_sge = 1,
+					  .opcode = IBV_WR_RDMA_READ };
+
+		rd.wr.rdma.remote_addr = info[0] + off;
+		rd.wr.rdma.rkey = (uint32_t)info[1];
+		post_ok(n, qp, &rd);
+	}
+	ct_expect_pattern(back, len, seed, "a WRITE with a NULL zero-length SGE, read back");
+}
+
+static int client(const uint64_t info[4])
+{
+	struct ct_node n;
+	struct ibv_qp *qp;
+	uint32_t max = 0;
+	uint8_t *sbuf;
+
+	ct_node_open(&n, 2, 4 * WLEN, 64);
+	qp = ct_create_vqp(&n.d, n.scq, n.rcq, (struct ct_qp_caps){ 16, 4, 3, 1, 128, 0 }, NULL);
+	CT_OK(qconnect(qp, ct_node_gid(1), PORT));
+	sbuf = n.b.p + 2 * WLEN;
+
+	ct_begin("vqp_guard: zero-length SGEs at NULL (SEND, WRITE; inline and not)");
+	send_msg(&n, qp, 0, sbuf, n.b.mr->lkey, 0);
+	send_msg(&n, qp, 1, sbuf, n.b.mr->lkey, IBV_SEND_INLINE);
+	send_msg(&n, qp, 2, sbuf, n.b.mr->lkey, 0);	/* staged */
+	write_and_check(&n, qp, info, 0, 4000, 0, 7);
+	write_and_check(&n, qp, info, 8192, 100, IBV_SEND_INLINE, 8);
+	{
+		/* Only NULL zero-length SGEs: a 0-byte WRITE, inline and not. */
+		struct ibv_sge z[2] = { { 0, 0, n.b.mr->lkey }, { 0, 0, 0 } };
+		struct ibv_send_wr wr = { .wr_id = 50, .sg_list = z, .num_sge = 2,
+					  .opcode = IBV_WR_RDMA_WRITE };
+
+		wr.wr.rdma.remote_addr = info[0];
+		wr.wr.rdma.rkey = (uint32_t)info[1];
+		post_ok(&n, qp, &wr);
+		wr.wr_id = 51;
+		wr.send_flags = IBV_SEND_INLINE;
+		post_ok(&n, qp, &wr);
+	}
+	ct_pass();
+
+	ct_begin("vqp_guard: a message above the port's max_msg_sz is refused");
+	max = n.d.port_attr.max_msg_sz;
+	ct_note("port max_msg_sz %u, atomic_cap %d", max, (int)n.d.dev_attr.atomic_cap);
+	if (max <= MAX_TESTED && info[3] != 0) {
+		/* Every SGE inside its MR, local and remote: only the length is
+		 * wrong. */
+		struct ct_buf big;
+
+		ct_buf_alloc(&big, n.d.pd, (size_t)max + 4096);
+		struct ibv_sge one = { (uintptr_t)big.p, max + 1, big.mr->lkey };
+		struct ibv_send_wr wr = { .wr_id = 60, .sg_list = &one, .num_sge = 1,
+					  .opcode = IBV_WR_SEND };
+		struct ibv_sge two[2] = { { (uintptr_t)big.p, max / 2 + 1, big.mr->lkey },
+					  { (uintptr_t)big.p + max / 2 + 1, max - max / 2, big.mr->lkey } };
+		struct ibv_send_wr rd = { .wr_id = 61, .sg_list = two, .num_sge = 2,
+					  .opcode = IBV_WR_RDMA_READ };
+
+		post_refused(&n, qp, &wr, "a SEND of max_msg_sz + 1 bytes");
+		rd.wr.rdma.remote_addr = info[2];
+		rd.wr.rdma.rkey = (uint32_t)info[3];
+		post_refused(&n, qp, &rd, "a READ of max_msg_sz + 1 bytes in two SGEs");
+		/* At the limit it is not refused: a READ of max_msg_sz bytes. */
+		two[0].length = max / 2;
+		rd.wr_id = 62;
+		post_ok(&n, qp, &rd);
+		ct_buf_free(&big);
+	} else {
+		ct_note("max_msg_sz above %u: not checked", MAX_TESTED);
+	}
+	ct_pass();
+
+	ct_begin("vqp_guard: ON_DEMAND and ZERO_BASED MRs are refused at post");
+	{
+		static const struct { int flag; const char *name; } odd[] = {
+			{ IBV_ACCESS_ON_DEMAND, "IBV_ACCESS_ON_DEMAND" },
+			{ IBV_ACCESS_ZERO_BASED, "IBV_ACCESS_ZERO_BASED" },
+		};
+		uint8_t *obuf = n.b.p + 3 * WLEN;
+
+		for (size_t k = 0; k < sizeof(odd) / sizeof(odd[0]); k++) {
+			struct ibv_mr *mr = ibv_reg_mr(n.d.pd, obuf, 4096,
+						       IBV_ACCESS_LOCAL_WRITE | odd[k].flag);
+
+			if (!mr) {
+				ct_note("the device refuses %s MRs (errno %d): nothing to post",
+					odd[k].name, errno);
+				continue;
+			}
+			{
+				struct ibv_sge s = { (uintptr_t)obuf, 64, mr->lkey };
+				struct ibv_send_wr w = { .wr_id = 70, .sg_list = &s, .num_sge = 1,
+							 .opcode = IBV_WR_RDMA_WRITE };
+				struct ibv_send_wr snd = { .wr_id = 71, .sg_list = &s, .num_sge = 1,
+							   .opcode = IBV_WR_SEND };
+
+				w.wr.rdma.remote_addr = info[0];
+				w.wr.rdma.rkey = (uint32_t)info[1];
+				post_refused(&n, qp, &w, odd[k].name);
+				post_refused(&n, qp, &snd, odd[k].name);
+			}
+			ct_note("%s: refused", odd[k].name);
+			CT_OK(ibv_dereg_mr(mr));
+		}
+	}
+	ct_pass();
+
+	ct_begin("vqp_guard: the link still carries checked data");
+	send_msg(&n, qp, 3, sbuf, n.b.mr->lkey, 0);
+	send_msg(&n, qp, 4, sbuf, n.b.mr->lkey, IBV_SEND_INLINE);
+	write_and_check(&n, qp, info, 16384, 5000, 0, 9);
+	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
+	ct_pass();
+	CT_OK(ibv_destroy_qp(qp));
+	node_close(&n);
+	return 0;
+}
+
+/* The side of tests/rdma_guard.rs: a bound VQP on node 1 (its own meta
+ * server); a message must arrive, never one whose header lies. Prints
+ * "victim ready <meta> <port>", then "victim refused" once the library
+ * dropped a malformed message (and failed the link), or "victim
+ * delivered <byte_len>" if it handed one to the application. */
+static int victim(void)
+{
+	struct ct_node n;
+	struct ibv_qp *qp;
+
+	ct_watchdog(120);
+	ct_start_meta();
+	ct_node_open(&n, 1, NBUF * SLOT, 64);
+	qp = ct_node_vqp(&n, 4, NBUF);
+	/* Stale bytes a forged length would expose. */
+	memset(n.b.p, 0xee, n.b.len);
+	for (int i = 0; i < NBUF; i++)
+		post_recv_slot(qp, &n, i);
+	CT_OK(qbind(qp, ct_node_gid(1), PORT + 1));
+	printf("victim ready %s %d\n", getenv("KRCORE_META"), PORT + 1);
+	fflush(stdout);
+	for (;;) {
+		struct ibv_qp *src[4];
+		struct ibv_wc wc[4];
+		int k = qpop_msgs(qp, 4, src, wc);
+
+		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+		if (k > 0) {
+			printf("victim delivered %u\n", wc[0].byte_len);
+			fflush(stdout);
+			return 1;
+		}
+		if (krcore_stat_get(KRCORE_STAT_MSGS_MALFORMED) >= 1 &&
+		    krcore_stat_get(KRCORE_STAT_LINKS_FAILED) >= 1) {
+			CT_CHECK(qpop_msgs(qp, 4, src, wc) == 0, "a message after the malformed one");
+			printf("victim refused\n");
+			fflush(stdout);
+			return 0;
+		}
+		usleep(1000);
+	}
+}
+
+int main(int argc, char **argv)
+{
+	uint64_t info[4];
+	pid_t meta_pid, srv;
+	int fails = 0;
+
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	if (argc > 1 && strcmp(argv[1], "victim") == 0)
+		return victim();
+	ct_watchdog(300);
+	meta_pid = ct_start_meta();
+	CT_CHECK(pipe(info_pipe) == 0, "pipe");
+	srv = ct_fork_ready(server, "the server (node 1)");
+	CT_CHECK(read(info_pipe[0], info, sizeof(info)) == sizeof(info), "info");
+	fails += client(info);
+	fails += ct_wait_child(srv, "the server");
+	kill(meta_pid, SIGTERM);
+	waitpid(meta_pid, NULL, 0);
+	CT_CHECK(fails == 0, "%d process(es) failed", fails);
+	return 0;
+}
