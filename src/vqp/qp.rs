@@ -382,7 +382,13 @@ impl Vqp {
         let meta = rt.meta()?;
         // VQPs spread over the process's links to that peer by slot.
         let index = (self.slot % crate::config::get().links_per_peer) as u16;
-        let mut ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
+        // An address (`qconnect`) may have been bound anew since it was
+        // cached, by a process started after its binder died: the meta
+        // server says who holds it now (one READ). A QPN key (RTR of a
+        // transparent VQP) names one VQP for its life: cached.
+        let fresh = matches!(key, crate::meta::Key::Port { .. });
+        let first = if fresh { meta.lookup_fresh(&key) } else { meta.lookup(&key) };
+        let mut ep = first?.ok_or(Errno(libc::ECONNREFUSED))?;
         let mut looked_again = false;
         loop {
             if let Some(pm) = self.peer_mrs.get() {
