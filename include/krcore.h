@@ -186,9 +186,10 @@ int qbind(struct ibv_qp *qp, union ibv_gid gid, int port);
 // Connect the VQP `qp` to the VQP bound at (`gid`, `port`): afterwards
 // `ibv_post_send` on `qp` sends messages to it and reads, writes and
 // atomics reach that process's registered memory. Costs a lookup (one
-// RDMA READ of the meta server, then cached) and, for a process this one
-// has no link to yet, a link handshake; with a live link it is pure
-// software.
+// RDMA READ of the meta server: who holds the address now, so that a
+// server restarted there is reached even before this process found the
+// old one dead) and, for a process this one has no link to yet, a link
+// handshake.
 //
 // Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already
 // connected or bound), ECONNREFUSED (nothing is bound there, or the
