@@ -96,9 +96,10 @@ pub unsafe extern "C" fn qbind(qp: *mut ibv_qp, gid: ibv_gid, port: c_int) -> c_
 /// Connect the VQP `qp` to the VQP bound at (`gid`, `port`): afterwards
 /// `ibv_post_send` on `qp` sends messages to it and reads, writes and
 /// atomics reach that process's registered memory. Costs a lookup (one
-/// RDMA READ of the meta server, then cached) and, for a process this one
-/// has no link to yet, a link handshake; with a live link it is pure
-/// software.
+/// RDMA READ of the meta server: who holds the address now, so that a
+/// server restarted there is reached even before this process found the
+/// old one dead) and, for a process this one has no link to yet, a link
+/// handshake.
 ///
 /// Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already
 /// connected or bound), ECONNREFUSED (nothing is bound there, or the
@@ -131,9 +132,14 @@ pub unsafe extern "C" fn qconnect(qp: *mut ibv_qp, gid: ibv_gid, port: c_int) ->
 /// destroyed with `qp`. The application may also destroy one early with
 /// `ibv_destroy_qp`; a later message from that sender then gets a new one.
 ///
-/// Returns the number of entries (0 when none is waiting; it never blocks),
-/// or a negative errno: -EINVAL (`qp` is not a bound VQP, `num_entries` < 0,
-/// or a NULL array).
+/// Returns the number of entries (0 when none is waiting), or a negative
+/// errno: -EINVAL (`qp` is not a bound VQP, `num_entries` < 0, or a NULL
+/// array), -ENOMEM (a `src_qp` could not be made). It never blocks: it
+/// never waits for the network (a `src_qp` for a sender whose link is gone
+/// gets one at its first post; for a sender whose process died it is in
+/// the error state: posts on it are flushed). An error met after messages
+/// were taken returns those messages, and the error at the next call; the
+/// message it met stays queued, so no message is lost.
 ///
 /// # Safety
 /// `qp` is a QP of this library; `src_qp` and `wc` are valid for

@@ -318,6 +318,22 @@ impl MetaClient {
         }
     }
 
+    /// The endpoint bound at `key` now: one READ, the DCCache bypassed
+    /// (and refreshed). A cached endpoint that is no longer the one bound
+    /// there (its process died or let go, and another may have bound the
+    /// address since) is forgotten, with everything cached of its process:
+    /// a dead peer's entry can outlive it here until its link is found
+    /// failed (the probe and RC's retries, seconds), while the meta server
+    /// drops it within milliseconds.
+    pub fn lookup_fresh(&self, key: &Key) -> Result<Option<Endpoint>> {
+        let old = self.cache.lock().remove(key);
+        let now = self.lookup(key)?;
+        if let Some(old) = old.filter(|o| now != Some(*o)) {
+            self.forget_process(old.incarnation);
+        }
+        Ok(now)
+    }
+
     /// Forget a cached endpoint (its process was found dead).
     pub fn invalidate(&self, key: &Key) {
         self.cache.lock().remove(key);

@@ -413,6 +413,12 @@ impl Service {
         self.shared.connect(peer, index, timeout)
     }
 
+    /// Link number `index` to `peer` if one serves it now; never a
+    /// handshake (for paths that must not block, e.g. `qpop_msgs`).
+    pub fn existing_link(&self, peer: &Endpoint, index: u16) -> Option<Arc<Link>> {
+        self.shared.links.lock().by_key.get(&LinkKey::of(peer, index)).cloned()
+    }
+
     /// Links currently up (made by either side).
     pub fn links(&self) -> usize {
         self.shared.links.lock().by_key.len()

@@ -178,6 +178,12 @@ struct State {
     /// src_qps whose sender is gone, reported by the last `qpop_msgs`
     /// and destroyed at the next.
     retired: Vec<*mut ibv_qp>,
+    /// The sender whose src_qp `qpop_msgs` is making (outside this lock):
+    /// a link failure meanwhile reports it closed too.
+    answering: Option<(u64, u32)>,
+    /// What stopped the last `qpop_msgs` after it had popped messages:
+    /// returned by the next call (the messages were returned first).
+    pop_error: Option<Errno>,
     /// A message (SEND, WRITE_WITH_IMM) went to the connected peer: it may
     /// keep a src_qp for us, which our CLOSE at destroy releases.
     sent_msgs: bool,
@@ -205,8 +211,8 @@ struct State {
 /// An entry of a bound VQP's inbox.
 enum Inbox {
     /// A message: its sender's endpoint, the index of the link it came
-    /// on, the sending VQP, its completion.
-    Msg(Endpoint, u16, u32, ibv_wc),
+    /// on, the sending VQP, its completion, the link it came on.
+    Msg(Endpoint, u16, u32, ibv_wc, Arc<Link>),
     /// The sending VQP (incarnation, VQPN) was destroyed.
     Closed(u64, u32),
 }
@@ -241,6 +247,9 @@ pub struct Vqp {
     app_qpn: OnceCell<u32>,
     /// The virtual SRQ its receives come from, if created with one.
     srq: OnceCell<Arc<VSrq>>,
+    /// `qpop_msgs` callers one at a time (a bound VQP's inbox has one
+    /// consumer: a sender's src_qp is made once, before its CLOSE).
+    popping: Mutex<()>,
 }
 
 // SAFETY: the raw pointers are the application's objects, only passed
@@ -277,6 +286,8 @@ impl Vqp {
             reading: None,
             src_qps: HashMap::new(),
             retired: Vec::new(),
+            answering: None,
+            pop_error: None,
             sent_msgs: false,
             memo: MrMemo::default(),
             rc: None,
@@ -316,6 +327,7 @@ impl Vqp {
             parent: OnceCell::new(),
             app_qpn: OnceCell::new(),
             srq: OnceCell::new(),
+            popping: Mutex::new(()),
         });
         slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_VQPS);
@@ -388,7 +400,13 @@ impl Vqp {
         let meta = rt.meta()?;
         // VQPs spread over the process's links to that peer by slot.
         let index = (self.slot % crate::config::get().links_per_peer) as u16;
-        let mut ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
+        // An address (`qconnect`) may have been bound anew since it was
+        // cached, by a process started after its binder died: the meta
+        // server says who holds it now (one READ). A QPN key (RTR of a
+        // transparent VQP) names one VQP for its life: cached.
+        let fresh = matches!(key, crate::meta::Key::Port { .. });
+        let first = if fresh { meta.lookup_fresh(&key) } else { meta.lookup(&key) };
+        let mut ep = first?.ok_or(Errno(libc::ECONNREFUSED))?;
         let mut looked_again = false;
         loop {
             if let Some(pm) = self.peer_mrs.get() {
@@ -572,9 +590,15 @@ impl Vqp {
     /// Connect to `dst` on the far side of `link` (qconnect, or a VQP
     /// made for `qpop_msgs` to answer a sender).
     fn attach(&self, rt: &Runtime, link: Arc<Link>, peer: Endpoint, dst: u32) {
-        let _ = self.peer_mrs.set(rt.peer_mrs(peer.incarnation));
         let index = link.index;
-        self.st.lock().conn = Some(Conn { link: Some(link), peer, index, dst });
+        self.attach_at(rt, Some(link), peer, index, dst);
+    }
+
+    /// [`Self::attach`], to link `index` of `peer`; without a link (None)
+    /// the first post makes or finds one ([`Self::ensure_link`]).
+    fn attach_at(&self, rt: &Runtime, link: Option<Arc<Link>>, peer: Endpoint, index: u16, dst: u32) {
+        let _ = self.peer_mrs.set(rt.peer_mrs(peer.incarnation));
+        self.st.lock().conn = Some(Conn { link, peer, index, dst });
     }
 
     /// Make sure the connection has an open link: its own, or, once that
@@ -1378,7 +1402,24 @@ impl Vqp {
         }
         if st.bound.is_some() {
             let incarnation = link.peer.incarnation;
-            let gone: Vec<u32> = st.src_qps.keys().filter(|(i, _)| *i == incarnation).map(|(_, src)| *src).collect();
+            let mut gone: Vec<u32> = st.src_qps.keys().filter(|(i, _)| *i == incarnation).map(|(_, src)| *src).collect();
+            // Senders of that process not answered yet: `qpop_msgs` makes
+            // their src_qps when it takes their messages (waiting in the
+            // inbox, held, or being taken now), so they are reported
+            // closed too, after those messages.
+            gone.extend(st.inbox.iter().filter_map(|e| match e {
+                Inbox::Msg(p, _, src, _, _) if p.incarnation == incarnation => Some(*src),
+                _ => None,
+            }));
+            gone.extend(
+                st.held
+                    .iter()
+                    .filter(|h| !h.header.flags.contains(Flags::CLOSE) && h.link.peer.incarnation == incarnation)
+                    .map(|h| h.header.src_vqpn),
+            );
+            gone.extend(st.answering.filter(|(i, _)| *i == incarnation).map(|(_, src)| src));
+            gone.sort_unstable();
+            gone.dedup();
             for src in gone {
                 // Behind what that sender's messages still wait for.
                 if st.held.is_empty() && st.reading.is_none() {
@@ -1469,9 +1510,9 @@ impl Vqp {
         self.complete_recv(st, wc, link);
     }
 
-    fn complete_recv(&self, st: &mut State, wc: ibv_wc, link: &Link) {
+    fn complete_recv(&self, st: &mut State, wc: ibv_wc, link: &Arc<Link>) {
         if st.bound.is_some() {
-            st.inbox.push_back(Inbox::Msg(link.peer, link.index, wc.src_qp, wc));
+            st.inbox.push_back(Inbox::Msg(link.peer, link.index, wc.src_qp, wc, Arc::clone(link)));
         } else {
             self.recv_soft.push(wc);
         }
@@ -1618,6 +1659,13 @@ impl Vqp {
     /// creates the application object of a VQP connected back to a sender;
     /// `free_src` destroys one whose sender is gone (reported by the
     /// previous call with `IBV_WC_WR_FLUSH_ERR`).
+    ///
+    /// Never waits for the network: a sender's src_qp goes on the link that
+    /// serves its process now, or, with none (it was closed), gets one at
+    /// its first post; a sender whose link failed gets a src_qp in the
+    /// error state. An error after messages were taken returns them, and
+    /// the error at the next call; the message it met stays first in the
+    /// inbox.
     pub fn pop_msgs(
         self: &Arc<Self>,
         n: usize,
@@ -1628,16 +1676,23 @@ impl Vqp {
         if !self.is_bound() {
             return Err(Errno::EINVAL);
         }
-        let retired = std::mem::take(&mut self.st.lock().retired);
+        let _one = self.popping.lock();
+        let (retired, failure) = {
+            let mut st = self.st.lock();
+            (std::mem::take(&mut st.retired), st.pop_error.take())
+        };
         retired.into_iter().for_each(free_src);
+        if let Some(e) = failure {
+            return Err(e);
+        }
         rt.progress();
         let mut out = Vec::new();
         while out.len() < n {
-            let Some(entry) = self.st.lock().inbox.pop_front() else { break };
-            let (peer, index, src, wc) = match entry {
-                Inbox::Msg(peer, index, src, wc) => (peer, index, src, wc),
+            let mut st = self.st.lock();
+            let Some(entry) = st.inbox.pop_front() else { break };
+            let (peer, index, src, wc, link) = match entry {
+                Inbox::Msg(peer, index, src, wc, link) => (peer, index, src, wc, link),
                 Inbox::Closed(incarnation, src) => {
-                    let mut st = self.st.lock();
                     // A sender we never answered has no src_qp to retire.
                     if let Some(qp) = st.src_qps.remove(&(incarnation, src)) {
                         st.retired.push(qp);
@@ -1653,25 +1708,65 @@ impl Vqp {
                 }
             };
             let key = (peer.incarnation, src);
-            let existing = self.st.lock().src_qps.get(&key).copied();
-            let qp = match existing {
-                Some(qp) => qp,
-                None => {
-                    // Answered on the link the sender chose (it exists).
-                    let link = rt.svc.link(&peer, index, super::runtime::connect_timeout())?;
-                    let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-                    let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
-                    let _ = v.rt.set(Arc::clone(rt));
-                    let _ = v.parent.set((Arc::downgrade(self), key));
-                    v.attach(rt, link, peer, src);
-                    let qp = make_src(&v)?;
-                    self.st.lock().src_qps.insert(key, qp);
-                    qp
+            if let Some(&qp) = st.src_qps.get(&key) {
+                out.push((qp, wc));
+                continue;
+            }
+            st.answering = Some(key);
+            drop(st);
+            let made = self.answer(rt, peer, index, src, &link, make_src);
+            let mut st = self.st.lock();
+            st.answering = None;
+            match made {
+                Ok(qp) => {
+                    st.src_qps.insert(key, qp);
+                    out.push((qp, wc));
                 }
-            };
-            out.push((qp, wc));
+                Err(e) => {
+                    // Nothing is lost: the message waits for the next call.
+                    st.inbox.push_front(Inbox::Msg(peer, index, src, wc, link));
+                    if out.is_empty() {
+                        return Err(e);
+                    }
+                    klog!(Level::Warn, "vqp {:#x}: qpop_msgs: {e:?} making a src_qp; reported at the next call", self.vqpn);
+                    st.pop_error = Some(e);
+                    break;
+                }
+            }
         }
         Ok(out)
+    }
+
+    /// A VQP connected back to sender `src` of `peer`, whose message came
+    /// on `came_on`, without a link handshake (`qpop_msgs` never blocks).
+    fn answer(
+        self: &Arc<Self>,
+        rt: &Arc<Runtime>,
+        peer: Endpoint,
+        index: u16,
+        src: u32,
+        came_on: &Arc<Link>,
+        make_src: &dyn Fn(&Arc<Vqp>) -> Result<*mut ibv_qp>,
+    ) -> Result<*mut ibv_qp> {
+        let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
+        let _ = v.rt.set(Arc::clone(rt));
+        let _ = v.parent.set((Arc::downgrade(self), (peer.incarnation, src)));
+        match rt.svc.existing_link(&peer, index) {
+            Some(link) => v.attach(rt, link, peer, src),
+            // Its process is gone: as a VQP whose link failed (posts are
+            // accepted and flushed); the sender is reported closed after
+            // its messages (`on_link_failed`).
+            None if came_on.is_failed() => {
+                let mut st = v.st.lock();
+                st.failed = true;
+                // Empty: this puts its send queue in the error state.
+                st.sq.flush(&mut |_| {});
+            }
+            // Closed since (link reclaim): the first post makes a new one.
+            None => v.attach_at(rt, None, peer, index, src),
+        }
+        make_src(&v)
     }
 
     /// Destroy: unpublish a binding, flush what is outstanding, free the
