@@ -735,6 +735,21 @@ static int local_mr_child(int fd)
 	a = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
 	b = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
 	CT_CHECK((a->qp_num & VBIT) && (b->qp_num & VBIT), "virtual QPNs: %#x %#x", a->qp_num, b->qp_num);
+	{
+		/* The cost of a transparent ibv_create_qp (its QPN published
+		 * under every GID of the port) and ibv_destroy_qp, one process. */
+		enum { N = 64 };
+		struct ibv_qp *q[N];
+		uint64_t t0 = ct_now_ns(), t1;
+
+		for (int i = 0; i < N; i++)
+			q[i] = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
+		t1 = ct_now_ns();
+		for (int i = 0; i < N; i++)
+			CT_OK(ibv_destroy_qp(q[i]));
+		ct_note("ibv_create_qp %.0f us, ibv_destroy_qp %.0f us (mean of %d)",
+			(double)(t1 - t0) / N / 1e3, (double)(ct_now_ns() - t1) / N / 1e3, N);
+	}
 	local[2] = CT_PTR(ibv_reg_mr(d.pd, mem + 2 * 4096, 4096, IBV_ACCESS_LOCAL_WRITE));
 	local[3] = CT_PTR(ibv_reg_mr(d.pd, mem + 3 * 4096, 4096, IBV_ACCESS_LOCAL_WRITE));
 	pair_moves_data(&d, cq, a, b, &buf, 0x7200);
