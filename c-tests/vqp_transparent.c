@@ -4,8 +4,10 @@
  * ibv_modify_qp using QPNs exchanged out of band (socketpairs), become
  * virtual QPs on shared links. krcore-meta is started here on node 1.
  * Node 1 is this process; PEERS peer processes run on nodes 2..PEERS+1,
- * each given its KRCORE_GID_INDEX and KRCORE_VIRTUALIZE=1 before its first
- * use of the library (the configuration is read once per process).
+ * each given KRCORE_VIRTUALIZE=1 before its first use of the library (the
+ * configuration is read once per process), and no KRCORE_GID_INDEX: each
+ * uses the GID of its node (index = node) at RTR, as perftest -x does, and
+ * the library finds the QPNs under those GIDs by itself.
  *
  * - scale: NQP RC QPs between node 1 and the peers (PER_PEER each), depth
  *   4, one CQ per process: every qp_num has bit 23 set and is unique;
@@ -34,6 +36,12 @@
  * - RESET: a connected pair moved to RESET and connected again (both
  *   sides) moves data again, as a real RC pair does (checked on real QPs
  *   too).
+ *
+ * - defaults (children): with a KRCORE_META nothing listens at, RC QPs
+ *   stay real, connect and move checked data, and the library writes one
+ *   line on stderr (KRCORE_LOG unset); with the meta server and
+ *   KRCORE_LOG=warn, local-only MRs (all rkey 0 on rxe) log no "not
+ *   published" error, and a virtual pair moves data through them.
  *
  * The real-QP outcomes come from a child with KRCORE_VIRTUALIZE unset
  * (a loopback pair on GID A and B), run first. The default 3 s lease
@@ -68,6 +76,7 @@
 #define SEND_BIT (1ull << 62)
 #define UD_BIT (1ull << 61)
 #define REPLY 0x80000000u	/* seed of an answer: the question's ^ REPLY */
+#define N_TIMED 64		/* QPs created to time ibv_create_qp */
 #define IO_MS 60000		/* bound on every out-of-band read */
 #define WAIT_MS 30000		/* bound on every batch of completions */
 
@@ -593,6 +602,205 @@ static int real_child(int fd)
 	return 0;
 }
 
+/* ---- defaults: an unreachable meta server, local-only MRs ------------------- */
+
+/* Fd 2 goes to an unlinked temporary file (from before the library's
+ * first use); *saved keeps the old one. Returns the file's fd. */
+static int capture_stderr(int *saved)
+{
+	char path[] = "/tmp/vqp_transparent_stderrXXXXXX";
+	int fd = mkstemp(path);
+
+	CT_CHECK(fd >= 0, "mkstemp");
+	unlink(path);
+	*saved = dup(2);
+	CT_CHECK(*saved >= 0 && dup2(fd, 2) == 2, "dup2");
+	return fd;
+}
+
+/* Restore fd 2 and return what was written to it meanwhile (also copied
+ * to the real stderr, for the log); the caller frees it. */
+static char *captured(int fd, int saved)
+{
+	off_t len = lseek(fd, 0, SEEK_END);
+	char *text = calloc(1, (size_t)(len > 0 ? len : 0) + 1);
+	ssize_t n;
+
+	CT_CHECK(text != NULL, "alloc");
+	n = pread(fd, text, (size_t)(len > 0 ? len : 0), 0);
+	CT_CHECK(n == len, "reading the captured stderr");
+	CT_CHECK(dup2(saved, 2) == 2, "dup2");
+	close(saved);
+	close(fd);
+	fputs(text, stderr);
+	return text;
+}
+
+static int count_of(const char *hay, const char *needle)
+{
+	int n = 0;
+
+	for (const char *p = strstr(hay, needle); p; p = strstr(p + 1, needle))
+		n++;
+	return n;
+}
+
+/* A loopback pair of a and b (GID A and B) moves a checked SEND through
+ * buf; returns once both completions came. */
+static void pair_moves_data(struct ct_dev *d, struct ibv_cq *cq, struct ibv_qp *a,
+			    struct ibv_qp *b, struct ct_buf *buf, uint32_t seed)
+{
+	struct ibv_wc wc[2];
+
+	ct_connect_pair(d, a, b);
+	ct_post_recv1(b, 1, buf, 2048, 64);
+	ct_fill(buf->p + 1024, 64, seed);
+	CT_OK(ct_post_send1(a, 2, IBV_WR_SEND, IBV_SEND_SIGNALED, buf, 1024, 64, 0, 0, 0));
+	ct_poll_n(cq, wc, 2, CT_TIMEOUT_MS);
+	CT_CHECK(wc[0].status == IBV_WC_SUCCESS && wc[1].status == IBV_WC_SUCCESS, "%s, %s",
+		 ibv_wc_status_str(wc[0].status), ibv_wc_status_str(wc[1].status));
+	ct_expect_pattern(buf->p + 2048, 64, seed, "the pair's message");
+}
+
+/* KRCORE_VIRTUALIZE=1 with a KRCORE_META nothing listens at and KRCORE_LOG
+ * unset: ibv_create_qp gives real QPs (no error), which connect and move
+ * data; the library says so in exactly one line on stderr. */
+static int unreachable_child(int fd)
+{
+	struct ct_dev d;
+	struct ibv_cq *cq;
+	struct ibv_qp *a, *b;
+	struct ct_buf buf;
+	int saved, cap;
+	char *text;
+
+	(void)fd;
+	ct_begin("vqp_transparent: KRCORE_META unreachable: RC QPs stay real, one warning");
+	setenv("KRCORE_VIRTUALIZE", "1", 1);
+	setenv("KRCORE_META", "127.0.0.1:1", 1);	/* port 1: refused at once */
+	unsetenv("KRCORE_LOG");
+	cap = capture_stderr(&saved);
+	ct_open(&d);
+	cq = CT_PTR(ibv_create_cq(d.ctx, 64, NULL, NULL, 0));
+	ct_buf_alloc(&buf, d.pd, 4096);
+	a = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
+	b = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
+	CT_CHECK(!(a->qp_num & VBIT) && !(b->qp_num & VBIT), "real QPNs: %#x %#x", a->qp_num, b->qp_num);
+	pair_moves_data(&d, cq, a, b, &buf, 0x7100);
+	CT_OK(ibv_destroy_qp(a));
+	CT_OK(ibv_destroy_qp(b));
+	ct_buf_free(&buf);
+	CT_OK(ibv_destroy_cq(cq));
+	ct_close(&d);
+	text = captured(cap, saved);
+	CT_KRCORE_STAT(KRCORE_STAT_QPS_VIRTUALIZED, ==, 0);
+	CT_KRCORE_STAT(KRCORE_STAT_VQPS, ==, 0);
+	CT_CHECK(count_of(text, "krcore[") == 1 && count_of(text, "cannot be reached") == 1,
+		 "stderr has %d line(s) of the library, %d saying the meta server cannot be reached; want one",
+		 count_of(text, "krcore["), count_of(text, "cannot be reached"));
+	free(text);
+	ct_pass();
+	return 0;
+}
+
+/* KRCORE_VIRTUALIZE=1 with the meta server, KRCORE_LOG=warn, no
+ * KRCORE_GID_INDEX: local-only MRs (rxe gives each rkey 0), registered
+ * before and after the PD's runtime starts, log nothing; a virtual pair on
+ * GID A and B (the QPNs resolve under the GIDs the program uses) moves
+ * data through a local-only MR. */
+static int local_mr_child(int fd)
+{
+	struct ct_dev d;
+	struct ibv_cq *cq;
+	struct ibv_qp *a, *b;
+	struct ct_buf buf;
+	struct ibv_mr *local[4];
+	uint8_t *mem;
+	int saved, cap;
+	char *text;
+
+	(void)fd;
+	ct_begin("vqp_transparent: local-only MRs are not published (no error logged)");
+	setenv("KRCORE_VIRTUALIZE", "1", 1);
+	setenv("KRCORE_LOG", "warn", 1);
+	unsetenv("KRCORE_GID_INDEX");
+	cap = capture_stderr(&saved);
+	ct_open(&d);
+	cq = CT_PTR(ibv_create_cq(d.ctx, 64, NULL, NULL, 0));
+	mem = aligned_alloc(4096, 4 * 4096);
+	CT_CHECK(mem != NULL, "alloc");
+	memset(mem, 0, 4 * 4096);
+	local[0] = CT_PTR(ibv_reg_mr(d.pd, mem, 4096, IBV_ACCESS_LOCAL_WRITE));
+	local[1] = CT_PTR(ibv_reg_mr(d.pd, mem + 4096, 4096, IBV_ACCESS_LOCAL_WRITE));
+	ct_buf_alloc(&buf, d.pd, 4096);
+	a = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
+	b = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
+	CT_CHECK((a->qp_num & VBIT) && (b->qp_num & VBIT), "virtual QPNs: %#x %#x", a->qp_num, b->qp_num);
+	{
+		/* The cost of a transparent ibv_create_qp (its QPN published
+		 * under every GID of the port) and ibv_destroy_qp, one process. */
+		struct ibv_qp *q[N_TIMED];
+		const int N = N_TIMED;
+		uint64_t t0 = ct_now_ns(), t1;
+
+		for (int i = 0; i < N; i++)
+			q[i] = ct_create_rc_qp(&d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
+		t1 = ct_now_ns();
+		for (int i = 0; i < N; i++)
+			CT_OK(ibv_destroy_qp(q[i]));
+		ct_note("ibv_create_qp %.0f us, ibv_destroy_qp %.0f us (mean of %d)",
+			(double)(t1 - t0) / N / 1e3, (double)(ct_now_ns() - t1) / N / 1e3, N);
+	}
+	local[2] = CT_PTR(ibv_reg_mr(d.pd, mem + 2 * 4096, 4096, IBV_ACCESS_LOCAL_WRITE));
+	local[3] = CT_PTR(ibv_reg_mr(d.pd, mem + 3 * 4096, 4096, IBV_ACCESS_LOCAL_WRITE));
+	pair_moves_data(&d, cq, a, b, &buf, 0x7200);
+	{
+		/* The same through a local-only MR on both sides. */
+		struct ibv_sge rs = { (uintptr_t)(mem + 3 * 4096), 64, local[3]->lkey };
+		struct ibv_sge ss = { (uintptr_t)(mem + 2 * 4096), 64, local[2]->lkey };
+		struct ibv_recv_wr rw = { .wr_id = 3, .sg_list = &rs, .num_sge = 1 };
+		struct ibv_send_wr sw = { .wr_id = 4, .sg_list = &ss, .num_sge = 1,
+					  .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED };
+		struct ibv_recv_wr *rbad = NULL;
+		struct ibv_send_wr *sbad = NULL;
+		struct ibv_wc wc[2];
+
+		ct_fill(mem + 2 * 4096, 64, 0x7300);
+		CT_OK(ibv_post_recv(b, &rw, &rbad));
+		CT_OK(ibv_post_send(a, &sw, &sbad));
+		ct_poll_n(cq, wc, 2, CT_TIMEOUT_MS);
+		CT_CHECK(wc[0].status == IBV_WC_SUCCESS && wc[1].status == IBV_WC_SUCCESS, "%s, %s",
+			 ibv_wc_status_str(wc[0].status), ibv_wc_status_str(wc[1].status));
+		ct_expect_pattern(mem + 3 * 4096, 64, 0x7300, "through local-only MRs");
+	}
+	CT_KRCORE_STAT(KRCORE_STAT_QPS_VIRTUALIZED, ==, 2 + N_TIMED);
+	CT_OK(ibv_destroy_qp(a));
+	CT_OK(ibv_destroy_qp(b));
+	for (int i = 0; i < 4; i++)
+		CT_OK(ibv_dereg_mr(local[i]));
+	free(mem);
+	ct_buf_free(&buf);
+	CT_OK(ibv_destroy_cq(cq));
+	ct_close(&d);
+	text = captured(cap, saved);
+	CT_CHECK(count_of(text, "not published") == 0, "stderr: %d MR(s) not published",
+		 count_of(text, "not published"));
+	free(text);
+	ct_pass();
+	return 0;
+}
+
+/* Run role in a child before anything here used the library. */
+static void in_child(int (*role)(int), const char *what)
+{
+	pid_t pid = fork();
+
+	CT_CHECK(pid >= 0, "fork");
+	if (pid == 0)
+		_exit(role(-1));
+	CT_CHECK(ct_wait_child(pid, what) == 0, "%s failed", what);
+}
+
 /* ---- a peer process (node 2 + id) -------------------------------------------- */
 
 /* Takes n (node 1's QPN, seed) pairs for QPs [first, first + n) and
@@ -951,8 +1159,9 @@ int main(void)
 	 * two-vCPU machine: more than the default 2 s is fair. */
 	setenv("KRCORE_CONNECT_TIMEOUT_MS", "10000", 1);
 	ct_watchdog(120);
-	/* About 2,000 QPNs published: a table with room for them. */
-	meta_pid = ct_start_meta_slots(32768);
+	/* About 2,000 QPNs published, each under every GID of the port (six
+	 * on the testbed): a table with room for them. */
+	meta_pid = ct_start_meta_slots(65536);
 
 	/* Nothing here has used the library yet: each child sets its own
 	 * configuration before its first use. */
@@ -971,10 +1180,11 @@ int main(void)
 		close(p[0]);
 		CT_CHECK(ct_wait_child(rc_pid, "the real-QP child") == 0, "the real-QP child failed");
 	}
+	in_child(unreachable_child, "the unreachable-meta child");
+	in_child(local_mr_child, "the local-MR child");
 	setenv("KRCORE_VIRTUALIZE", "1", 1);
 	for (int p = 0; p < PEERS; p++) {
 		int sv[2];
-		char idx[16];
 
 		CT_CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
 		pid[p] = fork();
@@ -985,14 +1195,11 @@ int main(void)
 			for (int q = 0; q < p; q++)
 				close(fd[q]);
 			close(sv[0]);
-			snprintf(idx, sizeof(idx), "%d", 2 + p);
-			setenv("KRCORE_GID_INDEX", idx, 1);
 			_exit(peer(p, sv[1]));
 		}
 		close(sv[1]);
 		fd[p] = sv[0];
 	}
-	setenv("KRCORE_GID_INDEX", "1", 1);
 	e = calloc(1, sizeof(*e));
 	CT_CHECK(e != NULL, "alloc");
 	ep_open(e, 1);

@@ -14,7 +14,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_MR_CACHE_ENTRIES", "1024", "most idle registrations the MR cache keeps"),
     ("KRCORE_MR_DEREG_BATCH", "16", "evicted registrations are deregistered by a background thread in batches of this many (0: at once, on the application's thread)"),
     ("KRCORE_META", "", "the meta server(s) for qbind/qconnect: <ip>:<port>[,<ip>:<port>...] (krcore-meta --listen)"),
-    ("KRCORE_GID_INDEX", "", "GID index of the links (default: the qbind GID, else the first RoCE v2 / IB GID)"),
+    ("KRCORE_GID_INDEX", "", "GID index of the links and the meta-server connection (default: the qbind GID, else the GID of the source address the kernel routes to KRCORE_META from, else the first RoCE v2 / IB GID); transparent QPNs are published under every GID of the port whatever it is"),
     ("KRCORE_CONNECT_TIMEOUT_MS", "2000", "bound on qconnect and on every wait for the meta server or a peer's endpoint"),
     ("KRCORE_META_LEASE_MS", "3000", "lease of a qbind registration; renewed every third of it, dropped after it when not renewed"),
     ("KRCORE_MR_LEASE_MS", "1000", "how long a peer may use a remote MR it checked (from the post of the READ that checked it); the real ibv_dereg_mr of an MR peers can access waits 1.1 times this plus RC's retry time (about 3.76 s)"),

@@ -66,6 +66,31 @@ const SEND_OFF: usize = proto::META_LEN;
 const READ_OFF: usize = 2 * proto::META_LEN;
 /// Room for one neighborhood READ (or the table header).
 const READ_LEN: usize = NEIGHBORHOOD * 128;
+/// Requests a batch sends at once: the receives the server holds for each
+/// client.
+pub const PIPELINE: usize = super::server::CREDITS;
+/// After the READ room: the receive and send slots of a batch's requests
+/// beyond the first.
+const BATCH_OFF: usize = READ_OFF + READ_LEN;
+const BUFS_LEN: usize = BATCH_OFF + 2 * (PIPELINE - 1) * proto::META_LEN;
+
+/// Where request `i` of a batch is answered.
+fn recv_off(i: usize) -> usize {
+    if i == 0 {
+        RECV_OFF
+    } else {
+        BATCH_OFF + (i - 1) * proto::META_LEN
+    }
+}
+
+/// Where request `i` of a batch is sent from.
+fn send_off(i: usize) -> usize {
+    if i == 0 {
+        SEND_OFF
+    } else {
+        BATCH_OFF + (PIPELINE - 1 + i - 1) * proto::META_LEN
+    }
+}
 
 /// The longest sleep of a request's wait between looks at its replica's
 /// state (only while a request is outstanding).
@@ -381,6 +406,86 @@ impl MetaClient {
         Ok(())
     }
 
+    /// Bind every key of `keys` to `ep`, all or none: as [`bind`] does
+    /// for one, with the requests to a replica pipelined ([`PIPELINE`] at
+    /// a time) rather than one round trip each.
+    ///
+    /// [`bind`]: MetaClient::bind
+    pub fn bind_all(&self, keys: &[Key], ep: &Endpoint) -> Result<()> {
+        let mut bound = self.bound.lock();
+        let mut accepted: Vec<(usize, Key)> = Vec::new();
+        let mut refusal = None;
+        let mut last = Errno(libc::ECONNREFUSED);
+        let mut any = false;
+        'replicas: for (i, r) in self.replicas.iter().enumerate() {
+            let mut done = 0;
+            for chunk in keys.chunks(PIPELINE) {
+                match self.requests_on(i, Op::Bind, chunk, ep, self.opts.timeout) {
+                    None => continue 'replicas,
+                    Some(Err(e)) => {
+                        last = e;
+                        continue 'replicas;
+                    }
+                    Some(Ok(res)) => {
+                        for (key, res) in chunk.iter().zip(res) {
+                            match res {
+                                Ok(_) => accepted.push((i, *key)),
+                                Err(e) => {
+                                    klog!(Level::Debug, "meta server {}: bind refused: {e:?}", r.addr);
+                                    refusal = Some(e);
+                                }
+                            }
+                        }
+                        if refusal.is_some() {
+                            break 'replicas;
+                        }
+                        done += chunk.len();
+                    }
+                }
+            }
+            any |= done == keys.len();
+        }
+        if let Some(e) = refusal {
+            // Undo the new bindings where they were accepted (not ones we held).
+            for (i, key) in accepted.into_iter().filter(|(_, k)| !bound.contains_key(k)) {
+                let _ = self.request_on(i, Op::Unbind, &key, ep, self.opts.timeout);
+            }
+            return Err(e);
+        }
+        if !any {
+            return Err(last);
+        }
+        for key in keys {
+            bound.insert(*key, *ep);
+        }
+        Ok(())
+    }
+
+    /// [`unbind`] of each of `keys`, pipelined; the ones we did not hold
+    /// are skipped.
+    ///
+    /// [`unbind`]: MetaClient::unbind
+    pub fn unbind_all(&self, keys: &[Key]) {
+        let mut bound = self.bound.lock();
+        let mut held: Vec<(Key, Endpoint)> = keys.iter().filter_map(|k| bound.remove(k).map(|ep| (*k, ep))).collect();
+        // One request carries one endpoint: group by it (a VQP's keys share one).
+        held.sort_by_key(|(_, ep)| (ep.gid, ep.qpn, ep.vqpn));
+        for group in held.chunk_by(|a, b| a.1 == b.1) {
+            let ks: Vec<Key> = group.iter().map(|(k, _)| *k).collect();
+            for (i, r) in self.replicas.iter().enumerate() {
+                for chunk in ks.chunks(PIPELINE) {
+                    let _ = self.requests_on(i, Op::Unbind, chunk, &group[0].1, self.opts.timeout);
+                }
+                if let Some(c) = r.conn.lock().as_mut() {
+                    for k in &ks {
+                        c.refused.remove(k);
+                    }
+                }
+            }
+        }
+        drop(bound);
+    }
+
     /// Withdraw a binding of ours from every connected replica (a replica
     /// that did not have it, or cannot be reached, does not matter: it
     /// loses it with our connection or its lease).
@@ -417,6 +522,27 @@ impl MetaClient {
                 self.fail(i);
             }
             (e, broken)
+        }))
+    }
+
+    /// A batch of requests on replica `i` (see `Conn::requests`) if it is
+    /// connected (None when it is not); a transport failure fails it.
+    fn requests_on(&self, i: usize, op: Op, keys: &[Key], ep: &Endpoint, timeout: Duration) -> Option<Result<Vec<Result<u32>>>> {
+        let r = &self.replicas[i];
+        if !matches!(r.state(), REPOPULATING | UP) {
+            return None;
+        }
+        let mut g = r.conn.lock();
+        let conn = g.as_mut().filter(|_| matches!(r.state(), REPOPULATING | UP))?;
+        let lease_ms = self.opts.lease.as_millis().min(u32::MAX as u128) as u32;
+        let res = conn.requests(op, lease_ms, keys, ep, timeout, &r.state);
+        let broken = conn.broken;
+        drop(g);
+        Some(res.inspect_err(|e| {
+            if broken {
+                klog!(Level::Warn, "meta server {}: {op:?} failed: {e:?}", r.addr);
+                self.fail(i);
+            }
         }))
     }
 
@@ -652,11 +778,11 @@ impl Conn {
         let mut tcp = TcpStream::connect_timeout(&addr, timeout)?;
         tcp.set_read_timeout(Some(timeout))?;
         let _ = tcp.set_nodelay(true);
-        let cq = Arc::new(Cq::new(dev, 16)?);
-        let caps = Caps { send_wr: 4, recv_wr: 2, send_sge: 1, recv_sge: 1, inline: 0 };
+        let cq = Arc::new(Cq::new(dev, 2 * PIPELINE as u32)?);
+        let caps = Caps { send_wr: PIPELINE as u32, recv_wr: PIPELINE as u32, send_sge: 1, recv_sge: 1, inline: 0 };
         let qp = Qp::new(dev, ibv_qp_type::IBV_QPT_RC, &cq, &cq, caps)?;
         qp.to_init()?;
-        let bufs = Region::new(dev, READ_OFF + READ_LEN, rdma::LOCAL_WRITE)?;
+        let bufs = Region::new(dev, BUFS_LEN, rdma::LOCAL_WRITE)?;
         let psn = rdma::random_psn();
         let hello = Hello { gid: dev.gid(sgid_index)?, qpn: qp.qpn(), psn };
         let mut out = [0u8; proto::BOOT_LEN];
@@ -696,7 +822,11 @@ impl Conn {
     }
 
     fn post_recv(&self) -> Result<()> {
-        let mut sge = self.bufs.sge(RECV_OFF, proto::META_LEN);
+        self.post_recv_at(RECV_OFF)
+    }
+
+    fn post_recv_at(&self, off: usize) -> Result<()> {
+        let mut sge = self.bufs.sge(off, proto::META_LEN);
         // SAFETY: a plain C struct.
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.sg_list = &mut sge;
@@ -750,43 +880,69 @@ impl Conn {
     /// One request and its response: the response's `held`, or its errno
     /// (`broken` false: the server's verdict).
     fn request(&mut self, op: Op, lease_ms: u32, key: &Key, ep: &Endpoint, timeout: Duration, state: &AtomicU8) -> Result<u32> {
-        let req_id = self.next_req;
-        self.next_req = self.next_req.wrapping_add(1);
-        let req = Request { op, req_id, lease_ms, key: *key, endpoint: *ep };
-        // SAFETY: the send slot is free: requests are one at a time.
-        let out = unsafe { self.bufs.bytes_mut(SEND_OFF, proto::META_LEN) };
-        req.encode(out.try_into().expect("a META_LEN slice"));
-        let mut sge = self.bufs.sge(SEND_OFF, proto::META_LEN);
-        // SAFETY: a plain C struct.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        // SAFETY: one WR over our own registered buffer.
-        unsafe { self.qp.post_send(&mut wr) }.inspect_err(|_| self.broken = true)?;
-        // The response's receive may complete before our send's ACK does:
-        // the two queues' completions come in either order.
-        let (mut sent, mut answered) = (false, false);
-        while !(sent && answered) {
+        self.requests(op, lease_ms, std::slice::from_ref(key), ep, timeout, state)?.remove(0)
+    }
+
+    /// Up to [`PIPELINE`] requests (one per key, all with `ep`) sent at
+    /// once and their responses, in order: each one's `held` or the
+    /// server's verdict; the outer error is a transport failure
+    /// (`broken`). The server answers a client's requests in order, and
+    /// holds [`PIPELINE`] receives for it.
+    fn requests(&mut self, op: Op, lease_ms: u32, keys: &[Key], ep: &Endpoint, timeout: Duration, state: &AtomicU8) -> Result<Vec<Result<u32>>> {
+        let n = keys.len();
+        if n == 0 || n > PIPELINE {
+            return Err(Errno::EINVAL);
+        }
+        // One receive (slot 0) is always posted; the others for this batch.
+        for i in 1..n {
+            self.post_recv_at(recv_off(i)).inspect_err(|_| self.broken = true)?;
+        }
+        let first = self.next_req;
+        for (i, key) in keys.iter().enumerate() {
+            let req_id = first.wrapping_add(i as u32);
+            let req = Request { op, req_id, lease_ms, key: *key, endpoint: *ep };
+            // SAFETY: the send slots are free: a batch is sent only once
+            // the previous one completed.
+            let out = unsafe { self.bufs.bytes_mut(send_off(i), proto::META_LEN) };
+            req.encode(out.try_into().expect("a META_LEN slice"));
+            let mut sge = self.bufs.sge(send_off(i), proto::META_LEN);
+            // SAFETY: a plain C struct.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+            wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            // SAFETY: one WR over our own registered buffer.
+            unsafe { self.qp.post_send(&mut wr) }.inspect_err(|_| self.broken = true)?;
+        }
+        self.next_req = first.wrapping_add(n as u32);
+        // The responses' receives may complete before our sends' ACKs do:
+        // the two queues' completions come in either order. Receives
+        // complete in the order they were posted: response i in slot i.
+        let (mut sent, mut answered) = (0, 0);
+        while sent < n || answered < n {
             match self.wait(timeout, true, state)? {
-                ibv_wc_opcode::IBV_WC_SEND if !sent => sent = true,
-                ibv_wc_opcode::IBV_WC_RECV if !answered => answered = true,
+                ibv_wc_opcode::IBV_WC_SEND if sent < n => sent += 1,
+                ibv_wc_opcode::IBV_WC_RECV if answered < n => answered += 1,
                 other => return Err(self.protocol_error(other)),
             }
         }
-        // SAFETY: the receive completed; the next one is posted below.
-        let resp = Response::decode(unsafe { self.bufs.bytes(RECV_OFF, proto::META_LEN) });
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            // SAFETY: the receive completed; slot 0 is posted again below,
+            // after every response was read.
+            let resp = Response::decode(unsafe { self.bufs.bytes(recv_off(i), proto::META_LEN) }).inspect_err(|_| self.broken = true)?;
+            if resp.req_id != first.wrapping_add(i as u32) {
+                self.broken = true;
+                return Err(Errno(libc::EPROTO));
+            }
+            out.push(match resp.status {
+                0 => Ok(resp.held),
+                e => Err(Errno(e as i32)),
+            });
+        }
         self.post_recv().inspect_err(|_| self.broken = true)?;
-        let resp = resp.inspect_err(|_| self.broken = true)?;
-        if resp.req_id != req_id {
-            self.broken = true;
-            return Err(Errno(libc::EPROTO));
-        }
-        match resp.status {
-            0 => Ok(resp.held),
-            e => Err(Errno(e as i32)),
-        }
+        Ok(out)
     }
 
     /// Wait for our next completion and return its opcode: polling

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Requests a client may have in flight (receive buffers per client).
-const CREDITS: usize = 8;
+pub(crate) const CREDITS: usize = 8;
 
 /// How the server runs.
 #[derive(Clone, Debug)]

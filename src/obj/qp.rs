@@ -137,6 +137,36 @@ impl Qp {
         }
     }
 
+    /// Whether this PD's runtime starts and reaches the meta server, which
+    /// a transparent VQP needs (it publishes its QPN there). Once it did
+    /// not, every later RC QP of the process stays real too (a peer of
+    /// this process then finds none of its QPs virtual, not some); the
+    /// first failure is one warning on stderr, unless `KRCORE_LOG` was set
+    /// below warn.
+    fn meta_reachable(pd: &Pd) -> bool {
+        static DOWN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if DOWN.load(std::sync::atomic::Ordering::Acquire) {
+            crate::klog!(crate::log::Level::Info, "KRCORE_VIRTUALIZE: an RC QP stays real: the meta server could not be reached");
+            return false;
+        }
+        // SAFETY: our PD's context is our live context.
+        let ctx = unsafe { Context::from_ibv(pd.ibv.context) }.real;
+        // SAFETY: the application's live real context and PD (they outlive
+        // the runtime: destroying them first fails with EBUSY).
+        let r = unsafe { crate::vqp::runtime::Runtime::get_or_start(ctx, pd.real, None) }.and_then(|rt| rt.meta());
+        let Err(e) = r else { return true };
+        if !DOWN.swap(true, std::sync::atomic::Ordering::AcqRel)
+            && (crate::log::enabled(crate::log::Level::Warn) || std::env::var_os("KRCORE_LOG").is_none())
+        {
+            let meta = crate::config::get().meta.clone().unwrap_or_default();
+            crate::log::write_line(
+                crate::log::Level::Warn,
+                format_args!("KRCORE_VIRTUALIZE: the meta server {meta} cannot be reached ({e:?}): this process's RC QPs stay real QPs"),
+            );
+        }
+        false
+    }
+
     /// Run `f` (librdmacm creating a QP): the QPs it creates stay real
     /// (`abi/rdmacm.rs` says why).
     pub fn created_by_rdmacm<R>(f: impl FnOnce() -> R) -> R {
@@ -336,7 +366,7 @@ impl Qp {
             unsafe { (*attr).cap = a.cap };
             return Ok(q);
         }
-        if Qp::virtualizes(&parents, a.qp_type, &a.cap, None) {
+        if Qp::virtualizes(&parents, a.qp_type, &a.cap, None) && Qp::meta_reachable(pd) {
             let backup = Qp::fallback_qp(ctx, pd.real, &a)?;
             let q = Qp::create_transparent(pd, &parents, &mut a.cap, a.sq_sig_all != 0, backup)?;
             // SAFETY: attr is valid for writes.
@@ -413,11 +443,15 @@ impl Qp {
             // Send ops a VQP cannot do (the ibv_wr_* ones it can are its own).
             lacks_op
         };
-        if Qp::virtualizes(&parents, a.qp_type, &a.cap, extra) {
+        let virt_pd = if Qp::virtualizes(&parents, a.qp_type, &a.cap, extra) {
             // SAFETY: checked to be one of our PDs of this context.
             unsafe { Pd::real_of(a.pd, me)? };
             // SAFETY: as above.
-            let pd = unsafe { Pd::from_ibv(a.pd) };
+            Some(unsafe { Pd::from_ibv(a.pd) }).filter(|pd| Qp::meta_reachable(pd))
+        } else {
+            None
+        };
+        if let Some(pd) = virt_pd {
             let basic = ibv_qp_init_attr {
                 qp_context: a.qp_context,
                 send_cq: a.send_cq,

@@ -142,13 +142,41 @@ impl Device {
     /// The first usable GID: the first RoCE v2 one on Ethernet, the first
     /// non-zero one on InfiniBand.
     pub fn default_gid_index(&self) -> Result<u32> {
+        (0..self.gid_table_len()).find(|&i| self.gid_usable(i)).ok_or(Errno(libc::EADDRNOTAVAIL))
+    }
+
+    /// Whether the GID at `index` can carry a link: non-zero, and RoCE v2
+    /// on Ethernet (the type the library's links use).
+    fn gid_usable(&self, index: u32) -> bool {
         let ethernet = self.port_attr.link_layer == LINK_LAYER_ETHERNET;
-        (0..self.gid_table_len())
-            .find(|&i| {
-                let nonzero = self.gid(i).is_ok_and(|g| g != [0; 16]);
-                nonzero && (!ethernet || self.gid_type(i) == Some(GID_TYPE_ROCE_V2))
-            })
-            .ok_or(Errno(libc::EADDRNOTAVAIL))
+        let nonzero = self.gid(index).is_ok_and(|g| g != [0; 16]);
+        nonzero && (!ethernet || self.gid_type(index) == Some(GID_TYPE_ROCE_V2))
+    }
+
+    /// Every distinct usable GID of the port, in table order.
+    pub fn usable_gids(&self) -> Vec<Gid> {
+        let mut out: Vec<Gid> = Vec::new();
+        for i in (0..self.gid_table_len()).filter(|&i| self.gid_usable(i)) {
+            match self.gid(i) {
+                Ok(g) if !out.contains(&g) => out.push(g),
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// The usable GID the kernel would send to `addr` from: the source
+    /// address of its route (a UDP socket's `connect` sends nothing), as a
+    /// RoCE v2 GID of our port. None when that address is not on this port.
+    pub fn route_gid_index(&self, addr: &std::net::SocketAddr) -> Option<u32> {
+        let any: std::net::SocketAddr = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().ok()?;
+        let sock = std::net::UdpSocket::bind(any).ok()?;
+        sock.connect(addr).ok()?;
+        let gid = match sock.local_addr().ok()?.ip() {
+            std::net::IpAddr::V4(ip) => ipv4_gid(ip),
+            std::net::IpAddr::V6(ip) => ip.to_ipv4_mapped().map_or(ip.octets(), ipv4_gid),
+        };
+        (0..self.gid_table_len()).find(|&i| self.gid(i).is_ok_and(|g| g == gid) && self.gid_usable(i))
     }
 
     fn gid_type(&self, index: u32) -> Option<u32> {

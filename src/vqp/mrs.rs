@@ -26,9 +26,10 @@ pub struct PdMrs {
 }
 
 impl PdMrs {
-    /// Every (rkey, info) of the PD, for a new MR table.
+    /// Every (rkey, info) of the PD that peers may access, for a new MR
+    /// table.
     pub fn published(&self) -> Vec<(u32, MrInfo)> {
-        self.by_lkey.values().map(|e| (e.rkey, e.info)).collect()
+        self.by_lkey.values().filter(|e| remote(&e.info)).map(|e| (e.rkey, e.info)).collect()
     }
 }
 
@@ -38,7 +39,14 @@ impl LocalMrs for PdMrs {
     }
 }
 
-/// What changed in a PD's MR set: the runtime updates its MR table.
+/// Whether peers may access an MR: only those go into the MR table (a
+/// local-only MR's rkey means nothing; rxe gives them all rkey 0).
+fn remote(info: &MrInfo) -> bool {
+    use crate::sys::ibv_access_flags as A;
+    info.access & (A::IBV_ACCESS_REMOTE_READ.0 | A::IBV_ACCESS_REMOTE_WRITE.0 | A::IBV_ACCESS_REMOTE_ATOMIC.0) != 0
+}
+
+/// What changed in a PD's MR set (of the MRs peers may access): the runtime updates its MR table.
 pub enum Change {
     Added { rkey: u32, info: MrInfo },
     Removed { rkey: u32 },
@@ -71,7 +79,7 @@ pub fn added(pd: usize, lkey: u32, rkey: u32, info: MrInfo) {
     e.refs += 1;
     let first = e.refs == 1;
     drop(g);
-    if first {
+    if first && remote(&info) {
         notify(pd, &Change::Added { rkey, info });
     }
 }
@@ -85,11 +93,13 @@ pub fn removed(pd: usize, lkey: u32) {
     if e.refs > 0 {
         return;
     }
-    let rkey = e.rkey;
+    let (rkey, published) = (e.rkey, remote(&e.info));
     mrs.by_lkey.remove(&lkey);
     EPOCH.fetch_add(1, Ordering::AcqRel);
     drop(g);
-    notify(pd, &Change::Removed { rkey });
+    if published {
+        notify(pd, &Change::Removed { rkey });
+    }
 }
 
 fn notify(pd: usize, c: &Change) {

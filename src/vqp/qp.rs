@@ -191,8 +191,9 @@ struct State {
     memo: MrMemo,
     /// A transparent VQP (`KRCORE_VIRTUALIZE`): the RC QP it plays.
     rc: Option<RcShadow>,
-    /// A transparent VQP's published QPN (unpublished at destroy).
-    published: Option<crate::meta::Key>,
+    /// A transparent VQP's published QPN, one key per GID (unpublished at
+    /// destroy).
+    published: Vec<crate::meta::Key>,
     /// Its link failed: in the error state (sends and, once the messages
     /// that came before are delivered, receives are flushed).
     failed: bool,
@@ -291,7 +292,7 @@ impl Vqp {
             sent_msgs: false,
             memo: MrMemo::default(),
             rc: None,
-            published: None,
+            published: Vec::new(),
             failed: false,
             wire: None,
             held_sends: Vec::new(),
@@ -456,26 +457,30 @@ impl Vqp {
     /// a peer's RTR naming it resolves here. Returns that QPN.
     /// `real_qpn`: publish that QPN instead (`KRCORE_VIRTUALIZE=auto`: the
     /// number of the real QP kept for a fallback, unique on the device).
+    ///
+    /// The QPN is published under every distinct usable GID of the port:
+    /// the application advertises the GID of the `sgid_index` it picks at
+    /// RTR, and its peer may resolve it before that (ibv_rc_pingpong's
+    /// server does its RTR before it sends its own address).
     pub fn make_transparent(&self, real_qpn: Option<u32>) -> Result<u32> {
         let rt = self.runtime(None)?;
         let meta = rt.meta()?;
         let ep = Endpoint { vqpn: self.vqpn, ..rt.svc.endpoint() };
-        for _ in 0..32 {
+        'draw: for _ in 0..32 {
             let qpn = real_qpn.unwrap_or_else(|| 0x80_0000 | (rdma::random_u64() as u32 & 0x7f_ffff));
-            let key = crate::meta::Key::Vqpn { gid: ep.gid, vqpn: qpn };
-            match meta.bind(&key, &ep) {
-                Ok(()) => {
-                    let mut st = self.st.lock();
-                    st.rc = Some(RcShadow::default());
-                    st.published = Some(key);
-                    let _ = self.app_qpn.set(qpn);
-                    return Ok(qpn);
-                }
-                // Taken on this GID (by another process), or its place in
-                // the table is full: draw again.
-                Err(e) if real_qpn.is_none() && (e.0 == libc::EADDRINUSE || e.0 == libc::ENOSPC) => continue,
+            let keys: Vec<_> = rt.gids().iter().map(|&gid| crate::meta::Key::Vqpn { gid, vqpn: qpn }).collect();
+            match meta.bind_all(&keys, &ep) {
+                Ok(()) => {}
+                // Taken on a GID (by another process), or its place in the
+                // table is full: draw again.
+                Err(e) if real_qpn.is_none() && (e.0 == libc::EADDRINUSE || e.0 == libc::ENOSPC) => continue 'draw,
                 Err(e) => return Err(e),
             }
+            let mut st = self.st.lock();
+            st.rc = Some(RcShadow::default());
+            st.published = keys;
+            let _ = self.app_qpn.set(qpn);
+            return Ok(qpn);
         }
         Err(Errno(libc::EADDRINUSE))
     }
@@ -1801,10 +1806,9 @@ impl Vqp {
         // its WRs; they may still be on the link (teardown.rs).
         let unread = self.quiesce();
         let mut st = self.st.lock();
-        for key in [st.bound.take(), st.published.take()].into_iter().flatten() {
-            if let Some(Ok(meta)) = self.rt.get().map(|rt| rt.meta()) {
-                let _ = meta.unbind(&key);
-            }
+        let keys: Vec<_> = st.bound.take().into_iter().chain(std::mem::take(&mut st.published)).collect();
+        if let (false, Some(Ok(meta))) = (keys.is_empty(), self.rt.get().map(|rt| rt.meta())) {
+            meta.unbind_all(&keys);
         }
         let mut out = Vec::new();
         st.sq.flush(&mut |c| out.push(c));

@@ -567,6 +567,8 @@ pub struct Runtime {
     probing: AtomicBool,
     /// What waits for WQEs on the links to complete (teardown, MRs).
     pub wire: super::wire::Waiters,
+    /// See [`Runtime::gids`].
+    gids: OnceCell<Vec<rdma::Gid>>,
 }
 
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
@@ -593,7 +595,7 @@ impl Runtime {
         let dev = unsafe { Device::borrow(ctx, pd) }?;
         let gi = match gid_index.or(crate::config::get().gid_index) {
             Some(i) => i,
-            None => dev.default_gid_index()?,
+            None => Runtime::home_gid_index(&dev)?,
         };
         let svc = Service::start(&dev, gi, service::Options::default())?;
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
@@ -620,6 +622,7 @@ impl Runtime {
             probe_buf,
             probing: AtomicBool::new(true),
             wire: Default::default(),
+            gids: OnceCell::new(),
         });
         for buf in 0..service::Options::default().srq_wr {
             rt.post_recv_buf(buf)?;
@@ -666,6 +669,35 @@ impl Runtime {
         Runtime::schedule_maintenance(&rt);
         map.insert(pd as usize, Arc::clone(&rt));
         Ok(rt)
+    }
+
+    /// Our GID when neither qbind nor `KRCORE_GID_INDEX` names one: the
+    /// one the kernel routes to the (first reachable) meta server from,
+    /// so that the meta server and the peers that reach it reach us; else
+    /// the port's first usable GID.
+    fn home_gid_index(dev: &Device) -> Result<u32> {
+        let addrs = crate::config::get().meta.as_deref().and_then(|m| client::parse_addrs(m).ok()).unwrap_or_default();
+        let gi = match addrs.iter().find_map(|a| dev.route_gid_index(a)) {
+            Some(i) => i,
+            None => dev.default_gid_index()?,
+        };
+        klog!(Level::Info, "vqp: links and the meta server use GID index {gi} of {} (KRCORE_GID_INDEX overrides)", dev.name);
+        Ok(gi)
+    }
+
+    /// Every distinct usable GID of our port, read once: a transparent
+    /// VQP's QPN is published under each (the application may advertise
+    /// any of them).
+    pub fn gids(&self) -> &[rdma::Gid] {
+        self.gids.get_or_init(|| {
+            let mut g = self.svc.device().usable_gids();
+            // Ours first: the key the peers of a default setup look up.
+            if let Ok(home) = self.svc.device().gid(self.svc.gid_index()) {
+                g.retain(|x| *x != home);
+                g.insert(0, home);
+            }
+            g
+        })
     }
 
     /// Look after the links on the service thread (a deferred work that

@@ -531,9 +531,10 @@ class Runner:
         if mode == "virtualized":
             env.update(KRCORE_VIRTUALIZE="auto" if case.virt == "auto" else "1",
                        KRCORE_META=self.meta())
-            # The GID the process publishes its QPNs on: the one it advertises.
-            role_env["server"]["KRCORE_GID_INDEX"] = str(self.topo.srv_gid)
-            role_env["client"]["KRCORE_GID_INDEX"] = str(self.topo.cli_gid)
+            # No KRCORE_GID_INDEX: the library finds its GID (the route to
+            # the meta server) and publishes each QPN under every GID of the
+            # port, so the server's -x/-g srv_gid and the client's cli_gid
+            # (different indexes) both resolve.
         if mode == "linked":
             # C tests link libkrcore themselves (rpath); tell them the device and
             # GIDs (c-tests/common.h), and let their watchdog fire before our kill.
