@@ -6,7 +6,7 @@
  * and is torn down at once; VQP 2, on the same link, then moves checked
  * data, and the counter links_failed stays 0 in both processes.
  *
- * - destroy: a 16 MiB READ on VQP 1, ibv_destroy_qp at once; a canary
+ * - destroy: a 8 MiB READ on VQP 1, ibv_destroy_qp at once; a canary
  *   written over the buffer after destroy returned must survive VQP 2's
  *   WRITE and READ behind it (RC order: once they completed, the link is
  *   done with the READ). How long destroy waited is printed.
@@ -14,10 +14,10 @@
  *   READ's flush completion was polled.
  * - RESET: the same with ibv_modify_qp(RESET): the canary is written once
  *   it returned.
- * - ERR, then deregister and munmap: a 16 MiB READ into a buffer of its
+ * - ERR, then deregister and munmap: a 8 MiB READ into a buffer of its
  *   own, ERR, its flush completion polled, then ibv_dereg_mr and munmap
  *   at once: nothing faults, no link fails, VQP 2 moves data.
- * - an MR deregistered while its WQE is queued: VQP 2 WRITEs 16 MiB, VQP 1
+ * - an MR deregistered while its WQE is queued: VQP 2 WRITEs 8 MiB, VQP 1
  *   a page from a small MR behind it, and the small MR is deregistered
  *   right after the post: both WRITEs complete successfully and the peer
  *   finds both payloads, byte for byte; no link fails.
@@ -45,7 +45,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define BIG (16u << 20)		/* the transfer torn down under */
+#define BIG (8u << 20)		/* the transfer torn down under: rxe's max_msg_sz */
 #define SMALL 4096u		/* the queued WRITE of the dereg case */
 #define WIT (64u << 10)		/* VQP 2's checked transfers */
 #define SRC_SEED 7u		/* the peer's READ source */
@@ -288,7 +288,7 @@ static void expect_canary(const uint8_t *p, size_t len, const char *what)
 			 what, i, p[i]);
 }
 
-/* Post the 16 MiB READ on VQP 1 into `dst` (MR `lkey`). */
+/* Post the 8 MiB READ on VQP 1 into `dst` (MR `lkey`). */
 static void big_read(struct t *t, struct ibv_qp *q1, void *dst, uint32_t lkey)
 {
 	CT_OK(post1(q1, 11, IBV_WR_RDMA_READ, dst, BIG, lkey, t->o.src, t->o.rkey));
@@ -323,7 +323,7 @@ static void case_destroy(struct t *t)
 	uint64_t t0;
 	double plain, waited;
 
-	ct_begin("vqp_teardown: destroy with a 16 MiB READ in flight");
+	ct_begin("vqp_teardown: destroy with a 8 MiB READ in flight");
 	pair(t, &q1, &q2);
 	/* How long the READ takes by itself, for comparison. */
 	memset(t->n.b.p, 0, BIG);
@@ -332,7 +332,7 @@ static void case_destroy(struct t *t)
 	ct_poll_n(t->n.scq, &wc, 1, CT_TIMEOUT_MS);
 	plain = ms_since(t0);
 	CT_CHECK(wc.status == IBV_WC_SUCCESS, "plain READ: %s", ibv_wc_status_str(wc.status));
-	ct_expect_pattern(t->n.b.p, BIG, SRC_SEED, "plain 16 MiB READ");
+	ct_expect_pattern(t->n.b.p, BIG, SRC_SEED, "plain 8 MiB READ");
 
 	memset(t->n.b.p, 0, BIG);
 	big_read(t, q1, t->n.b.p, t->n.b.mr->lkey);
@@ -343,7 +343,7 @@ static void case_destroy(struct t *t)
 	witness(t, q2, 101);
 	expect_canary(t->n.b.p, BIG, "after ibv_destroy_qp");
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
-	ct_note("ibv_destroy_qp with a 16 MiB READ in flight returned after %.1f ms (the READ alone: %.1f ms)",
+	ct_note("ibv_destroy_qp with a 8 MiB READ in flight returned after %.1f ms (the READ alone: %.1f ms)",
 		waited, plain);
 	CT_OK(ibv_destroy_qp(q2));
 	ct_pass();
@@ -354,7 +354,7 @@ static void case_err(struct t *t)
 	struct ibv_qp *q1, *q2;
 	uint64_t t0;
 
-	ct_begin("vqp_teardown: ERR with a 16 MiB READ in flight");
+	ct_begin("vqp_teardown: ERR with a 8 MiB READ in flight");
 	pair(t, &q1, &q2);
 	memset(t->n.b.p, 0, BIG);
 	big_read(t, q1, t->n.b.p, t->n.b.mr->lkey);
@@ -376,7 +376,7 @@ static void case_reset(struct t *t)
 	struct ibv_qp *q1, *q2;
 	uint64_t t0;
 
-	ct_begin("vqp_teardown: RESET with a 16 MiB READ in flight");
+	ct_begin("vqp_teardown: RESET with a 8 MiB READ in flight");
 	pair(t, &q1, &q2);
 	memset(t->n.b.p, 0, BIG);
 	big_read(t, q1, t->n.b.p, t->n.b.mr->lkey);
@@ -460,7 +460,7 @@ static void case_dereg_queued(struct t *t)
 	ct_fill(t->n.b.p, BIG, 201);
 	ct_fill(small, SMALL, 202);
 	mr = CT_PTR(ibv_reg_mr(t->n.d.pd, small, SMALL, IBV_ACCESS_LOCAL_WRITE));
-	/* VQP 2's 16 MiB WRITE first: VQP 1's WRITE waits behind it. */
+	/* VQP 2's 8 MiB WRITE first: VQP 1's WRITE waits behind it. */
 	CT_OK(post1(q2, 31, IBV_WR_RDMA_WRITE, t->n.b.p, BIG, t->n.b.mr->lkey, t->o.dst, t->o.rkey));
 	CT_OK(post1(q1, 32, IBV_WR_RDMA_WRITE, small, SMALL, mr->lkey, t->o.dst + BIG, t->o.rkey));
 	CT_OK(ibv_dereg_mr(mr));
@@ -471,7 +471,7 @@ static void case_dereg_queued(struct t *t)
 			 (unsigned long long)wc[i].wr_id);
 	cmd(t, 'V', 201, 0, BIG);
 	xread(t->fd, &ok, 1);
-	CT_CHECK(ok == 'Y', "the peer did not find VQP 2's 16 MiB WRITE");
+	CT_CHECK(ok == 'Y', "the peer did not find VQP 2's 8 MiB WRITE");
 	cmd(t, 'V', 202, BIG, SMALL);
 	xread(t->fd, &ok, 1);
 	CT_CHECK(ok == 'Y', "the peer did not find VQP 1's WRITE from the deregistered MR");
