@@ -224,9 +224,8 @@ fn main() {
         httpd_trace("httpd-nocorr", 4000, requests, 0.9, 1e9, 0x5EED_0001),
     ];
     println!("registration cost T(pages) = {a} us/page ({a_src}) * pages + {b} us ({b_src}); {requests} requests per trace");
-    let mut csv = String::from(
-        "trace,policy,cache_pages,requests,hits,hit_ratio,byte_hit_ratio,reg_time_ms,dereg_batches,evicted_entries\n",
-    );
+    let mut csv =
+        String::from("trace,policy,cache_pages,requests,hits,hit_ratio,byte_hit_ratio,reg_time_ms,dereg_batches,evicted_entries\n");
     for trace in &traces {
         println!("\n{}: {}", trace.name, trace.note);
         println!(

@@ -75,8 +75,15 @@ for line in sys.stdin:
     [[ -n "$(ls target/rdma-tests)" ]]
 }
 
+# Formatting (rustfmt.toml) and clippy with warnings as errors.
+# shellcheck disable=SC2317  # called indirectly through stage
+lint() {
+    cargo fmt --check && cargo clippy --release -- -D warnings
+}
+
 stage install-deps scripts/install-deps.sh
 if stage build cargo build --release; then
+    stage lint lint
     stage install bash scripts/install-test.sh
     stage unit-tests cargo test --release
     if [[ -f c-tests/Makefile ]]; then

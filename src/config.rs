@@ -130,11 +130,7 @@ impl Config {
             self.link_idle_ms.to_string(),
             self.virtualize.name().to_string(),
         ];
-        VARIABLES
-            .iter()
-            .zip(vals)
-            .map(|((name, _, _), v)| format!("{name}={v}\n"))
-            .collect()
+        VARIABLES.iter().zip(vals).map(|((name, _, _), v)| format!("{name}={v}\n")).collect()
     }
 }
 

@@ -242,13 +242,8 @@ pub fn get(index: usize) -> Option<u64> {
 pub fn to_json() -> String {
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() };
-    let counters: Vec<String> =
-        (0..COUNT).map(|i| format!("\"{}\":{}", name(i).unwrap_or("?"), get(i).unwrap_or(0))).collect();
-    format!(
-        "{{\"krcore\":\"{}\",\"pid\":{pid},\"counters\":{{{}}}}}",
-        env!("CARGO_PKG_VERSION"),
-        counters.join(",")
-    )
+    let counters: Vec<String> = (0..COUNT).map(|i| format!("\"{}\":{}", name(i).unwrap_or("?"), get(i).unwrap_or(0))).collect();
+    format!("{{\"krcore\":\"{}\",\"pid\":{pid},\"counters\":{{{}}}}}", env!("CARGO_PKG_VERSION"), counters.join(","))
 }
 
 /// At process exit: `KRCORE_STATS=1` prints the JSON on stderr,

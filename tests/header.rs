@@ -21,8 +21,5 @@ fn header_matches_sources() {
         return;
     }
     let committed = std::fs::read(&path).unwrap_or_default();
-    assert!(
-        committed == out,
-        "include/krcore.h is out of date: run `KRCORE_BLESS=1 cargo test --test header` and commit it"
-    );
+    assert!(committed == out, "include/krcore.h is out of date: run `KRCORE_BLESS=1 cargo test --test header` and commit it");
 }

@@ -97,9 +97,12 @@ fn a_panic_on_the_service_thread_fails_its_links_and_the_thread_goes_on() {
     let now = Instant::now();
     a.defer(now, Box::new(|| panic!("a deliberate bug in deferred work")));
     let r = Arc::clone(&ran);
-    a.defer(now, Box::new(move || {
-        r.fetch_add(1, Ordering::SeqCst);
-    }));
+    a.defer(
+        now,
+        Box::new(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        }),
+    );
     // Without the boundary the thread is dead: this never runs.
     eventually("deferred work after the panic ran", Duration::from_secs(5), || ran.load(Ordering::SeqCst) == 1);
     assert_eq!(stat(Stat::KRCORE_STAT_SERVICE_PANICS), panics + 1);
@@ -111,9 +114,12 @@ fn a_panic_on_the_service_thread_fails_its_links_and_the_thread_goes_on() {
     // deferred work again, and a new link to the peer carries data.
     a.defer(Instant::now(), Box::new(|| panic!("a second one")));
     let r = Arc::clone(&ran);
-    a.defer(Instant::now() + Duration::from_millis(20), Box::new(move || {
-        r.fetch_add(1, Ordering::SeqCst);
-    }));
+    a.defer(
+        Instant::now() + Duration::from_millis(20),
+        Box::new(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        }),
+    );
     eventually("deferred work after the second panic ran", Duration::from_secs(5), || ran.load(Ordering::SeqCst) == 2);
     assert_eq!(stat(Stat::KRCORE_STAT_SERVICE_PANICS), panics + 2);
 }

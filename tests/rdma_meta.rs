@@ -68,8 +68,7 @@ fn device() -> Arc<Device> {
 /// A client on emulated node `node` (GID index `node`, 10.77.0.`node`).
 fn client(dev: &Arc<Device>, node: u8, meta: &Meta, lease: Duration) -> Arc<MetaClient> {
     let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, node))).expect("node GID");
-    MetaClient::connect(dev, gi, &[meta.addr], Options { timeout: Duration::from_secs(5), lease })
-        .expect("connect to krcore-meta")
+    MetaClient::connect(dev, gi, &[meta.addr], Options { timeout: Duration::from_secs(5), lease }).expect("connect to krcore-meta")
 }
 
 fn port_key(node: u8, port: u32) -> Key {
@@ -170,8 +169,7 @@ fn binder() {
     let addr: SocketAddr = std::env::var("KRCORE_TEST_META").unwrap().parse().unwrap();
     let dev = device();
     let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, 4))).unwrap();
-    let c = MetaClient::connect(&dev, gi, &[addr], Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(30) })
-        .unwrap();
+    let c = MetaClient::connect(&dev, gi, &[addr], Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(30) }).unwrap();
     c.bind(&port_key(4, 7000), &endpoint(4, 9, 1)).unwrap();
     println!("binder: bound");
     std::thread::sleep(Duration::from_secs(60));

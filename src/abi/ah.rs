@@ -51,12 +51,7 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_create_ah_from_wc(
-    pd: *mut ibv_pd,
-    wc: *mut ibv_wc,
-    grh: *mut ibv_grh,
-    port_num: u8,
-) -> *mut ibv_ah {
+pub unsafe extern "C" fn ibv_create_ah_from_wc(pd: *mut ibv_pd, wc: *mut ibv_wc, grh: *mut ibv_grh, port_num: u8) -> *mut ibv_ah {
     boundary::ptr("ibv_create_ah_from_wc", || {
         if !owner!(pd)? {
             return foreign!(ibv_create_ah_from_wc(pd, wc, grh, port_num));

@@ -28,11 +28,7 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut ibv_comp_channel
 
 /// Returns the application's CQ and its `cq_context`.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_get_cq_event(
-    channel: *mut ibv_comp_channel,
-    cq: *mut *mut ibv_cq,
-    cq_context: *mut *mut c_void,
-) -> c_int {
+pub unsafe extern "C" fn ibv_get_cq_event(channel: *mut ibv_comp_channel, cq: *mut *mut ibv_cq, cq_context: *mut *mut c_void) -> c_int {
     boundary::minus_one("ibv_get_cq_event", || {
         if !owner!(channel)? {
             return foreign!(ibv_get_cq_event(channel, cq, cq_context));

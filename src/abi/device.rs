@@ -120,9 +120,7 @@ pub unsafe extern "C" fn _ibv_query_gid_table(
     entry_size: usize,
 ) -> isize {
     boundary::value("_ibv_query_gid_table", -(libc::EIO as isize), || {
-        match real_ctx(context)
-            .and_then(|c| call_real!(_ibv_query_gid_table(c, entries, max_entries, flags, entry_size)))
-        {
+        match real_ctx(context).and_then(|c| call_real!(_ibv_query_gid_table(c, entries, max_entries, flags, entry_size))) {
             Ok(n) => n,
             Err(e) => -(e.errno() as isize),
         }
@@ -132,9 +130,7 @@ pub unsafe extern "C" fn _ibv_query_gid_table(
 /// Private to rdma-core (IBVERBS_PRIVATE_*), used by its own libraries.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_query_gid_type(context: *mut ibv_context, port_num: u8, index: c_uint, ty: *mut c_uint) -> c_int {
-    boundary::minus_one("ibv_query_gid_type", || {
-        call_real!(ibv_query_gid_type(real_ctx(context)?, port_num, index, ty))
-    })
+    boundary::minus_one("ibv_query_gid_type", || call_real!(ibv_query_gid_type(real_ctx(context)?, port_num, index, ty)))
 }
 
 #[no_mangle]
@@ -156,9 +152,7 @@ pub unsafe extern "C" fn ibv_resolve_eth_l2_from_gid(
     eth_mac: *mut u8,
     vid: *mut u16,
 ) -> c_int {
-    boundary::errno("ibv_resolve_eth_l2_from_gid", || {
-        call_real!(ibv_resolve_eth_l2_from_gid(real_ctx(context)?, attr, eth_mac, vid))
-    })
+    boundary::errno("ibv_resolve_eth_l2_from_gid", || call_real!(ibv_resolve_eth_l2_from_gid(real_ctx(context)?, attr, eth_mac, vid)))
 }
 
 #[no_mangle]
@@ -206,12 +200,7 @@ pub unsafe extern "C" fn ibv_unimport_dm(dm: *mut ibv_dm) {
 }
 
 /// The context's `query_port` op.
-pub(super) unsafe extern "C" fn query_port_op(
-    context: *mut ibv_context,
-    port_num: u8,
-    attr: *mut ibv_port_attr,
-    attr_len: usize,
-) -> c_int {
+pub(super) unsafe extern "C" fn query_port_op(context: *mut ibv_context, port_num: u8, attr: *mut ibv_port_attr, attr_len: usize) -> c_int {
     boundary::errno("query_port", || {
         let real = ctx_of(context)?.real;
         match real_ctx_op!(real, query_port) {

@@ -24,26 +24,12 @@ pub unsafe extern "C" fn ibv_reg_mr(pd: *mut ibv_pd, addr: *mut c_void, length: 
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_reg_mr_iova(
-    pd: *mut ibv_pd,
-    addr: *mut c_void,
-    length: usize,
-    iova: u64,
-    access: c_int,
-) -> *mut ibv_mr {
-    reg("ibv_reg_mr_iova", pd, RegKind::Iova { addr, length, iova, access }, || {
-        foreign!(ibv_reg_mr_iova(pd, addr, length, iova, access))
-    })
+pub unsafe extern "C" fn ibv_reg_mr_iova(pd: *mut ibv_pd, addr: *mut c_void, length: usize, iova: u64, access: c_int) -> *mut ibv_mr {
+    reg("ibv_reg_mr_iova", pd, RegKind::Iova { addr, length, iova, access }, || foreign!(ibv_reg_mr_iova(pd, addr, length, iova, access)))
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_reg_mr_iova2(
-    pd: *mut ibv_pd,
-    addr: *mut c_void,
-    length: usize,
-    iova: u64,
-    access: c_uint,
-) -> *mut ibv_mr {
+pub unsafe extern "C" fn ibv_reg_mr_iova2(pd: *mut ibv_pd, addr: *mut c_void, length: usize, iova: u64, access: c_uint) -> *mut ibv_mr {
     reg("ibv_reg_mr_iova2", pd, RegKind::Iova2 { addr, length, iova, access }, || {
         foreign!(ibv_reg_mr_iova2(pd, addr, length, iova, access))
     })

@@ -17,7 +17,6 @@ use crate::sys::*;
 use crate::vqp::wr_builder::Op;
 use libc::{c_int, c_void};
 
-
 // ---- ibv_context_ops: the data path --------------------------------------
 
 pub(crate) unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
@@ -305,11 +304,7 @@ unsafe extern "C" fn wr_set_ud_addr(qp: *mut ibv_qp_ex, ah: *mut ibv_ah, remote_
         // SAFETY: installed only on our extended QPs with the real builder.
         unsafe {
             let (q, r) = synced(qp);
-            let real_ah = if !ah.is_null() && (*ah).context == q.ibv.qp_base.context {
-                crate::obj::Ah::from_ibv(ah).real
-            } else {
-                ah
-            };
+            let real_ah = if !ah.is_null() && (*ah).context == q.ibv.qp_base.context { crate::obj::Ah::from_ibv(ah).real } else { ah };
             (r.wr_set_ud_addr.unwrap_unchecked())(r, real_ah, remote_qpn, remote_qkey)
         }
     })
@@ -546,10 +541,27 @@ pub fn install_qp_ex_ops(q: &mut Qp) {
         ($($f:ident),*) => { $( if r.$f.is_some() { o.$f = Some($f); } )* };
     }
     mirror!(
-        wr_atomic_cmp_swp, wr_atomic_fetch_add, wr_bind_mw, wr_local_inv, wr_rdma_read, wr_rdma_write,
-        wr_rdma_write_imm, wr_send, wr_send_imm, wr_send_inv, wr_send_tso, wr_set_ud_addr, wr_set_xrc_srqn,
-        wr_set_inline_data, wr_set_inline_data_list, wr_set_sge, wr_set_sge_list, wr_start, wr_complete,
-        wr_abort, wr_atomic_write
+        wr_atomic_cmp_swp,
+        wr_atomic_fetch_add,
+        wr_bind_mw,
+        wr_local_inv,
+        wr_rdma_read,
+        wr_rdma_write,
+        wr_rdma_write_imm,
+        wr_send,
+        wr_send_imm,
+        wr_send_inv,
+        wr_send_tso,
+        wr_set_ud_addr,
+        wr_set_xrc_srqn,
+        wr_set_inline_data,
+        wr_set_inline_data_list,
+        wr_set_sge,
+        wr_set_sge_list,
+        wr_start,
+        wr_complete,
+        wr_abort,
+        wr_atomic_write
     );
 }
 
@@ -635,9 +647,23 @@ pub fn install_cq_ex_ops(c: &mut Cq) {
         ($($f:ident),*) => { $( if r.$f.is_some() { o.$f = Some($f); } )* };
     }
     mirror!(
-        start_poll, next_poll, end_poll, read_opcode, read_vendor_err, read_byte_len, read_imm_data,
-        read_qp_num, read_src_qp, read_wc_flags, read_slid, read_sl, read_dlid_path_bits,
-        read_completion_ts, read_cvlan, read_flow_tag, read_tm_info, read_completion_wallclock_ns
+        start_poll,
+        next_poll,
+        end_poll,
+        read_opcode,
+        read_vendor_err,
+        read_byte_len,
+        read_imm_data,
+        read_qp_num,
+        read_src_qp,
+        read_wc_flags,
+        read_slid,
+        read_sl,
+        read_dlid_path_bits,
+        read_completion_ts,
+        read_cvlan,
+        read_flow_tag,
+        read_tm_info,
+        read_completion_wallclock_ns
     );
 }
-

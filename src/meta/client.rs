@@ -602,7 +602,11 @@ impl MetaClient {
                 Some(Ok(held)) => {
                     let refused = r.conn.lock().as_ref().map_or(0, |c| c.refused.len());
                     if lost_entries(held, n, refused) {
-                        klog!(Level::Warn, "meta server {}: holds {held} of our {n} entries (leases ran out?): registering them again", r.addr);
+                        klog!(
+                            Level::Warn,
+                            "meta server {}: holds {held} of our {n} entries (leases ran out?): registering them again",
+                            r.addr
+                        );
                         self.repopulate(i);
                     }
                 }
@@ -634,7 +638,11 @@ impl MetaClient {
                     // have it (and in our renewals): the application has
                     // no way to hear of a lost binding, and dropping it
                     // everywhere would lose it for good.
-                    klog!(Level::Warn, "meta server {}: {key:?} refused when registered again: {e:?}; kept on the other replicas, not retried here", r.addr);
+                    klog!(
+                        Level::Warn,
+                        "meta server {}: {key:?} refused when registered again: {e:?}; kept on the other replicas, not retried here",
+                        r.addr
+                    );
                     if let Some(c) = r.conn.lock().as_mut() {
                         c.refused.insert(key);
                     }
@@ -659,7 +667,13 @@ impl MetaClient {
         stats::inc(Stat::KRCORE_STAT_META_RECONNECTS);
         let t0 = Instant::now();
         if self.repopulate(i) && r.state.compare_exchange(REPOPULATING, UP, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            klog!(Level::Info, "meta server {}: connected again (incarnation {incarnation:#x}); our {} entries registered in {:?}", r.addr, self.bound.lock().len(), t0.elapsed());
+            klog!(
+                Level::Info,
+                "meta server {}: connected again (incarnation {incarnation:#x}); our {} entries registered in {:?}",
+                r.addr,
+                self.bound.lock().len(),
+                t0.elapsed()
+            );
         }
         Ok(())
     }
@@ -888,7 +902,15 @@ impl Conn {
     /// server's verdict; the outer error is a transport failure
     /// (`broken`). The server answers a client's requests in order, and
     /// holds [`PIPELINE`] receives for it.
-    fn requests(&mut self, op: Op, lease_ms: u32, keys: &[Key], ep: &Endpoint, timeout: Duration, state: &AtomicU8) -> Result<Vec<Result<u32>>> {
+    fn requests(
+        &mut self,
+        op: Op,
+        lease_ms: u32,
+        keys: &[Key],
+        ep: &Endpoint,
+        timeout: Duration,
+        state: &AtomicU8,
+    ) -> Result<Vec<Result<u32>>> {
         let n = keys.len();
         if n == 0 || n > PIPELINE {
             return Err(Errno::EINVAL);

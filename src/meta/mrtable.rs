@@ -61,19 +61,12 @@ impl Schema for MrSchema {
     }
 
     fn encode_value(mr: &MrInfo, out: &mut [u8]) {
-        FieldWriter(out)
-            .put(&mr.addr.to_le_bytes())
-            .put(&mr.len.to_le_bytes())
-            .put(&mr.access.to_le_bytes());
+        FieldWriter(out).put(&mr.addr.to_le_bytes()).put(&mr.len.to_le_bytes()).put(&mr.access.to_le_bytes());
     }
 
     fn decode_value(bytes: &[u8]) -> MrInfo {
         let mut fields = FieldReader(bytes);
-        MrInfo {
-            addr: fields.u64(),
-            len: fields.u64(),
-            access: fields.u32(),
-        }
+        MrInfo { addr: fields.u64(), len: fields.u64(), access: fields.u32() }
     }
 }
 
@@ -91,11 +84,7 @@ mod tests {
     use crate::meta::table::{EndpointTable, Lookup, HEADER_SIZE, NEIGHBORHOOD};
 
     fn mr(n: u64) -> MrInfo {
-        MrInfo {
-            addr: 0x7f00_0000_0000 + (n << 20),
-            len: 0x1000 * (n + 1),
-            access: 0x7 ^ n as u32,
-        }
+        MrInfo { addr: 0x7f00_0000_0000 + (n << 20), len: 0x1000 * (n + 1), access: 0x7 ^ n as u32 }
     }
 
     #[test]
@@ -174,10 +163,7 @@ mod tests {
             table.insert(rkey, mr(2)).unwrap();
         };
         let found = Lookup::Found;
-        assert_eq!(
-            check_torn_reads(&mut table, rkey, reuse),
-            (found(mr(1)), found(mr(2)))
-        );
+        assert_eq!(check_torn_reads(&mut table, rkey, reuse), (found(mr(1)), found(mr(2))));
     }
 
     #[test]

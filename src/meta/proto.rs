@@ -257,10 +257,7 @@ impl Request {
     pub fn decode(buf: &[u8]) -> Result<Request> {
         let (mut r, _) = Reader::new(buf, META_LEN, &[KIND_REQUEST])?;
         let op = r.u8()?;
-        let op = Op::ALL
-            .into_iter()
-            .find(|&o| o as u8 == op)
-            .ok_or(EBADMSG)?;
+        let op = Op::ALL.into_iter().find(|&o| o as u8 == op).ok_or(EBADMSG)?;
         let key_kind = r.u8()?;
         r.reserved(2)?;
         let req_id = r.u32()?;
@@ -275,13 +272,7 @@ impl Request {
         r.reserved(4)?;
         let endpoint = r.endpoint()?;
         r.finish()?;
-        Ok(Request {
-            op,
-            req_id,
-            lease_ms,
-            key,
-            endpoint,
-        })
+        Ok(Request { op, req_id, lease_ms, key, endpoint })
     }
 }
 
@@ -295,11 +286,7 @@ impl Response {
 
     pub fn decode(buf: &[u8]) -> Result<Response> {
         let (mut r, _) = Reader::new(buf, META_LEN, &[KIND_RESPONSE])?;
-        let response = Response {
-            req_id: r.u32()?,
-            status: r.status()?,
-            held: r.u32()?,
-        };
+        let response = Response { req_id: r.u32()?, status: r.status()?, held: r.u32()? };
         r.finish()?;
         Ok(response)
     }
@@ -335,14 +322,8 @@ impl LinkMessage {
         };
         r.finish()?;
         match kind {
-            KIND_LINK_REQUEST if status == 0 => {
-                Ok(LinkMessage::Request(LinkRequest { req_id, info }))
-            }
-            KIND_LINK_REPLY => Ok(LinkMessage::Reply(LinkReply {
-                req_id,
-                status,
-                info,
-            })),
+            KIND_LINK_REQUEST if status == 0 => Ok(LinkMessage::Request(LinkRequest { req_id, info })),
+            KIND_LINK_REPLY => Ok(LinkMessage::Reply(LinkReply { req_id, status, info })),
             _ => Err(EBADMSG),
         }
     }
@@ -454,11 +435,7 @@ impl<'a> Reader<'a> {
     }
 
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let b = self
-            .buf
-            .get(self.pos..)
-            .and_then(<[u8]>::first_chunk::<N>)
-            .ok_or(EBADMSG)?;
+        let b = self.buf.get(self.pos..).and_then(<[u8]>::first_chunk::<N>).ok_or(EBADMSG)?;
         self.pos += N;
         Ok(*b)
     }
@@ -509,13 +486,7 @@ impl<'a> Reader<'a> {
     }
 
     fn endpoint(&mut self) -> Result<Endpoint> {
-        let e = Endpoint {
-            gid: self.bytes()?,
-            qpn: self.u24()?,
-            qkey: self.u32()?,
-            incarnation: self.u64()?,
-            vqpn: self.u32()?,
-        };
+        let e = Endpoint { gid: self.bytes()?, qpn: self.u24()?, qkey: self.u32()?, incarnation: self.u64()?, vqpn: self.u32()? };
         self.reserved(4)?;
         Ok(e)
     }
@@ -534,40 +505,20 @@ mod tests {
     use super::*;
     use crate::testing::Rng;
 
-    const GID: [u8; 16] = [
-        0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
-    ];
+    const GID: [u8; 16] = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55];
     const MAX_U24: u32 = U24_LIMIT - 1;
     const ERRNO_MAX: u32 = i32::MAX as u32;
 
     fn endpoint(fill: u8) -> Endpoint {
-        Endpoint {
-            gid: [fill; 16],
-            qpn: 0x12_3456,
-            qkey: 0x1111_1111,
-            incarnation: 0x0102_0304_0506_0708,
-            vqpn: 0x2233_4455,
-        }
+        Endpoint { gid: [fill; 16], qpn: 0x12_3456, qkey: 0x1111_1111, incarnation: 0x0102_0304_0506_0708, vqpn: 0x2233_4455 }
     }
 
     fn endpoint_max() -> Endpoint {
-        Endpoint {
-            gid: [0xff; 16],
-            qpn: MAX_U24,
-            qkey: u32::MAX,
-            incarnation: u64::MAX,
-            vqpn: u32::MAX,
-        }
+        Endpoint { gid: [0xff; 16], qpn: MAX_U24, qkey: u32::MAX, incarnation: u64::MAX, vqpn: u32::MAX }
     }
 
     fn endpoint_zero() -> Endpoint {
-        Endpoint {
-            gid: [0; 16],
-            qpn: 0,
-            qkey: 0,
-            incarnation: 0,
-            vqpn: 0,
-        }
+        Endpoint { gid: [0; 16], qpn: 0, qkey: 0, incarnation: 0, vqpn: 0 }
     }
 
     fn info(from: Endpoint) -> LinkInfo {
@@ -595,15 +546,7 @@ mod tests {
     }
 
     fn info_zero() -> LinkInfo {
-        LinkInfo {
-            from: endpoint_zero(),
-            rc_qpn: 0,
-            psn: 0,
-            mr_table_addr: 0,
-            mr_table_rkey: 0,
-            mr_table_slots: 0,
-            link: 0,
-        }
+        LinkInfo { from: endpoint_zero(), rc_qpn: 0, psn: 0, mr_table_addr: 0, mr_table_rkey: 0, mr_table_slots: 0, link: 0 }
     }
 
     fn welcome() -> Welcome {
@@ -620,13 +563,7 @@ mod tests {
     }
 
     fn request(op: Op, key: Key) -> Request {
-        Request {
-            op,
-            req_id: 42,
-            lease_ms: 1000,
-            key,
-            endpoint: endpoint(0x66),
-        }
+        Request { op, req_id: 42, lease_ms: 1000, key, endpoint: endpoint(0x66) }
     }
 
     fn boot<M>(encode: impl Fn(&M, &mut [u8; BOOT_LEN]), m: &M) -> Vec<u8> {
@@ -661,27 +598,12 @@ mod tests {
 
     #[test]
     fn layouts_are_exact() {
-        let hello = Hello {
-            gid: GID,
-            qpn: 0x12_3456,
-            psn: 0xab_cdef,
-        };
+        let hello = Hello { gid: GID, qpn: 0x12_3456, psn: 0xab_cdef };
         assert_eq!(
             boot(Hello::encode, &hello),
-            image(
-                BOOT_LEN,
-                &[
-                    (0, &[0x4d, 0x4b, 1, 1]),
-                    (4, &[0x56, 0x34, 0x12, 0]),
-                    (8, &[0xef, 0xcd, 0xab, 0]),
-                    (16, &GID),
-                ]
-            )
+            image(BOOT_LEN, &[(0, &[0x4d, 0x4b, 1, 1]), (4, &[0x56, 0x34, 0x12, 0]), (8, &[0xef, 0xcd, 0xab, 0]), (16, &GID),])
         );
-        let w = Welcome {
-            status: libc::EAGAIN as u32,
-            ..welcome()
-        };
+        let w = Welcome { status: libc::EAGAIN as u32, ..welcome() };
         assert_eq!(
             boot(Welcome::encode, &w),
             image(
@@ -705,13 +627,7 @@ mod tests {
             8, 7, 6, 5, 4, 3, 2, 1, // incarnation
             0x55, 0x44, 0x33, 0x22, // vqpn
         ];
-        let r = request(
-            Op::Renew,
-            Key::Vqpn {
-                gid: GID,
-                vqpn: 0x0a0b_0c0d,
-            },
-        );
+        let r = request(Op::Renew, Key::Vqpn { gid: GID, vqpn: 0x0a0b_0c0d });
         assert_eq!(
             meta(Request::encode, &r),
             image(
@@ -728,28 +644,15 @@ mod tests {
                 ]
             )
         );
-        let resp = Response {
-            req_id: 0x0102_0304,
-            status: libc::ENOSPC as u32,
-            held: 0x0a0b_0c0d,
-        };
+        let resp = Response { req_id: 0x0102_0304, status: libc::ENOSPC as u32, held: 0x0a0b_0c0d };
         assert_eq!(
             meta(Response::encode, &resp),
             image(
                 META_LEN,
-                &[
-                    (0, &[0x4d, 0x4b, 1, 4]),
-                    (4, &[4, 3, 2, 1]),
-                    (8, &(libc::ENOSPC as u32).to_le_bytes()),
-                    (12, &[0x0d, 0x0c, 0x0b, 0x0a]),
-                ]
+                &[(0, &[0x4d, 0x4b, 1, 4]), (4, &[4, 3, 2, 1]), (8, &(libc::ENOSPC as u32).to_le_bytes()), (12, &[0x0d, 0x0c, 0x0b, 0x0a]),]
             )
         );
-        let reply = LinkMessage::Reply(LinkReply {
-            req_id: 0x0102_0304,
-            status: libc::EBUSY as u32,
-            info: info(endpoint(0x77)),
-        });
+        let reply = LinkMessage::Reply(LinkReply { req_id: 0x0102_0304, status: libc::EBUSY as u32, info: info(endpoint(0x77)) });
         assert_eq!(
             link(&reply),
             image(
@@ -770,16 +673,11 @@ mod tests {
             )
         );
         // A request is the same layout with its own kind and status 0.
-        let LinkMessage::Reply(LinkReply { req_id, info, .. }) = reply else {
-            unreachable!()
-        };
+        let LinkMessage::Reply(LinkReply { req_id, info, .. }) = reply else { unreachable!() };
         let mut as_request = link(&reply);
         as_request[3] = 5;
         as_request[12..16].fill(0);
-        assert_eq!(
-            link(&LinkMessage::Request(LinkRequest { req_id, info })),
-            as_request
-        );
+        assert_eq!(link(&LinkMessage::Request(LinkRequest { req_id, info })), as_request);
     }
 
     /// Decodes and re-encodes: `Ok(b)` iff `b` is a valid message.
@@ -824,16 +722,7 @@ mod tests {
                 table_slots: u32::MAX,
                 incarnation: u64::MAX,
             },
-            Welcome {
-                status: 0,
-                gid: [0; 16],
-                qpn: 0,
-                psn: 0,
-                table_addr: 0,
-                table_rkey: 0,
-                table_slots: 0,
-                incarnation: 0,
-            },
+            Welcome { status: 0, gid: [0; 16], qpn: 0, psn: 0, table_addr: 0, table_rkey: 0, table_slots: 0, incarnation: 0 },
         ];
         for w in welcomes {
             all.push((boot(Welcome::encode, &w), re_welcome));
@@ -841,48 +730,24 @@ mod tests {
         for op in Op::ALL {
             for key in [
                 Key::Port { gid: GID, port: 0 },
-                Key::Port {
-                    gid: [0xff; 16],
-                    port: u32::MAX,
-                },
-                Key::Vqpn {
-                    gid: [0; 16],
-                    vqpn: 0,
-                },
-                Key::Vqpn {
-                    gid: GID,
-                    vqpn: u32::MAX,
-                },
+                Key::Port { gid: [0xff; 16], port: u32::MAX },
+                Key::Vqpn { gid: [0; 16], vqpn: 0 },
+                Key::Vqpn { gid: GID, vqpn: u32::MAX },
             ] {
                 for (lease_ms, endpoint) in [(0, endpoint_zero()), (u32::MAX, endpoint_max())] {
-                    let r = Request {
-                        lease_ms,
-                        endpoint,
-                        req_id: lease_ms,
-                        ..request(op, key)
-                    };
+                    let r = Request { lease_ms, endpoint, req_id: lease_ms, ..request(op, key) };
                     all.push((meta(Request::encode, &r), re_request));
                 }
             }
         }
         for (req_id, status, held) in [(0, 0, 0), (u32::MAX, ERRNO_MAX, u32::MAX), (7, libc::EADDRINUSE as u32, 3)] {
-            all.push((
-                meta(Response::encode, &Response { req_id, status, held }),
-                re_response,
-            ));
+            all.push((meta(Response::encode, &Response { req_id, status, held }), re_response));
         }
         for i in [info_zero(), info_max(), info(endpoint(1))] {
             for req_id in [0, u32::MAX] {
-                all.push((
-                    link(&LinkMessage::Request(LinkRequest { req_id, info: i })),
-                    re_link,
-                ));
+                all.push((link(&LinkMessage::Request(LinkRequest { req_id, info: i })), re_link));
                 for status in [0, 1, ERRNO_MAX] {
-                    let reply = LinkReply {
-                        req_id,
-                        status,
-                        info: i,
-                    };
+                    let reply = LinkReply { req_id, status, info: i };
                     all.push((link(&LinkMessage::Reply(reply)), re_link));
                 }
             }
@@ -898,20 +763,11 @@ mod tests {
             assert_eq!(re(bytes).as_ref(), Ok(bytes));
         }
         // And typed: decode gives back the very values.
-        let r = request(
-            Op::Unbind,
-            Key::Port {
-                gid: GID,
-                port: 18515,
-            },
-        );
+        let r = request(Op::Unbind, Key::Port { gid: GID, port: 18515 });
         assert_eq!(Request::decode(&meta(Request::encode, &r)), Ok(r));
         let w = welcome();
         assert_eq!(Welcome::decode(&boot(Welcome::encode, &w)), Ok(w));
-        let m = LinkMessage::Request(LinkRequest {
-            req_id: 9,
-            info: info_max(),
-        });
+        let m = LinkMessage::Request(LinkRequest { req_id: 9, info: info_max() });
         assert_eq!(LinkMessage::decode(&link(&m)), Ok(m));
     }
 
@@ -965,19 +821,9 @@ mod tests {
         };
         let too_big = U24_LIMIT.to_le_bytes();
         let not_errno = (ERRNO_MAX + 1).to_le_bytes();
-        let hello = boot(
-            Hello::encode,
-            &Hello {
-                gid: GID,
-                qpn: 1,
-                psn: 1,
-            },
-        );
+        let hello = boot(Hello::encode, &Hello { gid: GID, qpn: 1, psn: 1 });
         for at in [4, 8] {
-            assert_eq!(
-                Hello::decode(&set(hello.clone(), at, &too_big)),
-                Err(EBADMSG)
-            );
+            assert_eq!(Hello::decode(&set(hello.clone(), at, &too_big)), Err(EBADMSG));
         }
         let w = boot(Welcome::encode, &welcome());
         for at in [8, 12] {
@@ -985,50 +831,25 @@ mod tests {
         }
         assert_eq!(Welcome::decode(&set(w, 4, &not_errno)), Err(EBADMSG));
 
-        let r = meta(
-            Request::encode,
-            &request(Op::Bind, Key::Port { gid: GID, port: 1 }),
-        );
+        let r = meta(Request::encode, &request(Op::Bind, Key::Port { gid: GID, port: 1 }));
         for op in [0, 5, 0xff] {
             assert_eq!(Request::decode(&set(r.clone(), 4, &[op])), Err(EBADMSG));
         }
         for key_kind in [0, 3, 0xff] {
-            assert_eq!(
-                Request::decode(&set(r.clone(), 5, &[key_kind])),
-                Err(EBADMSG)
-            );
+            assert_eq!(Request::decode(&set(r.clone(), 5, &[key_kind])), Err(EBADMSG));
         }
         assert_eq!(Request::decode(&set(r, 56, &too_big)), Err(EBADMSG));
-        let resp = meta(
-            Response::encode,
-            &Response {
-                req_id: 1,
-                status: 0,
-                held: 0,
-            },
-        );
+        let resp = meta(Response::encode, &Response { req_id: 1, status: 0, held: 0 });
         assert_eq!(Response::decode(&set(resp, 8, &not_errno)), Err(EBADMSG));
 
-        let req = link(&LinkMessage::Request(LinkRequest {
-            req_id: 1,
-            info: info(endpoint(1)),
-        }));
+        let req = link(&LinkMessage::Request(LinkRequest { req_id: 1, info: info(endpoint(1)) }));
         // A request carries no status; a reply's status is an errno.
-        assert_eq!(
-            LinkMessage::decode(&set(req.clone(), 12, &[1, 0, 0, 0])),
-            Err(EBADMSG)
-        );
+        assert_eq!(LinkMessage::decode(&set(req.clone(), 12, &[1, 0, 0, 0])), Err(EBADMSG));
         let reply = set(req.clone(), 3, &[KIND_LINK_REPLY]);
         assert!(LinkMessage::decode(&reply).is_ok());
-        assert_eq!(
-            LinkMessage::decode(&set(reply, 12, &not_errno)),
-            Err(EBADMSG)
-        );
+        assert_eq!(LinkMessage::decode(&set(reply, 12, &not_errno)), Err(EBADMSG));
         for at in [16, 20, 56] {
-            assert_eq!(
-                LinkMessage::decode(&set(req.clone(), at, &too_big)),
-                Err(EBADMSG)
-            );
+            assert_eq!(LinkMessage::decode(&set(req.clone(), at, &too_big)), Err(EBADMSG));
         }
     }
 
@@ -1056,10 +877,7 @@ mod tests {
                     match re(&b) {
                         Ok(again) => {
                             assert_eq!(again, b);
-                            assert!(
-                                !ranges.iter().any(|&(s, e)| (s..e).contains(&i)),
-                                "byte {i}"
-                            );
+                            assert!(!ranges.iter().any(|&(s, e)| (s..e).contains(&i)), "byte {i}");
                         }
                         Err(_) => refused += 1,
                     }
@@ -1068,7 +886,6 @@ mod tests {
         }
         assert!(refused > 10_000, "{refused}");
     }
-
 
     /// Random bytes of random lengths, often behind a valid prefix and
     /// mostly zero so that some decode: no decoder panics, and whatever

@@ -138,11 +138,7 @@ impl Leases {
     /// The entries to remove at `now`, with how late each is past its
     /// deadline (zero when on time).
     fn due(&self, now: Instant) -> Vec<(Key, Duration)> {
-        self.map
-            .iter()
-            .filter(|(_, l)| l.sweep_at <= now)
-            .map(|(k, l)| (*k, now.saturating_duration_since(l.deadline)))
-            .collect()
+        self.map.iter().filter(|(_, l)| l.sweep_at <= now).map(|(k, l)| (*k, now.saturating_duration_since(l.deadline))).collect()
     }
 
     /// When the next sweep is due.
@@ -230,17 +226,9 @@ impl Server {
                 libc::pollfd { fd: unsafe { (*self.cq.channel).fd }, events: libc::POLLIN, revents: 0 },
             ];
             let order: Vec<u32> = self.clients.keys().copied().collect();
-            fds.extend(order.iter().map(|q| libc::pollfd {
-                fd: self.clients[q].tcp.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            }));
+            fds.extend(order.iter().map(|q| libc::pollfd { fd: self.clients[q].tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
             let npending = self.pending.len();
-            fds.extend(self.pending.iter().map(|(t, _, _)| libc::pollfd {
-                fd: t.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            }));
+            fds.extend(self.pending.iter().map(|(t, _, _)| libc::pollfd { fd: t.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
             // Wake for the next sweep, and at least once a second so that
             // `stop` is seen (and silent new clients are dropped).
             let wait = self

@@ -174,12 +174,7 @@ impl<'a, S: Schema> Table<'a, S> {
         for slot in slots.chunks_exact_mut(S::SLOT_SIZE) {
             seal(slot, 0);
         }
-        Ok(Table {
-            mem,
-            nslots,
-            len: 0,
-            schema: PhantomData,
-        })
+        Ok(Table { mem, nslots, len: 0, schema: PhantomData })
     }
 
     /// Maps `key` to `value`. Inserting the value the key already has is a
@@ -188,16 +183,9 @@ impl<'a, S: Schema> Table<'a, S> {
     pub fn insert(&mut self, key: S::Key, value: S::Value) -> Result<()> {
         let key = EncodedKey::new::<S>(&key);
         if let Some(i) = self.find(&key) {
-            return if slot_value::<S>(self.slot(i)) == value {
-                Ok(())
-            } else {
-                Err(Errno(libc::EADDRINUSE))
-            };
+            return if slot_value::<S>(self.slot(i)) == value { Ok(()) } else { Err(Errno(libc::EADDRINUSE)) };
         }
-        let free = self
-            .neighborhood(&key)
-            .find(|&i| payload(self.slot(i))[0] != USED)
-            .ok_or(Errno(libc::ENOSPC))?;
+        let free = self.neighborhood(&key).find(|&i| payload(self.slot(i))[0] != USED).ok_or(Errno(libc::ENOSPC))?;
         self.write(free, |payload| {
             let mut fields = FieldWriter(payload);
             fields.put(&[USED]).put(key.bytes());
@@ -320,17 +308,10 @@ impl<S: Schema> RemoteTable<S> {
         let nslots = fields.u32();
         let neighborhood = fields.u32();
         let incarnation = fields.u64();
-        if slot_size as usize != S::SLOT_SIZE
-            || neighborhood as usize != NEIGHBORHOOD
-            || nslots == 0
-        {
+        if slot_size as usize != S::SLOT_SIZE || neighborhood as usize != NEIGHBORHOOD || nslots == 0 {
             return Err(malformed);
         }
-        Ok(RemoteTable {
-            nslots,
-            incarnation,
-            schema: PhantomData,
-        })
+        Ok(RemoteTable { nslots, incarnation, schema: PhantomData })
     }
 
     /// Home slots (the region is `Table::bytes_for(nslots)` bytes).
@@ -380,9 +361,7 @@ struct SchemaCheck<S>(PhantomData<S>);
 
 impl<S: Schema> SchemaCheck<S> {
     const VALID: () = assert!(
-        S::SLOT_SIZE % 64 == 0
-            && S::KEY_LEN <= MAX_KEY_LEN
-            && SEQ_LEN + 1 + S::KEY_LEN + S::VALUE_LEN + CHECKSUM_LEN <= S::SLOT_SIZE
+        S::SLOT_SIZE % 64 == 0 && S::KEY_LEN <= MAX_KEY_LEN && SEQ_LEN + 1 + S::KEY_LEN + S::VALUE_LEN + CHECKSUM_LEN <= S::SLOT_SIZE
     );
 }
 
@@ -396,10 +375,7 @@ impl EncodedKey {
     fn new<S: Schema>(key: &S::Key) -> Self {
         let mut buf = [0; MAX_KEY_LEN];
         S::encode_key(key, &mut buf[..S::KEY_LEN]);
-        EncodedKey {
-            buf,
-            len: S::KEY_LEN,
-        }
+        EncodedKey { buf, len: S::KEY_LEN }
     }
 
     fn bytes(&self) -> &[u8] {
@@ -413,9 +389,7 @@ impl EncodedKey {
 
 /// FNV-1a 64 of `bytes`, continuing from `hash` (start from `FNV_OFFSET`).
 fn fnv1a64(hash: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(hash, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME)
-    })
+    bytes.iter().fold(hash, |hash, &byte| (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME))
 }
 
 fn checksum(seq: u64, payload: &[u8]) -> u64 {
@@ -491,10 +465,7 @@ impl FieldReader<'_> {
     /// Panics past the end of the buffer, which callers size from layout
     /// constants, never from input.
     pub(super) fn array<const N: usize>(&mut self) -> [u8; N] {
-        let (head, rest) = self
-            .0
-            .split_first_chunk()
-            .expect("field inside its fixed-size buffer");
+        let (head, rest) = self.0.split_first_chunk().expect("field inside its fixed-size buffer");
         self.0 = rest;
         *head
     }
@@ -531,10 +502,7 @@ impl Schema for EndpointSchema {
             Key::Port { gid, port } => (KEY_PORT, gid, port),
             Key::Vqpn { gid, vqpn } => (KEY_VQPN, gid, vqpn),
         };
-        FieldWriter(out)
-            .put(&[tag])
-            .put(&gid)
-            .put(&number.to_le_bytes());
+        FieldWriter(out).put(&[tag]).put(&gid).put(&number.to_le_bytes());
     }
 
     fn encode_value(endpoint: &Endpoint, out: &mut [u8]) {
@@ -548,13 +516,7 @@ impl Schema for EndpointSchema {
 
     fn decode_value(bytes: &[u8]) -> Endpoint {
         let mut fields = FieldReader(bytes);
-        Endpoint {
-            gid: fields.array(),
-            qpn: fields.u32(),
-            qkey: fields.u32(),
-            incarnation: fields.u64(),
-            vqpn: fields.u32(),
-        }
+        Endpoint { gid: fields.array(), qpn: fields.u32(), qkey: fields.u32(), incarnation: fields.u64(), vqpn: fields.u32() }
     }
 }
 
@@ -581,13 +543,8 @@ pub(super) mod testing {
         &mut buf[offset..offset + len]
     }
 
-
     /// The bytes a READ of `key`'s neighborhood would return now.
-    pub fn read<'t, S: Schema>(
-        table: &'t Table<'_, S>,
-        remote: &RemoteTable<S>,
-        key: S::Key,
-    ) -> &'t [u8] {
+    pub fn read<'t, S: Schema>(table: &'t Table<'_, S>, remote: &RemoteTable<S>, key: S::Key) -> &'t [u8] {
         let (offset, len) = remote.neighborhood(key);
         &table.as_bytes()[offset as usize..][..len]
     }
@@ -638,10 +595,7 @@ pub(super) mod testing {
         let mut torn = 0;
         for_each_mix(&before, &after, |mixed| {
             let got = remote.lookup_in(mixed, key);
-            assert!(
-                got == old || got == new || got == Lookup::Torn,
-                "{got:?} is neither {old:?} nor {new:?}"
-            );
+            assert!(got == old || got == new || got == Lookup::Torn, "{got:?} is neither {old:?} nor {new:?}");
             torn += usize::from(got == Lookup::Torn);
         });
         // A key found unchanged reads the same whatever the other slots
@@ -654,12 +608,8 @@ pub(super) mod testing {
     /// Random inserts and removes over a few keys, crowded into few slots,
     /// against a `HashMap`: results, `len`, `get` and `lookup_in` on the
     /// bytes of the table must all agree with the model.
-    pub fn check_against_model<S: Schema>(
-        seed: u64,
-        nslots: u32,
-        make_key: impl Fn(u64) -> S::Key,
-        make_value: impl Fn(u64) -> S::Value,
-    ) where
+    pub fn check_against_model<S: Schema>(seed: u64, nslots: u32, make_key: impl Fn(u64) -> S::Key, make_value: impl Fn(u64) -> S::Value)
+    where
         S::Key: Copy + Eq + Hash + Debug,
         S::Value: Copy + Debug,
     {
@@ -680,9 +630,7 @@ pub(super) mod testing {
                         model.insert(key, value);
                     }
                     (Ok(()), Some(&old)) if old == value => renewals += 1,
-                    (Err(e), Some(&old)) if e == Errno(libc::EADDRINUSE) && old != value => {
-                        in_use += 1
-                    }
+                    (Err(e), Some(&old)) if e == Errno(libc::EADDRINUSE) && old != value => in_use += 1,
                     (Err(e), None) if e == Errno(libc::ENOSPC) => {
                         let bytes = read(&table, &remote, key);
                         let used = |slot: &[u8]| payload(slot)[0] == USED;
@@ -704,10 +652,7 @@ pub(super) mod testing {
             }
         }
         // Every outcome was exercised.
-        assert!(
-            renewals > 0 && in_use > 0 && full > 0,
-            "{renewals} {in_use} {full}"
-        );
+        assert!(renewals > 0 && in_use > 0 && full > 0, "{renewals} {in_use} {full}");
     }
 }
 
@@ -720,10 +665,7 @@ mod tests {
     const INCARNATION: u64 = 0x0123_4567_89ab_cdef;
 
     fn port(n: u32) -> Key {
-        Key::Port {
-            gid: [0xfe; 16],
-            port: n,
-        }
+        Key::Port { gid: [0xfe; 16], port: n }
     }
 
     fn endpoint(n: u32) -> Endpoint {
@@ -744,11 +686,7 @@ mod tests {
     /// `n` keys whose home slot is `home`.
     fn keys_at(remote: &RemoteEndpointTable, home: usize, n: usize) -> Vec<Key> {
         let offset = (HEADER_SIZE + home * SLOT) as u64;
-        (0..)
-            .map(port)
-            .filter(|&key| remote.neighborhood(key).0 == offset)
-            .take(n)
-            .collect()
+        (0..).map(port).filter(|&key| remote.neighborhood(key).0 == offset).take(n).collect()
     }
 
     #[test]
@@ -775,10 +713,7 @@ mod tests {
         assert_eq!(fnv1a64(FNV_OFFSET, b"foobar"), 0x8594_4171_f739_67e8);
         // Every process must agree on where a key lives: pin one encoding
         // and home, so that a change to either fails here.
-        let key = Key::Vqpn {
-            gid: [1; 16],
-            vqpn: 0x12_3456,
-        };
+        let key = Key::Vqpn { gid: [1; 16], vqpn: 0x12_3456 };
         let encoded = EncodedKey::new::<EndpointSchema>(&key);
         let mut expected = vec![KEY_VQPN];
         expected.extend([1; 16]);
@@ -816,17 +751,11 @@ mod tests {
         };
         let malformed = Err(Errno(libc::EPROTO));
         assert_eq!(parse_with(0, &good[..8]), Ok(()));
-        assert_eq!(
-            RemoteEndpointTable::parse(&good[..63]).map(|_| ()),
-            malformed
-        );
+        assert_eq!(RemoteEndpointTable::parse(&good[..63]).map(|_| ()), malformed);
         assert_eq!(parse_with(0, b"KRCMRTBL"), malformed);
         assert_eq!(parse_with(0, &[0; 8]), malformed);
         let other_version = (LAYOUT_VERSION + 1).to_le_bytes();
-        assert_eq!(
-            parse_with(8, &other_version),
-            Err(Errno(libc::EPROTONOSUPPORT))
-        );
+        assert_eq!(parse_with(8, &other_version), Err(Errno(libc::EPROTONOSUPPORT)));
         assert_eq!(parse_with(12, &64u32.to_le_bytes()), malformed);
         assert_eq!(parse_with(16, &0u32.to_le_bytes()), malformed);
         assert_eq!(parse_with(20, &16u32.to_le_bytes()), malformed);
@@ -848,10 +777,7 @@ mod tests {
     fn insert_get_remove() {
         let mut buf = Vec::new();
         let mut table = new_table(&mut buf, 16);
-        let vqpn = Key::Vqpn {
-            gid: [0xfe; 16],
-            vqpn: 7,
-        };
+        let vqpn = Key::Vqpn { gid: [0xfe; 16], vqpn: 7 };
         assert!(table.is_empty());
         table.insert(port(7), endpoint(1)).unwrap();
         // Same GID and number, other kind of key: another entry.
@@ -878,10 +804,7 @@ mod tests {
         table.insert(port(1), endpoint(1)).unwrap();
         // A renewal writes nothing: no READ can see it in progress.
         assert_eq!(table.as_bytes(), before);
-        assert_eq!(
-            table.insert(port(1), endpoint(2)),
-            Err(Errno(libc::EADDRINUSE))
-        );
+        assert_eq!(table.insert(port(1), endpoint(2)), Err(Errno(libc::EADDRINUSE)));
         assert_eq!(table.get(port(1)), Some(endpoint(1)));
         assert_eq!(table.len(), 1);
     }
@@ -971,8 +894,7 @@ mod tests {
         let [other, key]: [Key; 2] = keys_at(&remote, 1, 2).try_into().unwrap();
         let (a, b) = (endpoint(0xa), endpoint(0xb));
         let (found, absent) = (Lookup::Found, Lookup::Absent);
-        let mut check =
-            |change: &dyn Fn(&mut EndpointTable)| check_torn_reads(&mut table, key, change);
+        let mut check = |change: &dyn Fn(&mut EndpointTable)| check_torn_reads(&mut table, key, change);
         // Another key's slot changes while the key is absent...
         let insert_other = |t: &mut EndpointTable| t.insert(other, b).unwrap();
         assert_eq!(check(&insert_other), (absent, absent));
@@ -994,25 +916,16 @@ mod tests {
         let mut table = new_table(&mut buf, 4);
         let remote = RemoteEndpointTable::parse(table.as_bytes()).unwrap();
         let key = port(1);
-        assert_eq!(
-            remote.lookup_in(read(&table, &remote, key), key),
-            Lookup::Absent
-        );
+        assert_eq!(remote.lookup_in(read(&table, &remote, key), key), Lookup::Absent);
         // Caught after the first step of a write to the key's home slot: its
         // payload and checksum are still the old, valid ones, but the seq
         // is odd, so not even the old (empty) state is believed.
         let home = EncodedKey::new::<EndpointSchema>(&key).home(4) as usize;
         let odd = table.begin_write(home);
         assert_eq!(odd, 1);
-        assert_eq!(
-            remote.lookup_in(read(&table, &remote, key), key),
-            Lookup::Torn
-        );
+        assert_eq!(remote.lookup_in(read(&table, &remote, key), key), Lookup::Torn);
         table.end_write(home, odd, |_| {});
-        assert_eq!(
-            remote.lookup_in(read(&table, &remote, key), key),
-            Lookup::Absent
-        );
+        assert_eq!(remote.lookup_in(read(&table, &remote, key), key), Lookup::Absent);
     }
 
     #[test]
@@ -1022,10 +935,7 @@ mod tests {
         let remote = RemoteEndpointTable::parse(table.as_bytes()).unwrap();
         table.insert(port(1), endpoint(1)).unwrap();
         let mut bytes = read(&table, &remote, port(1)).to_vec();
-        assert_eq!(
-            remote.lookup_in(&bytes, port(1)),
-            Lookup::Found(endpoint(1))
-        );
+        assert_eq!(remote.lookup_in(&bytes, port(1)), Lookup::Found(endpoint(1)));
         // The key sits at its home, the first slot READ: make it look like
         // the owner's first step of a write, with a checksum that matches.
         let slot = &mut bytes[..SLOT];
@@ -1047,10 +957,7 @@ mod tests {
             assert_eq!(remote.lookup_in(&bytes, port(1)), Lookup::Torn, "byte {at}");
         }
         // Nor can a short READ prove absence.
-        assert_eq!(
-            remote.lookup_in(&good[..good.len() - 1], port(1)),
-            Lookup::Torn
-        );
+        assert_eq!(remote.lookup_in(&good[..good.len() - 1], port(1)), Lookup::Torn);
     }
 
     #[test]
@@ -1060,10 +967,7 @@ mod tests {
         let remote = RemoteEndpointTable::parse(table.as_bytes()).unwrap();
         table.insert(port(1), endpoint(1)).unwrap();
         let bytes = read(&table, &remote, port(1));
-        assert_eq!(
-            remote.lookup_in(&bytes[..SLOT], port(1)),
-            Lookup::Found(endpoint(1))
-        );
+        assert_eq!(remote.lookup_in(&bytes[..SLOT], port(1)), Lookup::Found(endpoint(1)));
         assert_eq!(remote.lookup_in(&[], port(1)), Lookup::Torn);
     }
 
@@ -1079,8 +983,6 @@ mod tests {
                 Key::Vqpn { gid, vqpn: n }
             }
         };
-        check_against_model::<EndpointSchema>(0x5eed_1234_abcd_0001, 16, key, |v| {
-            endpoint(v as u32)
-        });
+        check_against_model::<EndpointSchema>(0x5eed_1234_abcd_0001, 16, key, |v| endpoint(v as u32));
     }
 }

@@ -149,8 +149,7 @@ impl Watched {
         };
         for r in unmapped {
             let from = r.start.saturating_sub(self.longest);
-            let gone: Vec<usize> =
-                self.ranges.range(from..r.end).filter(|(_, &e)| e > r.start).map(|(&s, _)| s).collect();
+            let gone: Vec<usize> = self.ranges.range(from..r.end).filter(|(_, &e)| e > r.start).map(|(&s, _)| s).collect();
             for s in gone {
                 self.ranges.remove(&s);
             }
@@ -326,9 +325,7 @@ impl Cache {
         let real = match self.backend.reg(pd, addr, len, access) {
             Ok(r) => r,
             // Out of pinnable memory: give back everything idle, try once more.
-            Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN)
-                && (g.idle_count > 0 || self.reaper.pending()) =>
-            {
+            Err(e) if (e.errno() == libc::ENOMEM || e.errno() == libc::EAGAIN) && (g.idle_count > 0 || self.reaper.pending()) => {
                 stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_LIMIT_RETRIES, 1);
                 self.drop_idle(&mut g);
                 self.backend.reg(pd, addr, len, access)?
@@ -387,8 +384,7 @@ impl Cache {
     pub fn flush_pd(&self, pd: *mut ibv_pd) {
         let mut g = self.inner.lock();
         self.apply_invalidations(&mut g);
-        let idle: Vec<EntryId> =
-            g.regions.iter().filter(|(_, r)| r.pd == pd as usize && r.refs == 0).map(|(id, _)| *id).collect();
+        let idle: Vec<EntryId> = g.regions.iter().filter(|(_, r)| r.pd == pd as usize && r.refs == 0).map(|(id, _)| *id).collect();
         self.drop_batch(&mut g, &idle, true);
         self.reaper.drain();
     }
@@ -452,12 +448,7 @@ impl Cache {
         }
         // Covering regions start at or below addr; the nearest starts are
         // the likeliest to cover, and a bounded scan keeps lookups cheap.
-        g.index
-            .range((pd, access, 0, 0)..=(pd, access, addr, EntryId::MAX))
-            .rev()
-            .take(64)
-            .find(|(_, &e)| e >= end)
-            .map(|(k, _)| k.3)
+        g.index.range((pd, access, 0, 0)..=(pd, access, addr, EntryId::MAX)).rev().take(64).find(|(_, &e)| e >= end).map(|(k, _)| k.3)
     }
 
     /// Watch `[addr, end)` unless a watched range already covers it: a
@@ -522,9 +513,7 @@ impl Cache {
     /// Evict idle regions chosen by the policy (one batch).
     fn evict(&self, g: &mut Inner, bytes: usize, entries: usize) {
         let Inner { policy, regions, .. } = &mut *g;
-        let victims = policy.evict(pages(bytes.min(usize::MAX / 2)), entries, &mut |id| {
-            regions.get(&id).is_some_and(|r| r.refs == 0)
-        });
+        let victims = policy.evict(pages(bytes.min(usize::MAX / 2)), entries, &mut |id| regions.get(&id).is_some_and(|r| r.refs == 0));
         if victims.is_empty() {
             return;
         }
@@ -532,12 +521,8 @@ impl Cache {
         stats::add_locked(Stat::KRCORE_STAT_MR_CACHE_EVICTIONS, victims.len() as u64);
         // The policy already forgot them; nothing can find them once
         // forgotten, so their deregistration may happen later.
-        let reals: Vec<(*mut ibv_mr, usize)> = victims
-            .iter()
-            .filter_map(|&id| g.forget(id, false))
-            .filter(|r| !r.orphan)
-            .map(|r| (r.real, r.end - r.start))
-            .collect();
+        let reals: Vec<(*mut ibv_mr, usize)> =
+            victims.iter().filter_map(|&id| g.forget(id, false)).filter(|r| !r.orphan).map(|r| (r.real, r.end - r.start)).collect();
         self.reaper.defer(reals);
     }
 
@@ -900,10 +885,7 @@ mod tests {
                         let pages = (s - BASE) / PAGE..(e - BASE).div_ceil(PAGE);
                         if l.hit {
                             let old = &snap[&k];
-                            assert!(
-                                pages.clone().zip(old).all(|(i, g)| gen[i] == *g),
-                                "round {round}: stale region {k} handed out"
-                            );
+                            assert!(pages.clone().zip(old).all(|(i, g)| gen[i] == *g), "round {round}: stale region {k} handed out");
                         } else {
                             snap.insert(k, pages.map(|i| gen[i]).collect());
                         }

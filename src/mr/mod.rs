@@ -91,8 +91,7 @@ fn default_limits() -> Limits {
     let max_bytes = cfg.mr_cache_bytes.unwrap_or_else(|| {
         let mut memlock = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: getrlimit writes one rlimit.
-        let finite = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut memlock) } == 0
-            && memlock.rlim_cur != libc::RLIM_INFINITY;
+        let finite = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut memlock) } == 0 && memlock.rlim_cur != libc::RLIM_INFINITY;
         let cap = if finite && !has_cap_ipc_lock() { (memlock.rlim_cur / 2) as usize } else { usize::MAX };
         (1usize << 30).min(cap)
     });
@@ -108,10 +107,7 @@ static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
     let (uffd, mode) = match Uffd::start(&QUEUE) {
         Ok(u) => (Some(u), Mode::Caching),
         Err(e) => {
-            klog!(
-                Level::Warn,
-                "MR cache: no sound unmap monitor ({e}); every registration is real (no reuse)"
-            );
+            klog!(Level::Warn, "MR cache: no sound unmap monitor ({e}); every registration is real (no reuse)");
             (None, Mode::HoldOnly)
         }
     };

@@ -314,9 +314,6 @@ mod tests {
         unsafe { libc::free(p as *mut libc::c_void) };
         let mut out = Vec::new();
         Q.drain(&mut out).unwrap();
-        assert!(
-            out.iter().any(|r| r.start <= p && r.end >= p + 4096),
-            "no unmap event covering {p:#x}: {out:x?}"
-        );
+        assert!(out.iter().any(|r| r.start <= p && r.end >= p + 4096), "no unmap event covering {p:#x}: {out:x?}");
     }
 }

@@ -781,7 +781,6 @@ mod tests {
         assert!(p.is_empty());
     }
 
-
     /// The LRU reference: a Vec from least to most recently used.
     #[derive(Default)]
     struct VecLru(Vec<(EntryId, u64)>);
@@ -864,8 +863,7 @@ mod tests {
                     let got = lru.evict(pages, entries, &mut |id| ok(id));
                     assert_eq!(got, reference.evict(pages, entries, &ok), "step {step}");
 
-                    let evictable: Vec<(EntryId, u64)> =
-                        present.iter().filter(|(id, _)| ok(**id)).map(|(&id, &p)| (id, p)).collect();
+                    let evictable: Vec<(EntryId, u64)> = present.iter().filter(|(id, _)| ok(**id)).map(|(&id, &p)| (id, p)).collect();
                     let (avail_p, avail_e) = (evictable.iter().map(|e| e.1).sum::<u64>(), evictable.len());
                     let batch = m.batch();
                     let v = m.evict(pages, entries, &mut |id| ok(id));

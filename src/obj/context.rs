@@ -77,10 +77,7 @@ mod tests {
     #[test]
     fn context_is_last_and_sizes_match_rdma_core_44() {
         // verbs.h requires `context` to be the last field of verbs_context.
-        assert_eq!(
-            offset_of!(verbs_context, context) + std::mem::size_of::<ibv_context>(),
-            std::mem::size_of::<verbs_context>()
-        );
+        assert_eq!(offset_of!(verbs_context, context) + std::mem::size_of::<ibv_context>(), std::mem::size_of::<verbs_context>());
         assert_eq!(std::mem::size_of::<verbs_context>(), 648);
         assert_eq!(std::mem::size_of::<ibv_context>(), 328);
     }

@@ -27,9 +27,8 @@ pub struct Mr {
 wrapper!(Mr, ibv_mr);
 
 /// Access that lets peers use an MR.
-const REMOTE_ACCESS: u32 = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
-    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-    | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+const REMOTE_ACCESS: u32 =
+    ibv_access_flags::IBV_ACCESS_REMOTE_READ.0 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
 
 /// Which real registration verb to use.
 pub enum RegKind {
@@ -114,15 +113,9 @@ impl Mr {
         let rp = pd.real;
         let real = match kind {
             RegKind::Plain { addr, length, access } => call_real!(ibv_reg_mr(rp, addr, length, access))?,
-            RegKind::Iova { addr, length, iova, access } => {
-                call_real!(ibv_reg_mr_iova(rp, addr, length, iova, access))?
-            }
-            RegKind::Iova2 { addr, length, iova, access } => {
-                call_real!(ibv_reg_mr_iova2(rp, addr, length, iova, access))?
-            }
-            RegKind::Dmabuf { offset, length, iova, fd, access } => {
-                call_real!(ibv_reg_dmabuf_mr(rp, offset, length, iova, fd, access))?
-            }
+            RegKind::Iova { addr, length, iova, access } => call_real!(ibv_reg_mr_iova(rp, addr, length, iova, access))?,
+            RegKind::Iova2 { addr, length, iova, access } => call_real!(ibv_reg_mr_iova2(rp, addr, length, iova, access))?,
+            RegKind::Dmabuf { offset, length, iova, fd, access } => call_real!(ibv_reg_dmabuf_mr(rp, offset, length, iova, fd, access))?,
             RegKind::Import { handle } => call_real!(ibv_import_mr(rp, handle))?,
         };
         let real = non_null(real)?;
@@ -220,10 +213,7 @@ impl Mr {
         let translation = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0;
         let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
         let supported = (change_access << 1) - 1; // IBV_REREG_MR_FLAGS_SUPPORTED
-        if f & !supported != 0
-            || (f & translation != 0 && (length == 0 || addr.is_null()))
-            || (access != 0 && f & change_access == 0)
-        {
+        if f & !supported != 0 || (f & translation != 0 && (length == 0 || addr.is_null())) || (access != 0 && f & change_access == 0) {
             Errno::EINVAL.set();
             return Err(REREG_ERR_INPUT);
         }
@@ -270,21 +260,12 @@ impl Mr {
     /// that nothing else shares, for the provider to act on. That is the
     /// cache's region itself when this MR is its only user and has its
     /// exact range (taken out of the cache), else a private registration.
-    fn exclusive_real(
-        &mut self,
-        flags: c_int,
-        addr: *mut c_void,
-        length: usize,
-        access: c_int,
-    ) -> std::result::Result<*mut ibv_mr, c_int> {
+    fn exclusive_real(&mut self, flags: c_int, addr: *mut c_void, length: usize, access: c_int) -> std::result::Result<*mut ibv_mr, c_int> {
         let f = flags as u32;
         let translation = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0;
         let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
         let supported = (change_access << 1) - 1; // IBV_REREG_MR_FLAGS_SUPPORTED
-        if f & !supported != 0
-            || (f & translation != 0 && (length == 0 || addr.is_null()))
-            || (access != 0 && f & change_access == 0)
-        {
+        if f & !supported != 0 || (f & translation != 0 && (length == 0 || addr.is_null())) || (access != 0 && f & change_access == 0) {
             Errno::EINVAL.set();
             return Err(REREG_ERR_INPUT);
         }
@@ -297,12 +278,10 @@ impl Mr {
         // SAFETY: an MR's PD outlives it.
         let pd = unsafe { Pd::from_ibv(self.ibv.pd) }.real;
         let (addr, len) = (self.ibv.addr, self.ibv.length);
-        call_real!(ibv_reg_mr_iova2(pd, addr, len, addr as u64, self.access))
-            .and_then(non_null)
-            .map_err(|e| {
-                e.set();
-                REREG_ERR_CMD
-            })
+        call_real!(ibv_reg_mr_iova2(pd, addr, len, addr as u64, self.access)).and_then(non_null).map_err(|e| {
+            e.set();
+            REREG_ERR_CMD
+        })
     }
 
     /// The provider re-registered our private copy: it replaces the cache

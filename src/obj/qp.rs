@@ -244,7 +244,11 @@ impl Qp {
             b.state = (*real).state;
         }
         stats::inc(Stat::KRCORE_STAT_QPS_FALLBACK);
-        crate::klog!(crate::log::Level::Info, "KRCORE_VIRTUALIZE=auto: QP {:#x}: its peer runs no krcore (nothing resolves): a real QP from now on", b.qp_num);
+        crate::klog!(
+            crate::log::Level::Info,
+            "KRCORE_VIRTUALIZE=auto: QP {:#x}: its peer runs no krcore (nothing resolves): a real QP from now on",
+            b.qp_num
+        );
         Ok(())
     }
 
@@ -349,14 +353,7 @@ impl Qp {
         let ctx = pd.ibv.context;
         // SAFETY: attr is the caller's valid attribute struct.
         let mut a = unsafe { *attr };
-        let parents = Parents {
-            ctx,
-            pd: pd.as_ibv(),
-            send_cq: a.send_cq,
-            recv_cq: a.recv_cq,
-            srq: a.srq,
-            qp_context: a.qp_context,
-        };
+        let parents = Parents { ctx, pd: pd.as_ibv(), send_cq: a.send_cq, recv_cq: a.recv_cq, srq: a.srq, qp_context: a.qp_context };
         if a.qp_type == crate::abi::ext::KRCORE_VQP {
             if !parents.srq.is_null() {
                 return Err(Errno::EINVAL);
@@ -412,8 +409,7 @@ impl Qp {
         };
         // What a VQP offers of ibv_create_qp_ex: a PD, and send-ops flags
         // (the ibv_wr_* API) for the opcodes its data path carries.
-        const VQP_MASK: u32 =
-            ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
+        const VQP_MASK: u32 = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
         let send_ops = (mask & ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0 != 0).then_some(a.send_ops_flags);
         let lacks_op = send_ops.and_then(crate::vqp::wr_builder::unsupported_send_op);
         if a.qp_type == crate::abi::ext::KRCORE_VQP {
@@ -421,7 +417,11 @@ impl Qp {
                 return Err(Errno::EINVAL);
             }
             if let Some(why) = lacks_op {
-                crate::klog!(crate::log::Level::Info, "ibv_create_qp_ex of a KRCORE_VQP: EOPNOTSUPP: {why} (send_ops_flags {:#x})", a.send_ops_flags);
+                crate::klog!(
+                    crate::log::Level::Info,
+                    "ibv_create_qp_ex of a KRCORE_VQP: EOPNOTSUPP: {why} (send_ops_flags {:#x})",
+                    a.send_ops_flags
+                );
                 return Err(Errno::EOPNOTSUPP);
             }
             // SAFETY: checked to be one of our PDs of this context.
@@ -502,11 +502,8 @@ impl Qp {
     /// builders are installed by `abi::ops::install_qp_ex_ops`).
     fn add_wr_builder(&mut self, send_ops: Option<u64>) {
         let (Some(ops), Some(v)) = (send_ops, &self.vqp) else { return };
-        let limits = crate::vqp::wr_builder::Limits {
-            max_sge: v.caps.max_send_sge,
-            max_inline: v.caps.max_inline_data,
-            max_wr: v.sq_depth(),
-        };
+        let limits =
+            crate::vqp::wr_builder::Limits { max_sge: v.caps.max_send_sge, max_inline: v.caps.max_inline_data, max_wr: v.sq_depth() };
         self.wr = Some(Box::new(crate::vqp::wr_builder::QpWr::new(limits, ops)));
     }
 
@@ -518,7 +515,14 @@ impl Qp {
     /// outlives the wrapper.
     pub unsafe fn adopt(ctx: &mut Context, real: *mut ibv_qp) -> *mut ibv_qp {
         let mut qp = Qp::empty();
-        let none = Parents { ctx: ctx.as_ibv(), pd: null_mut(), send_cq: null_mut(), recv_cq: null_mut(), srq: null_mut(), qp_context: null_mut() };
+        let none = Parents {
+            ctx: ctx.as_ibv(),
+            pd: null_mut(),
+            send_cq: null_mut(),
+            recv_cq: null_mut(),
+            srq: null_mut(),
+            qp_context: null_mut(),
+        };
         qp.fill(ctx, real, null_mut(), &none);
         qp.into_ibv().cast()
     }

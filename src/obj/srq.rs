@@ -6,10 +6,10 @@ use crate::error::{Errno, Result};
 use crate::real_ctx_op;
 use crate::stats::{self, Stat};
 use crate::sys::*;
+use crate::vqp::srq::{Mode, VSrq};
 use libc::{c_int, c_void};
 use std::ptr::null_mut;
 use std::sync::Arc;
-use crate::vqp::srq::{Mode, VSrq};
 
 pub type PostSrqRecvFn = unsafe extern "C" fn(*mut ibv_srq, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
 
@@ -77,8 +77,7 @@ impl Srq {
         // SAFETY: attr is valid for writes.
         unsafe { (*attr).attr = a.attr };
         srq.fill(me, pd, real, user_ctx);
-        let basic = a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0 == 0
-            || a.srq_type == ibv_srq_type::IBV_SRQT_BASIC;
+        let basic = a.comp_mask & ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0 == 0 || a.srq_type == ibv_srq_type::IBV_SRQT_BASIC;
         if basic && !a.pd.is_null() {
             srq.virt = Srq::virtual_queue(a.pd, &a.attr)?;
         }

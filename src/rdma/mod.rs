@@ -10,11 +10,11 @@
 use crate::call_real;
 use crate::error::{Errno, Result};
 use crate::obj::{non_null, ok_or_errno};
+use crate::sys::ibv_access_flags as A;
+use crate::sys::ibv_qp_attr_mask as M;
 use crate::sys::*;
 use libc::{c_int, c_void};
 use std::net::Ipv4Addr;
-use crate::sys::ibv_qp_attr_mask as M;
-use crate::sys::ibv_access_flags as A;
 use std::ptr::null_mut;
 use std::sync::Arc;
 use std::time::Duration;
@@ -134,9 +134,7 @@ impl Device {
 
     /// The index of `gid` in our port's GID table (EADDRNOTAVAIL if absent).
     pub fn gid_index(&self, gid: &Gid) -> Result<u32> {
-        (0..self.gid_table_len())
-            .find(|&i| self.gid(i).is_ok_and(|g| &g == gid))
-            .ok_or(Errno(libc::EADDRNOTAVAIL))
+        (0..self.gid_table_len()).find(|&i| self.gid(i).is_ok_and(|g| &g == gid)).ok_or(Errno(libc::EADDRNOTAVAIL))
     }
 
     /// The first usable GID: the first RoCE v2 one on Ethernet, the first
@@ -491,10 +489,8 @@ pub const LOCAL_WRITE: u32 = A::IBV_ACCESS_LOCAL_WRITE.0;
 pub const REMOTE_READ: u32 = A::IBV_ACCESS_REMOTE_READ.0;
 
 /// Access flags the library's RC QPs accept from their peers.
-pub const REMOTE_ALL: u32 = A::IBV_ACCESS_LOCAL_WRITE.0
-    | A::IBV_ACCESS_REMOTE_WRITE.0
-    | A::IBV_ACCESS_REMOTE_READ.0
-    | A::IBV_ACCESS_REMOTE_ATOMIC.0;
+pub const REMOTE_ALL: u32 =
+    A::IBV_ACCESS_LOCAL_WRITE.0 | A::IBV_ACCESS_REMOTE_WRITE.0 | A::IBV_ACCESS_REMOTE_READ.0 | A::IBV_ACCESS_REMOTE_ATOMIC.0;
 
 impl Qp {
     /// A QP of `qp_type` (RC or UD), in RESET.
@@ -618,7 +614,12 @@ impl Qp {
         a.max_rd_atomic = self.dev.rd_atomic();
         self.modify(
             &mut a,
-            M::IBV_QP_STATE.0 | M::IBV_QP_TIMEOUT.0 | M::IBV_QP_RETRY_CNT.0 | M::IBV_QP_RNR_RETRY.0 | M::IBV_QP_SQ_PSN.0 | M::IBV_QP_MAX_QP_RD_ATOMIC.0,
+            M::IBV_QP_STATE.0
+                | M::IBV_QP_TIMEOUT.0
+                | M::IBV_QP_RETRY_CNT.0
+                | M::IBV_QP_RNR_RETRY.0
+                | M::IBV_QP_SQ_PSN.0
+                | M::IBV_QP_MAX_QP_RD_ATOMIC.0,
         )
     }
 

@@ -139,10 +139,8 @@ fn load() -> std::result::Result<RealVerbs, String> {
     // RTLD_NOW: fail here rather than at a first call deep in a data path.
     // SAFETY: loading libibverbs runs its constructors, which have no
     // preconditions on us.
-    let lib = unsafe {
-        libloading::os::unix::Library::open(Some(path), libc::RTLD_NOW | libc::RTLD_LOCAL)
-    }
-    .map_err(|e| format!("cannot load {path}: {e}"))?;
+    let lib = unsafe { libloading::os::unix::Library::open(Some(path), libc::RTLD_NOW | libc::RTLD_LOCAL) }
+        .map_err(|e| format!("cannot load {path}: {e}"))?;
     // Never unloaded: real objects and provider code outlive any handle.
     let handle = lib.into_raw();
     let table = RealVerbs::resolve(handle);
@@ -212,11 +210,16 @@ macro_rules! real_ctx_op {
         match unsafe { $crate::real::verbs_ctx($ctx) } {
             None => None,
             Some(v) => {
-                let need = std::mem::size_of::<$crate::sys::verbs_context>()
-                    - std::mem::offset_of!($crate::sys::verbs_context, $op);
+                let need = std::mem::size_of::<$crate::sys::verbs_context>() - std::mem::offset_of!($crate::sys::verbs_context, $op);
                 // SAFETY: v is the verbs_context that holds $ctx; sz is read
                 // first, and the op only when sz says it exists.
-                unsafe { if (*v).sz < need { None } else { (*v).$op } }
+                unsafe {
+                    if (*v).sz < need {
+                        None
+                    } else {
+                        (*v).$op
+                    }
+                }
             }
         }
     }};

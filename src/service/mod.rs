@@ -33,8 +33,8 @@ use crate::meta::mrtable::MrTable;
 use crate::meta::proto::{LinkInfo, LinkMessage, LinkReply, LinkRequest, LINK_LEN};
 use crate::meta::Endpoint;
 use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region, Srq};
-use crate::vqp::queue::PhysSq;
 use crate::sys::*;
+use crate::vqp::queue::PhysSq;
 use parking_lot::{Condvar, Mutex};
 use rustc_hash::FxHashMap;
 use std::collections::HashMap;
@@ -249,9 +249,7 @@ impl Links {
     /// Open links that serve no key: the duplicates of simultaneous
     /// connects.
     fn duplicates(&self) -> impl Iterator<Item = &Arc<Link>> {
-        self.by_qpn.values().filter(|l| {
-            l.is_open() && !self.by_key.get(&LinkKey::of(&l.peer, l.index)).is_some_and(|k| Arc::ptr_eq(k, l))
-        })
+        self.by_qpn.values().filter(|l| l.is_open() && !self.by_key.get(&LinkKey::of(&l.peer, l.index)).is_some_and(|k| Arc::ptr_eq(k, l)))
     }
 }
 
@@ -384,10 +382,8 @@ impl Service {
         }
         while shared.refill_one() {}
         let s2 = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
-            .name("krcore-service".into())
-            .spawn(move || s2.progress())
-            .map_err(|_| Errno(libc::EAGAIN))?;
+        let thread =
+            std::thread::Builder::new().name("krcore-service".into()).spawn(move || s2.progress()).map_err(|_| Errno(libc::EAGAIN))?;
         klog!(Level::Info, "service endpoint: UD QP {} on GID index {sgid_index}", me.qpn);
         Ok(Service { shared, thread: Some(thread) })
     }

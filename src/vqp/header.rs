@@ -240,11 +240,7 @@ impl Header {
             && (!f.contains(Flags::CLOSE) || (f == Flags::CLOSE && self.len == 0))
             && (!f.contains(Flags::LINK_CLOSE) || (f == Flags::LINK_CLOSE && self.len == 0 && self.src_vqpn == 0 && self.dst == 0))
             && (self.imm == 0 || f.contains(Flags::HAS_IMM) || f.contains(Flags::DONE))
-            && if f.contains(Flags::LARGE) {
-                self.len != 0
-            } else {
-                f.contains(Flags::DONE) || (self.rkey == 0 && self.addr == 0)
-            };
+            && if f.contains(Flags::LARGE) { self.len != 0 } else { f.contains(Flags::DONE) || (self.rkey == 0 && self.addr == 0) };
         if consistent {
             Ok(())
         } else {
@@ -307,13 +303,7 @@ mod tests {
 
     #[test]
     fn round_trips_every_message() {
-        let data = Header {
-            flags: Flags::empty(),
-            src_vqpn: u32::MAX,
-            dst: 0,
-            len: u32::MAX,
-            ..Header::default()
-        };
+        let data = Header { flags: Flags::empty(), src_vqpn: u32::MAX, dst: 0, len: u32::MAX, ..Header::default() };
         let data_imm_port = Header {
             flags: Flags::HAS_IMM | Flags::TO_PORT | Flags::SOLICITED,
             src_vqpn: 1,
@@ -322,19 +312,8 @@ mod tests {
             len: 0,
             ..Header::default()
         };
-        let write_imm = Header {
-            flags: Flags::WRITE_IMM | Flags::HAS_IMM,
-            src_vqpn: 7,
-            dst: 9,
-            imm: 0,
-            len: 4096,
-            ..Header::default()
-        };
-        let large_min = Header {
-            flags: Flags::LARGE,
-            len: 1,
-            ..Header::default()
-        };
+        let write_imm = Header { flags: Flags::WRITE_IMM | Flags::HAS_IMM, src_vqpn: 7, dst: 9, imm: 0, len: 4096, ..Header::default() };
+        let large_min = Header { flags: Flags::LARGE, len: 1, ..Header::default() };
         let done = Header {
             flags: Flags::DONE | Flags::TO_PORT,
             src_vqpn: 0x0102_0304,
@@ -384,15 +363,9 @@ mod tests {
 
     #[test]
     fn carried_len_counts_only_inline_payload() {
-        let data = Header {
-            len: 100,
-            ..Header::default()
-        };
+        let data = Header { len: 100, ..Header::default() };
         assert_eq!(data.carried_len(), 100);
-        let with_imm = Header {
-            flags: Flags::HAS_IMM | Flags::TO_PORT | Flags::SOLICITED,
-            ..data
-        };
+        let with_imm = Header { flags: Flags::HAS_IMM | Flags::TO_PORT | Flags::SOLICITED, ..data };
         assert_eq!(with_imm.carried_len(), 100);
         for flags in [Flags::WRITE_IMM | Flags::HAS_IMM, Flags::LARGE, Flags::DONE] {
             assert_eq!(Header { flags, ..data }.carried_len(), 0, "{flags:?}");
@@ -402,10 +375,7 @@ mod tests {
     #[test]
     fn decode_ignores_trailing_payload() {
         let mut buf = [0xaa; HEADER_LEN + 8];
-        let h = Header {
-            len: 8,
-            ..Header::default()
-        };
+        let h = Header { len: 8, ..Header::default() };
         h.encode(buf.first_chunk_mut().unwrap());
         assert_eq!(Header::decode(&buf), Ok(h));
     }
@@ -442,38 +412,17 @@ mod tests {
 
     #[test]
     fn rejects_each_inconsistent_combination() {
-        let data = Header {
-            len: 8,
-            ..Header::default()
-        };
+        let data = Header { len: 8, ..Header::default() };
         let bad = [
             // Two message kinds.
-            Header {
-                flags: Flags::LARGE | Flags::DONE,
-                ..data
-            },
-            Header {
-                flags: Flags::LARGE | Flags::WRITE_IMM | Flags::HAS_IMM,
-                ..data
-            },
-            Header {
-                flags: Flags::DONE | Flags::WRITE_IMM | Flags::HAS_IMM,
-                ..data
-            },
+            Header { flags: Flags::LARGE | Flags::DONE, ..data },
+            Header { flags: Flags::LARGE | Flags::WRITE_IMM | Flags::HAS_IMM, ..data },
+            Header { flags: Flags::DONE | Flags::WRITE_IMM | Flags::HAS_IMM, ..data },
             // WRITE_IMM without HAS_IMM.
-            Header {
-                flags: Flags::WRITE_IMM,
-                ..data
-            },
+            Header { flags: Flags::WRITE_IMM, ..data },
             // DONE's imm is its status.
-            Header {
-                flags: Flags::DONE | Flags::HAS_IMM,
-                ..data
-            },
-            Header {
-                flags: Flags::DONE | Flags::SOLICITED,
-                ..data
-            },
+            Header { flags: Flags::DONE | Flags::HAS_IMM, ..data },
+            Header { flags: Flags::DONE | Flags::SOLICITED, ..data },
             // CLOSE carries nothing.
             Header { flags: Flags::CLOSE, len: 1, ..data },
             Header { flags: Flags::CLOSE | Flags::SOLICITED, ..data },
@@ -483,21 +432,13 @@ mod tests {
             Header { flags: Flags::LINK_CLOSE | Flags::CLOSE, ..data },
             Header { flags: Flags::LINK_CLOSE | Flags::HAS_IMM, imm: 1, ..data },
             // An empty LARGE payload.
-            Header {
-                flags: Flags::LARGE,
-                len: 0,
-                ..data
-            },
+            Header { flags: Flags::LARGE, len: 0, ..data },
             // imm without HAS_IMM.
             Header { imm: 1, ..data },
             // rkey or addr without LARGE or DONE.
             Header { rkey: 1, ..data },
             Header { addr: 1, ..data },
-            Header {
-                flags: Flags::WRITE_IMM | Flags::HAS_IMM,
-                addr: 1 << 63,
-                ..data
-            },
+            Header { flags: Flags::WRITE_IMM | Flags::HAS_IMM, addr: 1 << 63, ..data },
         ];
         for h in bad {
             // Built by hand: encode's debug assertion would refuse them.
@@ -515,10 +456,7 @@ mod tests {
     #[should_panic]
     #[cfg(debug_assertions)]
     fn encode_asserts_consistency() {
-        encoded(Header {
-            flags: Flags::LARGE,
-            ..Header::default()
-        });
+        encoded(Header { flags: Flags::LARGE, ..Header::default() });
     }
 
     #[test]
@@ -530,7 +468,6 @@ mod tests {
         assert_eq!(format!("{f:?}"), "HAS_IMM | SOLICITED");
         assert!(f.contains(Flags::SOLICITED) && !f.contains(Flags::SOLICITED | Flags::LARGE));
     }
-
 
     /// Random headers with a valid prefix, fields zero half the time: every
     /// one that decodes re-encodes to the same bytes, and both outcomes occur.

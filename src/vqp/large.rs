@@ -45,7 +45,11 @@ pub struct Staged {
 }
 
 enum Storage {
-    Shared { staging: Arc<Staging>, start: u32, units: u32 },
+    Shared {
+        staging: Arc<Staging>,
+        start: u32,
+        units: u32,
+    },
     /// Deregistered when dropped.
     Own(#[allow(dead_code)] Region),
 }

@@ -13,10 +13,10 @@ pub mod large;
 pub mod memo;
 pub mod mrs;
 pub mod precheck;
-pub mod queue;
-pub mod runtime;
 pub mod qp;
+pub mod queue;
 pub mod rc;
+pub mod runtime;
 pub mod srq;
 pub mod wire;
 pub mod wr_builder;
@@ -187,7 +187,6 @@ impl Forwarder {
 unsafe impl Send for Forwarder {}
 // SAFETY: see above.
 unsafe impl Sync for Forwarder {}
-
 
 #[cfg(test)]
 #[allow(clippy::undocumented_unsafe_blocks)]

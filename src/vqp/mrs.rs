@@ -71,11 +71,7 @@ static OBSERVERS: RwLock<Option<FxHashMap<usize, Observer>>> = RwLock::new(None)
 /// An MR of real PD `pd` was registered (`lkey`, `rkey`, range, access).
 pub fn added(pd: usize, lkey: u32, rkey: u32, info: MrInfo) {
     let mut g = PDS.write();
-    let e = g.get_or_insert_with(FxHashMap::default).entry(pd).or_default().by_lkey.entry(lkey).or_insert(Entry {
-        info,
-        rkey,
-        refs: 0,
-    });
+    let e = g.get_or_insert_with(FxHashMap::default).entry(pd).or_default().by_lkey.entry(lkey).or_insert(Entry { info, rkey, refs: 0 });
     e.refs += 1;
     let first = e.refs == 1;
     drop(g);

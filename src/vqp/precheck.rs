@@ -306,11 +306,7 @@ where
             return Err(Reason::InlineNotAllowed { opcode: wr.opcode }.into());
         }
         if len > u64::from(caps.max_inline_data) {
-            return Err(Reason::InlineTooLarge {
-                len,
-                max: caps.max_inline_data,
-            }
-            .into());
+            return Err(Reason::InlineTooLarge { len, max: caps.max_inline_data }.into());
         }
     }
     if op == Op::Atomic {
@@ -328,28 +324,15 @@ where
         Op::Read => REMOTE_READ,
         Op::Atomic => REMOTE_ATOMIC,
     };
-    let mr = remote
-        .remote(wr.rkey)
-        .ok_or(Verdict::NeedRemote { rkey: wr.rkey })?;
+    let mr = remote.remote(wr.rkey).ok_or(Verdict::NeedRemote { rkey: wr.rkey })?;
     if mr.access & NOT_MODELLED != 0 {
         return Err(Reason::MrNotSupported { key: wr.rkey, remote: true, access: mr.access & NOT_MODELLED }.into());
     }
     if mr.access & need == 0 {
-        return Err(Reason::RemoteAccess {
-            rkey: wr.rkey,
-            need,
-        }
-        .into());
+        return Err(Reason::RemoteAccess { rkey: wr.rkey, need }.into());
     }
     if !contains(&mr, wr.remote_addr, len) {
-        return Err(Reason::RemoteOutOfRange {
-            rkey: wr.rkey,
-            addr: wr.remote_addr,
-            len,
-            mr_addr: mr.addr,
-            mr_len: mr.len,
-        }
-        .into());
+        return Err(Reason::RemoteOutOfRange { rkey: wr.rkey, addr: wr.remote_addr, len, mr_addr: mr.addr, mr_len: mr.len }.into());
     }
     Ok(())
 }
@@ -379,11 +362,7 @@ pub fn one_sided_ok(opcode: u32, sge: &ibv_sge, remote_addr: u64, caps: &Caps, l
 
 /// Check a receive request of a VQP: the library (or the NIC, reading a
 /// large message straight into it) writes every byte of its buffers.
-pub fn check_recv<L: LocalMrs + ?Sized>(
-    wr: &RecvWr<'_>,
-    caps: &Caps,
-    local: &L,
-) -> Result<(), Reason> {
+pub fn check_recv<L: LocalMrs + ?Sized>(wr: &RecvWr<'_>, caps: &Caps, local: &L) -> Result<(), Reason> {
     total_len(wr.sge, caps.max_recv_sge, caps.max_msg_size)?;
     check_local(wr.sge, true, local)
 }
@@ -391,76 +370,44 @@ pub fn check_recv<L: LocalMrs + ?Sized>(
 /// The message length, once the SGE count and the length are within caps.
 fn total_len(sge: &[ibv_sge], max_sge: u32, max_msg_size: u32) -> Result<u64, Reason> {
     if sge.len() as u64 > u64::from(max_sge) {
-        return Err(Reason::TooManySge {
-            num: sge.len(),
-            max: max_sge,
-        });
+        return Err(Reason::TooManySge { num: sge.len(), max: max_sge });
     }
     // At most u32::MAX lengths below 2^32 each: the u64 sum cannot overflow,
     // and it cannot wrap around the limit the way a u32 sum could.
     let len: u64 = sge.iter().map(|s| u64::from(s.length)).sum();
     if len > u64::from(max_msg_size) {
-        return Err(Reason::MessageTooLarge {
-            len,
-            max: max_msg_size,
-        });
+        return Err(Reason::MessageTooLarge { len, max: max_msg_size });
     }
     Ok(len)
 }
 
 fn check_atomic_shape(wr: &SendWr<'_>, len: u64) -> Result<(), Reason> {
     let [sge] = wr.sge else {
-        return Err(Reason::AtomicSge {
-            num: wr.sge.len(),
-            len,
-        });
+        return Err(Reason::AtomicSge { num: wr.sge.len(), len });
     };
     if sge.length != 8 {
         return Err(Reason::AtomicSge { num: 1, len });
     }
     if sge.addr % 8 != 0 {
-        return Err(Reason::AtomicMisaligned {
-            side: Side::Local,
-            addr: sge.addr,
-        });
+        return Err(Reason::AtomicMisaligned { side: Side::Local, addr: sge.addr });
     }
     if wr.remote_addr % 8 != 0 {
-        return Err(Reason::AtomicMisaligned {
-            side: Side::Remote,
-            addr: wr.remote_addr,
-        });
+        return Err(Reason::AtomicMisaligned { side: Side::Remote, addr: wr.remote_addr });
     }
     Ok(())
 }
 
-fn check_local<L: LocalMrs + ?Sized>(
-    sges: &[ibv_sge],
-    nic_writes: bool,
-    local: &L,
-) -> Result<(), Reason> {
+fn check_local<L: LocalMrs + ?Sized>(sges: &[ibv_sge], nic_writes: bool, local: &L) -> Result<(), Reason> {
     for (i, s) in sges.iter().enumerate().filter(|(_, s)| s.length > 0) {
-        let mr = local.local(s.lkey).ok_or(Reason::UnknownLkey {
-            sge: i,
-            lkey: s.lkey,
-        })?;
+        let mr = local.local(s.lkey).ok_or(Reason::UnknownLkey { sge: i, lkey: s.lkey })?;
         if mr.access & NOT_MODELLED != 0 {
             return Err(Reason::MrNotSupported { key: s.lkey, remote: false, access: mr.access & NOT_MODELLED });
         }
         if !contains(&mr, s.addr, u64::from(s.length)) {
-            return Err(Reason::SgeOutOfRange {
-                sge: i,
-                lkey: s.lkey,
-                addr: s.addr,
-                len: s.length,
-                mr_addr: mr.addr,
-                mr_len: mr.len,
-            });
+            return Err(Reason::SgeOutOfRange { sge: i, lkey: s.lkey, addr: s.addr, len: s.length, mr_addr: mr.addr, mr_len: mr.len });
         }
         if nic_writes && mr.access & LOCAL_WRITE == 0 {
-            return Err(Reason::LocalAccess {
-                sge: i,
-                lkey: s.lkey,
-            });
+            return Err(Reason::LocalAccess { sge: i, lkey: s.lkey });
         }
     }
     Ok(())
@@ -546,58 +493,33 @@ impl fmt::Display for Reason {
             }
             Reason::InlineNotAllowed { opcode } => {
                 let opcode = Opcode(opcode);
-                write!(
-                    f,
-                    "IBV_SEND_INLINE with {opcode}: only SEND and RDMA_WRITE carry inline data"
-                )
+                write!(f, "IBV_SEND_INLINE with {opcode}: only SEND and RDMA_WRITE carry inline data")
             }
             Reason::InlineTooLarge { len, max } => {
                 write!(f, "{len} bytes inline, the QP allows {max}")
             }
             Reason::AtomicSge { num, len } => {
-                write!(
-                    f,
-                    "atomic with {num} SGEs of {len} bytes in all: it needs one SGE of 8 bytes"
-                )
+                write!(f, "atomic with {num} SGEs of {len} bytes in all: it needs one SGE of 8 bytes")
             }
             Reason::AtomicMisaligned { side, addr } => {
                 write!(f, "atomic {side} address {addr:#x} is not 8-byte aligned")
             }
             Reason::UnknownLkey { sge, lkey } => {
-                write!(
-                    f,
-                    "SGE {sge}: lkey {lkey:#x} is not a local MR usable by this QP"
-                )
+                write!(f, "SGE {sge}: lkey {lkey:#x} is not a local MR usable by this QP")
             }
-            Reason::SgeOutOfRange {
-                sge,
-                lkey,
-                addr,
-                len,
-                mr_addr,
-                mr_len,
-            } => {
+            Reason::SgeOutOfRange { sge, lkey, addr, len, mr_addr, mr_len } => {
                 let (range, mr) = (Span(addr, len.into()), Span(mr_addr, mr_len));
                 write!(f, "SGE {sge}: {range} is outside MR lkey {lkey:#x} {mr}")
             }
             Reason::LocalAccess { sge, lkey } => {
-                write!(
-                    f,
-                    "SGE {sge}: MR lkey {lkey:#x} lacks IBV_ACCESS_LOCAL_WRITE"
-                )
+                write!(f, "SGE {sge}: MR lkey {lkey:#x} lacks IBV_ACCESS_LOCAL_WRITE")
             }
             Reason::RemoteUnknown { rkey } => write!(f, "rkey {rkey:#x} is not an MR of the peer"),
             Reason::RemoteAccess { rkey, need } => match access_name(need) {
                 Some(name) => write!(f, "remote MR rkey {rkey:#x} lacks {name}"),
                 None => write!(f, "remote MR rkey {rkey:#x} lacks access {need:#x}"),
             },
-            Reason::RemoteOutOfRange {
-                rkey,
-                addr,
-                len,
-                mr_addr,
-                mr_len,
-            } => {
+            Reason::RemoteOutOfRange { rkey, addr, len, mr_addr, mr_len } => {
                 let (range, mr) = (Span(addr, len), Span(mr_addr, mr_len));
                 write!(f, "remote {range} is outside MR rkey {rkey:#x} {mr}")
             }
@@ -641,9 +563,7 @@ impl fmt::Debug for SendWr<'_> {
 
 impl fmt::Debug for RecvWr<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RecvWr")
-            .field("sge", &Sges(self.sge))
-            .finish()
+        f.debug_struct("RecvWr").field("sge", &Sges(self.sge)).finish()
     }
 }
 
@@ -657,13 +577,7 @@ mod tests {
     const SIGNALED: u32 = ibv_send_flags::IBV_SEND_SIGNALED.0;
     const ALL_REMOTE: u32 = REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
 
-    const CAPS: Caps = Caps {
-        max_send_sge: 4,
-        max_recv_sge: 2,
-        max_inline_data: 64,
-        max_msg_size: 1 << 20,
-        atomics: true,
-    };
+    const CAPS: Caps = Caps { max_send_sge: 4, max_recv_sge: 2, max_inline_data: 64, max_msg_size: 1 << 20, atomics: true };
 
     /// An MR table: local MRs by lkey, or the peer's by rkey with the ones
     /// not fetched yet hidden.
@@ -707,9 +621,7 @@ mod tests {
 
     /// Local MRs: 1 writable [0x1000, +0x1000), 2 read-only [0x8000, +0x100).
     fn local() -> Table {
-        Table::default()
-            .with(1, 0x1000, 0x1000, LOCAL_WRITE)
-            .with(2, 0x8000, 0x100, 0)
+        Table::default().with(1, 0x1000, 0x1000, LOCAL_WRITE).with(2, 0x8000, 0x100, 0)
     }
 
     /// Peer MRs: 7 with every remote access at [0x10_0000, +0x1000).
@@ -718,13 +630,7 @@ mod tests {
     }
 
     fn wr(opcode: u32, sge: &[ibv_sge]) -> SendWr<'_> {
-        SendWr {
-            opcode,
-            send_flags: SIGNALED,
-            sge,
-            remote_addr: 0x10_0000,
-            rkey: 7,
-        }
+        SendWr { opcode, send_flags: SIGNALED, sge, remote_addr: 0x10_0000, rkey: 7 }
     }
 
     fn reject(r: Reason) -> Result<(), Verdict> {
@@ -734,49 +640,22 @@ mod tests {
     #[test]
     fn valid_requests_of_every_supported_opcode_pass() {
         let data = [sge(0x1000, 64, 1), sge(0x8000, 0x100, 2)];
-        for op in [
-            IBV_WR_SEND,
-            IBV_WR_SEND_WITH_IMM,
-            IBV_WR_RDMA_WRITE,
-            IBV_WR_RDMA_WRITE_WITH_IMM,
-        ] {
-            assert_eq!(
-                check_send(&wr(op, &data), &CAPS, &local(), &remote()),
-                Ok(()),
-                "{op}"
-            );
+        for op in [IBV_WR_SEND, IBV_WR_SEND_WITH_IMM, IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM] {
+            assert_eq!(check_send(&wr(op, &data), &CAPS, &local(), &remote()), Ok(()), "{op}");
         }
         let read = [sge(0x1000, 64, 1)];
-        assert_eq!(
-            check_send(&wr(IBV_WR_RDMA_READ, &read), &CAPS, &local(), &remote()),
-            Ok(())
-        );
+        assert_eq!(check_send(&wr(IBV_WR_RDMA_READ, &read), &CAPS, &local(), &remote()), Ok(()));
         let atomic = [sge(0x1008, 8, 1)];
         for op in [IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD] {
-            assert_eq!(
-                check_send(&wr(op, &atomic), &CAPS, &local(), &remote()),
-                Ok(()),
-                "{op}"
-            );
+            assert_eq!(check_send(&wr(op, &atomic), &CAPS, &local(), &remote()), Ok(()), "{op}");
         }
-        let recv = RecvWr {
-            sge: &[sge(0x1000, 0x1000, 1)],
-        };
+        let recv = RecvWr { sge: &[sge(0x1000, 0x1000, 1)] };
         assert_eq!(check_recv(&recv, &CAPS, &local()), Ok(()));
     }
 
     #[test]
     fn opcodes_a_vqp_cannot_carry_are_rejected() {
-        for op in [
-            IBV_WR_LOCAL_INV,
-            IBV_WR_BIND_MW,
-            IBV_WR_SEND_WITH_INV,
-            IBV_WR_TSO,
-            IBV_WR_DRIVER1,
-            IBV_WR_ATOMIC_WRITE,
-            12,
-            u32::MAX,
-        ] {
+        for op in [IBV_WR_LOCAL_INV, IBV_WR_BIND_MW, IBV_WR_SEND_WITH_INV, IBV_WR_TSO, IBV_WR_DRIVER1, IBV_WR_ATOMIC_WRITE, 12, u32::MAX] {
             let r = check_send(&wr(op, &[]), &CAPS, &local(), &remote());
             assert_eq!(r, reject(Reason::UnsupportedOpcode { opcode: op }));
         }
@@ -785,17 +664,11 @@ mod tests {
     #[test]
     fn flags_beyond_fence_signaled_solicited_inline_are_rejected() {
         let all = ALLOWED_SEND_FLAGS;
-        let ok = SendWr {
-            send_flags: all,
-            ..wr(IBV_WR_SEND, &[])
-        };
+        let ok = SendWr { send_flags: all, ..wr(IBV_WR_SEND, &[]) };
         assert_eq!(check_send(&ok, &CAPS, &local(), &remote()), Ok(()));
         let csum = ibv_send_flags::IBV_SEND_IP_CSUM.0;
         for extra in [csum, 1 << 31] {
-            let w = SendWr {
-                send_flags: all | extra,
-                ..wr(IBV_WR_SEND, &[])
-            };
+            let w = SendWr { send_flags: all | extra, ..wr(IBV_WR_SEND, &[]) };
             let r = check_send(&w, &CAPS, &local(), &remote());
             assert_eq!(r, reject(Reason::UnsupportedFlags { flags: extra }));
         }
@@ -804,18 +677,12 @@ mod tests {
     #[test]
     fn sge_count_is_bounded_by_the_caps_of_each_queue() {
         let four = [sge(0x1000, 1, 1); 4];
-        assert_eq!(
-            check_send(&wr(IBV_WR_SEND, &four), &CAPS, &local(), &remote()),
-            Ok(())
-        );
+        assert_eq!(check_send(&wr(IBV_WR_SEND, &four), &CAPS, &local(), &remote()), Ok(()));
         let five = [sge(0x1000, 1, 1); 5];
         let r = check_send(&wr(IBV_WR_SEND, &five), &CAPS, &local(), &remote());
         assert_eq!(r, reject(Reason::TooManySge { num: 5, max: 4 }));
 
-        assert_eq!(
-            check_recv(&RecvWr { sge: &four[..2] }, &CAPS, &local()),
-            Ok(())
-        );
+        assert_eq!(check_recv(&RecvWr { sge: &four[..2] }, &CAPS, &local()), Ok(()));
         let r = check_recv(&RecvWr { sge: &four[..3] }, &CAPS, &local());
         assert_eq!(r, Err(Reason::TooManySge { num: 3, max: 2 }));
     }
@@ -884,53 +751,27 @@ mod tests {
     #[test]
     fn total_length_is_bounded_by_max_msg_size_without_wrapping() {
         let mrs = Table::default().with(1, 0, u64::MAX, LOCAL_WRITE);
-        let caps = Caps {
-            max_msg_size: 100,
-            ..CAPS
-        };
+        let caps = Caps { max_msg_size: 100, ..CAPS };
         let at_limit = [sge(0, 60, 1), sge(0, 40, 1)];
-        assert_eq!(
-            check_send(&wr(IBV_WR_SEND, &at_limit), &caps, &mrs, &remote()),
-            Ok(())
-        );
+        assert_eq!(check_send(&wr(IBV_WR_SEND, &at_limit), &caps, &mrs, &remote()), Ok(()));
         let over = [sge(0, 60, 1), sge(0, 41, 1)];
         let r = check_send(&wr(IBV_WR_SEND, &over), &caps, &mrs, &remote());
         assert_eq!(r, reject(Reason::MessageTooLarge { len: 101, max: 100 }));
-        assert_eq!(
-            check_recv(&RecvWr { sge: &over }, &caps, &mrs),
-            Err(Reason::MessageTooLarge { len: 101, max: 100 })
-        );
+        assert_eq!(check_recv(&RecvWr { sge: &over }, &caps, &mrs), Err(Reason::MessageTooLarge { len: 101, max: 100 }));
 
         // A u32 sum would wrap to u32::MAX - 1 and pass.
-        let caps = Caps {
-            max_msg_size: u32::MAX,
-            ..CAPS
-        };
+        let caps = Caps { max_msg_size: u32::MAX, ..CAPS };
         let huge = [sge(0, u32::MAX, 1), sge(0, u32::MAX, 1)];
         let r = check_send(&wr(IBV_WR_SEND, &huge), &caps, &mrs, &remote());
-        assert_eq!(
-            r,
-            reject(Reason::MessageTooLarge {
-                len: 2 * u64::from(u32::MAX),
-                max: u32::MAX
-            })
-        );
+        assert_eq!(r, reject(Reason::MessageTooLarge { len: 2 * u64::from(u32::MAX), max: u32::MAX }));
     }
 
     #[test]
     fn inline_is_bounded_and_skips_lkeys() {
         let no_mrs = Table::default();
         let at_limit = [sge(0xdead, 60, 99), sge(0xbeef, 4, 98)];
-        for op in [
-            IBV_WR_SEND,
-            IBV_WR_SEND_WITH_IMM,
-            IBV_WR_RDMA_WRITE,
-            IBV_WR_RDMA_WRITE_WITH_IMM,
-        ] {
-            let w = SendWr {
-                send_flags: INLINE,
-                ..wr(op, &at_limit)
-            };
+        for op in [IBV_WR_SEND, IBV_WR_SEND_WITH_IMM, IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM] {
+            let w = SendWr { send_flags: INLINE, ..wr(op, &at_limit) };
             assert_eq!(check_send(&w, &CAPS, &no_mrs, &remote()), Ok(()), "{op}");
         }
         // Without the flag the same buffers must be registered.
@@ -938,10 +779,7 @@ mod tests {
         assert_eq!(r, reject(Reason::UnknownLkey { sge: 0, lkey: 99 }));
 
         let over = [sge(0xdead, 65, 99)];
-        let w = SendWr {
-            send_flags: INLINE,
-            ..wr(IBV_WR_SEND, &over)
-        };
+        let w = SendWr { send_flags: INLINE, ..wr(IBV_WR_SEND, &over) };
         let r = check_send(&w, &CAPS, &no_mrs, &remote());
         assert_eq!(r, reject(Reason::InlineTooLarge { len: 65, max: 64 }));
     }
@@ -949,33 +787,16 @@ mod tests {
     #[test]
     fn inline_write_still_needs_the_remote_range() {
         let data = [sge(0xdead, 16, 99)];
-        let w = SendWr {
-            send_flags: INLINE,
-            remote_addr: 0x10_0ff8,
-            ..wr(IBV_WR_RDMA_WRITE, &data)
-        };
+        let w = SendWr { send_flags: INLINE, remote_addr: 0x10_0ff8, ..wr(IBV_WR_RDMA_WRITE, &data) };
         let r = check_send(&w, &CAPS, &local(), &remote());
-        assert!(
-            matches!(
-                r,
-                Err(Verdict::Reject(Reason::RemoteOutOfRange { len: 16, .. }))
-            ),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Verdict::Reject(Reason::RemoteOutOfRange { len: 16, .. }))), "{r:?}");
     }
 
     #[test]
     fn inline_is_refused_where_the_nic_writes_local_memory() {
         let one = [sge(0x1000, 8, 1)];
-        for op in [
-            IBV_WR_RDMA_READ,
-            IBV_WR_ATOMIC_CMP_AND_SWP,
-            IBV_WR_ATOMIC_FETCH_AND_ADD,
-        ] {
-            let w = SendWr {
-                send_flags: INLINE,
-                ..wr(op, &one)
-            };
+        for op in [IBV_WR_RDMA_READ, IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD] {
+            let w = SendWr { send_flags: INLINE, ..wr(op, &one) };
             let r = check_send(&w, &CAPS, &local(), &remote());
             assert_eq!(r, reject(Reason::InlineNotAllowed { opcode: op }));
         }
@@ -986,10 +807,7 @@ mod tests {
         let data = [sge(0x1000, 8, 1), sge(0, 0, 42), sge(0x1000, 8, 43)];
         let r = check_send(&wr(IBV_WR_SEND, &data), &CAPS, &local(), &remote());
         assert_eq!(r, reject(Reason::UnknownLkey { sge: 2, lkey: 43 }));
-        assert_eq!(
-            check_send(&wr(IBV_WR_SEND, &data[..2]), &CAPS, &local(), &remote()),
-            Ok(())
-        );
+        assert_eq!(check_send(&wr(IBV_WR_SEND, &data[..2]), &CAPS, &local(), &remote()), Ok(()));
         let r = check_recv(&RecvWr { sge: &data }, &CAPS, &local());
         assert_eq!(r, Err(Reason::TooManySge { num: 3, max: 2 }));
         let r = check_recv(&RecvWr { sge: &data[1..] }, &CAPS, &local());
@@ -999,98 +817,47 @@ mod tests {
     #[test]
     fn sge_range_boundaries() {
         let send = |s: ibv_sge| check_send(&wr(IBV_WR_SEND, &[s]), &CAPS, &local(), &remote());
-        let out = |addr, len| {
-            reject(Reason::SgeOutOfRange {
-                sge: 0,
-                lkey: 1,
-                addr,
-                len,
-                mr_addr: 0x1000,
-                mr_len: 0x1000,
-            })
-        };
+        let out = |addr, len| reject(Reason::SgeOutOfRange { sge: 0, lkey: 1, addr, len, mr_addr: 0x1000, mr_len: 0x1000 });
         assert_eq!(send(sge(0x1000, 0x1000, 1)), Ok(()), "the whole MR");
         assert_eq!(send(sge(0x1fff, 1, 1)), Ok(()), "the last byte");
         assert_eq!(send(sge(0x1fff, 2, 1)), out(0x1fff, 2), "one past the end");
         assert_eq!(send(sge(0x2000, 1, 1)), out(0x2000, 1), "starts at the end");
-        assert_eq!(
-            send(sge(0xfff, 1, 1)),
-            out(0xfff, 1),
-            "one before the start"
-        );
-        assert_eq!(
-            send(sge(0xfff, 0, 1)),
-            Ok(()),
-            "zero length is never looked at"
-        );
+        assert_eq!(send(sge(0xfff, 1, 1)), out(0xfff, 1), "one before the start");
+        assert_eq!(send(sge(0xfff, 0, 1)), Ok(()), "zero length is never looked at");
     }
 
     #[test]
     fn ranges_near_the_top_of_the_address_space_never_wrap() {
         let top = Table::default().with(1, u64::MAX - 15, 16, LOCAL_WRITE);
         let send = |s: ibv_sge| check_send(&wr(IBV_WR_SEND, &[s]), &CAPS, &top, &remote());
-        assert_eq!(
-            send(sge(u64::MAX, 1, 1)),
-            Ok(()),
-            "the last byte of the address space"
-        );
+        assert_eq!(send(sge(u64::MAX, 1, 1)), Ok(()), "the last byte of the address space");
         assert_eq!(send(sge(u64::MAX - 7, 8, 1)), Ok(()));
         let r = send(sge(u64::MAX - 3, 8, 1));
-        assert!(
-            matches!(r, Err(Verdict::Reject(Reason::SgeOutOfRange { .. }))),
-            "wraps: {r:?}"
-        );
+        assert!(matches!(r, Err(Verdict::Reject(Reason::SgeOutOfRange { .. }))), "wraps: {r:?}");
 
         // An MR entry claiming to run past 2^64 does not make wrapping legal.
         let bogus = Table::default().with(1, u64::MAX - 7, 64, LOCAL_WRITE);
-        let r = check_send(
-            &wr(IBV_WR_SEND, &[sge(u64::MAX - 3, 8, 1)]),
-            &CAPS,
-            &bogus,
-            &remote(),
-        );
-        assert!(
-            matches!(r, Err(Verdict::Reject(Reason::SgeOutOfRange { .. }))),
-            "{r:?}"
-        );
+        let r = check_send(&wr(IBV_WR_SEND, &[sge(u64::MAX - 3, 8, 1)]), &CAPS, &bogus, &remote());
+        assert!(matches!(r, Err(Verdict::Reject(Reason::SgeOutOfRange { .. }))), "{r:?}");
 
         let peer = Table::default().with(7, u64::MAX - 15, 16, ALL_REMOTE);
         let read = |remote_addr, len| {
             let data = [sge(0x1000, len, 1)];
-            let w = SendWr {
-                remote_addr,
-                ..wr(IBV_WR_RDMA_READ, &data)
-            };
+            let w = SendWr { remote_addr, ..wr(IBV_WR_RDMA_READ, &data) };
             check_send(&w, &CAPS, &local(), &peer)
         };
         assert_eq!(read(u64::MAX - 15, 16), Ok(()));
         let r = read(u64::MAX - 7, 16);
-        let expected = Reason::RemoteOutOfRange {
-            rkey: 7,
-            addr: u64::MAX - 7,
-            len: 16,
-            mr_addr: u64::MAX - 15,
-            mr_len: 16,
-        };
+        let expected = Reason::RemoteOutOfRange { rkey: 7, addr: u64::MAX - 7, len: 16, mr_addr: u64::MAX - 15, mr_len: 16 };
         assert_eq!(r, reject(expected));
     }
 
     #[test]
     fn the_nic_writes_only_into_locally_writable_mrs() {
         let ro = [sge(0x8000, 8, 2)];
-        assert_eq!(
-            check_send(&wr(IBV_WR_SEND, &ro), &CAPS, &local(), &remote()),
-            Ok(())
-        );
-        assert_eq!(
-            check_send(&wr(IBV_WR_RDMA_WRITE, &ro), &CAPS, &local(), &remote()),
-            Ok(())
-        );
-        for op in [
-            IBV_WR_RDMA_READ,
-            IBV_WR_ATOMIC_CMP_AND_SWP,
-            IBV_WR_ATOMIC_FETCH_AND_ADD,
-        ] {
+        assert_eq!(check_send(&wr(IBV_WR_SEND, &ro), &CAPS, &local(), &remote()), Ok(()));
+        assert_eq!(check_send(&wr(IBV_WR_RDMA_WRITE, &ro), &CAPS, &local(), &remote()), Ok(()));
+        for op in [IBV_WR_RDMA_READ, IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD] {
             let r = check_send(&wr(op, &ro), &CAPS, &local(), &remote());
             assert_eq!(r, reject(Reason::LocalAccess { sge: 0, lkey: 2 }), "{op}");
         }
@@ -1103,60 +870,32 @@ mod tests {
     fn atomics_take_one_aligned_eight_byte_sge() {
         let op = IBV_WR_ATOMIC_FETCH_AND_ADD;
         let check = |w: &SendWr<'_>| check_send(w, &CAPS, &local(), &remote());
-        assert_eq!(
-            check(&wr(op, &[])),
-            reject(Reason::AtomicSge { num: 0, len: 0 })
-        );
+        assert_eq!(check(&wr(op, &[])), reject(Reason::AtomicSge { num: 0, len: 0 }));
         let two = [sge(0x1000, 4, 1), sge(0x1004, 4, 1)];
-        assert_eq!(
-            check(&wr(op, &two)),
-            reject(Reason::AtomicSge { num: 2, len: 8 })
-        );
+        assert_eq!(check(&wr(op, &two)), reject(Reason::AtomicSge { num: 2, len: 8 }));
         for len in [0, 4, 16] {
             let one = [sge(0x1000, len, 1)];
-            assert_eq!(
-                check(&wr(op, &one)),
-                reject(Reason::AtomicSge {
-                    num: 1,
-                    len: u64::from(len)
-                })
-            );
+            assert_eq!(check(&wr(op, &one)), reject(Reason::AtomicSge { num: 1, len: u64::from(len) }));
         }
         let local_off = [sge(0x1004, 8, 1)];
         let r = check(&wr(op, &local_off));
-        assert_eq!(
-            r,
-            reject(Reason::AtomicMisaligned {
-                side: Side::Local,
-                addr: 0x1004
-            })
-        );
+        assert_eq!(r, reject(Reason::AtomicMisaligned { side: Side::Local, addr: 0x1004 }));
         let ok = [sge(0x1000, 8, 1)];
-        let w = SendWr {
-            remote_addr: 0x10_0004,
-            ..wr(op, &ok)
-        };
+        let w = SendWr { remote_addr: 0x10_0004, ..wr(op, &ok) };
         let r = check(&w);
-        assert_eq!(
-            r,
-            reject(Reason::AtomicMisaligned {
-                side: Side::Remote,
-                addr: 0x10_0004
-            })
-        );
-        let w = SendWr {
-            remote_addr: 0x10_0ff8,
-            ..wr(op, &ok)
-        };
+        assert_eq!(r, reject(Reason::AtomicMisaligned { side: Side::Remote, addr: 0x10_0004 }));
+        let w = SendWr { remote_addr: 0x10_0ff8, ..wr(op, &ok) };
         assert_eq!(check(&w), Ok(()), "the last aligned word of the remote MR");
     }
 
     #[test]
     fn each_rdma_op_needs_its_remote_access() {
-        let peer = Table::default()
-            .with(1, 0, 0x1000, REMOTE_READ | REMOTE_ATOMIC)
-            .with(2, 0, 0x1000, REMOTE_WRITE | REMOTE_ATOMIC)
-            .with(3, 0, 0x1000, REMOTE_WRITE | REMOTE_READ);
+        let peer = Table::default().with(1, 0, 0x1000, REMOTE_READ | REMOTE_ATOMIC).with(2, 0, 0x1000, REMOTE_WRITE | REMOTE_ATOMIC).with(
+            3,
+            0,
+            0x1000,
+            REMOTE_WRITE | REMOTE_READ,
+        );
         let data = [sge(0x1000, 8, 1)];
         for (op, rkey, need) in [
             (IBV_WR_RDMA_WRITE, 1, REMOTE_WRITE),
@@ -1165,11 +904,7 @@ mod tests {
             (IBV_WR_ATOMIC_CMP_AND_SWP, 3, REMOTE_ATOMIC),
             (IBV_WR_ATOMIC_FETCH_AND_ADD, 3, REMOTE_ATOMIC),
         ] {
-            let w = SendWr {
-                remote_addr: 0,
-                rkey,
-                ..wr(op, &data)
-            };
+            let w = SendWr { remote_addr: 0, rkey, ..wr(op, &data) };
             let r = check_send(&w, &CAPS, &local(), &peer);
             assert_eq!(r, reject(Reason::RemoteAccess { rkey, need }), "{op}");
         }
@@ -1179,52 +914,23 @@ mod tests {
     fn remote_range_boundaries() {
         let write = |remote_addr, len| {
             let data = [sge(0x1000, len, 1)];
-            let w = SendWr {
-                remote_addr,
-                ..wr(IBV_WR_RDMA_WRITE, &data)
-            };
+            let w = SendWr { remote_addr, ..wr(IBV_WR_RDMA_WRITE, &data) };
             check_send(&w, &CAPS, &local(), &remote())
         };
-        let out = |addr, len| {
-            reject(Reason::RemoteOutOfRange {
-                rkey: 7,
-                addr,
-                len,
-                mr_addr: 0x10_0000,
-                mr_len: 0x1000,
-            })
-        };
+        let out = |addr, len| reject(Reason::RemoteOutOfRange { rkey: 7, addr, len, mr_addr: 0x10_0000, mr_len: 0x1000 });
         assert_eq!(write(0x10_0000, 0x1000), Ok(()), "the whole MR");
         assert_eq!(write(0x10_0fff, 1), Ok(()), "the last byte");
         assert_eq!(write(0x10_0fff, 2), out(0x10_0fff, 2), "one past the end");
-        assert_eq!(
-            write(0x0f_ffff, 1),
-            out(0x0f_ffff, 1),
-            "one before the start"
-        );
+        assert_eq!(write(0x0f_ffff, 1), out(0x0f_ffff, 1), "one before the start");
         assert_eq!(write(u64::MAX, 2), out(u64::MAX, 2), "wraps");
     }
 
     #[test]
     fn zero_length_rdma_needs_a_known_rkey_and_an_address_inside() {
-        let w = |remote_addr, rkey| SendWr {
-            remote_addr,
-            rkey,
-            ..wr(IBV_WR_RDMA_WRITE_WITH_IMM, &[])
-        };
-        assert_eq!(
-            check_send(&w(0x10_1000, 7), &CAPS, &local(), &remote()),
-            Ok(()),
-            "at the end"
-        );
+        let w = |remote_addr, rkey| SendWr { remote_addr, rkey, ..wr(IBV_WR_RDMA_WRITE_WITH_IMM, &[]) };
+        assert_eq!(check_send(&w(0x10_1000, 7), &CAPS, &local(), &remote()), Ok(()), "at the end");
         let r = check_send(&w(0x10_1001, 7), &CAPS, &local(), &remote());
-        assert!(
-            matches!(
-                r,
-                Err(Verdict::Reject(Reason::RemoteOutOfRange { len: 0, .. }))
-            ),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Verdict::Reject(Reason::RemoteOutOfRange { len: 0, .. }))), "{r:?}");
         let r = check_send(&w(0, 0), &CAPS, &local(), &remote());
         assert_eq!(r, Err(Verdict::NeedRemote { rkey: 0 }));
     }
@@ -1232,11 +938,7 @@ mod tests {
     #[test]
     fn sends_never_consult_the_peer() {
         let data = [sge(0x1000, 8, 1)];
-        let w = SendWr {
-            rkey: 12345,
-            remote_addr: 3,
-            ..wr(IBV_WR_SEND_WITH_IMM, &data)
-        };
+        let w = SendWr { rkey: 12345, remote_addr: 3, ..wr(IBV_WR_SEND_WITH_IMM, &data) };
         assert_eq!(check_send(&w, &CAPS, &local(), &Table::default()), Ok(()));
     }
 
@@ -1253,19 +955,13 @@ mod tests {
         let stranger = SendWr { rkey: 8, ..read };
         let v = check_send(&stranger, &CAPS, &local(), &peer).unwrap_err();
         assert_eq!(v.into_reason(), Reason::RemoteUnknown { rkey: 8 });
-        assert_eq!(
-            Verdict::Reject(Reason::TooManySge { num: 1, max: 0 }).into_reason(),
-            Reason::TooManySge { num: 1, max: 0 }
-        );
+        assert_eq!(Verdict::Reject(Reason::TooManySge { num: 1, max: 0 }).into_reason(), Reason::TooManySge { num: 1, max: 0 });
     }
 
     #[test]
     fn local_faults_win_over_fetching_the_peer_table() {
         let data = [sge(0x1000, 64, 9)];
-        let w = SendWr {
-            rkey: 8,
-            ..wr(IBV_WR_RDMA_READ, &data)
-        };
+        let w = SendWr { rkey: 8, ..wr(IBV_WR_RDMA_READ, &data) };
         let r = check_send(&w, &CAPS, &local(), &Table::default());
         assert_eq!(r, reject(Reason::UnknownLkey { sge: 0, lkey: 9 }));
     }
@@ -1273,75 +969,25 @@ mod tests {
     #[test]
     fn every_reason_is_einval_and_prints_its_limits() {
         let cases = [
-            (
-                Reason::UnsupportedOpcode {
-                    opcode: IBV_WR_SEND_WITH_INV,
-                },
-                "IBV_WR_SEND_WITH_INV",
-            ),
+            (Reason::UnsupportedOpcode { opcode: IBV_WR_SEND_WITH_INV }, "IBV_WR_SEND_WITH_INV"),
             (Reason::UnsupportedOpcode { opcode: 77 }, "opcode 77"),
             (Reason::UnsupportedFlags { flags: 0x10 }, "0x10"),
-            (
-                Reason::TooManySge { num: 5, max: 4 },
-                "5 SGEs, the QP allows 4",
-            ),
-            (
-                Reason::MessageTooLarge { len: 101, max: 100 },
-                "101 bytes, max_msg_sz is 100",
-            ),
-            (
-                Reason::InlineNotAllowed {
-                    opcode: IBV_WR_RDMA_READ,
-                },
-                "IBV_WR_RDMA_READ",
-            ),
-            (
-                Reason::InlineTooLarge { len: 65, max: 64 },
-                "65 bytes inline, the QP allows 64",
-            ),
+            (Reason::TooManySge { num: 5, max: 4 }, "5 SGEs, the QP allows 4"),
+            (Reason::MessageTooLarge { len: 101, max: 100 }, "101 bytes, max_msg_sz is 100"),
+            (Reason::InlineNotAllowed { opcode: IBV_WR_RDMA_READ }, "IBV_WR_RDMA_READ"),
+            (Reason::InlineTooLarge { len: 65, max: 64 }, "65 bytes inline, the QP allows 64"),
             (Reason::AtomicSge { num: 2, len: 8 }, "2 SGEs"),
+            (Reason::AtomicMisaligned { side: Side::Remote, addr: 0x4 }, "remote address 0x4"),
+            (Reason::UnknownLkey { sge: 3, lkey: 0x2a }, "SGE 3: lkey 0x2a"),
             (
-                Reason::AtomicMisaligned {
-                    side: Side::Remote,
-                    addr: 0x4,
-                },
-                "remote address 0x4",
-            ),
-            (
-                Reason::UnknownLkey { sge: 3, lkey: 0x2a },
-                "SGE 3: lkey 0x2a",
-            ),
-            (
-                Reason::SgeOutOfRange {
-                    sge: 1,
-                    lkey: 1,
-                    addr: 0x1fff,
-                    len: 2,
-                    mr_addr: 0x1000,
-                    mr_len: 4096,
-                },
+                Reason::SgeOutOfRange { sge: 1, lkey: 1, addr: 0x1fff, len: 2, mr_addr: 0x1000, mr_len: 4096 },
                 "SGE 1: [0x1fff, +2) is outside MR lkey 0x1 [0x1000, +4096)",
             ),
-            (
-                Reason::LocalAccess { sge: 0, lkey: 2 },
-                "IBV_ACCESS_LOCAL_WRITE",
-            ),
+            (Reason::LocalAccess { sge: 0, lkey: 2 }, "IBV_ACCESS_LOCAL_WRITE"),
             (Reason::RemoteUnknown { rkey: 8 }, "rkey 0x8"),
+            (Reason::RemoteAccess { rkey: 1, need: REMOTE_ATOMIC }, "lacks IBV_ACCESS_REMOTE_ATOMIC"),
             (
-                Reason::RemoteAccess {
-                    rkey: 1,
-                    need: REMOTE_ATOMIC,
-                },
-                "lacks IBV_ACCESS_REMOTE_ATOMIC",
-            ),
-            (
-                Reason::RemoteOutOfRange {
-                    rkey: 7,
-                    addr: 0x10,
-                    len: 9,
-                    mr_addr: 0,
-                    mr_len: 0x10,
-                },
+                Reason::RemoteOutOfRange { rkey: 7, addr: 0x10, len: 9, mr_addr: 0, mr_len: 0x10 },
                 "remote [0x10, +9) is outside MR rkey 0x7 [0x0, +16)",
             ),
             (Reason::AtomicsNotSupported, "IBV_ATOMIC_NONE"),
@@ -1353,7 +999,6 @@ mod tests {
             assert!(line.contains(text), "{line:?} lacks {text:?}");
         }
     }
-
 
     /// Whether every byte of `[addr, addr + len)` is a byte of `mr`, for the
     /// reference model: stated on the last byte rather than the end.
@@ -1372,51 +1017,25 @@ mod tests {
 
     /// Every rule of the module doc that a request breaks without asking
     /// the peer, stated independently of the implementation's order.
-    fn model_local(
-        sges: &[ibv_sge],
-        op: Option<Op>,
-        flags: u32,
-        caps: &Caps,
-        recv: bool,
-        mrs: &Table,
-    ) -> Vec<Reason> {
+    fn model_local(sges: &[ibv_sge], op: Option<Op>, flags: u32, caps: &Caps, recv: bool, mrs: &Table) -> Vec<Reason> {
         let mut v = Vec::new();
         let inline = !recv && flags & INLINE != 0;
-        let max_sge = if recv {
-            caps.max_recv_sge
-        } else {
-            caps.max_send_sge
-        };
+        let max_sge = if recv { caps.max_recv_sge } else { caps.max_send_sge };
         if sges.len() > max_sge as usize {
-            v.push(Reason::TooManySge {
-                num: sges.len(),
-                max: max_sge,
-            });
+            v.push(Reason::TooManySge { num: sges.len(), max: max_sge });
         }
         let total: u64 = sges.iter().map(|s| s.length as u64).sum();
         if total > caps.max_msg_size as u64 {
-            v.push(Reason::MessageTooLarge {
-                len: total,
-                max: caps.max_msg_size,
-            });
+            v.push(Reason::MessageTooLarge { len: total, max: caps.max_msg_size });
         }
         if inline && total > caps.max_inline_data as u64 {
-            v.push(Reason::InlineTooLarge {
-                len: total,
-                max: caps.max_inline_data,
-            });
+            v.push(Reason::InlineTooLarge { len: total, max: caps.max_inline_data });
         }
         if op == Some(Op::Atomic) && (sges.len() != 1 || total != 8) {
-            v.push(Reason::AtomicSge {
-                num: sges.len(),
-                len: total,
-            });
+            v.push(Reason::AtomicSge { num: sges.len(), len: total });
         }
         if op == Some(Op::Atomic) && sges.len() == 1 && sges[0].addr % 8 != 0 {
-            v.push(Reason::AtomicMisaligned {
-                side: Side::Local,
-                addr: sges[0].addr,
-            });
+            v.push(Reason::AtomicMisaligned { side: Side::Local, addr: sges[0].addr });
         }
         let writes = recv || matches!(op, Some(Op::Read | Op::Atomic));
         for (i, s) in sges.iter().enumerate() {
@@ -1424,10 +1043,7 @@ mod tests {
                 continue;
             }
             match mrs.get(s.lkey) {
-                None => v.push(Reason::UnknownLkey {
-                    sge: i,
-                    lkey: s.lkey,
-                }),
+                None => v.push(Reason::UnknownLkey { sge: i, lkey: s.lkey }),
                 Some(mr) => {
                     if !model_inside(&mr, s.addr, s.length as u64) {
                         v.push(Reason::SgeOutOfRange {
@@ -1440,10 +1056,7 @@ mod tests {
                         });
                     }
                     if writes && mr.access & LOCAL_WRITE == 0 {
-                        v.push(Reason::LocalAccess {
-                            sge: i,
-                            lkey: s.lkey,
-                        });
+                        v.push(Reason::LocalAccess { sge: i, lkey: s.lkey });
                     }
                 }
             }
@@ -1453,12 +1066,7 @@ mod tests {
 
     /// The expected outcome of `check_send` as a set: `Ok(())`, NeedRemote,
     /// or any of the broken rules (the implementation reports the first).
-    fn model_send(
-        w: &SendWr<'_>,
-        caps: &Caps,
-        mrs: &Table,
-        peer: &Table,
-    ) -> Result<(), Vec<Verdict>> {
+    fn model_send(w: &SendWr<'_>, caps: &Caps, mrs: &Table, peer: &Table) -> Result<(), Vec<Verdict>> {
         let op = match w.opcode {
             IBV_WR_SEND | IBV_WR_SEND_WITH_IMM => Op::Send,
             IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM => Op::Write,
@@ -1469,18 +1077,13 @@ mod tests {
         let mut v = model_local(w.sge, Some(op), w.send_flags, caps, false, mrs);
         let inline = w.send_flags & INLINE != 0;
         if w.send_flags & !(1 | 2 | 4 | 8) != 0 {
-            v.push(Reason::UnsupportedFlags {
-                flags: w.send_flags & !15,
-            });
+            v.push(Reason::UnsupportedFlags { flags: w.send_flags & !15 });
         }
         if inline && matches!(op, Op::Read | Op::Atomic) {
             v.push(Reason::InlineNotAllowed { opcode: w.opcode });
         }
         if op == Op::Atomic && w.remote_addr % 8 != 0 {
-            v.push(Reason::AtomicMisaligned {
-                side: Side::Remote,
-                addr: w.remote_addr,
-            });
+            v.push(Reason::AtomicMisaligned { side: Side::Remote, addr: w.remote_addr });
         }
         if !v.is_empty() {
             return Err(v.into_iter().map(Verdict::Reject).collect());
@@ -1501,16 +1104,7 @@ mod tests {
         }
         if !model_inside(&mr, w.remote_addr, total) {
             let (addr, mr_addr, mr_len) = (w.remote_addr, mr.addr, mr.len);
-            v.push(
-                Reason::RemoteOutOfRange {
-                    rkey: w.rkey,
-                    addr,
-                    len: total,
-                    mr_addr,
-                    mr_len,
-                }
-                .into(),
-            );
+            v.push(Reason::RemoteOutOfRange { rkey: w.rkey, addr, len: total, mr_addr, mr_len }.into());
         }
         if v.is_empty() {
             Ok(())
@@ -1527,15 +1121,8 @@ mod tests {
             let base = rng.pick(&[0, 0x1000, 0x7fff_f000, u64::MAX - 4095, u64::MAX - 63]);
             // Ending at 2^64, or claiming to run past it, included.
             let len = rng.pick(&[64, 4096, 4096, 0, 1, (u64::MAX - base).saturating_add(1)]);
-            let access = (0..4)
-                .filter(|_| rng.below(8) != 0)
-                .map(|bit| 1 << bit)
-                .sum();
-            t = if all_known || rng.below(4) != 0 {
-                t.with(key, base, len, access)
-            } else {
-                t.hidden(key, base, len, access)
-            };
+            let access = (0..4).filter(|_| rng.below(8) != 0).map(|bit| 1 << bit).sum();
+            t = if all_known || rng.below(4) != 0 { t.with(key, base, len, access) } else { t.hidden(key, base, len, access) };
         }
         t
     }
@@ -1556,11 +1143,7 @@ mod tests {
         if rng.below(4) != 0 {
             return mr.addr.wrapping_add(8 * rng.below(mr.len.min(64) / 8 + 1));
         }
-        let edge = if rng.below(2) == 0 {
-            mr.addr
-        } else {
-            mr.addr.wrapping_add(mr.len)
-        };
+        let edge = if rng.below(2) == 0 { mr.addr } else { mr.addr.wrapping_add(mr.len) };
         edge.wrapping_add_signed(rng.pick(&[-9, -8, -1, 0, 1, 4, 7, 8]))
     }
 
@@ -1579,16 +1162,7 @@ mod tests {
         ];
         let bad_opcodes = [IBV_WR_SEND_WITH_INV, IBV_WR_LOCAL_INV, IBV_WR_BIND_MW, 99];
         let csum = ibv_send_flags::IBV_SEND_IP_CSUM.0;
-        let flags = [
-            0,
-            SIGNALED,
-            SIGNALED | 1,
-            SIGNALED | 4,
-            INLINE,
-            INLINE | SIGNALED,
-            csum,
-            1 << 20,
-        ];
+        let flags = [0, SIGNALED, SIGNALED | 1, SIGNALED | 4, INLINE, INLINE | SIGNALED, csum, 1 << 20];
         // Outcomes where the model allows exactly one verdict: a rule the
         // implementation forgot would show up as a mismatch there.
         let mut sole = HashSet::new();
@@ -1607,20 +1181,12 @@ mod tests {
             for s in &mut sges[..n] {
                 let lkey = random_key(&mut rng);
                 let addr = random_addr(&mut rng, &mrs, lkey);
-                *s = sge(
-                    addr,
-                    rng.pick(&[8, 8, 8, 16, 0, 1, 7, 9, 64, u32::MAX]),
-                    lkey,
-                );
+                *s = sge(addr, rng.pick(&[8, 8, 8, 16, 0, 1, 7, 9, 64, u32::MAX]), lkey);
             }
             let sge_list = &sges[..n];
             let rkey = random_key(&mut rng);
             let w = SendWr {
-                opcode: if rng.below(10) == 0 {
-                    rng.pick(&bad_opcodes)
-                } else {
-                    rng.pick(&opcodes)
-                },
+                opcode: if rng.below(10) == 0 { rng.pick(&bad_opcodes) } else { rng.pick(&opcodes) },
                 send_flags: rng.pick(&flags),
                 sge: sge_list,
                 remote_addr: random_addr(&mut rng, &peer, rkey),

@@ -18,14 +18,14 @@
 //! a VQP's lock while waiting for progress.
 
 use super::header::{Flags, Header, HEADER_LEN};
+use super::large::Control;
+use super::memo::{Memoized, MrMemo};
 use super::mrs;
 use super::precheck::{self, Caps, LocalMrs, RemoteMrs, SendWr, Verdict};
-use super::rc::{Effect, RcShadow};
-use super::srq::VSrq;
 use super::queue::{Completion, RecvRing, SendEntry, SendRing};
-use super::memo::{Memoized, MrMemo};
+use super::rc::{Effect, RcShadow};
 use super::runtime::{coarse_ms, CqSoft, PeerMrs, Runtime, Sink, HDR_SLOT, MAX_MSG};
-use super::large::Control;
+use super::srq::VSrq;
 use super::wrid::{SendId, WrId};
 use crate::error::{Errno, Result};
 use crate::klog;
@@ -739,11 +739,17 @@ impl Vqp {
             match st.rc.as_ref().map(RcShadow::state) {
                 // As an RC QP in ERR: accepted, then flushed.
                 Some(ibv_qp_state::IBV_QPS_ERR) => {
-                    return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
+                    return self.accept_flushed(
+                        guard,
+                        SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false },
+                    );
                 }
                 Some(_) if !st.rc.as_ref().is_some_and(RcShadow::can_send) => return Err(Errno::EINVAL),
                 _ if st.failed => {
-                    return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
+                    return self.accept_flushed(
+                        guard,
+                        SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false },
+                    );
                 }
                 _ => {}
             }
@@ -771,7 +777,10 @@ impl Vqp {
             }
             if st.sq.is_error() {
                 // As an RC QP in error: accepted, then flushed.
-                return self.accept_flushed(guard, SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false });
+                return self.accept_flushed(
+                    guard,
+                    SendEntry { wr_id: w.wr_id, signaled: true, opcode: wc_opcode, byte_len: total, awaits_done: false },
+                );
             }
             let wire_link = link;
             let (link, dst) = (&**link, conn.dst);
@@ -1119,8 +1128,7 @@ impl Vqp {
         }
         let d = sq.try_post(signaled).ok_or(Errno::ENOMEM)?;
         p.wr_id = WrId::Send(SendId::new(self.slot, self.gen, seq, wire_retired(&d), d.forced)?).encode();
-        p.send_flags = if d.signal { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 }
-            | (w.send_flags & ibv_send_flags::IBV_SEND_FENCE.0);
+        p.send_flags = if d.signal { ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 } | (w.send_flags & ibv_send_flags::IBV_SEND_FENCE.0);
         // SAFETY: a WR over checked memory (pre-checks) and our header slot.
         unsafe { link.qp.post_send(&mut p) }
     }
@@ -1205,7 +1213,11 @@ impl Vqp {
     /// The MRs as this VQP's pre-checks see them: its memo, then the
     /// process's registry and the peer's MRStore.
     #[allow(clippy::type_complexity)]
-    fn mrs<'a>(&'a self, memo: &'a MrMemo) -> Memoized<'a, impl Fn(u32) -> Option<precheck::MrInfo> + 'a, impl Fn(u32) -> Option<(precheck::MrInfo, u64)> + 'a, fn() -> u64> {
+    fn mrs<'a>(
+        &'a self,
+        memo: &'a MrMemo,
+    ) -> Memoized<'a, impl Fn(u32) -> Option<precheck::MrInfo> + 'a, impl Fn(u32) -> Option<(precheck::MrInfo, u64)> + 'a, fn() -> u64>
+    {
         // Set before the connection (fetch_remote fails without it).
         let pm = self.peer_mrs.get();
         let pd = self.app.real_pd as usize;
@@ -1290,7 +1302,11 @@ impl Vqp {
             let w = unsafe { &*wr };
             let r = (|| {
                 // With an SRQ, receives are posted there (as RC: EINVAL).
-                if self.srq.get().is_some() || w.num_sge < 0 || w.num_sge as u32 > self.caps.max_recv_sge || (w.num_sge > 0 && w.sg_list.is_null()) {
+                if self.srq.get().is_some()
+                    || w.num_sge < 0
+                    || w.num_sge as u32 > self.caps.max_recv_sge
+                    || (w.num_sge > 0 && w.sg_list.is_null())
+                {
                     return Err(Errno::EINVAL);
                 }
                 let sges: &[ibv_sge] = if w.num_sge == 0 {
@@ -1492,7 +1508,18 @@ impl Vqp {
                 }
             };
             drop(srq);
-            st.reading = Some(Reading { wc, pieces, next: 0, remote: h.addr, rkey: h.rkey, inflight: 0, link: Arc::clone(link), done, buf, lost: false });
+            st.reading = Some(Reading {
+                wc,
+                pieces,
+                next: 0,
+                remote: h.addr,
+                rkey: h.rkey,
+                inflight: 0,
+                link: Arc::clone(link),
+                done,
+                buf,
+                lost: false,
+            });
             self.pump(st);
             return;
         } else {

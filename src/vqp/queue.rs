@@ -64,11 +64,7 @@ struct Fifo {
 
 impl Fifo {
     fn new(cap: usize) -> Fifo {
-        Fifo {
-            head: 0,
-            len: 0,
-            cap,
-        }
+        Fifo { head: 0, len: 0, cap }
     }
 
     /// The slot of the entry `i` places behind the front.
@@ -125,14 +121,7 @@ pub struct Completion {
 impl Completion {
     /// The work completion the application polls from the VQP `qp_num`.
     pub fn to_wc(self, qp_num: u32) -> ibv_wc {
-        ibv_wc {
-            wr_id: self.wr_id,
-            status: self.status,
-            opcode: self.opcode,
-            byte_len: self.byte_len,
-            qp_num,
-            ..empty_wc()
-        }
+        ibv_wc { wr_id: self.wr_id, status: self.status, opcode: self.opcode, byte_len: self.byte_len, qp_num, ..empty_wc() }
     }
 }
 
@@ -154,12 +143,7 @@ pub struct SendEntry {
 
 impl SendEntry {
     fn completion(self, status: ibv_wc_status::Type) -> Completion {
-        Completion {
-            wr_id: self.wr_id,
-            status,
-            opcode: self.opcode,
-            byte_len: self.byte_len,
-        }
+        Completion { wr_id: self.wr_id, status, opcode: self.opcode, byte_len: self.byte_len }
     }
 }
 
@@ -190,13 +174,7 @@ impl SendRing {
             return Err(Errno::EINVAL);
         }
         let cap = max_send_wr as usize;
-        Ok(SendRing {
-            entries: alloc_slots(cap, SendEntry::default)?,
-            fifo: Fifo::new(cap),
-            head_seq: 0,
-            acked: 0,
-            error: false,
-        })
+        Ok(SendRing { entries: alloc_slots(cap, SendEntry::default)?, fifo: Fifo::new(cap), head_seq: 0, acked: 0, error: false })
     }
 
     /// Appends a WR and returns its sequence number; `ENOMEM` when the queue
@@ -223,12 +201,7 @@ impl SendRing {
     /// `EINVAL`, with nothing retired or reported, when `seq` is not
     /// outstanding: a stale or corrupt completion (in the error state every
     /// completion is stale).
-    pub fn complete(
-        &mut self,
-        seq: u16,
-        status: ibv_wc_status::Type,
-        emit: &mut impl FnMut(Completion),
-    ) -> Result<()> {
+    pub fn complete(&mut self, seq: u16, status: ibv_wc_status::Type, emit: &mut impl FnMut(Completion)) -> Result<()> {
         let pos = usize::from(seq.wrapping_sub(self.head_seq));
         if self.error || pos >= self.fifo.len {
             return Err(Errno::EINVAL);
@@ -350,11 +323,7 @@ impl RecvRing {
             return Err(Errno::EINVAL);
         }
         let (cap, max_sge) = (max_recv_wr as usize, max_recv_sge as usize);
-        let empty_sge = || ibv_sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        };
+        let empty_sge = || ibv_sge { addr: 0, length: 0, lkey: 0 };
         Ok(RecvRing {
             slots: alloc_slots(cap, RecvSlot::default)?,
             sges: alloc_slots(cap * max_sge, empty_sge)?,
@@ -383,10 +352,7 @@ impl RecvRing {
         let slot = claim(&mut self.fifo).ok_or(Errno::ENOMEM)?;
         let base = slot * self.max_sge;
         self.sges[base..base + sg_list.len()].copy_from_slice(sg_list);
-        self.slots[slot] = RecvSlot {
-            wr_id,
-            num_sge: sg_list.len(),
-        };
+        self.slots[slot] = RecvSlot { wr_id, num_sge: sg_list.len() };
         Ok(())
     }
 
@@ -395,10 +361,7 @@ impl RecvRing {
         let slot = self.fifo.pop()?;
         let RecvSlot { wr_id, num_sge } = self.slots[slot];
         let base = slot * self.max_sge;
-        Some(RecvWr {
-            wr_id,
-            sg_list: &self.sges[base..base + num_sge],
-        })
+        Some(RecvWr { wr_id, sg_list: &self.sges[base..base + num_sge] })
     }
 
     /// Reports every buffer with `IBV_WC_WR_FLUSH_ERR`, FIFO.
@@ -445,10 +408,7 @@ impl<'a> RecvWr<'a> {
         if u64::from(len) > room {
             return Err(ibv_wc_status::IBV_WC_LOC_LEN_ERR);
         }
-        Ok(Scatter {
-            sges: self.sg_list.iter(),
-            left: len,
-        })
+        Ok(Scatter { sges: self.sg_list.iter(), left: len })
     }
 }
 
@@ -536,15 +496,7 @@ impl PhysSq {
             return Err(Errno::EINVAL);
         }
         // Both fit: period <= depth <= MAX_DEPTH < u16::MAX.
-        Ok(PhysSq {
-            depth: depth as u16,
-            period: period as u16,
-            outstanding: 0,
-            run: 0,
-            posted_total: 0,
-            retired_total: 0,
-            drained: false,
-        })
+        Ok(PhysSq { depth: depth as u16, period: period as u16, outstanding: 0, run: 0, posted_total: 0, retired_total: 0, drained: false })
     }
 
     /// Claims room for one WQE and decides whether to signal it; `None` when
@@ -560,19 +512,11 @@ impl PhysSq {
         let forced = !app_signaled && self.run + 1 == self.period;
         if !(app_signaled || forced) {
             self.run += 1;
-            return Some(PostDecision {
-                signal: false,
-                forced: false,
-                retired: 0,
-            });
+            return Some(PostDecision { signal: false, forced: false, retired: 0 });
         }
         let retired = self.run + 1;
         self.run = 0;
-        Some(PostDecision {
-            signal: true,
-            forced,
-            retired,
-        })
+        Some(PostDecision { signal: true, forced, retired })
     }
 
     /// A signaled WQE completed, retiring `retired` WQEs. `EINVAL`, with
@@ -649,11 +593,7 @@ impl SoftCq {
             return Err(Errno::EINVAL);
         }
         let cap = cqe as usize;
-        Ok(SoftCq {
-            wcs: alloc_slots(cap, empty_wc)?,
-            fifo: Fifo::new(cap),
-            overrun: false,
-        })
+        Ok(SoftCq { wcs: alloc_slots(cap, empty_wc)?, fifo: Fifo::new(cap), overrun: false })
     }
 
     /// Appends a completion, or refuses it and sets the overrun flag.
@@ -700,19 +640,11 @@ mod tests {
     use super::*;
     use crate::testing::Rng;
     use ibv_wc_opcode::{IBV_WC_RDMA_WRITE, IBV_WC_RECV, IBV_WC_SEND};
-    use ibv_wc_status::{
-        IBV_WC_LOC_LEN_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_RETRY_EXC_ERR, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR,
-    };
+    use ibv_wc_status::{IBV_WC_LOC_LEN_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_RETRY_EXC_ERR, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR};
     use std::collections::VecDeque;
 
     fn entry(wr_id: u64, signaled: bool) -> SendEntry {
-        SendEntry {
-            wr_id,
-            signaled,
-            opcode: IBV_WC_SEND,
-            byte_len: wr_id as u32 * 10,
-            awaits_done: false,
-        }
+        SendEntry { wr_id, signaled, opcode: IBV_WC_SEND, byte_len: wr_id as u32 * 10, awaits_done: false }
     }
 
     fn large(wr_id: u64) -> SendEntry {
@@ -801,10 +733,7 @@ mod tests {
         assert_eq!(r.push(entry(3, true)), Ok(2));
         assert_eq!(r.push(entry(4, true)), Err(Errno::ENOMEM));
         assert_eq!(r.outstanding(), 3);
-        assert_eq!(
-            complete(&mut r, 1, IBV_WC_SUCCESS),
-            (Ok(()), vec![(2, IBV_WC_SUCCESS)])
-        );
+        assert_eq!(complete(&mut r, 1, IBV_WC_SUCCESS), (Ok(()), vec![(2, IBV_WC_SUCCESS)]));
         assert_eq!(r.outstanding(), 1);
         assert_eq!(r.push(entry(4, true)), Ok(3));
         assert_eq!(r.push(entry(5, true)), Ok(4));
@@ -814,33 +743,18 @@ mod tests {
     #[test]
     fn send_ring_reports_only_signaled_wrs_and_frees_unsignaled_slots() {
         let mut r = SendRing::new(8).unwrap();
-        for (id, sig) in [
-            (10, false),
-            (11, true),
-            (12, false),
-            (13, false),
-            (14, true),
-        ] {
+        for (id, sig) in [(10, false), (11, true), (12, false), (13, false), (14, true)] {
             r.push(entry(id, sig)).unwrap();
         }
         // seq 1 (wr 11) retires the unsignaled wr 10 silently.
-        assert_eq!(
-            complete(&mut r, 1, IBV_WC_SUCCESS),
-            (Ok(()), vec![(11, IBV_WC_SUCCESS)])
-        );
+        assert_eq!(complete(&mut r, 1, IBV_WC_SUCCESS), (Ok(()), vec![(11, IBV_WC_SUCCESS)]));
         assert_eq!(r.outstanding(), 3);
         // A signal the library forced on the unsignaled wr 13: nothing to report.
         assert_eq!(complete(&mut r, 3, IBV_WC_SUCCESS), (Ok(()), vec![]));
         assert_eq!(r.outstanding(), 1);
         let mut seen = Vec::new();
-        r.complete(4, IBV_WC_SUCCESS, &mut |c| seen.push(c))
-            .unwrap();
-        let want = Completion {
-            wr_id: 14,
-            status: IBV_WC_SUCCESS,
-            opcode: IBV_WC_SEND,
-            byte_len: 140,
-        };
+        r.complete(4, IBV_WC_SUCCESS, &mut |c| seen.push(c)).unwrap();
+        let want = Completion { wr_id: 14, status: IBV_WC_SUCCESS, opcode: IBV_WC_SEND, byte_len: 140 };
         assert_eq!(seen, vec![want]);
         assert_eq!(r.outstanding(), 0);
         assert!(!r.is_error());
@@ -854,20 +768,12 @@ mod tests {
         }
         // Error on the unsignaled wr 3: 1 succeeded silently, 2 succeeded
         // and was not yet reported, 3 carries the error, 4 and 5 flush.
-        let want = vec![
-            (2, IBV_WC_SUCCESS),
-            (3, IBV_WC_REM_ACCESS_ERR),
-            (4, IBV_WC_WR_FLUSH_ERR),
-            (5, IBV_WC_WR_FLUSH_ERR),
-        ];
+        let want = vec![(2, IBV_WC_SUCCESS), (3, IBV_WC_REM_ACCESS_ERR), (4, IBV_WC_WR_FLUSH_ERR), (5, IBV_WC_WR_FLUSH_ERR)];
         assert_eq!(complete(&mut r, 2, IBV_WC_REM_ACCESS_ERR), (Ok(()), want));
         assert!(r.is_error());
         assert_eq!(r.outstanding(), 0);
         // The physical flush completions of 4 and 5 are stale now.
-        assert_eq!(
-            complete(&mut r, 4, IBV_WC_WR_FLUSH_ERR),
-            (Err(Errno::EINVAL), vec![])
-        );
+        assert_eq!(complete(&mut r, 4, IBV_WC_WR_FLUSH_ERR), (Err(Errno::EINVAL), vec![]));
     }
 
     #[test]
@@ -887,25 +793,13 @@ mod tests {
         }
         complete(&mut r, 0, IBV_WC_SUCCESS).0.unwrap();
         for seq in [0, 3, 4, u16::MAX, 0x8000] {
-            assert_eq!(
-                complete(&mut r, seq, IBV_WC_SUCCESS),
-                (Err(Errno::EINVAL), vec![])
-            );
-            assert_eq!(
-                complete(&mut r, seq, IBV_WC_REM_ACCESS_ERR),
-                (Err(Errno::EINVAL), vec![])
-            );
+            assert_eq!(complete(&mut r, seq, IBV_WC_SUCCESS), (Err(Errno::EINVAL), vec![]));
+            assert_eq!(complete(&mut r, seq, IBV_WC_REM_ACCESS_ERR), (Err(Errno::EINVAL), vec![]));
         }
         assert_eq!(r.outstanding(), 2);
         assert!(!r.is_error());
-        assert_eq!(
-            complete(&mut r, 2, IBV_WC_SUCCESS),
-            (Ok(()), vec![(1, 0), (2, 0)])
-        );
-        assert_eq!(
-            complete(&mut r, 2, IBV_WC_SUCCESS),
-            (Err(Errno::EINVAL), vec![])
-        );
+        assert_eq!(complete(&mut r, 2, IBV_WC_SUCCESS), (Ok(()), vec![(1, 0), (2, 0)]));
+        assert_eq!(complete(&mut r, 2, IBV_WC_SUCCESS), (Err(Errno::EINVAL), vec![]));
     }
 
     #[test]
@@ -913,11 +807,7 @@ mod tests {
         let mut r = SendRing::new(2).unwrap();
         assert_eq!(take_flushed(&mut r), vec![]);
         r.push(entry(1, false)).unwrap();
-        assert_eq!(
-            take_flushed(&mut r),
-            vec![],
-            "a healthy ring flushes nothing"
-        );
+        assert_eq!(take_flushed(&mut r), vec![], "a healthy ring flushes nothing");
         assert_eq!(r.outstanding(), 1);
         assert_eq!(flush(&mut r), vec![(1, IBV_WC_WR_FLUSH_ERR)]);
         assert!(r.is_error());
@@ -925,10 +815,7 @@ mod tests {
         assert_eq!(r.push(entry(2, false)), Ok(1));
         assert_eq!(r.push(entry(3, true)), Ok(2));
         assert_eq!(r.push(entry(4, true)), Err(Errno::ENOMEM), "still bounded");
-        assert_eq!(
-            complete(&mut r, 1, IBV_WC_SUCCESS),
-            (Err(Errno::EINVAL), vec![])
-        );
+        assert_eq!(complete(&mut r, 1, IBV_WC_SUCCESS), (Err(Errno::EINVAL), vec![]));
         let flushed = vec![(2, IBV_WC_WR_FLUSH_ERR), (3, IBV_WC_WR_FLUSH_ERR)];
         assert_eq!(take_flushed(&mut r), flushed);
         assert_eq!(r.outstanding(), 0);
@@ -951,10 +838,7 @@ mod tests {
         }
         for _ in 0..140_000 {
             let seq = next_seq.wrapping_sub(3);
-            assert_eq!(
-                complete(&mut r, seq, IBV_WC_SUCCESS),
-                (Ok(()), vec![(reported, 0)])
-            );
+            assert_eq!(complete(&mut r, seq, IBV_WC_SUCCESS), (Ok(()), vec![(reported, 0)]));
             reported += 1;
             assert_eq!(r.push(entry(next_id, true)), Ok(next_seq));
             next_id += 1;
@@ -992,11 +876,7 @@ mod tests {
                     5..=7 if !error && !model.is_empty() => {
                         let pos = rng.below(model.len() as u64) as usize;
                         let seq = model[pos].0;
-                        let status = if rng.chance(3) {
-                            IBV_WC_REM_ACCESS_ERR
-                        } else {
-                            IBV_WC_SUCCESS
-                        };
+                        let status = if rng.chance(3) { IBV_WC_REM_ACCESS_ERR } else { IBV_WC_SUCCESS };
                         let mut want = Vec::new();
                         for (i, (_, e)) in model.drain(..=pos).enumerate() {
                             if i == pos && status != IBV_WC_SUCCESS {
@@ -1006,9 +886,7 @@ mod tests {
                             }
                         }
                         if status != IBV_WC_SUCCESS {
-                            want.extend(
-                                model.drain(..).map(|(_, e)| (e.wr_id, IBV_WC_WR_FLUSH_ERR)),
-                            );
+                            want.extend(model.drain(..).map(|(_, e)| (e.wr_id, IBV_WC_WR_FLUSH_ERR)));
                             error = true;
                             errors += 1;
                         }
@@ -1023,10 +901,7 @@ mod tests {
                             seqs.push(model[rng.below(model.len() as u64) as usize].0);
                         }
                         for seq in seqs {
-                            assert_eq!(
-                                complete(&mut r, seq, IBV_WC_SUCCESS),
-                                (Err(Errno::EINVAL), vec![])
-                            );
+                            assert_eq!(complete(&mut r, seq, IBV_WC_SUCCESS), (Err(Errno::EINVAL), vec![]));
                         }
                     }
                     9 if error && rng.chance(30) => {
@@ -1039,21 +914,11 @@ mod tests {
                     _ => {
                         let hard = rng.chance(10);
                         let flushed = |m: &mut VecDeque<(u16, SendEntry)>| -> Vec<(u64, u32)> {
-                            m.drain(..)
-                                .map(|(_, e)| (e.wr_id, IBV_WC_WR_FLUSH_ERR))
-                                .collect()
+                            m.drain(..).map(|(_, e)| (e.wr_id, IBV_WC_WR_FLUSH_ERR)).collect()
                         };
-                        let want = if hard || error {
-                            flushed(&mut model)
-                        } else {
-                            vec![]
-                        };
+                        let want = if hard || error { flushed(&mut model) } else { vec![] };
                         error |= hard;
-                        let got = if hard {
-                            flush(&mut r)
-                        } else {
-                            take_flushed(&mut r)
-                        };
+                        let got = if hard { flush(&mut r) } else { take_flushed(&mut r) };
                         assert_eq!(got, want);
                     }
                 }
@@ -1069,21 +934,13 @@ mod tests {
     }
 
     fn triples(sges: impl IntoIterator<Item = ibv_sge>) -> Vec<(u64, u32, u32)> {
-        sges.into_iter()
-            .map(|s| (s.addr, s.length, s.lkey))
-            .collect()
+        sges.into_iter().map(|s| (s.addr, s.length, s.lkey)).collect()
     }
 
     #[test]
     fn recv_ring_bounds() {
-        assert_eq!(
-            RecvRing::new(MAX_DEPTH + 1, 1).err().map(|e| e.0),
-            Some(libc::EINVAL)
-        );
-        assert_eq!(
-            RecvRing::new(1, MAX_RECV_SGE + 1).err().map(|e| e.0),
-            Some(libc::EINVAL)
-        );
+        assert_eq!(RecvRing::new(MAX_DEPTH + 1, 1).err().map(|e| e.0), Some(libc::EINVAL));
+        assert_eq!(RecvRing::new(1, MAX_RECV_SGE + 1).err().map(|e| e.0), Some(libc::EINVAL));
         assert!(RecvRing::new(MAX_DEPTH, MAX_RECV_SGE).is_ok());
         let mut none = RecvRing::new(0, 2).unwrap();
         assert_eq!(none.push(1, &[]), Err(Errno::ENOMEM));
@@ -1136,11 +993,7 @@ mod tests {
     #[test]
     fn recv_ring_keeps_fifo_order_and_sge_lists_across_wraparound() {
         let mut r = RecvRing::new(3, 3).unwrap();
-        let list = |id: u64| -> Vec<ibv_sge> {
-            (0..id % 4)
-                .map(|i| sge(id << 8 | i, (id + i) as u32, id as u32))
-                .collect()
-        };
+        let list = |id: u64| -> Vec<ibv_sge> { (0..id % 4).map(|i| sge(id << 8 | i, (id + i) as u32, id as u32)).collect() };
         r.push(0, &list(0)).unwrap();
         r.push(1, &list(1)).unwrap();
         for id in 2..20u64 {
@@ -1161,12 +1014,7 @@ mod tests {
         r.pop_front().unwrap();
         let mut seen = Vec::new();
         r.flush(&mut |c| seen.push(c));
-        let flushed = |wr_id| Completion {
-            wr_id,
-            status: IBV_WC_WR_FLUSH_ERR,
-            opcode: IBV_WC_RECV,
-            byte_len: 0,
-        };
+        let flushed = |wr_id| Completion { wr_id, status: IBV_WC_WR_FLUSH_ERR, opcode: IBV_WC_RECV, byte_len: 0 };
         assert_eq!(seen, vec![flushed(8), flushed(9)]);
         assert!(r.is_empty());
         assert!(r.pop_front().is_none());
@@ -1175,10 +1023,7 @@ mod tests {
     #[test]
     fn scatter_plans_exact_fit_partial_fit_and_overflow() {
         let list = [sge(0x1000, 4, 11), sge(0x2000, 0, 22), sge(0x3000, 6, 33)];
-        let wr = RecvWr {
-            wr_id: 1,
-            sg_list: &list,
-        };
+        let wr = RecvWr { wr_id: 1, sg_list: &list };
         let plan = |n| wr.scatter(n).map(triples);
         assert_eq!(plan(10), Ok(vec![(0x1000, 4, 11), (0x3000, 6, 33)]));
         assert_eq!(plan(11), Err(IBV_WC_LOC_LEN_ERR));
@@ -1190,46 +1035,27 @@ mod tests {
 
     #[test]
     fn scatter_plans_for_empty_and_huge_buffers() {
-        let none = RecvWr {
-            wr_id: 1,
-            sg_list: &[],
-        };
+        let none = RecvWr { wr_id: 1, sg_list: &[] };
         assert_eq!(none.scatter(0).map(triples), Ok(vec![]));
         assert_eq!(none.scatter(1).map(triples), Err(IBV_WC_LOC_LEN_ERR));
         let zeros = [sge(0x10, 0, 1), sge(0x20, 0, 1)];
-        let zero = RecvWr {
-            wr_id: 2,
-            sg_list: &zeros,
-        };
+        let zero = RecvWr { wr_id: 2, sg_list: &zeros };
         assert_eq!(zero.scatter(0).map(triples), Ok(vec![]));
         assert_eq!(zero.scatter(1).map(triples), Err(IBV_WC_LOC_LEN_ERR));
         // Room beyond u32 does not overflow the sum.
         let huge = [sge(0, u32::MAX, 1), sge(1 << 40, u32::MAX, 2)];
-        let wr = RecvWr {
-            wr_id: 3,
-            sg_list: &huge,
-        };
-        assert_eq!(
-            wr.scatter(u32::MAX).map(triples),
-            Ok(vec![(0, u32::MAX, 1)])
-        );
+        let wr = RecvWr { wr_id: 3, sg_list: &huge };
+        assert_eq!(wr.scatter(u32::MAX).map(triples), Ok(vec![(0, u32::MAX, 1)]));
     }
 
     fn decision(signal: bool, forced: bool, retired: u16) -> Option<PostDecision> {
-        Some(PostDecision {
-            signal,
-            forced,
-            retired,
-        })
+        Some(PostDecision { signal, forced, retired })
     }
 
     #[test]
     fn phys_sq_rejects_bad_depths_and_periods() {
         for (depth, period) in [(0, 1), (MAX_DEPTH + 1, 1), (4, 0), (4, 5)] {
-            assert_eq!(
-                PhysSq::with_signal_period(depth, period).err(),
-                Some(Errno::EINVAL)
-            );
+            assert_eq!(PhysSq::with_signal_period(depth, period).err(), Some(Errno::EINVAL));
         }
         assert_eq!(PhysSq::new(0).err(), Some(Errno::EINVAL));
         assert!(PhysSq::new(MAX_DEPTH).is_ok());
@@ -1348,11 +1174,7 @@ mod tests {
                             Some(d) => {
                                 let run = model.iter().rev().take_while(|s| !**s).count();
                                 let forced = !app && run + 1 == period as usize;
-                                let want = if app || forced {
-                                    decision(true, forced, run as u16 + 1)
-                                } else {
-                                    decision(false, false, 0)
-                                };
+                                let want = if app || forced { decision(true, forced, run as u16 + 1) } else { decision(false, false, 0) };
                                 assert_eq!(Some(d), want);
                                 model.push_back(d.signal);
                             }
@@ -1364,15 +1186,9 @@ mod tests {
                     assert_eq!(q.outstanding(), model.len());
                     assert!(model.len() <= depth as usize);
                     let tail = model.iter().rev().take_while(|s| !**s).count();
-                    assert!(
-                        tail < period as usize,
-                        "unsignaled tail {tail} >= S {period}"
-                    );
+                    assert!(tail < period as usize, "unsignaled tail {tail} >= S {period}");
                     if model.len() == depth as usize {
-                        assert!(
-                            model.contains(&true),
-                            "full with nothing signaled: D={depth}"
-                        );
+                        assert!(model.contains(&true), "full with nothing signaled: D={depth}");
                     }
                 }
             }
@@ -1381,50 +1197,22 @@ mod tests {
     }
 
     fn wc(wr_id: u64) -> ibv_wc {
-        Completion {
-            wr_id,
-            status: IBV_WC_SUCCESS,
-            opcode: IBV_WC_RDMA_WRITE,
-            byte_len: 8,
-        }
-        .to_wc(0x11)
+        Completion { wr_id, status: IBV_WC_SUCCESS, opcode: IBV_WC_RDMA_WRITE, byte_len: 8 }.to_wc(0x11)
     }
 
     fn pop(cq: &mut SoftCq, n: usize) -> Vec<u64> {
         let mut out: Vec<MaybeUninit<ibv_wc>> = (0..n).map(|_| MaybeUninit::uninit()).collect();
         let got = cq.pop_into(&mut out);
         // SAFETY: pop_into initialised the first `got` entries.
-        out[..got]
-            .iter()
-            .map(|w| unsafe { w.assume_init_ref() }.wr_id)
-            .collect()
+        out[..got].iter().map(|w| unsafe { w.assume_init_ref() }.wr_id).collect()
     }
 
     #[test]
     fn completion_to_wc_fills_the_fields_and_zeroes_the_rest() {
-        let c = Completion {
-            wr_id: 5,
-            status: IBV_WC_REM_ACCESS_ERR,
-            opcode: IBV_WC_SEND,
-            byte_len: 7,
-        };
+        let c = Completion { wr_id: 5, status: IBV_WC_REM_ACCESS_ERR, opcode: IBV_WC_SEND, byte_len: 7 };
         let w = c.to_wc(0x1234);
-        assert_eq!(
-            (w.wr_id, w.status, w.opcode, w.byte_len, w.qp_num),
-            (5, IBV_WC_REM_ACCESS_ERR, IBV_WC_SEND, 7, 0x1234)
-        );
-        assert_eq!(
-            (
-                w.vendor_err,
-                w.src_qp,
-                w.wc_flags,
-                w.pkey_index,
-                w.slid,
-                w.sl,
-                w.dlid_path_bits
-            ),
-            (0, 0, 0, 0, 0, 0, 0)
-        );
+        assert_eq!((w.wr_id, w.status, w.opcode, w.byte_len, w.qp_num), (5, IBV_WC_REM_ACCESS_ERR, IBV_WC_SEND, 7, 0x1234));
+        assert_eq!((w.vendor_err, w.src_qp, w.wc_flags, w.pkey_index, w.slid, w.sl, w.dlid_path_bits), (0, 0, 0, 0, 0, 0, 0));
         // SAFETY: both union members are u32.
         assert_eq!(unsafe { w.imm_data_invalidated_rkey_union.imm_data }, 0);
     }
@@ -1466,9 +1254,6 @@ mod tests {
         cq.pop_into(&mut out);
         // SAFETY: the queue was not empty, so one entry was written.
         let w = unsafe { out[0].assume_init_ref() };
-        assert_eq!(
-            (w.wr_id, w.qp_num, w.opcode, w.byte_len),
-            (want, 0x11, IBV_WC_RDMA_WRITE, 8)
-        );
+        assert_eq!((w.wr_id, w.qp_num, w.opcode, w.byte_len), (want, 0x11, IBV_WC_RDMA_WRITE, 8));
     }
 }

@@ -39,10 +39,9 @@ fn rc_params(cur: ibv_qp_state::Type, next: ibv_qp_state::Type) -> Option<(u32, 
         (_, IBV_QPS_RESET) | (_, IBV_QPS_ERR) => (0, 0),
         (IBV_QPS_RESET, IBV_QPS_INIT) => (PKEY_INDEX | PORT | ACCESS_FLAGS, 0),
         (IBV_QPS_INIT, IBV_QPS_INIT) => (0, PKEY_INDEX | PORT | ACCESS_FLAGS),
-        (IBV_QPS_INIT, IBV_QPS_RTR) => (
-            AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
-            ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
-        ),
+        (IBV_QPS_INIT, IBV_QPS_RTR) => {
+            (AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER, ALT_PATH | ACCESS_FLAGS | PKEY_INDEX)
+        }
         (IBV_QPS_RTR, IBV_QPS_RTS) => (
             TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC,
             CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE,
@@ -90,14 +89,16 @@ pub fn transition(
     Ok(next)
 }
 
-
 /// What an accepted `ibv_modify_qp` asks of the VQP beyond the kept state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Effect {
     None,
     /// INIT -> RTR: attach to the peer's VQP `dest_qpn` on the node of
     /// `dgid` (resolved through the meta server).
-    Connect { dgid: [u8; 16], dest_qpn: u32 },
+    Connect {
+        dgid: [u8; 16],
+        dest_qpn: u32,
+    },
     /// RTR -> RTS: the send queue opens.
     Ready,
     /// -> ERR: outstanding work completes with IBV_WC_WR_FLUSH_ERR.

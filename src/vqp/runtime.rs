@@ -12,8 +12,8 @@
 use super::header::{Flags, Header, HEADER_LEN};
 use super::large::{Control, Large};
 use super::mrs;
-use super::queue::SoftCq;
 use super::qp as vqp;
+use super::queue::SoftCq;
 use super::wrid::WrId;
 use crate::error::{Errno, Result};
 use crate::klog;
@@ -162,11 +162,7 @@ struct Spilling {
 impl CqSoft {
     pub fn new(cqe: u32, real_cq: *mut ibv_cq) -> Result<CqSoft> {
         Ok(CqSoft {
-            q: Mutex::new(Spilling {
-                q: SoftCq::new(cqe.max(1))?,
-                cap: cqe.max(1) as usize,
-                spill: std::collections::VecDeque::new(),
-            }),
+            q: Mutex::new(Spilling { q: SoftCq::new(cqe.max(1))?, cap: cqe.max(1) as usize, spill: std::collections::VecDeque::new() }),
             runtimes: Mutex::new(Vec::new()),
             real_cq,
             armed: AtomicBool::new(false),
@@ -950,19 +946,18 @@ impl Runtime {
             .get_or_try_init(|| {
                 let cfg = crate::config::get();
                 let Some(spec) = cfg.meta.as_deref() else {
-                    klog!(Level::Error, "qbind/qconnect need the meta server: set KRCORE_META=<ip>:<port> (krcore-meta --listen <ip>:<port>)");
+                    klog!(
+                        Level::Error,
+                        "qbind/qconnect need the meta server: set KRCORE_META=<ip>:<port> (krcore-meta --listen <ip>:<port>)"
+                    );
                     return Err(Errno(libc::ENOTCONN));
                 };
                 let addrs = client::parse_addrs(spec)?;
-                let opts = client::Options {
-                    timeout: connect_timeout(),
-                    lease: Duration::from_millis(cfg.meta_lease_ms),
-                };
+                let opts = client::Options { timeout: connect_timeout(), lease: Duration::from_millis(cfg.meta_lease_ms) };
                 MetaClient::connect(self.svc.device(), self.svc.gid_index(), &addrs, opts)
             })
             .cloned()
     }
-
 
     /// `n` contiguous header slots: from an arena with room, else from a
     /// new arena (one registration per HDR_ARENA_SLOTS slots, not one per
@@ -1211,7 +1206,12 @@ impl Runtime {
                 // stale bytes of this shared buffer. Its sender broke the
                 // protocol; nothing more it sends can be trusted.
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_MALFORMED);
-                klog!(Level::Warn, "vqp: dropped a malformed message of {} bytes on QP {} ({e:?}): failing its link", wc.byte_len, wc.qp_num);
+                klog!(
+                    Level::Warn,
+                    "vqp: dropped a malformed message of {} bytes on QP {} ({e:?}): failing its link",
+                    wc.byte_len,
+                    wc.qp_num
+                );
                 self.link_failed(wc.qp_num, ibv_wc_status::IBV_WC_LOC_PROT_ERR);
             }
         }
@@ -1379,7 +1379,11 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
         if used || Instant::now() > deadline {
             if !used {
                 // Not expected: something held the runtime for the whole wait.
-                klog!(Level::Warn, "vqp: ibv_dealloc_pd: the PD's runtime is still held ({} references, no VQP among them)", Arc::strong_count(&rt));
+                klog!(
+                    Level::Warn,
+                    "vqp: ibv_dealloc_pd: the PD's runtime is still held ({} references, no VQP among them)",
+                    Arc::strong_count(&rt)
+                );
             }
             return Err(Errno(libc::EBUSY));
         }

@@ -79,8 +79,7 @@ impl VSrq {
         if sges.len() > self.caps.max_recv_sge as usize {
             return Err(Errno::EINVAL);
         }
-        mrs::with(self.real_pd, |local| precheck::check_recv(&precheck::RecvWr { sge: sges }, &self.caps, local))
-            .map_err(|r| r.errno())?;
+        mrs::with(self.real_pd, |local| precheck::check_recv(&precheck::RecvWr { sge: sges }, &self.caps, local)).map_err(|r| r.errno())?;
         let mut g = self.inner.lock();
         if g.mode == Mode::Real {
             return Ok(false);

@@ -73,11 +73,30 @@ pub enum Op {
     Send,
     /// The immediate as given (network order).
     SendImm(u32),
-    Write { rkey: u32, addr: u64 },
-    WriteImm { rkey: u32, addr: u64, imm: u32 },
-    Read { rkey: u32, addr: u64 },
-    CmpSwp { rkey: u32, addr: u64, compare: u64, swap: u64 },
-    FetchAdd { rkey: u32, addr: u64, add: u64 },
+    Write {
+        rkey: u32,
+        addr: u64,
+    },
+    WriteImm {
+        rkey: u32,
+        addr: u64,
+        imm: u32,
+    },
+    Read {
+        rkey: u32,
+        addr: u64,
+    },
+    CmpSwp {
+        rkey: u32,
+        addr: u64,
+        compare: u64,
+        swap: u64,
+    },
+    FetchAdd {
+        rkey: u32,
+        addr: u64,
+        add: u64,
+    },
 }
 
 /// What one batch may hold: the VQP's granted capabilities.
@@ -121,7 +140,13 @@ pub struct WrBatch {
 
 impl WrBatch {
     pub fn new(limits: Limits) -> WrBatch {
-        WrBatch { limits: Limits { max_sge: limits.max_sge.min(MAX_SGE as u32), ..limits }, pending: Vec::new(), len: 0, open: false, err: None }
+        WrBatch {
+            limits: Limits { max_sge: limits.max_sge.min(MAX_SGE as u32), ..limits },
+            pending: Vec::new(),
+            len: 0,
+            open: false,
+            err: None,
+        }
     }
 
     /// `ibv_wr_start`: a new, empty batch (an open one is discarded).
@@ -594,27 +619,43 @@ mod tests {
     fn building_errors_are_reported_by_complete_and_post_nothing() {
         type Case = (&'static str, fn(&mut WrBatch), i32);
         let cases: [Case; 6] = [
-            ("too many sges", |b| {
-                b.op(1, 0, Op::Send);
-                b.set_sge_list(&[ibv_sge { addr: 0, length: 1, lkey: 1 }; 4]);
-            }, libc::EINVAL),
+            (
+                "too many sges",
+                |b| {
+                    b.op(1, 0, Op::Send);
+                    b.set_sge_list(&[ibv_sge { addr: 0, length: 1, lkey: 1 }; 4]);
+                },
+                libc::EINVAL,
+            ),
             ("setter before an opcode", |b| b.set_sge(1, 2, 3), libc::EINVAL),
             ("inline setter before an opcode", |b| b.set_inline_s(&[b"a"]), libc::EINVAL),
-            ("inline too large", |b| {
-                b.op(1, 0, Op::Send);
-                b.set_inline_s(&[&[0u8; 40], &[0u8; 25]]);
-            }, libc::EINVAL),
-            ("more requests than the queue", |b| {
-                for i in 0..9 {
-                    b.op(i, 0, Op::Send);
-                }
-            }, libc::ENOMEM),
-            ("the first error wins", |b| {
-                b.set_sge(1, 2, 3);
-                for i in 0..9 {
-                    b.op(i, 0, Op::Send);
-                }
-            }, libc::EINVAL),
+            (
+                "inline too large",
+                |b| {
+                    b.op(1, 0, Op::Send);
+                    b.set_inline_s(&[&[0u8; 40], &[0u8; 25]]);
+                },
+                libc::EINVAL,
+            ),
+            (
+                "more requests than the queue",
+                |b| {
+                    for i in 0..9 {
+                        b.op(i, 0, Op::Send);
+                    }
+                },
+                libc::ENOMEM,
+            ),
+            (
+                "the first error wins",
+                |b| {
+                    b.set_sge(1, 2, 3);
+                    for i in 0..9 {
+                        b.op(i, 0, Op::Send);
+                    }
+                },
+                libc::EINVAL,
+            ),
         ];
         for (name, build, want) in cases {
             let mut b = WrBatch::new(LIM);
@@ -735,18 +776,24 @@ mod tests {
             tx.send(()).unwrap();
             w2.with("t", |b| b.op(2, SIG, Op::Send)).unwrap();
             let mut ids = Vec::new();
-            assert_eq!(w2.complete(|h, n| {
-                ids = walk(h, n).iter().map(|s| s.wr_id).collect();
+            assert_eq!(
+                w2.complete(|h, n| {
+                    ids = walk(h, n).iter().map(|s| s.wr_id).collect();
+                    0
+                }),
                 0
-            }), 0);
+            );
             ids
         });
         assert!(rx.recv_timeout(std::time::Duration::from_millis(100)).is_err(), "the other thread waits");
         let mut ids = Vec::new();
-        assert_eq!(w.complete(|h, n| {
-            ids = walk(h, n).iter().map(|s| s.wr_id).collect();
+        assert_eq!(
+            w.complete(|h, n| {
+                ids = walk(h, n).iter().map(|s| s.wr_id).collect();
+                0
+            }),
             0
-        }), 0);
+        );
         assert_eq!(ids, vec![1]);
         rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
         assert_eq!(t.join().unwrap(), vec![2]);

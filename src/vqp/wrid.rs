@@ -79,13 +79,7 @@ impl SendId {
         if slot >= MAX_SLOTS || retired == 0 {
             return Err(Errno::EINVAL);
         }
-        Ok(SendId {
-            slot,
-            generation,
-            seq,
-            retired,
-            forced,
-        })
+        Ok(SendId { slot, generation, seq, retired, forced })
     }
 
     /// Index of the VQP in the process's VQP table.
@@ -177,20 +171,11 @@ mod tests {
         assert_eq!(send(0, 0, 0, 1, false).encode(), 0x4000_0000_0000_0001);
         assert_eq!(send(0, 0, 0, 1, true).encode(), 0x5000_0000_0000_0001);
         assert_eq!(send(1, 0, 0, 1, false).encode(), 0x4000_0100_0000_0001);
-        assert_eq!(
-            send(MAX_SLOTS - 1, 0, 0, 1, false).encode(),
-            0x4fff_ff00_0000_0001
-        );
+        assert_eq!(send(MAX_SLOTS - 1, 0, 0, 1, false).encode(), 0x4fff_ff00_0000_0001);
         assert_eq!(send(0, 0xab, 0, 1, false).encode(), 0x4000_00ab_0000_0001);
         assert_eq!(send(0, 0, 0xcdef, 1, false).encode(), 0x4000_0000_cdef_0001);
-        assert_eq!(
-            send(0, 0, 0, MAX_RETIRED, false).encode(),
-            0x4000_0000_0000_ffff
-        );
-        assert_eq!(
-            send(MAX_SLOTS - 1, u8::MAX, u16::MAX, MAX_RETIRED, true).encode(),
-            0x5fff_ffff_ffff_ffff
-        );
+        assert_eq!(send(0, 0, 0, MAX_RETIRED, false).encode(), 0x4000_0000_0000_ffff);
+        assert_eq!(send(MAX_SLOTS - 1, u8::MAX, u16::MAX, MAX_RETIRED, true).encode(), 0x5fff_ffff_ffff_ffff);
     }
 
     #[test]
@@ -198,19 +183,13 @@ mod tests {
         assert_eq!(WrId::Recv { buf: 0 }.encode(), 0x8000_0000_0000_0000);
         assert_eq!(WrId::Recv { buf: u32::MAX }.encode(), 0x8000_0000_ffff_ffff);
         assert_eq!(WrId::Control { tag: 0 }.encode(), 0xc000_0000_0000_0000);
-        assert_eq!(
-            WrId::Control { tag: 0x1234_5678 }.encode(),
-            0xc000_0000_1234_5678
-        );
+        assert_eq!(WrId::Control { tag: 0x1234_5678 }.encode(), 0xc000_0000_1234_5678);
     }
 
     #[test]
     fn accessors_return_constructor_fields() {
         let s = SendId::new(MAX_SLOTS - 1, 7, 65_000, 3, true).unwrap();
-        assert_eq!(
-            (s.slot(), s.generation(), s.seq(), s.retired(), s.forced()),
-            (MAX_SLOTS - 1, 7, 65_000, 3, true)
-        );
+        assert_eq!((s.slot(), s.generation(), s.seq(), s.retired(), s.forced()), (MAX_SLOTS - 1, 7, 65_000, 3, true));
     }
 
     #[test]
@@ -267,7 +246,6 @@ mod tests {
         }
     }
 
-
     #[test]
     fn random_round_trip_and_canonical_decode() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -275,19 +253,9 @@ mod tests {
         for _ in 0..100_000 {
             let r = rng.next();
             let w = match r % 3 {
-                0 => send(
-                    (r >> 8) as u32 % MAX_SLOTS,
-                    (r >> 28) as u8,
-                    (r >> 36) as u16,
-                    ((r >> 52) as u16).max(1),
-                    r & 4 != 0,
-                ),
-                1 => WrId::Recv {
-                    buf: (r >> 16) as u32,
-                },
-                _ => WrId::Control {
-                    tag: (r >> 16) as u32,
-                },
+                0 => send((r >> 8) as u32 % MAX_SLOTS, (r >> 28) as u8, (r >> 36) as u16, ((r >> 52) as u16).max(1), r & 4 != 0),
+                1 => WrId::Recv { buf: (r >> 16) as u32 },
+                _ => WrId::Control { tag: (r >> 16) as u32 },
             };
             assert_eq!(WrId::decode(w.encode()), Ok(w));
             // Any u64 that decodes is the one encoding of its value.

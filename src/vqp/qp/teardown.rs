@@ -103,11 +103,7 @@ impl Vqp {
         if let Some(rt) = self.rt.get() {
             let waited = self.wait_wire(rt);
             if waited > Duration::from_millis(1) {
-                klog!(
-                    Level::Debug,
-                    "vqp {:#x}: teardown waited {waited:?} for its WQEs on the link",
-                    self.vqpn
-                );
+                klog!(Level::Debug, "vqp {:#x}: teardown waited {waited:?} for its WQEs on the link", self.vqpn);
             }
         }
         let mut st = self.st.lock();
@@ -115,17 +111,9 @@ impl Vqp {
         for c in st.held_sends.drain(..) {
             self.send_soft.push(c.to_wc(qpn));
         }
-        let mut unread: Vec<(Arc<Link>, Header)> = st
-            .reading
-            .take()
-            .map(|r| (r.link, r.done))
-            .into_iter()
-            .collect();
+        let mut unread: Vec<(Arc<Link>, Header)> = st.reading.take().map(|r| (r.link, r.done)).into_iter().collect();
         let held: Vec<_> = st.held.drain(..).collect();
-        for m in held
-            .into_iter()
-            .filter(|m| m.header.flags.contains(super::Flags::LARGE))
-        {
+        for m in held.into_iter().filter(|m| m.header.flags.contains(super::Flags::LARGE)) {
             unread.push((m.link, self.done_for(&m.header)));
         }
         unread
@@ -156,10 +144,7 @@ impl Vqp {
                 if wire_idle(&st) {
                     return start.elapsed();
                 }
-                (
-                    wire_of(&st),
-                    st.reading.as_ref().map(|r| Arc::clone(&r.link)),
-                )
+                (wire_of(&st), st.reading.as_ref().map(|r| Arc::clone(&r.link)))
             };
             if let Some((link, mark)) = &fence {
                 rt.fence_after(link, *mark);
@@ -168,18 +153,10 @@ impl Vqp {
             let now = Instant::now();
             if now > deadline {
                 if forced {
-                    klog!(
-                        Level::Warn,
-                        "vqp {:#x}: its WQEs did not complete on the link; torn down anyway",
-                        self.vqpn
-                    );
+                    klog!(Level::Warn, "vqp {:#x}: its WQEs did not complete on the link; torn down anyway", self.vqpn);
                     return start.elapsed();
                 }
-                klog!(
-                    Level::Warn,
-                    "vqp {:#x}: its WQEs did not complete within {TRANSPORT_WAIT:?}: failing their link",
-                    self.vqpn
-                );
+                klog!(Level::Warn, "vqp {:#x}: its WQEs did not complete within {TRANSPORT_WAIT:?}: failing their link", self.vqpn);
                 for link in fence.map(|(l, _)| l).into_iter().chain(reading) {
                     rt.link_failed(link.qp.qpn(), ibv_wc_status::IBV_WC_RETRY_EXC_ERR);
                 }
