@@ -1,0 +1,222 @@
+//! Where a received message lands: a small one is copied into the next
+//! posted receive, a large one is READ from the sender's staging (one at a
+//! time per VQP) and answered with DONE; a READ lost with its link gives
+//! the message up as RC would.
+
+use super::*;
+
+impl Vqp {
+    /// Complete a message into the next posted receive: copy a small one,
+    /// start READing a large one.
+    pub(super) fn land(&self, st: &mut State, h: &Header, payload: &[u8], link: &Arc<Link>) {
+        let mut srq = self.srq.get().map(|s| s.ring());
+        let r = match srq.as_mut() {
+            Some(ring) => ring.pop_front(),
+            None => st.rq.pop_front(),
+        };
+        let Some(r) = r else { return };
+        // SAFETY: ibv_wc is plain C data.
+        let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
+        wc.wr_id = r.wr_id;
+        wc.qp_num = self.qpn();
+        wc.src_qp = h.src_vqpn;
+        wc.byte_len = h.len;
+        wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
+        wc.status = ibv_wc_status::IBV_WC_SUCCESS;
+        if h.flags.contains(Flags::HAS_IMM) {
+            wc.imm_data_invalidated_rkey_union.imm_data = h.imm;
+            wc.wc_flags = ibv_wc_flags::IBV_WC_WITH_IMM.0;
+        }
+        if h.flags.contains(Flags::WRITE_IMM) {
+            wc.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
+        } else if h.flags.contains(Flags::LARGE) {
+            let mut done = self.done_for(h);
+            let buf = r.sg_list.to_vec();
+            let pieces = match r.scatter(h.len) {
+                Ok(p) => p.collect(),
+                Err(status) => {
+                    wc.status = status;
+                    done.imm = status;
+                    Vec::new()
+                }
+            };
+            drop(srq);
+            st.reading = Some(Reading {
+                wc,
+                pieces,
+                next: 0,
+                remote: h.addr,
+                rkey: h.rkey,
+                inflight: 0,
+                link: Arc::clone(link),
+                done,
+                buf,
+                lost: false,
+            });
+            self.pump(st);
+            return;
+        } else {
+            match r.scatter(payload.len() as u32) {
+                Ok(pieces) => {
+                    let mut at = 0;
+                    for s in pieces {
+                        // SAFETY: the application's posted buffer, checked
+                        // against its MR at post time.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(payload[at..].as_ptr(), s.addr as *mut u8, s.length as usize);
+                        }
+                        at += s.length as usize;
+                    }
+                }
+                Err(status) => wc.status = status,
+            }
+        }
+        drop(srq);
+        self.complete_recv(st, wc, link);
+    }
+
+    pub(super) fn complete_recv(&self, st: &mut State, wc: ibv_wc, link: &Arc<Link>) {
+        if st.bound.is_some() {
+            st.inbox.push_back(Inbox::Msg(link.peer, link.index, wc.src_qp, wc, Arc::clone(link)));
+        } else {
+            self.recv_soft.push(wc);
+        }
+    }
+
+    /// Progress of the large message being READ: post its READs and then
+    /// its DONE as the link has room, and complete it when both are done.
+    pub(super) fn pump(&self, st: &mut State) {
+        let Some(rt) = self.rt.get() else { return };
+        if st.torn_down {
+            // Destroyed or reset: its READs in flight are waited for, the
+            // message is given up (teardown.rs).
+            return;
+        }
+        let Some(rd) = st.reading.as_mut() else { return };
+        while rd.next < rd.pieces.len() {
+            let mut sq = rd.link.sq.lock();
+            let Some(d) = sq.try_post(true) else {
+                rt.large.wait_for_room(self.slot, self.gen);
+                return;
+            };
+            let n = (rd.pieces.len() - rd.next).min(crate::service::LINK_SEND_SGE as usize);
+            let chunk = &mut rd.pieces[rd.next..rd.next + n];
+            let len: u64 = chunk.iter().map(|s| u64::from(s.length)).sum();
+            let tag = rt.next_tag();
+            rt.large.track(tag, Control::Read { slot: self.slot, gen: self.gen, retired: d.retired });
+            // SAFETY: a plain C struct.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = WrId::Control { tag }.encode();
+            wr.sg_list = chunk.as_mut_ptr();
+            wr.num_sge = n as i32;
+            wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+            wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.wr.rdma.remote_addr = rd.remote;
+            wr.wr.rdma.rkey = rd.rkey;
+            // SAFETY: READ into the application's posted buffer (checked
+            // against its MRs at post_recv) from the sender's staging.
+            if let Err(e) = unsafe { rd.link.qp.post_send(&mut wr) } {
+                klog!(Level::Warn, "vqp {:#x}: cannot READ a large message: {e:?}", self.vqpn);
+                rt.large.take(tag);
+                rd.wc.status = ibv_wc_status::IBV_WC_LOC_QP_OP_ERR;
+                rd.done.imm = rd.wc.status;
+                rd.next = rd.pieces.len();
+                break;
+            }
+            rd.next += n;
+            rd.remote += len;
+            rd.inflight += 1;
+        }
+        if rd.inflight > 0 {
+            return;
+        }
+        if rd.lost {
+            self.lose_reading(st);
+            return;
+        }
+        if !post_header(rt, &rd.link, &rd.done) {
+            rt.large.wait_for_room(self.slot, self.gen);
+            return;
+        }
+        let Some(rd) = st.reading.take() else { return };
+        self.complete_recv(st, rd.wc, &rd.link);
+        self.drain_held(st);
+    }
+
+    /// The large message being READ is lost: a READ failed, so its link
+    /// died under it (RC moved the QP to ERR) and its sender's send never
+    /// completed either. As with RC, a message that did not arrive is not
+    /// completed: its receive goes back in front of the queue, for the
+    /// next message, and the messages its sender sent after it, held
+    /// behind it, are dropped (no gap in that sender's order). The link's
+    /// failure then does the rest (a connected VQP's receives are flushed;
+    /// a bound VQP reports the sender closed).
+    pub(super) fn lose_reading(&self, st: &mut State) {
+        let Some(rd) = st.reading.take() else { return };
+        let src = rd.wc.src_qp;
+        klog!(Level::Info, "vqp {:#x}: a large message from VQP {src:#x} was lost with its link", self.vqpn);
+        let back = match self.srq.get() {
+            Some(srq) => srq.ring().push_front(rd.wc.wr_id, &rd.buf),
+            None => st.rq.push_front(rd.wc.wr_id, &rd.buf),
+        };
+        if back.is_err() {
+            // The queue was filled meanwhile: the receive is reported
+            // flushed instead.
+            let mut wc = rd.wc;
+            wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+            wc.byte_len = 0;
+            self.complete_recv(st, wc, &rd.link);
+        }
+        st.held.retain(|m| !(Arc::ptr_eq(&m.link, &rd.link) && m.header.src_vqpn == src && !m.header.flags.contains(Flags::CLOSE)));
+        self.drain_held(st);
+    }
+
+    /// The DONE that answers the LARGE message `h` (status 0: landed).
+    pub(super) fn done_for(&self, h: &Header) -> Header {
+        Header { flags: Flags::DONE, src_vqpn: self.vqpn, dst: h.src_vqpn, len: h.len, rkey: h.rkey, addr: h.addr, imm: 0 }
+    }
+
+    /// The link had room again (progress).
+    pub fn pump_large(&self) {
+        let mut st = self.st.lock();
+        self.pump(&mut st);
+    }
+
+    /// One READ of the large message being received completed.
+    pub fn on_large_read(&self, status: u32) {
+        let mut st = self.st.lock();
+        let Some(rd) = st.reading.as_mut() else { return };
+        rd.inflight = rd.inflight.saturating_sub(1);
+        if status != ibv_wc_status::IBV_WC_SUCCESS {
+            klog!(Level::Debug, "vqp {:#x}: READing a large message failed with status {status}", self.vqpn);
+            rd.lost = true;
+            rd.next = rd.pieces.len();
+        }
+        self.pump(&mut st);
+    }
+
+    /// The receiver's DONE for our large message `seq`: `status` 0 when it
+    /// landed, else the receiver's status.
+    pub fn on_large_done(&self, seq: u16, status: u32) {
+        let mut st = self.st.lock();
+        let mut out = Vec::new();
+        let r = if status == ibv_wc_status::IBV_WC_SUCCESS {
+            st.sq.done(seq, &mut |c| out.push(c))
+        } else {
+            // What RC reports to the sender when the receiver cannot take it.
+            let mine = if status == ibv_wc_status::IBV_WC_LOC_LEN_ERR {
+                ibv_wc_status::IBV_WC_REM_INV_REQ_ERR
+            } else {
+                ibv_wc_status::IBV_WC_REM_OP_ERR
+            };
+            st.sq.complete(seq, mine, &mut |c| out.push(c))
+        };
+        drop(st);
+        if r.is_err() {
+            klog!(Level::Debug, "vqp {:#x}: a DONE for a WR no longer outstanding", self.vqpn);
+        }
+        for c in out {
+            self.deliver(&self.send_soft, c);
+        }
+    }
+}

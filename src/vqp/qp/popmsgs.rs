@@ -1,0 +1,121 @@
+//! `qpop_msgs` on a bound VQP: the senders' messages in arrival order,
+//! each with the VQP (`src_qp`) that answers its sender, made without
+//! waiting for the network; senders gone are reported closed.
+
+use super::*;
+
+impl Vqp {
+    /// `qpop_msgs`: up to `n` (sender, completion) pairs. `make_src`
+    /// creates the application object of a VQP connected back to a sender;
+    /// `free_src` destroys one whose sender is gone (reported by the
+    /// previous call with `IBV_WC_WR_FLUSH_ERR`).
+    ///
+    /// Never waits for the network: a sender's src_qp goes on the link that
+    /// serves its process now, or, with none (it was closed), gets one at
+    /// its first post; a sender whose link failed gets a src_qp in the
+    /// error state. An error after messages were taken returns them, and
+    /// the error at the next call; the message it met stays first in the
+    /// inbox.
+    pub fn pop_msgs(
+        self: &Arc<Self>,
+        n: usize,
+        make_src: &dyn Fn(&Arc<Vqp>) -> Result<*mut ibv_qp>,
+        free_src: &dyn Fn(*mut ibv_qp),
+    ) -> Result<Vec<(*mut ibv_qp, ibv_wc)>> {
+        let rt = self.rt.get().ok_or(Errno::EINVAL)?;
+        if !self.is_bound() {
+            return Err(Errno::EINVAL);
+        }
+        let _one = self.popping.lock();
+        let (retired, failure) = {
+            let mut st = self.st.lock();
+            (std::mem::take(&mut st.retired), st.pop_error.take())
+        };
+        retired.into_iter().for_each(free_src);
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        rt.progress();
+        let mut out = Vec::new();
+        while out.len() < n {
+            let mut st = self.st.lock();
+            let Some(entry) = st.inbox.pop_front() else { break };
+            let (peer, index, src, wc, link) = match entry {
+                Inbox::Msg(peer, index, src, wc, link) => (peer, index, src, wc, link),
+                Inbox::Closed(incarnation, src) => {
+                    // A sender we never answered has no src_qp to retire.
+                    if let Some(qp) = st.src_qps.remove(&(incarnation, src)) {
+                        st.retired.push(qp);
+                        // SAFETY: ibv_wc is plain C data.
+                        let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
+                        wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+                        wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
+                        wc.qp_num = self.qpn();
+                        wc.src_qp = src;
+                        out.push((qp, wc));
+                    }
+                    continue;
+                }
+            };
+            let key = (peer.incarnation, src);
+            if let Some(&qp) = st.src_qps.get(&key) {
+                out.push((qp, wc));
+                continue;
+            }
+            st.answering = Some(key);
+            drop(st);
+            let made = self.answer(rt, peer, index, src, &link, make_src);
+            let mut st = self.st.lock();
+            st.answering = None;
+            match made {
+                Ok(qp) => {
+                    st.src_qps.insert(key, qp);
+                    out.push((qp, wc));
+                }
+                Err(e) => {
+                    // Nothing is lost: the message waits for the next call.
+                    st.inbox.push_front(Inbox::Msg(peer, index, src, wc, link));
+                    if out.is_empty() {
+                        return Err(e);
+                    }
+                    klog!(Level::Warn, "vqp {:#x}: qpop_msgs: {e:?} making a src_qp; reported at the next call", self.vqpn);
+                    st.pop_error = Some(e);
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A VQP connected back to sender `src` of `peer`, whose message came
+    /// on `came_on`, without a link handshake (`qpop_msgs` never blocks).
+    fn answer(
+        self: &Arc<Self>,
+        rt: &Arc<Runtime>,
+        peer: Endpoint,
+        index: u16,
+        src: u32,
+        came_on: &Arc<Link>,
+        make_src: &dyn Fn(&Arc<Vqp>) -> Result<*mut ibv_qp>,
+    ) -> Result<*mut ibv_qp> {
+        let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
+        let _ = v.rt.set(Arc::clone(rt));
+        let _ = v.parent.set((Arc::downgrade(self), (peer.incarnation, src)));
+        match rt.svc.existing_link(&peer, index) {
+            Some(link) => v.attach(rt, link, peer, src),
+            // Its process is gone: as a VQP whose link failed (posts are
+            // accepted and flushed); the sender is reported closed after
+            // its messages (`on_link_failed`).
+            None if came_on.is_failed() => {
+                let mut st = v.st.lock();
+                st.failed = true;
+                // Empty: this puts its send queue in the error state.
+                st.sq.flush(&mut |_| {});
+            }
+            // Closed since (link reclaim): the first post makes a new one.
+            None => v.attach_at(rt, None, peer, index, src),
+        }
+        make_src(&v)
+    }
+}
