@@ -792,3 +792,34 @@ int ct_wait_child(pid_t pid, const char *what)
 	return 0;
 }
 #endif
+
+/* ---- out of band ----------------------------------------------------- */
+
+void ct_oob_write(int fd, const void *p, size_t n)
+{
+	const uint8_t *b = p;
+
+	while (n) {
+		ssize_t k = write(fd, b, n);
+
+		CT_CHECK(k > 0, "out-of-band write: %s", strerror(errno));
+		b += k;
+		n -= (size_t)k;
+	}
+}
+
+void ct_oob_read(int fd, void *p, size_t n)
+{
+	uint8_t *b = p;
+
+	while (n) {
+		struct pollfd pfd = { .fd = fd, .events = POLLIN };
+		ssize_t k;
+
+		CT_CHECK(poll(&pfd, 1, CT_OOB_MS) == 1, "out-of-band read: nothing within %d ms", CT_OOB_MS);
+		k = read(fd, b, n);
+		CT_CHECK(k > 0, "out-of-band read: %s", k ? strerror(errno) : "peer gone");
+		b += k;
+		n -= (size_t)k;
+	}
+}

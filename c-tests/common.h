@@ -260,4 +260,13 @@ pid_t ct_fork_ready(int (*role)(int ready_fd), const char *what);
 int ct_wait_child(pid_t pid, const char *what);
 #endif
 
+/* ---- out of band (pipes and sockets between test processes) ------- */
+
+/* Bound on every out-of-band read. */
+#define CT_OOB_MS 60000
+/* Write or read exactly n bytes; anything else (a peer gone, nothing
+ * within CT_OOB_MS) fails the current sub-test. */
+void ct_oob_write(int fd, const void *p, size_t n);
+void ct_oob_read(int fd, void *p, size_t n);
+
 #endif

@@ -52,38 +52,8 @@
 #define CANARY 0xc5
 #define LEASE_LEN 4096u
 #define LEASE_SEED 9u
-#define IO_MS 60000
 
 /* ---- out of band --------------------------------------------------------- */
-
-static void xwrite(int fd, const void *p, size_t n)
-{
-	const uint8_t *b = p;
-
-	while (n) {
-		ssize_t k = write(fd, b, n);
-
-		CT_CHECK(k > 0, "out-of-band write: %s", strerror(errno));
-		b += k;
-		n -= (size_t)k;
-	}
-}
-
-static void xread(int fd, void *p, size_t n)
-{
-	uint8_t *b = p;
-
-	while (n) {
-		struct pollfd pfd = { .fd = fd, .events = POLLIN };
-		ssize_t k;
-
-		CT_CHECK(poll(&pfd, 1, IO_MS) == 1, "out-of-band read: nothing within %d ms", IO_MS);
-		k = read(fd, b, n);
-		CT_CHECK(k > 0, "out-of-band read: %s", k ? strerror(errno) : "peer gone");
-		b += k;
-		n -= (size_t)k;
-	}
-}
 
 /* What the peer offers: its READ source (BIG bytes of SRC_SEED's pattern)
  * and a WRITE target (BIG + WIT bytes), one MR. */
@@ -128,11 +98,11 @@ static int peer(int fd)
 	o.rkey = n.b.mr->rkey;
 	o.lease_addr = (uintptr_t)lease_buf;
 	o.lease_rkey = lease_mr->rkey;
-	xwrite(fd, &o, sizeof(o));
+	ct_oob_write(fd, &o, sizeof(o));
 	for (;;) {
 		struct cmd c;
 
-		xread(fd, &c, sizeof(c));
+		ct_oob_read(fd, &c, sizeof(c));
 		if (c.op == 'Q') {
 			uint32_t mine[2], theirs[2];
 			char go;
@@ -143,14 +113,14 @@ static int peer(int fd)
 							      (struct ct_qp_caps){ 16, 16, 1, 1, 0, 0 });
 				mine[i] = qps[nq + i]->qp_num;
 			}
-			xwrite(fd, mine, sizeof(mine));
-			xread(fd, theirs, sizeof(theirs));
+			ct_oob_write(fd, mine, sizeof(mine));
+			ct_oob_read(fd, theirs, sizeof(theirs));
 			/* Node 1 connects first (its RTR makes the link). */
-			xread(fd, &go, 1);
+			ct_oob_read(fd, &go, 1);
 			for (int i = 0; i < 2; i++)
 				CT_OK(ct_connect_qp(&n.d, qps[nq + i], n.d.gid_idx[0], theirs[i], &g1));
 			nq += 2;
-			xwrite(fd, "c", 1);
+			ct_oob_write(fd, "c", 1);
 		} else if (c.op == 'V') {
 			char ok = 'Y';
 			uint8_t *p = n.b.p + BIG + c.off;
@@ -161,20 +131,20 @@ static int peer(int fd)
 			if (memcmp(p, want, c.len) != 0)
 				ok = 'N';
 			free(want);
-			xwrite(fd, &ok, 1);
+			ct_oob_write(fd, &ok, 1);
 		} else if (c.op == 'R') {
 			/* Peers checked it within their lease: they may still
 			 * READ it with the old key for that long. */
 			CT_CHECK(ibv_rereg_mr(lease_mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
 					      IBV_ACCESS_LOCAL_WRITE) == 0,
 				 "ibv_rereg_mr: %s", strerror(errno));
-			xwrite(fd, "r", 1);
+			ct_oob_write(fd, "r", 1);
 		} else if (c.op == 'X') {
 			uint64_t failed = krcore_stat_get(KRCORE_STAT_LINKS_FAILED);
 
 			for (int i = 0; i < nq; i++)
 				CT_OK(ibv_destroy_qp(qps[i]));
-			xwrite(fd, &failed, sizeof(failed));
+			ct_oob_write(fd, &failed, sizeof(failed));
 			CT_CHECK(failed == 0, "links failed at the peer: %llu", (unsigned long long)failed);
 			ct_pass();
 			return 0;
@@ -197,7 +167,7 @@ static void cmd(struct t *t, char op, uint32_t seed, uint64_t off, uint64_t len)
 {
 	struct cmd c = { .op = op, .seed = seed, .off = off, .len = len };
 
-	xwrite(t->fd, &c, sizeof(c));
+	ct_oob_write(t->fd, &c, sizeof(c));
 }
 
 /* Two transparent VQPs connected to two of the peer's: one link. */
@@ -213,12 +183,12 @@ static void pair(struct t *t, struct ibv_qp **q1, struct ibv_qp **q2)
 		mine[i] = q[i]->qp_num;
 	}
 	cmd(t, 'Q', 0, 0, 0);
-	xread(t->fd, theirs, sizeof(theirs));
-	xwrite(t->fd, mine, sizeof(mine));
+	ct_oob_read(t->fd, theirs, sizeof(theirs));
+	ct_oob_write(t->fd, mine, sizeof(mine));
 	for (int i = 0; i < 2; i++)
 		CT_OK(ct_connect_qp(&t->n.d, q[i], t->n.d.gid_idx[0], theirs[i], &t->g2));
-	xwrite(t->fd, "C", 1);
-	xread(t->fd, &ack, 1);
+	ct_oob_write(t->fd, "C", 1);
+	ct_oob_read(t->fd, &ack, 1);
 	CT_CHECK(ack == 'c', "peer connect: '%c'", ack);
 	*q1 = q[0];
 	*q2 = q[1];
@@ -277,7 +247,7 @@ static void witness(struct t *t, struct ibv_qp *q2, uint32_t seed)
 			 ibv_wc_status_str(wc[i].status), (unsigned long long)wc[i].wr_id);
 	ct_expect_pattern(r, WIT, SRC_SEED, "VQP 2's READ");
 	cmd(t, 'V', seed, BIG, WIT);
-	xread(t->fd, &ok, 1);
+	ct_oob_read(t->fd, &ok, 1);
 	CT_CHECK(ok == 'Y', "the peer did not find VQP 2's WRITE");
 }
 
@@ -436,7 +406,7 @@ static void case_rereg_lease(struct t *t)
 			/* Re-registered without remote access: our check of it
 			 * (just made) holds for the lease, so must its key. */
 			cmd(t, 'R', 0, 0, 0);
-			xread(t->fd, &ack, 1);
+			ct_oob_read(t->fd, &ack, 1);
 			CT_CHECK(ack == 'r', "rereg: '%c'", ack);
 		}
 	}
@@ -470,10 +440,10 @@ static void case_dereg_queued(struct t *t)
 			 "WRITE %d: %s (wr_id %llu)", i, ibv_wc_status_str(wc[i].status),
 			 (unsigned long long)wc[i].wr_id);
 	cmd(t, 'V', 201, 0, BIG);
-	xread(t->fd, &ok, 1);
+	ct_oob_read(t->fd, &ok, 1);
 	CT_CHECK(ok == 'Y', "the peer did not find VQP 2's 8 MiB WRITE");
 	cmd(t, 'V', 202, BIG, SMALL);
-	xread(t->fd, &ok, 1);
+	ct_oob_read(t->fd, &ok, 1);
 	CT_CHECK(ok == 'Y', "the peer did not find VQP 1's WRITE from the deregistered MR");
 	witness(t, q2, 105);
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
@@ -509,7 +479,7 @@ int main(void)
 	t->fd = sv[0];
 	t->g2 = ct_node_gid(2);
 	ct_node_open(&t->n, 1, (size_t)BIG + 2 * WIT, 64);
-	xread(t->fd, &t->o, sizeof(t->o));
+	ct_oob_read(t->fd, &t->o, sizeof(t->o));
 
 	/* CT_ONLY=<name>: that case alone (to see one fail on its own). */
 	{
@@ -528,7 +498,7 @@ int main(void)
 
 	ct_begin("vqp_teardown: the peer");
 	cmd(t, 'X', 0, 0, 0);
-	xread(t->fd, &peer_failed, sizeof(peer_failed));
+	ct_oob_read(t->fd, &peer_failed, sizeof(peer_failed));
 	fails = ct_wait_child(pid, "the peer");
 	CT_CHECK(fails == 0 && peer_failed == 0, "peer: exit %d, links failed %llu", fails,
 		 (unsigned long long)peer_failed);

@@ -77,7 +77,6 @@
 #define UD_BIT (1ull << 61)
 #define REPLY 0x80000000u	/* seed of an answer: the question's ^ REPLY */
 #define N_TIMED 64		/* QPs created to time ibv_create_qp */
-#define IO_MS 60000		/* bound on every out-of-band read */
 #define WAIT_MS 30000		/* bound on every batch of completions */
 
 struct qent {
@@ -103,44 +102,14 @@ struct ep {
 
 /* ---- out of band --------------------------------------------------------- */
 
-static void xwrite(int fd, const void *p, size_t n)
-{
-	const uint8_t *b = p;
-
-	while (n) {
-		ssize_t k = write(fd, b, n);
-
-		CT_CHECK(k > 0, "out-of-band write: %s", strerror(errno));
-		b += k;
-		n -= (size_t)k;
-	}
-}
-
-static void xread(int fd, void *p, size_t n)
-{
-	uint8_t *b = p;
-
-	while (n) {
-		struct pollfd pfd = { .fd = fd, .events = POLLIN };
-		ssize_t k;
-
-		CT_CHECK(poll(&pfd, 1, IO_MS) == 1, "out-of-band read: nothing within %d ms",
-			 IO_MS);
-		k = read(fd, b, n);
-		CT_CHECK(k > 0, "out-of-band read: %s", k ? strerror(errno) : "peer gone");
-		b += k;
-		n -= (size_t)k;
-	}
-}
-
-static void xput32(int fd, uint32_t v) { xwrite(fd, &v, 4); }
-static uint32_t xget32(int fd) { uint32_t v; xread(fd, &v, 4); return v; }
+static void xput32(int fd, uint32_t v) { ct_oob_write(fd, &v, 4); }
+static uint32_t xget32(int fd) { uint32_t v; ct_oob_read(fd, &v, 4); return v; }
 
 static void expect_byte(int fd, char want)
 {
 	char c;
 
-	xread(fd, &c, 1);
+	ct_oob_read(fd, &c, 1);
 	CT_CHECK(c == want, "out of band: '%c', expected '%c'", c, want);
 }
 
@@ -596,7 +565,7 @@ static int real_child(int fd)
 	ct_buf_free(&buf);
 	CT_OK(ibv_destroy_cq(cq));
 	ct_close(&d);
-	xwrite(fd, &o, sizeof(o));
+	ct_oob_write(fd, &o, sizeof(o));
 	close(fd);
 	ct_pass();
 	return 0;
@@ -829,18 +798,18 @@ static int peer(int id, int fd)
 	for (int k = 0; k < PER_PEER; k++)
 		xput32(fd, e.q[k].qp->qp_num);
 	peer_connect(&e, fd, 0, PER_PEER);
-	xwrite(fd, "C", 1);
+	ct_oob_write(fd, "C", 1);
 	pump(&e, PER_PEER, 0, 1);
 	/* One peer process: one link (made by node 1's connects). */
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS, ==, 1);
 	CT_KRCORE_STAT(KRCORE_STAT_QPS_VIRTUALIZED, >=, PER_PEER);
 	CT_KRCORE_STAT(KRCORE_STAT_VQPS, >=, PER_PEER);
-	xwrite(fd, "E", 1);
+	ct_oob_write(fd, "E", 1);
 
 	for (;;) {
 		char cmd;
 
-		xread(fd, &cmd, 1);
+		ct_oob_read(fd, &cmd, 1);
 		if (cmd == 'X')
 			break;
 		switch (cmd) {
@@ -861,7 +830,7 @@ static int peer(int id, int fd)
 			break;
 		case 'S':	/* answer n messages */
 			pump(&e, (int)xget32(fd), 0, 1);
-			xwrite(fd, "D", 1);
+			ct_oob_write(fd, "D", 1);
 			break;
 		case 'R': {	/* our QP of that QPN: RESET, connected again */
 			int k = find_qp(&e, xget32(fd));
@@ -875,7 +844,7 @@ static int peer(int id, int fd)
 			CT_OK(ct_qp_init(&e.d, e.q[k].qp));
 			post_recv_rc(&e, k);
 			rc_connect(&e, k, 1, dqpn);
-			xwrite(fd, "D", 1);
+			ct_oob_write(fd, "D", 1);
 			break;
 		}
 		default:
@@ -899,7 +868,7 @@ static uint32_t seed_of(int peer, int k)
  * peer p (its 'Q'), both sides. */
 static void pair(struct ep *e, int fd, int p, int first, int n)
 {
-	xwrite(fd, "Q", 1);
+	ct_oob_write(fd, "Q", 1);
 	xput32(fd, (uint32_t)n);
 	for (int k = first; k < first + n; k++) {
 		e->q[k].peer = p;
@@ -992,7 +961,7 @@ static void scale(struct ep *e, int *fd)
 /* One message each way on QPs [first, first + n), to peer p. */
 static void echo(struct ep *e, int fd, int first, int n)
 {
-	xwrite(fd, "S", 1);
+	ct_oob_write(fd, "S", 1);
 	xput32(fd, (uint32_t)n);
 	for (int k = first; k < first + n; k++)
 		post_send_rc(e, k);
@@ -1044,12 +1013,12 @@ static void mixed(struct ep *e, int fd)
 		 (unsigned long long)krcore_stat_get(KRCORE_STAT_QPS_VIRTUALIZED), virt + 4);
 	CT_CHECK(krcore_stat_get(KRCORE_STAT_VQPS) == vqps + 4, "vqps %llu, expected %llu",
 		 (unsigned long long)krcore_stat_get(KRCORE_STAT_VQPS), vqps + 4);
-	xwrite(fd, "U", 1);
+	ct_oob_write(fd, "U", 1);
 	xput32(fd, e->ud->qp_num);
 	e->ud_peer_qpn = xget32(fd);
 	CT_CHECK(e->ud_peer_qpn < VBIT, "the peer's UD qp_num %#x", e->ud_peer_qpn);
 	/* Both kinds at once: UD and RC sends interleaved, one poll loop. */
-	xwrite(fd, "S", 1);
+	ct_oob_write(fd, "S", 1);
 	xput32(fd, 4 + UDN);
 	for (int m = 0; m < UDN; m++) {
 		post_send_ud(e, m, ud_seed(m));
@@ -1092,7 +1061,7 @@ static void virtual_err(struct ep *e, int fd, struct outcome *o, const struct ou
 	ct_buf_alloc(&b, e->d.pd, 4096);
 	qp = ct_create_rc_qp(&e->d, cq, cq, NULL, (struct ct_qp_caps){ DEPTH, DEPTH, 1, 1, 0, 0 });
 	CT_OK(ct_qp_init(&e->d, qp));
-	xwrite(fd, "Q", 1);
+	ct_oob_write(fd, "Q", 1);
 	xput32(fd, 1);
 	xput32(fd, qp->qp_num);
 	xput32(fd, 0x77000000u);
@@ -1138,7 +1107,7 @@ static void reset_again(struct ep *e, int fd)
 	expect_state(e->q[k].qp, IBV_QPS_RESET, "->RESET");
 	CT_OK(ct_qp_init(&e->d, e->q[k].qp));
 	post_recv_rc(e, k);
-	xwrite(fd, "R", 1);
+	ct_oob_write(fd, "R", 1);
 	xput32(fd, e->q[k].peer_qpn);
 	expect_byte(fd, 'D');
 	rc_connect(e, k, 2, e->q[k].peer_qpn);
@@ -1176,7 +1145,7 @@ int main(void)
 			_exit(real_child(p[1]));
 		}
 		close(p[1]);
-		xread(p[0], &real, sizeof(real));
+		ct_oob_read(p[0], &real, sizeof(real));
 		close(p[0]);
 		CT_CHECK(ct_wait_child(rc_pid, "the real-QP child") == 0, "the real-QP child failed");
 	}
@@ -1215,7 +1184,7 @@ int main(void)
 	reset_again(e, fd[0]);
 
 	for (int p = 0; p < PEERS; p++) {
-		xwrite(fd[p], "X", 1);
+		ct_oob_write(fd[p], "X", 1);
 		close(fd[p]);
 	}
 	for (int p = 0; p < PEERS; p++)
