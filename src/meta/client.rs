@@ -506,28 +506,20 @@ impl MetaClient {
     /// not): the response's `held`, or the error and whether it was a
     /// transport failure (the replica is then failed).
     fn request_on(&self, i: usize, op: Op, key: &Key, ep: &Endpoint, timeout: Duration) -> Option<std::result::Result<u32, (Errno, bool)>> {
-        let r = &self.replicas[i];
-        if !matches!(r.state(), REPOPULATING | UP) {
-            return None;
-        }
-        let mut g = r.conn.lock();
-        let conn = g.as_mut().filter(|_| matches!(r.state(), REPOPULATING | UP))?;
-        let lease_ms = self.opts.lease.as_millis().min(u32::MAX as u128) as u32;
-        let res = conn.request(op, lease_ms, key, ep, timeout, &r.state);
-        let broken = conn.broken;
-        drop(g);
-        Some(res.map_err(|e| {
-            if broken {
-                klog!(Level::Warn, "meta server {}: {op:?} failed: {e:?}", r.addr);
-                self.fail(i);
-            }
-            (e, broken)
-        }))
+        self.on_conn(i, op, |conn, lease_ms, state| conn.request(op, lease_ms, key, ep, timeout, state))
+            .map(|(res, broken)| res.map_err(|e| (e, broken)))
     }
 
     /// A batch of requests on replica `i` (see `Conn::requests`) if it is
     /// connected (None when it is not); a transport failure fails it.
     fn requests_on(&self, i: usize, op: Op, keys: &[Key], ep: &Endpoint, timeout: Duration) -> Option<Result<Vec<Result<u32>>>> {
+        self.on_conn(i, op, |conn, lease_ms, state| conn.requests(op, lease_ms, keys, ep, timeout, state)).map(|(res, _)| res)
+    }
+
+    /// Run `f` on replica `i`'s connection if it is connected (None when
+    /// it is not), with the lease in ms; a transport failure (the
+    /// connection broken) fails the replica. Also says whether it broke.
+    fn on_conn<T>(&self, i: usize, op: Op, f: impl FnOnce(&mut Conn, u32, &AtomicU8) -> Result<T>) -> Option<(Result<T>, bool)> {
         let r = &self.replicas[i];
         if !matches!(r.state(), REPOPULATING | UP) {
             return None;
@@ -535,15 +527,16 @@ impl MetaClient {
         let mut g = r.conn.lock();
         let conn = g.as_mut().filter(|_| matches!(r.state(), REPOPULATING | UP))?;
         let lease_ms = self.opts.lease.as_millis().min(u32::MAX as u128) as u32;
-        let res = conn.requests(op, lease_ms, keys, ep, timeout, &r.state);
+        let res = f(conn, lease_ms, &r.state);
         let broken = conn.broken;
         drop(g);
-        Some(res.inspect_err(|e| {
-            if broken {
+        if broken {
+            if let Err(e) = &res {
                 klog!(Level::Warn, "meta server {}: {op:?} failed: {e:?}", r.addr);
                 self.fail(i);
             }
-        }))
+        }
+        Some((res, broken))
     }
 
     /// Replica `i`'s connection failed: skip it from now on, and have the

@@ -209,14 +209,10 @@ impl Mr {
         access: c_int,
         lease_end: Option<std::time::Instant>,
     ) -> std::result::Result<(), c_int> {
+        rereg_input_ok(flags, addr, length, access)?;
         let f = flags as u32;
         let translation = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0;
         let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
-        let supported = (change_access << 1) - 1; // IBV_REREG_MR_FLAGS_SUPPORTED
-        if f & !supported != 0 || (f & translation != 0 && (length == 0 || addr.is_null())) || (access != 0 && f & change_access == 0) {
-            Errno::EINVAL.set();
-            return Err(REREG_ERR_INPUT);
-        }
         // SAFETY: an MR's PD outlives it.
         let old_pd = unsafe { Pd::from_ibv(self.ibv.pd) }.real;
         // SAFETY: checked by the caller to be one of our PDs.
@@ -261,14 +257,7 @@ impl Mr {
     /// cache's region itself when this MR is its only user and has its
     /// exact range (taken out of the cache), else a private registration.
     fn exclusive_real(&mut self, flags: c_int, addr: *mut c_void, length: usize, access: c_int) -> std::result::Result<*mut ibv_mr, c_int> {
-        let f = flags as u32;
-        let translation = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0;
-        let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
-        let supported = (change_access << 1) - 1; // IBV_REREG_MR_FLAGS_SUPPORTED
-        if f & !supported != 0 || (f & translation != 0 && (length == 0 || addr.is_null())) || (access != 0 && f & change_access == 0) {
-            Errno::EINVAL.set();
-            return Err(REREG_ERR_INPUT);
-        }
+        rereg_input_ok(flags, addr, length, access)?;
         let start = self.ibv.addr as usize;
         if let Some(real) = crate::mr::cache().and_then(|c| c.detach(self.lease, start, start + self.ibv.length)) {
             self.lease = 0;
@@ -366,4 +355,19 @@ impl Mr {
         unsafe { Mr::free(p) };
         Ok(())
     }
+}
+
+/// libibverbs' own input checks of `ibv_rereg_mr` (before anything
+/// changes): unsupported flags, a translation change without a range,
+/// access flags without `IBV_REREG_MR_CHANGE_ACCESS`.
+fn rereg_input_ok(flags: c_int, addr: *mut c_void, length: usize, access: c_int) -> std::result::Result<(), c_int> {
+    let f = flags as u32;
+    let translation = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_TRANSLATION.0;
+    let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0;
+    let supported = (change_access << 1) - 1; // IBV_REREG_MR_FLAGS_SUPPORTED
+    if f & !supported != 0 || (f & translation != 0 && (length == 0 || addr.is_null())) || (access != 0 && f & change_access == 0) {
+        Errno::EINVAL.set();
+        return Err(REREG_ERR_INPUT);
+    }
+    Ok(())
 }

@@ -567,6 +567,21 @@ pub struct Runtime {
     gids: OnceCell<Vec<rdma::Gid>>,
 }
 
+/// A signaled READ of the library's own (a control READ, `tag`) into
+/// `sge` from (addr, rkey); `sge` must outlive the post.
+fn control_read_wr(tag: u32, sge: &mut ibv_sge, addr: u64, rkey: u32) -> ibv_send_wr {
+    // SAFETY: a plain C struct.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = WrId::Control { tag }.encode();
+    wr.sg_list = sge;
+    wr.num_sge = 1;
+    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.wr.rdma.remote_addr = addr;
+    wr.wr.rdma.rkey = rkey;
+    wr
+}
+
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
 
 /// `KRCORE_CONNECT_TIMEOUT_MS`: the bound on every wait for a peer or the
@@ -820,15 +835,7 @@ impl Runtime {
         let tag = self.next_tag();
         self.large.track(tag, Control::Probe { retired: d.retired });
         let mut sge = self.probe_buf.sge(0, PROBE_LEN);
-        // SAFETY: a plain C struct.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = WrId::Control { tag }.encode();
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        wr.wr.rdma.remote_addr = link.peer_mr_table.0;
-        wr.wr.rdma.rkey = link.peer_mr_table.1;
+        let mut wr = control_read_wr(tag, &mut sge, link.peer_mr_table.0, link.peer_mr_table.1);
         // SAFETY: one READ into our own registered buffer from the
         // peer's MR table (registered for remote READ by the peer).
         match unsafe { link.qp.post_send(&mut wr) } {
@@ -1225,15 +1232,7 @@ impl Runtime {
     pub fn control_read(&self, link: &service::Link, dst: &Region, addr: u64, rkey: u32, len: usize) -> Result<()> {
         let tag = self.next_tag();
         let mut sge = dst.sge(0, len);
-        // SAFETY: a plain C struct.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = WrId::Control { tag }.encode();
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        wr.wr.rdma.remote_addr = addr;
-        wr.wr.rdma.rkey = rkey;
+        let mut wr = control_read_wr(tag, &mut sge, addr, rkey);
         // WrId::Control carries no count: what this READ retires is kept
         // with its tag and accounted by dispatch when it completes (also
         // if this wait gives up first).
