@@ -31,7 +31,7 @@ use crate::error::{Errno, Result};
 
 /// `b"MK"` read as a little-endian u16.
 pub const MAGIC: u16 = 0x4b4d;
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 
 /// Length of [`Hello`] and [`Welcome`].
 pub const BOOT_LEN: usize = 64;
@@ -155,13 +155,19 @@ pub struct LinkInfo {
     pub mr_table_slots: u32,
     /// Which of the links per peer this is.
     pub link: u16,
+    /// The link's two GIDs, as the sender sees them: its own end (its
+    /// source GID) and the receiver's (the GID the message was sent to).
+    /// The link runs between the GIDs its initiator's application chose,
+    /// not only between the endpoints' home GIDs.
+    pub src_gid: [u8; 16],
+    pub dst_gid: [u8; 16],
 }
 
 /// Service endpoint -> service endpoint over UD: "connect one link".
 ///
 /// 4: link (u16), 8: req_id, 12: status (0 in a request), 16: rc_qpn,
 /// 20: psn, 24: mr_table_addr (u64), 32: mr_table_rkey, 36: mr_table_slots,
-/// 40: from (endpoint).
+/// 40: from (endpoint), 80: src_gid[16], 96: dst_gid[16].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkRequest {
     pub req_id: u32,
@@ -319,6 +325,8 @@ impl LinkMessage {
             mr_table_rkey: r.u32()?,
             mr_table_slots: r.u32()?,
             from: r.endpoint()?,
+            src_gid: r.bytes()?,
+            dst_gid: r.bytes()?,
         };
         r.finish()?;
         match kind {
@@ -342,6 +350,8 @@ fn encode_link(out: &mut [u8; LINK_LEN], kind: u8, req_id: u32, status: u32, inf
     w.u32(info.mr_table_rkey);
     w.u32(info.mr_table_slots);
     w.endpoint(&info.from);
+    w.bytes(&info.src_gid);
+    w.bytes(&info.dst_gid);
 }
 
 /// Fills a message front to back over a zeroed buffer. The layouts are
@@ -530,6 +540,8 @@ mod tests {
             mr_table_rkey: 0x0abc_0def,
             mr_table_slots: 4096,
             link: 3,
+            src_gid: [0x5a; 16],
+            dst_gid: GID,
         }
     }
 
@@ -542,11 +554,23 @@ mod tests {
             mr_table_rkey: u32::MAX,
             mr_table_slots: u32::MAX,
             link: u16::MAX,
+            src_gid: [0xff; 16],
+            dst_gid: [0xff; 16],
         }
     }
 
     fn info_zero() -> LinkInfo {
-        LinkInfo { from: endpoint_zero(), rc_qpn: 0, psn: 0, mr_table_addr: 0, mr_table_rkey: 0, mr_table_slots: 0, link: 0 }
+        LinkInfo {
+            from: endpoint_zero(),
+            rc_qpn: 0,
+            psn: 0,
+            mr_table_addr: 0,
+            mr_table_rkey: 0,
+            mr_table_slots: 0,
+            link: 0,
+            src_gid: [0; 16],
+            dst_gid: [0; 16],
+        }
     }
 
     fn welcome() -> Welcome {
@@ -601,7 +625,7 @@ mod tests {
         let hello = Hello { gid: GID, qpn: 0x12_3456, psn: 0xab_cdef };
         assert_eq!(
             boot(Hello::encode, &hello),
-            image(BOOT_LEN, &[(0, &[0x4d, 0x4b, 1, 1]), (4, &[0x56, 0x34, 0x12, 0]), (8, &[0xef, 0xcd, 0xab, 0]), (16, &GID),])
+            image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 1]), (4, &[0x56, 0x34, 0x12, 0]), (8, &[0xef, 0xcd, 0xab, 0]), (16, &GID),])
         );
         let w = Welcome { status: libc::EAGAIN as u32, ..welcome() };
         assert_eq!(
@@ -609,7 +633,7 @@ mod tests {
             image(
                 BOOT_LEN,
                 &[
-                    (0, &[0x4d, 0x4b, 1, 2]),
+                    (0, &[0x4d, 0x4b, VERSION, 2]),
                     (4, &(libc::EAGAIN as u32).to_le_bytes()),
                     (8, &[0x11, 0, 0, 0]),
                     (12, &[0x44, 0x33, 0x22, 0]),
@@ -633,7 +657,7 @@ mod tests {
             image(
                 META_LEN,
                 &[
-                    (0, &[0x4d, 0x4b, 1, 3]),
+                    (0, &[0x4d, 0x4b, VERSION, 3]),
                     (4, &[3, 2]),
                     (8, &[42, 0, 0, 0]),
                     (12, &[0xe8, 0x03, 0, 0]),
@@ -649,7 +673,12 @@ mod tests {
             meta(Response::encode, &resp),
             image(
                 META_LEN,
-                &[(0, &[0x4d, 0x4b, 1, 4]), (4, &[4, 3, 2, 1]), (8, &(libc::ENOSPC as u32).to_le_bytes()), (12, &[0x0d, 0x0c, 0x0b, 0x0a]),]
+                &[
+                    (0, &[0x4d, 0x4b, VERSION, 4]),
+                    (4, &[4, 3, 2, 1]),
+                    (8, &(libc::ENOSPC as u32).to_le_bytes()),
+                    (12, &[0x0d, 0x0c, 0x0b, 0x0a]),
+                ]
             )
         );
         let reply = LinkMessage::Reply(LinkReply { req_id: 0x0102_0304, status: libc::EBUSY as u32, info: info(endpoint(0x77)) });
@@ -658,7 +687,7 @@ mod tests {
             image(
                 LINK_LEN,
                 &[
-                    (0, &[0x4d, 0x4b, 1, 6]),
+                    (0, &[0x4d, 0x4b, VERSION, 6]),
                     (4, &[3, 0]),
                     (8, &[4, 3, 2, 1]),
                     (12, &(libc::EBUSY as u32).to_le_bytes()),
@@ -669,6 +698,8 @@ mod tests {
                     (36, &[0, 0x10, 0, 0]),
                     (40, &[0x77; 16]),
                     (56, ep),
+                    (80, &[0x5a; 16]),
+                    (96, &GID),
                 ]
             )
         );
@@ -794,7 +825,7 @@ mod tests {
             assert_eq!(with(0, 0x4c), Err(EBADMSG));
             assert_eq!(with(1, 0x52), Err(EBADMSG));
             // The version is judged before the length and the kind.
-            for v in [0, 2, 0xff] {
+            for v in [0, VERSION + 1, 0xff] {
                 assert_eq!(with(2, v), Err(EPROTO));
                 let mut b = bytes.clone();
                 b[2] = v;
@@ -864,8 +895,8 @@ mod tests {
             (KIND_WELCOME, &[(56, BOOT_LEN)]),
             (KIND_REQUEST, &[(6, 8), (36, 40), (76, META_LEN)]),
             (KIND_RESPONSE, &[(16, META_LEN)]),
-            (KIND_LINK_REQUEST, &[(6, 8), (12, 16), (76, LINK_LEN)]),
-            (KIND_LINK_REPLY, &[(6, 8), (76, LINK_LEN)]),
+            (KIND_LINK_REQUEST, &[(6, 8), (12, 16), (76, 80), (112, LINK_LEN)]),
+            (KIND_LINK_REPLY, &[(6, 8), (76, 80), (112, LINK_LEN)]),
         ];
         let mut refused = 0;
         for (bytes, re) in all_messages() {

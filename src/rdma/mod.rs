@@ -623,6 +623,16 @@ impl Qp {
         )
     }
 
+    /// The device's view of a connected QP's path: its source GID index
+    /// and destination GID (`ibv_query_qp`).
+    pub fn path(&self) -> Result<(u32, Gid)> {
+        // SAFETY: plain C structs, filled by the provider.
+        let (mut a, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        ok_or_errno(call_real!(ibv_query_qp(self.qp, &mut a, M::IBV_QP_AV.0 as c_int, &mut init))?)?;
+        // SAFETY: a GID is 16 bytes whichever way it is read.
+        Ok((a.ah_attr.grh.sgid_index.into(), unsafe { a.ah_attr.grh.dgid.raw }))
+    }
+
     /// A UD QP: INIT -> RTR -> RTS.
     pub fn ud_ready(&self) -> Result<()> {
         self.to_init()?;

@@ -76,12 +76,22 @@ pub const LINK_SEND_SGE: u32 = 4;
 /// no registered memory.
 pub const LINK_INLINE: u32 = crate::vqp::header::HEADER_LEN as u32;
 
+/// The two GIDs a link runs between: ours (by index) and the peer's.
+/// By default our home GID and the peer endpoint's; a transparent VQP's
+/// are the ones its application gave at RTR (`sgid_index`, `dgid`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Path {
+    pub sgid_index: u32,
+    pub dgid: Gid,
+}
+
 /// An RC connection to one peer process, shared by every VQP that talks to
 /// it.
 pub struct Link {
     pub qp: Qp,
     pub peer: Endpoint,
     pub index: u16,
+    pub path: Path,
     /// The peer's MR table: READ it to check remote addresses and keys.
     pub peer_mr_table: (u64, u32, u32),
     /// We sent the request (else the peer did).
@@ -111,7 +121,7 @@ pub struct Link {
 }
 
 impl Link {
-    fn new(qp: Qp, peer: Endpoint, index: u16, theirs: &LinkInfo, initiated: bool, psn: u32) -> Result<Link> {
+    fn new(qp: Qp, peer: Endpoint, index: u16, path: Path, theirs: &LinkInfo, initiated: bool, psn: u32) -> Result<Link> {
         let qp_depth = qp.caps.send_wr;
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
@@ -119,6 +129,7 @@ impl Link {
             qp,
             peer,
             index,
+            path,
             peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
             initiated,
             psn,
@@ -170,13 +181,14 @@ impl Link {
     }
 }
 
-/// Links are found by the peer's endpoint and the link's index.
+/// Links are found by the peer's endpoint, the link's index and path.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 struct LinkKey {
     gid: Gid,
     qpn: u32,
     incarnation: u64,
     index: u16,
+    path: Path,
 }
 
 impl Drop for Link {
@@ -197,8 +209,12 @@ impl std::fmt::Debug for Link {
 }
 
 impl LinkKey {
-    fn of(peer: &Endpoint, index: u16) -> LinkKey {
-        LinkKey { gid: peer.gid, qpn: peer.qpn, incarnation: peer.incarnation, index }
+    fn of(peer: &Endpoint, index: u16, path: Path) -> LinkKey {
+        LinkKey { gid: peer.gid, qpn: peer.qpn, incarnation: peer.incarnation, index, path }
+    }
+
+    fn of_link(l: &Link) -> LinkKey {
+        LinkKey::of(&l.peer, l.index, l.path)
     }
 }
 
@@ -235,11 +251,11 @@ impl Links {
     /// Hand `link` out no more; a live duplicate to the same peer serves
     /// its key instead.
     fn retire(&mut self, link: &Arc<Link>) {
-        let key = LinkKey::of(&link.peer, link.index);
+        let key = LinkKey::of_link(link);
         self.accepted.retain(|_, l| !Arc::ptr_eq(l, link));
         if self.by_key.get(&key).is_some_and(|l| Arc::ptr_eq(l, link)) {
             self.by_key.remove(&key);
-            let twin = self.by_qpn.values().find(|l| l.is_open() && LinkKey::of(&l.peer, l.index) == key);
+            let twin = self.by_qpn.values().find(|l| l.is_open() && LinkKey::of_link(l) == key);
             if let Some(twin) = twin {
                 self.by_key.insert(key, Arc::clone(twin));
             }
@@ -249,7 +265,7 @@ impl Links {
     /// Open links that serve no key: the duplicates of simultaneous
     /// connects.
     fn duplicates(&self) -> impl Iterator<Item = &Arc<Link>> {
-        self.by_qpn.values().filter(|l| l.is_open() && !self.by_key.get(&LinkKey::of(&l.peer, l.index)).is_some_and(|k| Arc::ptr_eq(k, l)))
+        self.by_qpn.values().filter(|l| l.is_open() && !self.by_key.get(&LinkKey::of_link(l)).is_some_and(|k| Arc::ptr_eq(k, l)))
     }
 }
 
@@ -262,8 +278,10 @@ struct Shared {
     ud_cq: Arc<Cq>,
     ud: Qp,
     ud_bufs: Region,
-    /// Address handles to peers' GIDs, for UD sends.
-    ahs: Mutex<HashMap<Gid, Arc<Ah>>>,
+    /// Address handles to peers' GIDs (from ours), for UD sends.
+    ahs: Mutex<HashMap<Path, Arc<Ah>>>,
+    /// Indexes of our GIDs that link requests were sent to.
+    gid_indexes: Mutex<HashMap<Gid, u32>>,
     /// The links' send completions.
     link_cq: Arc<Cq>,
     /// The links' receive completions (messages, in the SRQ's buffers):
@@ -357,6 +375,7 @@ impl Service {
             ud,
             ud_bufs,
             ahs: Mutex::new(HashMap::new()),
+            gid_indexes: Mutex::new(HashMap::new()),
             link_cq,
             recv_cq,
             srq,
@@ -397,8 +416,8 @@ impl Service {
     /// all), or a new one made with the UD handshake. ECONNREFUSED when a
     /// different process (incarnation) answers, ETIMEDOUT when none does
     /// within `timeout`.
-    pub fn link(&self, peer: &Endpoint, index: u16, timeout: Duration) -> Result<Arc<Link>> {
-        let key = LinkKey::of(peer, index);
+    pub fn link(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration) -> Result<Arc<Link>> {
+        let key = LinkKey::of(peer, index, path);
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
@@ -406,13 +425,19 @@ impl Service {
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
-        self.shared.connect(peer, index, timeout)
+        self.shared.connect(peer, index, path, timeout)
+    }
+
+    /// The path of a link to `peer` when the application names no GIDs:
+    /// from our home GID to the peer endpoint's.
+    pub fn default_path(&self, peer: &Endpoint) -> Path {
+        Path { sgid_index: self.shared.sgid_index, dgid: peer.gid }
     }
 
     /// Link number `index` to `peer` if one serves it now; never a
     /// handshake (for paths that must not block, e.g. `qpop_msgs`).
-    pub fn existing_link(&self, peer: &Endpoint, index: u16) -> Option<Arc<Link>> {
-        self.shared.links.lock().by_key.get(&LinkKey::of(peer, index)).cloned()
+    pub fn existing_link(&self, peer: &Endpoint, index: u16, path: Path) -> Option<Arc<Link>> {
+        self.shared.links.lock().by_key.get(&LinkKey::of(peer, index, path)).cloned()
     }
 
     /// Links currently up (made by either side).
@@ -646,9 +671,29 @@ impl Shared {
         (self.mr_table_mem.addr(), self.mr_table_mem.rkey(), self.mr_table_slots)
     }
 
-    fn info(&self, rc_qpn: u32, psn: u32, index: u16) -> LinkInfo {
+    fn info(&self, rc_qpn: u32, psn: u32, index: u16, src_gid: Gid, dst_gid: Gid) -> LinkInfo {
         let (addr, rkey, slots) = self.mr_table_info();
-        LinkInfo { from: self.me, rc_qpn, psn, mr_table_addr: addr, mr_table_rkey: rkey, mr_table_slots: slots, link: index }
+        LinkInfo {
+            from: self.me,
+            rc_qpn,
+            psn,
+            mr_table_addr: addr,
+            mr_table_rkey: rkey,
+            mr_table_slots: slots,
+            link: index,
+            src_gid,
+            dst_gid,
+        }
+    }
+
+    /// The index of our GID `gid` (where a link request was sent to).
+    fn our_gid_index(&self, gid: &Gid) -> Result<u32> {
+        if let Some(&i) = self.gid_indexes.lock().get(gid) {
+            return Ok(i);
+        }
+        let i = self.dev.gid_index(gid)?;
+        self.gid_indexes.lock().insert(*gid, i);
+        Ok(i)
     }
 
     /// A QP in INIT from the pool (or a new one when the pool ran dry).
@@ -700,9 +745,9 @@ impl Shared {
 
     /// Send request `req_id` (`msg`) every RETRANSMIT until its reply comes
     /// or `deadline` passes (ETIMEDOUT).
-    fn await_reply(&self, peer: &Endpoint, req_id: u32, msg: &[u8; LINK_LEN], deadline: Instant) -> Result<LinkReply> {
+    fn await_reply(&self, peer: &Endpoint, path: Path, req_id: u32, msg: &[u8; LINK_LEN], deadline: Instant) -> Result<LinkReply> {
         loop {
-            self.send_ud(&peer.gid, peer.qpn, peer.qkey, msg)?;
+            self.send_ud(path, peer.qpn, peer.qkey, msg)?;
             let until = (Instant::now() + RETRANSMIT).min(deadline);
             let mut replies = self.replies.lock();
             loop {
@@ -721,52 +766,67 @@ impl Shared {
         }
     }
 
-    fn connect(&self, peer: &Endpoint, index: u16, timeout: Duration) -> Result<Arc<Link>> {
+    fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration) -> Result<Arc<Link>> {
         let deadline = Instant::now() + timeout;
+        let src_gid = self.dev.gid(path.sgid_index).map_err(|_| Errno::EINVAL)?;
         let qp = self.take_warm()?;
         let psn = rdma::random_psn();
         let req_id = self.next_req.fetch_add(1, Ordering::Relaxed);
-        let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index) };
+        let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index, src_gid, path.dgid) };
         let mut msg = [0u8; LINK_LEN];
         req.encode(&mut msg);
         self.replies.lock().insert(req_id, None);
-        let reply = self.await_reply(peer, req_id, &msg, deadline);
+        let reply = self.await_reply(peer, path, req_id, &msg, deadline);
         self.replies.lock().remove(&req_id);
         let reply = reply?;
         if reply.status != 0 {
             return Err(Errno(reply.status as i32));
         }
         let theirs = reply.info;
-        if theirs.from.incarnation != peer.incarnation || theirs.from.gid != peer.gid {
+        if theirs.from.incarnation != peer.incarnation || theirs.from.gid != peer.gid || theirs.src_gid != path.dgid {
             return Err(Errno(libc::ECONNREFUSED));
         }
-        qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
-        let link = Arc::new(Link::new(qp, *peer, index, &theirs, true, psn)?);
+        qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn)?);
         // A link the peer asked for meanwhile may serve this key instead:
         // ours is kept until closed (the peer may send on its other end),
         // and the caller uses the one that serves.
-        let serving = self.links.lock().insert(LinkKey::of(peer, index), link, &self.me);
-        self.new_link_made();
+        let serving = self.links.lock().insert(LinkKey::of(peer, index, path), Arc::clone(&link), &self.me);
+        self.new_link_made(&link);
         Ok(serving)
     }
 
     /// A link was made: the owner of the links may have some to close.
-    fn new_link_made(&self) {
+    /// Logged with the path the device holds for it.
+    fn new_link_made(&self, link: &Link) {
+        if crate::log::enabled(Level::Info) {
+            match link.qp.path() {
+                Ok((sgid_index, dgid)) => klog!(
+                    Level::Info,
+                    "service: link QP {} to {:?} QP {}: GID index {sgid_index} -> {}",
+                    link.qp.qpn(),
+                    std::net::Ipv6Addr::from(link.peer.gid),
+                    link.peer.qpn,
+                    std::net::Ipv6Addr::from(dgid)
+                ),
+                Err(e) => klog!(Level::Info, "service: link QP {}: ibv_query_qp: {e:?}", link.qp.qpn()),
+            }
+        }
         if let Some(f) = self.on_new_link.lock().as_ref() {
             f();
         }
     }
 
     /// One link message to a peer's UD QP (inline: `msg` may go at once).
-    fn send_ud(&self, gid: &Gid, qpn: u32, qkey: u32, msg: &[u8; LINK_LEN]) -> Result<()> {
+    fn send_ud(&self, path: Path, qpn: u32, qkey: u32, msg: &[u8; LINK_LEN]) -> Result<()> {
         let ah = {
             let mut ahs = self.ahs.lock();
-            match ahs.get(gid) {
+            match ahs.get(&path) {
                 Some(ah) => Arc::clone(ah),
                 None => {
-                    let mut attr = self.ud.ah_attr(self.sgid_index, gid);
+                    let mut attr = self.ud.ah_attr(path.sgid_index, &path.dgid);
                     let ah = Arc::new(Ah::new(&self.dev, &mut attr)?);
-                    ahs.insert(*gid, Arc::clone(&ah));
+                    ahs.insert(path, Arc::clone(&ah));
                     ah
                 }
             }
@@ -1007,37 +1067,47 @@ impl Shared {
     /// already made: the same peer QP) and answer.
     fn on_request(&self, r: &LinkRequest) {
         let peer = r.info.from;
+        // The link runs between the GIDs the requester chose: its source
+        // GID and the one of ours it sent to (the reply goes back that way).
+        let path = match self.our_gid_index(&r.info.dst_gid) {
+            Ok(sgid_index) => Path { sgid_index, dgid: r.info.src_gid },
+            Err(e) => {
+                klog!(Level::Warn, "service: a link request from QP {} names a GID that is not ours: {e:?}", peer.qpn);
+                return;
+            }
+        };
         let existing = self.links.lock().accepted.get(&(peer.incarnation, r.info.rc_qpn)).cloned();
         let reply = match existing {
             Some(l) => Ok(l),
-            None => self.accept(r),
+            None => self.accept(r, path),
         };
+        let (ours, theirs) = (r.info.dst_gid, r.info.src_gid);
         let reply = match reply {
-            Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link) },
+            Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link, ours, theirs) },
             Err(e) => {
                 klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
-                LinkReply { req_id: r.req_id, status: e.0 as u32, info: self.info(0, 0, r.info.link) }
+                LinkReply { req_id: r.req_id, status: e.0 as u32, info: self.info(0, 0, r.info.link, ours, theirs) }
             }
         };
         let mut msg = [0u8; LINK_LEN];
         reply.encode(&mut msg);
-        if let Err(e) = self.send_ud(&peer.gid, peer.qpn, peer.qkey, &msg) {
+        if let Err(e) = self.send_ud(path, peer.qpn, peer.qkey, &msg) {
             klog!(Level::Warn, "service: cannot answer a link request: {e:?}");
         }
     }
 
-    fn accept(&self, r: &LinkRequest) -> Result<Arc<Link>> {
+    fn accept(&self, r: &LinkRequest, path: Path) -> Result<Arc<Link>> {
         let theirs = &r.info;
         let qp = self.take_warm()?;
         let psn = rdma::random_psn();
-        qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: theirs.from.gid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
-        let link = Arc::new(Link::new(qp, theirs.from, theirs.link, theirs, false, psn)?);
+        qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn)?);
         {
             let mut links = self.links.lock();
             links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
-            links.insert(LinkKey::of(&theirs.from, theirs.link), Arc::clone(&link), &self.me);
+            links.insert(LinkKey::of(&theirs.from, theirs.link, path), Arc::clone(&link), &self.me);
         }
-        self.new_link_made();
+        self.new_link_made(&link);
         Ok(link)
     }
 }

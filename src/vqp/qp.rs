@@ -34,7 +34,7 @@ use crate::meta::mrtable::RemoteMrTable;
 use crate::meta::table::{Lookup, HEADER_SIZE};
 use crate::meta::Endpoint;
 use crate::rdma::{self, Region};
-use crate::service::Link;
+use crate::service::{Link, Path};
 use crate::sys::*;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
@@ -122,6 +122,8 @@ struct Conn {
     peer: Endpoint,
     /// Which of the links to that peer (`KRCORE_LINKS_PER_PEER`).
     index: u16,
+    /// The GIDs its links run between.
+    path: Path,
     /// The peer VQP's number.
     dst: u32,
 }
@@ -393,11 +395,13 @@ impl Vqp {
                 return Err(Errno::EINVAL);
             }
         }
-        self.connect_to(&crate::meta::Key::Port { gid, port })
+        self.connect_to(&crate::meta::Key::Port { gid, port }, None)
     }
 
-    /// Look `key` up and attach to the link to the process it names.
-    fn connect_to(&self, key: &crate::meta::Key) -> Result<()> {
+    /// Look `key` up and attach to the link to the process it names, from
+    /// our GID at `sgid_index` to the key's GID (None: between the two
+    /// processes' home GIDs).
+    fn connect_to(&self, key: &crate::meta::Key, sgid_index: Option<u32>) -> Result<()> {
         let key = *key;
         let rt = self.runtime(None)?;
         let meta = rt.meta()?;
@@ -421,7 +425,11 @@ impl Vqp {
                     return Err(Errno::EINVAL);
                 }
             }
-            match rt.svc.link(&ep, index, super::runtime::connect_timeout()) {
+            let path = match (sgid_index, key) {
+                (Some(sgid_index), crate::meta::Key::Vqpn { gid, .. }) => Path { sgid_index, dgid: gid },
+                _ => rt.svc.default_path(&ep),
+            };
+            match rt.svc.link(&ep, index, path, super::runtime::connect_timeout()) {
                 Ok(link) => {
                     self.attach(rt, link, ep, ep.vqpn);
                     return Ok(());
@@ -527,9 +535,9 @@ impl Vqp {
             st.rc.as_ref().ok_or(Errno::EINVAL)?.clone()
         };
         match next.modify(attr, mask)? {
-            Effect::Connect { dgid, dest_qpn } => {
+            Effect::Connect { dgid, dest_qpn, sgid_index } => {
                 let key = crate::meta::Key::Vqpn { gid: dgid, vqpn: dest_qpn };
-                if let Err(e) = self.connect_to(&key) {
+                if let Err(e) = self.connect_to(&key, Some(sgid_index)) {
                     klog!(
                         Level::Warn,
                         "vqp {:#x}: RTR: no VQP {dest_qpn:#x} on GID {dgid:02x?} resolves (its process must run krcore with KRCORE_VIRTUALIZE and the same KRCORE_META): {e:?}",
@@ -597,15 +605,15 @@ impl Vqp {
     /// Connect to `dst` on the far side of `link` (qconnect, or a VQP
     /// made for `qpop_msgs` to answer a sender).
     fn attach(&self, rt: &Runtime, link: Arc<Link>, peer: Endpoint, dst: u32) {
-        let index = link.index;
-        self.attach_at(rt, Some(link), peer, index, dst);
+        let (index, path) = (link.index, link.path);
+        self.attach_at(rt, Some(link), peer, index, path, dst);
     }
 
     /// [`Self::attach`], to link `index` of `peer`; without a link (None)
     /// the first post makes or finds one ([`Self::ensure_link`]).
-    fn attach_at(&self, rt: &Runtime, link: Option<Arc<Link>>, peer: Endpoint, index: u16, dst: u32) {
+    fn attach_at(&self, rt: &Runtime, link: Option<Arc<Link>>, peer: Endpoint, index: u16, path: Path, dst: u32) {
         let _ = self.peer_mrs.set(rt.peer_mrs(peer.incarnation));
-        self.st.lock().conn = Some(Conn { link, peer, index, dst });
+        self.st.lock().conn = Some(Conn { link, peer, index, path, dst });
     }
 
     /// Make sure the connection has an open link: its own, or, once that
@@ -617,10 +625,10 @@ impl Vqp {
     fn ensure_link(&self, rt: &Runtime) -> Result<()> {
         let deadline = std::time::Instant::now() + super::runtime::connect_timeout().max(super::runtime::TRANSPORT_WAIT);
         loop {
-            let (peer, index, old) = {
+            let (peer, index, path, old) = {
                 let st = self.st.lock();
                 match &st.conn {
-                    Some(c) if c.open_link().is_none() => (c.peer, c.index, c.link.clone()),
+                    Some(c) if c.open_link().is_none() => (c.peer, c.index, c.path, c.link.clone()),
                     _ => return Ok(()),
                 }
             };
@@ -634,7 +642,7 @@ impl Vqp {
                 std::thread::yield_now();
                 continue;
             }
-            let new = rt.svc.link(&peer, index, super::runtime::connect_timeout())?;
+            let new = rt.svc.link(&peer, index, path, super::runtime::connect_timeout())?;
             let mut st = self.st.lock();
             if let Some(c) = st.conn.as_mut() {
                 if c.link.as_ref().map(Arc::as_ptr) == old.as_ref().map(Arc::as_ptr) {

@@ -94,10 +94,12 @@ pub fn transition(
 pub enum Effect {
     None,
     /// INIT -> RTR: attach to the peer's VQP `dest_qpn` on the node of
-    /// `dgid` (resolved through the meta server).
+    /// `dgid` (resolved through the meta server), from our GID at
+    /// `sgid_index`.
     Connect {
         dgid: [u8; 16],
         dest_qpn: u32,
+        sgid_index: u32,
     },
     /// RTR -> RTS: the send queue opens.
     Ready,
@@ -216,7 +218,7 @@ impl RcShadow {
             (IBV_QPS_INIT, IBV_QPS_RTR) => {
                 // SAFETY: a GID is 16 bytes whichever way it is read.
                 let dgid = unsafe { self.attr.ah_attr.grh.dgid.raw };
-                Effect::Connect { dgid, dest_qpn: self.attr.dest_qp_num }
+                Effect::Connect { dgid, dest_qpn: self.attr.dest_qp_num, sgid_index: self.attr.ah_attr.grh.sgid_index.into() }
             }
             (IBV_QPS_RTR, IBV_QPS_RTS) => Effect::Ready,
             _ => Effect::None,
@@ -350,7 +352,7 @@ mod tests {
         assert!(!qp.can_send() && !qp.can_receive());
         assert_eq!(to_init(&mut qp), Ok(Effect::None));
         assert!(qp.can_receive() && !qp.can_send());
-        assert_eq!(qp.modify(&rtr_attr(9, 0x80_1234), TO_RTR), Ok(Effect::Connect { dgid: [9; 16], dest_qpn: 0x80_1234 }));
+        assert_eq!(qp.modify(&rtr_attr(9, 0x80_1234), TO_RTR), Ok(Effect::Connect { dgid: [9; 16], dest_qpn: 0x80_1234, sgid_index: 0 }));
         assert!(!qp.can_send());
         let mut rts = state_only(IBV_QPS_RTS);
         rts.sq_psn = 0xff00_0001;

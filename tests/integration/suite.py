@@ -117,6 +117,28 @@ def parse_pingpong(text: str) -> tuple[dict, list[str]]:
 
 
 # --------------------------------------------------------------------------
+# Link paths
+
+# KRCORE_LOG=info: each link made, with the path ibv_query_qp gives for it.
+LINK_PATH = re.compile(r"service: link QP \d+ to \S+ QP \d+: GID index (\d+) -> (\S+)")
+
+
+def check_paths(err: dict[str, str], t: "Topo") -> list[str]:
+    """Every link each process made runs from the GID its program chose
+    (-x/-g) to the one its peer chose; rxe loops local traffic past the
+    netdev, so the device's own view of each link is what is checked."""
+    errs = []
+    for role, (gid, peer) in {"client": (t.cli_gid, t.srv_addr), "server": (t.srv_gid, t.cli_addr)}.items():
+        paths = LINK_PATH.findall(err[role])
+        want = (str(gid), f"::ffff:{peer}")
+        if not paths:
+            errs.append(f"{role}: no link logged")
+        errs += [f"{role}: a link runs GID index {p[0]} -> {p[1]}, not {want[0]} -> {want[1]}"
+                 for p in paths if p != want]
+    return errs
+
+
+# --------------------------------------------------------------------------
 # Cases
 
 @dataclass
@@ -136,6 +158,9 @@ class Case:
     # "auto": KRCORE_VIRTUALIZE=auto on the server only, the client runs
     # without the library: the server's QP must fall back (qps_fallback).
     virt: str | None = None
+    # Virtualized run: the links must run between the GIDs the programs
+    # chose (-x/-g), not the library's home GIDs (check_paths).
+    check_path: bool = False
 
     def argv(self, t: Topo, port: int) -> tuple[list[str] | None, list[str]]:
         raise NotImplementedError
@@ -284,11 +309,11 @@ def perftest_cases() -> list[Case]:
     one_sided = {"data": "any"}   # the passive side of WRITE/READ/atomic bw posts nothing
     P = Perftest
     return [
-        P("ib_send_lat_rc", "perftest", tool="ib_send_lat", **lat),
+        P("ib_send_lat_rc", "perftest", tool="ib_send_lat", check_path=True, **lat),
         P("ib_send_bw_rc", "perftest", tool="ib_send_bw", **bw),
         P("ib_write_lat_rc", "perftest", tool="ib_write_lat", **lat),
         P("ib_write_bw_rc", "perftest", tool="ib_write_bw", **bw, **one_sided),
-        P("ib_read_lat_rc", "perftest", tool="ib_read_lat", **lat, **one_sided),
+        P("ib_read_lat_rc", "perftest", tool="ib_read_lat", check_path=True, **lat, **one_sided),
         P("ib_read_bw_rc", "perftest", tool="ib_read_bw", **bw, **one_sided),
         P("ib_atomic_lat_rc", "perftest", tool="ib_atomic_lat", kind="lat", size=8,
           **one_sided),
@@ -327,7 +352,8 @@ VIRT |= {n: "real" for n in ("ib_send_lat_rdmacm", "rping", "ucmatose", "ib_send
 def all_cases(ctest_dir: Path, rust_test_dir: Path) -> list[Case]:
     cases = perftest_cases()
     cases += [
-        Pingpong("ibv_rc_pingpong", "ibverbs-utils", tool="ibv_rc_pingpong", args=("-c",)),
+        Pingpong("ibv_rc_pingpong", "ibverbs-utils", tool="ibv_rc_pingpong", args=("-c",),
+                 check_path=True),
         Pingpong("ibv_rc_pingpong_events", "ibverbs-utils", tool="ibv_rc_pingpong",
                  args=("-e", "-c"), events=True),
         Pingpong("ibv_rc_pingpong_wr_api", "ibverbs-utils", tool="ibv_rc_pingpong",
@@ -535,6 +561,8 @@ class Runner:
             # the meta server) and publishes each QPN under every GID of the
             # port, so the server's -x/-g srv_gid and the client's cli_gid
             # (different indexes) both resolve.
+            if case.check_path:
+                env["KRCORE_LOG"] = "info"
         if mode == "linked":
             # C tests link libkrcore themselves (rpath); tell them the device and
             # GIDs (c-tests/common.h), and let their watchdog fire before our kill.
@@ -582,6 +610,9 @@ class Runner:
             for f in files:
                 f.close()
         res["seconds"] = round(time.monotonic() - t0, 2)
+        if case.check_path and mode == "virtualized" and case.virt == "virtual" and not errs:
+            errs += check_paths({r: read_text(logdir / f"{mode}-{r}.err") for r in ("server", "client")},
+                                self.topo)
         out = {r: read_text(logdir / f"{mode}-{r}.out") for r in ("server", "client")}
         if not errs:
             fig, e = case.check(out, base_fig)

@@ -102,7 +102,7 @@ impl Vqp {
         let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
         let _ = v.rt.set(Arc::clone(rt));
         let _ = v.parent.set((Arc::downgrade(self), (peer.incarnation, src)));
-        match rt.svc.existing_link(&peer, index) {
+        match rt.svc.existing_link(&peer, index, came_on.path) {
             Some(link) => v.attach(rt, link, peer, src),
             // Its process is gone: as a VQP whose link failed (posts are
             // accepted and flushed); the sender is reported closed after
@@ -114,7 +114,7 @@ impl Vqp {
                 st.sq.flush(&mut |_| {});
             }
             // Closed since (link reclaim): the first post makes a new one.
-            None => v.attach_at(rt, None, peer, index, src),
+            None => v.attach_at(rt, None, peer, index, came_on.path, src),
         }
         make_src(&v)
     }
