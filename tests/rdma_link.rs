@@ -9,7 +9,7 @@ use krcore::error::Errno;
 use krcore::meta::mrtable::RemoteMrTable;
 use krcore::meta::Endpoint;
 use krcore::rdma::{ipv4_gid, Device, Region};
-use krcore::service::{Options, Service};
+use krcore::service::{Options, Path, Service};
 use krcore::sys::*;
 use std::io::{BufRead, BufReader, Write};
 use std::net::Ipv4Addr;
@@ -104,7 +104,7 @@ fn link_handshake_read_and_reuse() {
 
     // Cold: the UD handshake and two modifies per side.
     let t0 = Instant::now();
-    let link = svc.link(&ep, 0, Duration::from_secs(5)).expect("cold link");
+    let link = svc.link(&ep, 0, svc.default_path(&ep), Duration::from_secs(5)).expect("cold link");
     let cold = t0.elapsed();
     assert!(link.initiated);
 
@@ -121,31 +121,52 @@ fn link_handshake_read_and_reuse() {
     let mut warm = Duration::MAX;
     for _ in 0..100 {
         let t0 = Instant::now();
-        let again = svc.link(&ep, 0, Duration::from_secs(5)).unwrap();
+        let again = svc.link(&ep, 0, svc.default_path(&ep), Duration::from_secs(5)).unwrap();
         warm = warm.min(t0.elapsed());
         assert!(Arc::ptr_eq(&link, &again), "a second connect reuses the link");
     }
 
     // A second link to the same peer, and the pool refilled behind them.
-    let second = svc.link(&ep, 1, Duration::from_secs(5)).expect("link 1");
+    let second = svc.link(&ep, 1, svc.default_path(&ep), Duration::from_secs(5)).expect("link 1");
     assert!(!Arc::ptr_eq(&link, &second));
     read(&svc, &second, &buf, addr, rkey, 64);
     assert_eq!(svc.links(), 2);
     eventually("the warm pool refilled", Duration::from_secs(5), || svc.warm_qps() == Options::default().warm_qps);
 
+    // A link between other GIDs than the endpoints' (a transparent VQP's
+    // RTR names them): from our node 4 to the peer's node 5. The peer's
+    // UD QP answers on that GID, and both QPs run that path.
+    let node = |n: u8| ipv4_gid(Ipv4Addr::new(10, 77, 0, n));
+    let path = Path { sgid_index: dev.gid_index(&node(4)).unwrap(), dgid: node(5) };
+    let third = svc.link(&ep, 0, path, Duration::from_secs(5)).expect("a link from node 4 to node 5");
+    assert!(!Arc::ptr_eq(&link, &third), "another path, another link");
+    assert_eq!(third.path, path);
+    assert_eq!(third.qp.path().unwrap(), (path.sgid_index, node(5)), "the device's view of our end");
+    read(&svc, &third, &buf, addr, rkey, 64);
+    assert_eq!(svc.links(), 3);
+    // A GID the peer does not have: its UD QP never sees the request.
+    let nowhere = Path { dgid: node(200), ..path };
+    assert!(svc.link(&ep, 0, nowhere, Duration::from_millis(300)).is_err());
+
     // Another process at that address (different incarnation): refused.
     let stale = Endpoint { incarnation: ep.incarnation ^ 1, ..ep };
-    assert_eq!(svc.link(&stale, 0, Duration::from_secs(5)).unwrap_err(), Errno(libc::ECONNREFUSED));
+    assert_eq!(svc.link(&stale, 0, svc.default_path(&stale), Duration::from_secs(5)).unwrap_err(), Errno(libc::ECONNREFUSED));
     // Nobody at that QPN: times out within the bound.
     let nobody = Endpoint { qpn: 0xfff0, ..ep };
     let t0 = Instant::now();
-    assert_eq!(svc.link(&nobody, 0, Duration::from_millis(300)).unwrap_err(), Errno(libc::ETIMEDOUT));
+    assert_eq!(svc.link(&nobody, 0, svc.default_path(&nobody), Duration::from_millis(300)).unwrap_err(), Errno(libc::ETIMEDOUT));
     assert!(t0.elapsed() < Duration::from_secs(2));
 
     // The peer saw two links (it counts the ones we asked for).
     child.stdin.as_mut().unwrap().write_all(b"links?\n").unwrap();
     let line = lines.next().expect("peer answer").unwrap();
-    assert_eq!(line, "peer links 2", "the peer's view");
+    assert_eq!(line, "peer links 3", "the peer's view");
+    child.stdin.as_mut().unwrap().write_all(b"paths?\n").unwrap();
+    let line = lines.next().expect("peer answer").unwrap();
+    let want = format!("{} {} {}", dev.gid_index(&node(3)).unwrap(), hex(&node(2)), hex(&node(2)));
+    assert!(line.contains(&want), "the peer's links run node 3 -> node 2 ({want}): {line}");
+    let want = format!("{} {} {}", dev.gid_index(&node(5)).unwrap(), hex(&node(4)), hex(&node(4)));
+    assert!(line.contains(&want), "and node 5 -> node 4 ({want}): {line}");
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
     println!("cold link {cold:?}, warm link {warm:?}");
@@ -162,6 +183,16 @@ fn peer() {
     for line in std::io::stdin().lines().map_while(Result::ok) {
         if line == "links?" {
             println!("peer links {}", svc.links());
+            std::io::stdout().flush().unwrap();
+        }
+        // Each link: our GID index, destination GID as kept, as the device has it.
+        if line == "paths?" {
+            let paths: Vec<String> = svc
+                .all_links()
+                .iter()
+                .map(|l| format!("{} {} {}", l.path.sgid_index, hex(&l.path.dgid), hex(&l.qp.path().unwrap().1)))
+                .collect();
+            println!("peer paths {}", paths.join(", "));
             std::io::stdout().flush().unwrap();
         }
     }
