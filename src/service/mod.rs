@@ -399,10 +399,12 @@ impl Service {
         for slot in 0..UD_RECVS {
             shared.post_ud_recv(slot)?;
         }
-        while shared.refill_one() {}
         let s2 = Arc::clone(&shared);
         let thread =
             std::thread::Builder::new().name("krcore-service".into()).spawn(move || s2.progress()).map_err(|_| Errno(libc::EAGAIN))?;
+        // The warm pool fills on the progress thread, not in front of the
+        // first connect (which makes its own QP if it comes first).
+        shared.kick();
         klog!(Level::Info, "service endpoint: UD QP {} on GID index {sgid_index}", me.qpn);
         Ok(Service { shared, thread: Some(thread) })
     }

@@ -533,6 +533,9 @@ pub struct Runtime {
     peer_mrs: Mutex<FxHashMap<u64, Arc<Mutex<PeerMrs>>>>,
     pub svc: Service,
     meta: OnceCell<Arc<MetaClient>>,
+    /// The meta-server connection being made on its own thread since the
+    /// runtime started (with `KRCORE_META`), taken by the first `meta()`.
+    meta_start: Mutex<Option<MetaStart>>,
     recv_bufs: Region,
     /// Held by the one thread making progress (see the module doc).
     progress: Mutex<LastVqp>,
@@ -584,6 +587,23 @@ fn control_read_wr(tag: u32, sge: &mut ibv_sge, addr: u64, rkey: u32) -> ibv_sen
 
 static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
 
+type MetaStart = std::thread::JoinHandle<Result<Arc<MetaClient>>>;
+
+/// Connect to `KRCORE_META` from our GID at `gid_index`, on a thread of its
+/// own, while the caller builds the rest of the runtime. None without
+/// `KRCORE_META` (or when no thread can be made: `meta()` connects then).
+fn start_meta(dev: &Arc<Device>, gid_index: u32) -> Option<MetaStart> {
+    let spec = crate::config::get().meta.as_deref()?;
+    let dev = Arc::clone(dev);
+    let spec = spec.to_string();
+    let body = move || MetaClient::connect(&dev, gid_index, &client::parse_addrs(&spec)?, meta_options());
+    std::thread::Builder::new().name("krcore-meta-connect".into()).spawn(body).ok()
+}
+
+fn meta_options() -> client::Options {
+    client::Options { timeout: connect_timeout(), lease: Duration::from_millis(crate::config::get().meta_lease_ms) }
+}
+
 /// `KRCORE_CONNECT_TIMEOUT_MS`: the bound on every wait for a peer or the
 /// meta server.
 pub fn connect_timeout() -> Duration {
@@ -608,6 +628,7 @@ impl Runtime {
             Some(i) => i,
             None => Runtime::home_gid_index(&dev)?,
         };
+        let meta_start = start_meta(&dev, gi);
         let svc = Service::start(&dev, gi, service::Options::default())?;
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
         let hdr_arena = Arc::new(HdrArena::new(&dev)?);
@@ -620,6 +641,7 @@ impl Runtime {
             peer_mrs: Mutex::new(FxHashMap::default()),
             svc,
             meta: OnceCell::new(),
+            meta_start: Mutex::new(meta_start),
             recv_bufs,
             progress: Mutex::new(LastVqp::default()),
             progress_again: AtomicBool::new(false),
@@ -949,8 +971,15 @@ impl Runtime {
 
     /// The meta-server client (`KRCORE_META`), connected at first use.
     pub fn meta(&self) -> Result<Arc<MetaClient>> {
+        if let Some(m) = self.meta.get() {
+            return Ok(Arc::clone(m));
+        }
+        let started = self.meta_start.lock().take();
         self.meta
             .get_or_try_init(|| {
+                if let Some(h) = started {
+                    return h.join().unwrap_or(Err(Errno(libc::EIO)));
+                }
                 let cfg = crate::config::get();
                 let Some(spec) = cfg.meta.as_deref() else {
                     klog!(
@@ -960,8 +989,7 @@ impl Runtime {
                     return Err(Errno(libc::ENOTCONN));
                 };
                 let addrs = client::parse_addrs(spec)?;
-                let opts = client::Options { timeout: connect_timeout(), lease: Duration::from_millis(cfg.meta_lease_ms) };
-                MetaClient::connect(self.svc.device(), self.svc.gid_index(), &addrs, opts)
+                MetaClient::connect(self.svc.device(), self.svc.gid_index(), &addrs, meta_options())
             })
             .cloned()
     }
@@ -1394,7 +1422,9 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
     rt.wire.force(&rt);
     rt.svc.run_deferred_now();
     mrs::unobserve(pd as usize);
-    if let Some(meta) = rt.meta.get() {
+    // A connection still being made holds objects on the PD too.
+    let started = rt.meta_start.lock().take().and_then(|h| h.join().ok()).and_then(|r| r.ok());
+    for meta in rt.meta.get().into_iter().chain(started.as_ref()) {
         meta.shutdown();
     }
     // Notifiers are QPs on this PD; a CQ that needs one again makes it
