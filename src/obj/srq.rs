@@ -90,7 +90,12 @@ impl Srq {
         if cfg.virtualize == crate::config::Virtualize::Off || cfg.meta.is_none() {
             return Ok(None);
         }
-        Ok(Some(Arc::new(VSrq::new(real_pd as usize, granted.max_wr, granted.max_sge, 1 << 31)?)))
+        // VQPs' bound (precheck::Caps::on_device): RC's 2 GiB lowered to
+        // the port's max_msg_sz, on the port their runtime uses.
+        // SAFETY: a live real PD (our object's).
+        let ctx = unsafe { (*real_pd).context };
+        let max_msg_sz = crate::rdma::query_port(ctx)?.max_msg_sz.min(1 << 31);
+        Ok(Some(Arc::new(VSrq::new(real_pd as usize, granted.max_wr, granted.max_sge, max_msg_sz)?)))
     }
 
     /// `ibv_post_srq_recv`: into the virtual queue until the SRQ is real.
