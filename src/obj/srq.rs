@@ -92,9 +92,8 @@ impl Srq {
         }
         // VQPs' bound (precheck::Caps::on_device): RC's 2 GiB lowered to
         // the port's max_msg_sz, on the port their runtime uses.
-        // SAFETY: a live real PD (our object's).
-        let ctx = unsafe { (*real_pd).context };
-        let max_msg_sz = crate::rdma::query_port(ctx)?.max_msg_sz.min(1 << 31);
+        // SAFETY: a live real PD (our object's), and its live context.
+        let max_msg_sz = unsafe { crate::rdma::query_port((*real_pd).context) }?.max_msg_sz.min(1 << 31);
         Ok(Some(Arc::new(VSrq::new(real_pd as usize, granted.max_wr, granted.max_sge, max_msg_sz)?)))
     }
 

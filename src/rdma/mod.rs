@@ -60,7 +60,10 @@ pub const PORT: u8 = 1;
 
 /// [`PORT`]'s attributes on a real context (`max_msg_sz` bounds every
 /// virtual message, SRQ receives included).
-pub fn query_port(ctx: *mut ibv_context) -> Result<ibv_port_attr> {
+///
+/// # Safety
+/// `ctx` is a live real context.
+pub unsafe fn query_port(ctx: *mut ibv_context) -> Result<ibv_port_attr> {
     // SAFETY: a plain C struct, filled by the query.
     let mut a: ibv_port_attr = unsafe { std::mem::zeroed() };
     ok_or_errno(call_real!(ibv_query_port(ctx, PORT, &mut a))?)?;
@@ -126,7 +129,8 @@ impl Device {
         // SAFETY: a plain C struct, filled by the query.
         let mut dev_attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         let port = PORT;
-        let port_attr = query_port(ctx)?;
+        // SAFETY: the live real context describe is given.
+        let port_attr = unsafe { query_port(ctx) }?;
         ok_or_errno(call_real!(ibv_query_device(ctx, &mut dev_attr))?)?;
         Ok(Arc::new(Device { ctx, pd, port, port_attr, dev_attr, name, owned }))
     }
