@@ -27,7 +27,22 @@
  *   after, within the lease node 1's check holds for, still succeeds and
  *   no link fails (the old registration stays for the lease).
  *
- * CT_ONLY=destroy|err|reset|err_unmap|dereg_queued|rereg_lease runs one case.
+ * - a WQE stuck behind RNR (run last: it fails the link): the peer is
+ *   stopped (SIGSTOP: its service thread cannot repost the link's shared
+ *   receive queue, though rxe keeps answering in the kernel), VQP 1 SENDs
+ *   until its SENDs stop completing (the peer's receives are used up;
+ *   the link retries RNR forever, rnr_retry 7), a READ is queued behind
+ *   them, and ibv_destroy_qp must return within TRANSPORT_WAIT (10 s) plus
+ *   the connect timeout (and a margin), having failed the link
+ *   (links_failed 1, VQP 2 on it in ERR); a canary written over the READ's
+ *   buffer after it returned survives; the peer resumed (SIGCONT), a new
+ *   pair of VQPs to it moves checked data over a new link.
+ * - the same with ibv_modify_qp(ERR) instead of destroy: every WR in
+ *   flight (the stuck SENDs, then the READ) gets its flush completion, in
+ *   order, within the same bound, the link failed; the canary is written
+ *   after the last one; ibv_destroy_qp then returns at once.
+ *
+ * CT_ONLY=destroy|err|reset|err_unmap|dereg_queued|rereg_lease|rnr|rnr_err runs one case.
  * KRCORE_MR_CACHE=0: a deregistration is then the real one at once (with
  * the cache it would wait for the cache's eviction, hiding the failure).
  * krcore-meta is started here on node 1.
@@ -52,6 +67,10 @@
 #define CANARY 0xc5
 #define LEASE_LEN 4096u
 #define LEASE_SEED 9u
+#define RNR_SENDS 400u		/* above the peer's link receives (service Options::srq_wr: 256) */
+#define RNR_DEPTH 15		/* VQP 1's SENDs in flight at most: room for the READ */
+#define TRANSPORT_WAIT_MS 10000	/* src/vqp/runtime.rs */
+#define CONNECT_TIMEOUT_MS 10000	/* KRCORE_CONNECT_TIMEOUT_MS, set in main */
 
 /* ---- out of band --------------------------------------------------------- */
 
@@ -68,7 +87,7 @@ struct offer {
 
 /* A command to the peer: 'Q' make a pair of QPs, 'V' verify a range of
  * its WRITE target, 'R' re-register its small MR without remote access,
- * 'X' finish. */
+ * 'X' finish (seed: how many of its links may have failed). */
 struct cmd {
 	char op;
 	uint32_t seed;
@@ -145,7 +164,7 @@ static int peer(int fd)
 			for (int i = 0; i < nq; i++)
 				CT_OK(ibv_destroy_qp(qps[i]));
 			ct_oob_write(fd, &failed, sizeof(failed));
-			CT_CHECK(failed == 0, "links failed at the peer: %llu", (unsigned long long)failed);
+			CT_CHECK(failed <= c.seed, "links failed at the peer: %llu", (unsigned long long)failed);
 			ct_pass();
 			return 0;
 		} else {
@@ -159,6 +178,8 @@ static int peer(int fd)
 struct t {
 	struct ct_node n;	/* n.b: BIG bytes (canary / WRITE source), then 2 * WIT */
 	int fd;
+	pid_t peer;
+	uint32_t peer_may_fail;	/* links the peer may see failed (the rnr case) */
 	struct offer o;
 	union ibv_gid g2;
 };
@@ -452,6 +473,155 @@ static void case_dereg_queued(struct t *t)
 	ct_pass();
 }
 
+/* VQP 1 SENDs until they stop completing: the peer (stopped) has no
+ * receive left on the link. Returns how many completed; *posted: how many
+ * were posted. */
+static uint32_t send_until_stuck(struct t *t, struct ibv_qp *q1, uint32_t *posted_out)
+{
+	uint32_t posted = 0, done = 0;
+	uint8_t *src = t->n.b.p + BIG;
+
+	ct_fill(src, 64, 301);
+	for (;;) {
+		struct ibv_wc wc;
+		uint64_t t0;
+		int k = 0;
+
+		while (posted < RNR_SENDS && posted - done < RNR_DEPTH) {
+			CT_OK(post1(q1, 1000 + posted, IBV_WR_SEND, src, 64, t->n.b.mr->lkey, 0, 0));
+			posted++;
+		}
+		/* A SEND completes within a millisecond while the peer has
+		 * receives: CT_QUIET_MS without one, it waits behind RNR. */
+		t0 = ct_now_ns();
+		while (k == 0 && ct_now_ns() - t0 < (uint64_t)CT_QUIET_MS * 1000000)
+			k = ibv_poll_cq(t->n.scq, 1, &wc);
+		CT_CHECK(k >= 0, "ibv_poll_cq: %d", k);
+		if (k == 0)
+			break;
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 1000u + done,
+			 "SEND %u: %s (wr_id %llu)", done, ibv_wc_status_str(wc.status),
+			 (unsigned long long)wc.wr_id);
+		done++;
+		CT_CHECK(done < RNR_SENDS, "all %u SENDs completed with the peer stopped", RNR_SENDS);
+	}
+	CT_CHECK(posted > done, "nothing in flight");
+	*posted_out = posted;
+	return done;
+}
+
+/* A pair on one link, checked, then the peer stopped and VQP 1 stuck
+ * behind RNR with a READ (wr_id 11, into the canary area) queued behind
+ * its SENDs. */
+static void stuck_pair(struct t *t, struct ibv_qp **q1, struct ibv_qp **q2, uint32_t seed,
+		       uint32_t *sent, uint32_t *posted)
+{
+	int st;
+
+	pair(t, q1, q2);
+	witness(t, *q2, seed);
+	CT_CHECK(kill(t->peer, SIGSTOP) == 0, "SIGSTOP: %s", strerror(errno));
+	CT_CHECK(waitpid(t->peer, &st, WUNTRACED) == t->peer && WIFSTOPPED(st), "the peer did not stop");
+	t->peer_may_fail++;
+	*sent = send_until_stuck(t, *q1, posted);
+	memset(t->n.b.p, 0, BIG);
+	CT_OK(post1(*q1, 11, IBV_WR_RDMA_READ, t->n.b.p, WIT, t->n.b.mr->lkey, t->o.src, t->o.rkey));
+}
+
+/* After the stuck link failed: VQP 2 (on it) is in ERR; the peer resumed,
+ * a new pair to it moves checked data over a new link, and the canary
+ * written after the teardown survived. */
+static void after_failed_link(struct t *t, struct ibv_qp *q2, uint64_t failed_before, uint32_t seed,
+			      const char *what)
+{
+	struct ibv_qp *q3, *q4;
+	uint64_t t0 = ct_now_ns();
+
+	CT_CHECK(krcore_stat_get(KRCORE_STAT_LINKS_FAILED) == failed_before + 1, "links_failed %llu, expected %llu",
+		 (unsigned long long)krcore_stat_get(KRCORE_STAT_LINKS_FAILED), (unsigned long long)failed_before + 1);
+	while (ct_qp_state(q2) != IBV_QPS_ERR)
+		CT_CHECK(ms_since(t0) < CT_TIMEOUT_MS, "VQP 2 not in ERR after its link failed");
+	CT_OK(ibv_destroy_qp(q2));
+	CT_CHECK(kill(t->peer, SIGCONT) == 0, "SIGCONT: %s", strerror(errno));
+	t0 = ct_now_ns();
+	pair(t, &q3, &q4);
+	ct_note("the resumed peer: a new pair connected in %.1f ms", ms_since(t0));
+	witness(t, q4, seed);
+	witness(t, q3, seed + 1);
+	expect_canary(t->n.b.p, BIG, what);
+	CT_CHECK(krcore_stat_get(KRCORE_STAT_LINKS_FAILED) == failed_before + 1, "another link failed");
+	CT_OK(ibv_destroy_qp(q3));
+	CT_OK(ibv_destroy_qp(q4));
+}
+
+static void case_rnr(struct t *t)
+{
+	struct ibv_qp *q1, *q2;
+	uint64_t t0, failed = krcore_stat_get(KRCORE_STAT_LINKS_FAILED);
+	uint32_t sent, posted;
+	double waited;
+	int k;
+	struct ibv_wc wc;
+
+	ct_begin("vqp_teardown: destroy with a WQE stuck behind RNR (the peer stopped)");
+	stuck_pair(t, &q1, &q2, 107, &sent, &posted);
+	t0 = ct_now_ns();
+	CT_OK(ibv_destroy_qp(q1));
+	waited = ms_since(t0);
+	memset(t->n.b.p, CANARY, BIG);
+	ct_note("%u SENDs completed before RNR; ibv_destroy_qp with a WQE stuck behind it returned after %.1f ms",
+		sent, waited);
+	CT_CHECK(waited < TRANSPORT_WAIT_MS + CONNECT_TIMEOUT_MS + 2000, "ibv_destroy_qp took %.1f ms", waited);
+	/* VQP 1's completions made before the destroy: its SENDs, flushed. */
+	while ((k = ibv_poll_cq(t->n.scq, 1, &wc)) > 0)
+		CT_CHECK((wc.wr_id >= 1000 && wc.wr_id < 1000u + posted) || wc.wr_id == 11,
+			 "a completion of wr_id %llu (%s)", (unsigned long long)wc.wr_id,
+			 ibv_wc_status_str(wc.status));
+	after_failed_link(t, q2, failed, 108, "after ibv_destroy_qp of a VQP stuck behind RNR");
+	ct_pass();
+}
+
+static void case_rnr_err(struct t *t)
+{
+	struct ibv_qp *q1, *q2;
+	uint64_t t0, failed = krcore_stat_get(KRCORE_STAT_LINKS_FAILED);
+	uint32_t sent, posted, next;
+	double waited, destroyed;
+	struct ibv_wc wc;
+
+	ct_begin("vqp_teardown: ERR with a WQE stuck behind RNR (the peer stopped)");
+	stuck_pair(t, &q1, &q2, 110, &sent, &posted);
+	t0 = ct_now_ns();
+	modify_state(q1, IBV_QPS_ERR);
+	/* Every WR in flight is flushed, in order: the SENDs not completed,
+	 * then the READ. */
+	for (next = sent; next <= posted; next++) {
+		uint64_t want = next < posted ? 1000u + next : 11;
+		int k = 0;
+
+		while (k == 0) {
+			k = ibv_poll_cq(t->n.scq, 1, &wc);
+			CT_CHECK(k >= 0, "ibv_poll_cq: %d", k);
+			CT_CHECK(ms_since(t0) < TRANSPORT_WAIT_MS + CONNECT_TIMEOUT_MS + 2000,
+				 "ERR: no flush completion of wr_id %llu after %.1f ms (%u of %u WRs flushed)",
+				 (unsigned long long)want, ms_since(t0), next - sent, posted + 1 - sent);
+		}
+		CT_CHECK(wc.wr_id == want && wc.status == IBV_WC_WR_FLUSH_ERR,
+			 "ERR: wr_id %llu completed with %s, expected wr_id %llu flushed",
+			 (unsigned long long)wc.wr_id, ibv_wc_status_str(wc.status), (unsigned long long)want);
+	}
+	waited = ms_since(t0);
+	memset(t->n.b.p, CANARY, BIG);
+	ct_note("%u SENDs completed before RNR; ERR: the last flush completion came after %.1f ms", sent, waited);
+	t0 = ct_now_ns();
+	CT_OK(ibv_destroy_qp(q1));
+	destroyed = ms_since(t0);
+	ct_note("ibv_destroy_qp after those flush completions: %.1f ms", destroyed);
+	CT_CHECK(destroyed < 1000, "ibv_destroy_qp took %.1f ms once the link was done", destroyed);
+	after_failed_link(t, q2, failed, 111, "after the flush completions of ERR behind RNR");
+	ct_pass();
+}
+
 int main(void)
 {
 	struct t *t;
@@ -477,6 +647,7 @@ int main(void)
 	t = calloc(1, sizeof(*t));
 	CT_CHECK(t != NULL, "alloc");
 	t->fd = sv[0];
+	t->peer = pid;
 	t->g2 = ct_node_gid(2);
 	ct_node_open(&t->n, 1, (size_t)BIG + 2 * WIT, 64);
 	ct_oob_read(t->fd, &t->o, sizeof(t->o));
@@ -489,7 +660,8 @@ int main(void)
 			void (*run)(struct t *);
 		} cases[] = { { "destroy", case_destroy }, { "err", case_err }, { "reset", case_reset },
 			      { "err_unmap", case_err_unmap }, { "dereg_queued", case_dereg_queued },
-			      { "rereg_lease", case_rereg_lease } };
+			      { "rereg_lease", case_rereg_lease }, { "rnr", case_rnr },
+			      { "rnr_err", case_rnr_err } };
 
 		for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
 			if (!only || strcmp(only, cases[i].name) == 0)
@@ -497,10 +669,10 @@ int main(void)
 	}
 
 	ct_begin("vqp_teardown: the peer");
-	cmd(t, 'X', 0, 0, 0);
+	cmd(t, 'X', t->peer_may_fail, 0, 0);
 	ct_oob_read(t->fd, &peer_failed, sizeof(peer_failed));
 	fails = ct_wait_child(pid, "the peer");
-	CT_CHECK(fails == 0 && peer_failed == 0, "peer: exit %d, links failed %llu", fails,
+	CT_CHECK(fails == 0 && peer_failed <= t->peer_may_fail, "peer: exit %d, links failed %llu", fails,
 		 (unsigned long long)peer_failed);
 	ct_buf_free(&t->n.b);
 	CT_OK(ibv_destroy_cq(t->n.scq));

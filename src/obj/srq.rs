@@ -90,7 +90,11 @@ impl Srq {
         if cfg.virtualize == crate::config::Virtualize::Off || cfg.meta.is_none() {
             return Ok(None);
         }
-        Ok(Some(Arc::new(VSrq::new(real_pd as usize, granted.max_wr, granted.max_sge, 1 << 31)?)))
+        // VQPs' bound (precheck::Caps::on_device): RC's 2 GiB lowered to
+        // the port's max_msg_sz, on the port their runtime uses.
+        // SAFETY: a live real PD (our object's), and its live context.
+        let max_msg_sz = unsafe { crate::rdma::query_port((*real_pd).context) }?.max_msg_sz.min(1 << 31);
+        Ok(Some(Arc::new(VSrq::new(real_pd as usize, granted.max_wr, granted.max_sge, max_msg_sz)?)))
     }
 
     /// `ibv_post_srq_recv`: into the virtual queue until the SRQ is real.

@@ -55,6 +55,21 @@ unsafe impl Send for Device {}
 // SAFETY: as above; the fields are never changed after open.
 unsafe impl Sync for Device {}
 
+/// The port a runtime's links (and so its VQPs) use on their device.
+pub const PORT: u8 = 1;
+
+/// [`PORT`]'s attributes on a real context (`max_msg_sz` bounds every
+/// virtual message, SRQ receives included).
+///
+/// # Safety
+/// `ctx` is a live real context.
+pub unsafe fn query_port(ctx: *mut ibv_context) -> Result<ibv_port_attr> {
+    // SAFETY: a plain C struct, filled by the query.
+    let mut a: ibv_port_attr = unsafe { std::mem::zeroed() };
+    ok_or_errno(call_real!(ibv_query_port(ctx, PORT, &mut a))?)?;
+    Ok(a)
+}
+
 impl Device {
     /// Open the device named `name` (the first one when `None`), port 1.
     pub fn open(name: Option<&str>) -> Result<Arc<Device>> {
@@ -111,10 +126,11 @@ impl Device {
     }
 
     fn describe(ctx: *mut ibv_context, pd: *mut ibv_pd, name: String, owned: bool) -> Result<Arc<Device>> {
-        // SAFETY: plain C structs, filled by the queries.
-        let (mut port_attr, mut dev_attr): (ibv_port_attr, ibv_device_attr) = unsafe { std::mem::zeroed() };
-        let port = 1u8;
-        ok_or_errno(call_real!(ibv_query_port(ctx, port, &mut port_attr))?)?;
+        // SAFETY: a plain C struct, filled by the query.
+        let mut dev_attr: ibv_device_attr = unsafe { std::mem::zeroed() };
+        let port = PORT;
+        // SAFETY: the live real context describe is given.
+        let port_attr = unsafe { query_port(ctx) }?;
         ok_or_errno(call_real!(ibv_query_device(ctx, &mut dev_attr))?)?;
         Ok(Arc::new(Device { ctx, pd, port, port_attr, dev_attr, name, owned }))
     }

@@ -76,6 +76,10 @@ impl VSrq {
     /// `ibv_post_srq_recv` while the SRQ is not real: `Ok(false)` if it
     /// is (post to the real SRQ instead).
     pub fn post(&self, wr_id: u64, sges: &[ibv_sge]) -> Result<bool> {
+        // A real SRQ's receives are the device's to judge.
+        if self.mode() == Mode::Real {
+            return Ok(false);
+        }
         if sges.len() > self.caps.max_recv_sge as usize {
             return Err(Errno::EINVAL);
         }

@@ -5,7 +5,8 @@
 //! READ, work queued behind other VQPs' or behind RNR), so:
 //! - ERR (and a peer found unreachable) flushes the send queue at once
 //!   but holds the flush completions until the link completed the WQEs
-//!   they report (later posts, flushed too, queue behind them);
+//!   they report (later posts, flushed too, queue behind them), bounded
+//!   as destroy is: past [`TRANSPORT_WAIT`] the link is failed;
 //! - destroy and RESET wait until the link completed every WQE of the VQP
 //!   and every READ of a large message it was receiving, bounded by
 //!   [`TRANSPORT_WAIT`]: past it (a peer that does not answer, or RNR
@@ -67,25 +68,51 @@ impl Vqp {
     pub(super) fn watch_held(&self) {
         let Some(rt) = self.rt.get() else { return };
         let (slot, gen) = (self.slot, self.gen);
+        let since = Instant::now();
         let w: Waiter = Box::new(move |rt: &Runtime, force: bool| match lookup(slot, gen) {
-            Some(v) => v.release_held(rt, force),
+            Some(v) => v.release_held(rt, force, since),
             None => true,
         });
         rt.wire.wait(rt, w);
     }
 
     /// The held flush completions, delivered (under the VQP's lock, so that
-    /// later ones stay behind) when the link is done with their WQEs.
-    fn release_held(&self, rt: &Runtime, force: bool) -> bool {
+    /// later ones stay behind) when the link is done with their WQEs, held
+    /// `since` then. As [`Vqp::wait_wire`]: past [`TRANSPORT_WAIT`] (RNR
+    /// that never ends: the WQEs would otherwise never complete, and an
+    /// application waiting for its flush completions never goes on) their
+    /// link is failed, and past the connect timeout more they are
+    /// delivered anyway.
+    fn release_held(&self, rt: &Runtime, force: bool, since: Instant) -> bool {
         let mut st = self.st.lock();
         if st.held_sends.is_empty() {
             return true;
         }
         if !force && !sends_idle(&st) {
-            if let Some((link, mark)) = wire_of(&st) {
-                rt.fence_after(&link, mark);
+            let held = since.elapsed();
+            match wire_of(&st) {
+                Some((link, mark)) if held <= TRANSPORT_WAIT => {
+                    rt.fence_after(&link, mark);
+                    return false;
+                }
+                Some((link, _)) if !link.is_failed() => {
+                    // Not under the VQP's lock: failing a link visits its VQPs.
+                    drop(st);
+                    klog!(
+                        Level::Warn,
+                        "vqp {:#x}: its flushed WQEs did not complete within {TRANSPORT_WAIT:?}: failing their link",
+                        self.vqpn
+                    );
+                    rt.link_failed(link.qp.qpn(), ibv_wc_status::IBV_WC_RETRY_EXC_ERR);
+                    return false;
+                }
+                _ if held <= TRANSPORT_WAIT + connect_timeout() => return false,
+                _ => klog!(
+                    Level::Warn,
+                    "vqp {:#x}: its flushed WQEs did not complete on the link; flush completions delivered anyway",
+                    self.vqpn
+                ),
             }
-            return false;
         }
         let qpn = self.qpn();
         for c in st.held_sends.drain(..) {
