@@ -64,6 +64,17 @@ const KIND_ACK: u8 = 2;
 const KIND_REQUEST: u8 = 3;
 const KIND_RESPONSE: u8 = 4;
 
+/// Sets or clears [`ACK_REQ`] in an encoded DATA or REQUEST (a
+/// retransmission asks for an ACK, the first send may not).
+pub fn set_ack_req(buf: &mut [u8], on: bool) {
+    debug_assert!(matches!(buf.get(3), Some(&KIND_DATA) | Some(&KIND_REQUEST)));
+    if let Some(flags) = buf.get_mut(FLAGS_AT) {
+        *flags = if on { ACK_REQ } else { 0 };
+    }
+}
+
+const FLAGS_AT: usize = 4;
+
 /// Whether a UD payload belongs to this family (its magic), before any
 /// decoding.
 pub fn is_dgram(buf: &[u8]) -> bool {
