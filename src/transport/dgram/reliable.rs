@@ -516,7 +516,9 @@ impl Sender {
         };
         let kind_matches = matches!(
             (&self.work[w].pending, r.op),
-            (Pending::Read { .. }, OneSided::Read) | (Pending::Write, OneSided::Write) | (Pending::Atomic, OneSided::CmpSwp | OneSided::FetchAdd)
+            (Pending::Read { .. }, OneSided::Read)
+                | (Pending::Write, OneSided::Write)
+                | (Pending::Atomic, OneSided::CmpSwp | OneSided::FetchAdd)
         );
         if !kind_matches {
             self.drops.malformed += 1;
