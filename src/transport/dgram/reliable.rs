@@ -255,7 +255,8 @@ impl Sender {
     }
 
     /// Whether the flow failed (then every work request posted completes
-    /// flushed, as on an RC QP in the error state).
+    /// flushed, as on an RC QP in the error state; requests posted before
+    /// a refused one still get their answers).
     pub fn failed(&self) -> bool {
         self.failed
     }
@@ -395,14 +396,8 @@ impl Sender {
     /// ACK).
     pub fn poll(&mut self, now: u64) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
-        if self.failed {
-            return out;
-        }
         if self.deadline.is_some_and(|d| d <= now) {
             self.timeout(now, &mut out);
-            if self.failed {
-                return out;
-            }
         }
         let Some(base) = self.packets.front().map(|p| p.seq) else { return out };
         let first_new = out.len();
@@ -475,7 +470,7 @@ impl Sender {
     }
 
     fn on_ack(&mut self, now: u64, a: &Ack) {
-        if a.next < self.acked_to || self.failed {
+        if a.next < self.acked_to {
             // Overtaken by a later ACK or a response: nothing to learn.
             return;
         }
@@ -510,7 +505,7 @@ impl Sender {
     fn on_response(&mut self, now: u64, r: &Response) {
         let matched = self.packets.iter().position(|p| p.seq == r.seq && p.nonce == r.nonce && p.needs_response && !p.answered);
         let work = self.work.iter().position(|w| w.last_seq >= r.seq);
-        let (Some(i), Some(w), false) = (matched, work, self.failed) else {
+        let (Some(i), Some(w)) = (matched, work) else {
             self.drops.unmatched += 1;
             return;
         };
@@ -532,10 +527,10 @@ impl Sender {
             for later in self.work.iter_mut().skip(w + 1) {
                 later.outcome = Some(Outcome::Flushed);
             }
+            // Requests before it may still wait for their answers.
             self.failed = true;
             self.acked_to = self.acked_to.max(r.seq + 1);
-            self.complete();
-            self.deadline = None;
+            self.progress(now);
             return;
         }
         let finished = match &mut self.work[w].pending {
@@ -833,7 +828,8 @@ impl Receiver {
         self.ack_now = false;
         self.ack_deadline = None;
         self.unacked = 0;
-        let sack = self.ahead.keys().filter(|&&s| s - self.next - 1 < 64).fold(0u64, |b, &s| b | 1 << (s - self.next - 1));
+        // Held packets are past `next` (the gap).
+        let sack = self.ahead.keys().filter_map(|s| s.checked_sub(self.next + 1)).filter(|&i| i < 64).fold(0u64, |b, i| b | 1 << i);
         let nonce = if self.next == 0 { 0 } else { self.last_nonce };
         Some(Message::Ack(Ack { route: self.route.reverse(), next: self.next, nonce, sack }).to_vec())
     }

@@ -477,6 +477,49 @@ fn a_remote_access_error_fails_the_flow_at_both_ends() {
     assert_eq!(b.responder.stats.refused, 1);
 }
 
+/// The answer to an earlier READ is lost and a later request is refused:
+/// the READ is retransmitted, answered again (the target's receiver has
+/// failed but still answers what it delivered), and completes before the
+/// refusal, as on RC.
+#[test]
+fn an_earlier_answer_lost_before_a_refusal_is_still_recovered() {
+    let c = Config { rto_initial_us: 100, ..cfg() };
+    let mut a = Node::new(c, A_TO_B, 1);
+    let mut b = Node::new(c, A_TO_B.reverse(), 2);
+    a.tx.post_read(0, RW, BASE + 8, 16).unwrap();
+    a.tx.post_read(1, 0x99, BASE, 8).unwrap();
+    a.tx.post_send(2, SendOp::Send, 0, b"after").unwrap();
+    let mut answers = Vec::new();
+    for d in a.tx.poll(0) {
+        b.handle(1, &d, &mut answers);
+    }
+    assert!(b.rx.failed());
+    assert_eq!(b.got, []);
+    // Both answers, and the ACK for the READ; the first answer is lost.
+    assert_eq!(answers.len(), 2);
+    let mut to_a = Vec::new();
+    a.handle(2, &answers[1], &mut to_a);
+    a.poll(2, &mut to_a);
+    assert!(to_a.is_empty());
+    assert!(a.done.is_empty(), "the READ before the refusal completes first");
+    assert_eq!(a.tx.next_deadline(), Some(102));
+    let again = a.tx.poll(102);
+    assert_eq!(again.len(), 1, "only the unanswered READ");
+    let mut answers = Vec::new();
+    b.handle(103, &again[0], &mut answers);
+    for x in &answers {
+        a.handle(104, x, &mut Vec::new());
+    }
+    a.poll(104, &mut Vec::new());
+    let want = vec![
+        Completion { id: 0, outcome: Outcome::Read(b.mem.bytes[8..24].to_vec()) },
+        Completion { id: 1, outcome: Outcome::Remote(Status::RemoteAccess) },
+        Completion { id: 2, outcome: Outcome::Flushed },
+    ];
+    assert_eq!(a.done, want);
+    assert_eq!(a.tx.next_deadline(), None);
+}
+
 /// Segmented messages of every size around the segment boundaries, over
 /// a channel that loses a third of the datagrams.
 #[test]
