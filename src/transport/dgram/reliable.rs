@@ -49,9 +49,9 @@ pub struct Config {
     pub rto_max_us: u64,
     /// Timeouts in a row without progress before the flow fails.
     pub retry_limit: u32,
-    /// The receiver acknowledges at the latest this long after delivering,
-    /// or after `ack_every` packets, or at once when asked or on a gap or
-    /// a duplicate.
+    /// The receiver acknowledges at the latest this long after delivering
+    /// (below `rto_initial_us`), or after `ack_every` packets, or at once
+    /// when asked or on a gap or a duplicate.
     pub ack_delay_us: u64,
     pub ack_every: u32,
 }
@@ -80,6 +80,8 @@ impl Config {
             && self.rto_initial_us > 0
             && self.rto_max_us >= self.rto_initial_us
             && self.ack_every > 0
+            // A delayed ACK must beat the first retransmission.
+            && self.ack_delay_us < self.rto_initial_us
     }
 }
 

@@ -10,7 +10,7 @@ use crate::transport::dgram::serve::Responder;
 const A_TO_B: Route = Route { src_incarnation: 0xa, dst_incarnation: 0xb, src_vqpn: 1, dst_vqpn: 2 };
 
 fn cfg() -> Config {
-    Config { window: 8, max_queued: 16, ..Config::default() }
+    Config { window: 8, max_queued: 16, ack_delay_us: 50, ..Config::default() }
 }
 
 fn decode(b: &[u8]) -> Message<'_> {
@@ -35,6 +35,7 @@ fn config_is_checked() {
         Config { max_queued: 0, ..cfg() },
         Config { rto_max_us: 1, ..cfg() },
         Config { ack_every: 0, ..cfg() },
+        Config { ack_delay_us: 2_000, ..cfg() },
     ] {
         assert_eq!(Sender::new(bad, A_TO_B, 1).err(), Some(Errno::EINVAL), "{bad:?}");
         assert_eq!(Receiver::new(bad, A_TO_B).err(), Some(Errno::EINVAL));

@@ -251,3 +251,58 @@ fn duplicates_are_answered_from_the_cache_never_run_twice() {
     assert!(r.serve_duplicate(&part, &mrs, &mut mem).is_empty());
     assert_eq!(r.stats.uncached, 3);
 }
+
+/// Random requests aimed at the MRs' edges: each gets the status an
+/// independent model (u128 arithmetic) gives, and none reaches memory
+/// outside a permitted MR (`HostMem` would panic).
+#[test]
+fn random_requests_never_reach_memory_outside_a_permitted_mr() {
+    use crate::testing::Rng;
+    let (mrs, mut mem) = target();
+    let mut r = Responder::new(1024, 1 << 16);
+    let mut rng = Rng(0x0bad_5eed_1234_5678);
+    let edges: Vec<u64> = mrs.0.iter().flat_map(|(_, m)| [m.addr, m.addr.wrapping_add(m.len)]).chain([0, u64::MAX]).collect();
+    let mut served = 0;
+    for seq in 0..100_000u64 {
+        let op = rng.pick(&OneSided::ALL);
+        let rkey = rng.pick(&[RW, RO, ATOMIC, ZERO_BASED, WRAPS, 0x99]);
+        let addr = rng.pick(&edges).wrapping_add(rng.below(64)).wrapping_sub(32);
+        let length = match op {
+            OneSided::CmpSwp | OneSided::FetchAdd => ATOMIC_LEN,
+            _ => rng.pick(&[0, 1, 8, 100, 0x4000, 0x8000, 1 << 17, u32::MAX]),
+        };
+        let payload = [0x5a; 64];
+        let q = Request {
+            seq,
+            offset: if op == OneSided::Write { length.saturating_sub(64) } else { 0 },
+            payload: if op == OneSided::Write { &payload[..length.min(64) as usize] } else { &[] },
+            resp_seg: if op == OneSided::Read { rng.pick(&[100, 944, 945]) } else { 0 },
+            ..req(op, rkey, addr, length)
+        };
+        let want = {
+            let need = match op {
+                OneSided::Read => A::IBV_ACCESS_REMOTE_READ.0,
+                OneSided::Write => A::IBV_ACCESS_REMOTE_WRITE.0,
+                _ => A::IBV_ACCESS_REMOTE_ATOMIC.0,
+            };
+            let inside = mrs.by_rkey(rkey).is_some_and(|m| {
+                m.access & need != 0
+                    && m.access & A::IBV_ACCESS_ZERO_BASED.0 == 0
+                    && u128::from(m.addr) + u128::from(m.len) <= u128::from(u64::MAX)
+                    && addr >= m.addr
+                    && u128::from(addr) + u128::from(length) <= u128::from(m.addr) + u128::from(m.len)
+            });
+            if (op.is_atomic() && addr % 8 != 0) || (op == OneSided::Read && (q.resp_seg > 944 || length > 1 << 16)) {
+                Status::InvalidRequest
+            } else if !inside {
+                Status::RemoteAccess
+            } else {
+                Status::Ok
+            }
+        };
+        let got = r.serve(&q, &mrs, &mut mem);
+        assert_eq!(got.status, want, "{q:?}");
+        served += usize::from(want == Status::Ok);
+    }
+    assert!(served > 1000, "{served}");
+}
