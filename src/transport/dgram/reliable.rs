@@ -195,7 +195,9 @@ struct Work {
 pub struct Drops {
     /// Not this flow's route (another incarnation, a forged source).
     pub wrong_route: u64,
-    /// An ACK or RESPONSE whose nonce or sequence matches nothing sent.
+    /// An ACK or RESPONSE whose nonce or sequence matches nothing
+    /// outstanding: a forgery, or a late copy (the answer of a request
+    /// retransmitted after its first answer was only delayed).
     pub unmatched: u64,
     /// A packet already delivered (a retransmission).
     pub duplicate: u64,
