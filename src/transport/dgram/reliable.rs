@@ -178,7 +178,7 @@ enum Pending {
     Send,
     Write,
     Read { seg: u32, data: Vec<u8>, got: Vec<bool>, missing: usize },
-    Atomic,
+    Atomic(OneSided),
 }
 
 #[derive(Debug)]
@@ -339,7 +339,7 @@ impl Sender {
             Atomic::FetchAdd { add } => Request { compare_add: add, ..base(OneSided::FetchAdd) },
         };
         self.push(seq, nonce, Message::Request(r).to_vec(), true);
-        self.queue(id, Pending::Atomic);
+        self.queue(id, Pending::Atomic(r.op));
         Ok(())
     }
 
@@ -513,12 +513,12 @@ impl Sender {
             self.drops.unmatched += 1;
             return;
         };
-        let kind_matches = matches!(
-            (&self.work[w].pending, r.op),
-            (Pending::Read { .. }, OneSided::Read)
-                | (Pending::Write, OneSided::Write)
-                | (Pending::Atomic, OneSided::CmpSwp | OneSided::FetchAdd)
-        );
+        let kind_matches = match &self.work[w].pending {
+            Pending::Read { .. } => r.op == OneSided::Read,
+            Pending::Write => r.op == OneSided::Write,
+            Pending::Atomic(op) => r.op == *op,
+            Pending::Send => false,
+        };
         if !kind_matches {
             self.drops.malformed += 1;
             return;
@@ -555,7 +555,7 @@ impl Sender {
                 }
                 (*missing == 0).then(|| Outcome::Read(std::mem::take(data)))
             }
-            Pending::Atomic => Some(Outcome::Atomic(r.value)),
+            Pending::Atomic(_) => Some(Outcome::Atomic(r.value)),
             Pending::Write => Some(Outcome::Done),
             Pending::Send => None,
         };

@@ -108,11 +108,16 @@ fn forged_acks_and_responses_change_nothing() {
         value: 41,
         payload: &[],
     };
-    for forged in [Response { nonce: 9, ..resp }, Response { seq: 0, ..resp }, Response { op: OneSided::Read, ..resp }] {
+    for forged in [
+        Response { nonce: 9, ..resp },
+        Response { seq: 0, ..resp },
+        Response { op: OneSided::Read, ..resp },
+        Response { op: OneSided::CmpSwp, ..resp },
+    ] {
         s.on_message(3, &Message::Response(forged));
     }
     assert_eq!(s.pop_completion(), None);
-    assert_eq!((s.drops.unmatched, s.drops.malformed), (4, 1));
+    assert_eq!((s.drops.unmatched, s.drops.malformed), (4, 2));
     // The genuine ones.
     s.on_message(4, &Message::Ack(ack));
     s.on_message(4, &Message::Response(resp));
