@@ -10,6 +10,8 @@
 //! - [`real`]: the real libibverbs, resolved once with pinned symbol versions.
 //! - [`obj`]: wrapper objects laid out like the libibverbs structs.
 //! - [`vqp`]: the QP data path (today a forwarder to one physical QP).
+//! - [`transport`]: the transports under VQPs (so far the datagram tier's
+//!   core, not yet called by the VQP path).
 //! - [`config`], [`log`], [`stats`]: plumbing.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -29,6 +31,7 @@ pub mod service;
 pub mod stats;
 #[cfg(test)]
 mod testing;
+pub mod transport;
 pub mod vqp;
 
 /// Raw C types of libibverbs (layout only; never call functions from here:

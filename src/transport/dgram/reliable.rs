@@ -1,0 +1,844 @@
+//! One flow of the datagram tier: a src VQP -> dst VQP, its [`Sender`] at
+//! the source and its [`Receiver`] at the destination.
+//!
+//! Every DATA segment and REQUEST packet of a flow takes the next sequence
+//! number (u64, from 0: it never wraps) and a random nonce. The sender
+//! keeps at most `window` packets (at most [`WINDOW`]) past the oldest one
+//! not finished; the receiver delivers packets once each and in order,
+//! buffering up to [`WINDOW`] ahead, and acknowledges cumulatively (plus a
+//! bitmap of what it holds beyond the gap), echoing the nonce of the last
+//! packet it acknowledges, so that only who saw that packet can
+//! acknowledge it. A REQUEST is finished by its RESPONSE, which also
+//! acknowledges everything up to it; a lost response is recovered by
+//! retransmitting the request (the target answers a duplicate from its
+//! cache, see [`super::serve`]).
+//!
+//! Timers are computed from the `now` (µs, any monotonic origin) the
+//! caller passes; [`Sender::next_deadline`] and [`Receiver::next_deadline`]
+//! say when to call again. Retransmission starts at `rto_initial_us`,
+//! doubles per timeout without progress up to `rto_max_us`, and after
+//! `retry_limit` such timeouts the flow fails as RC does: the oldest
+//! unfinished work request completes with `IBV_WC_RETRY_EXC_ERR`, the rest
+//! flushed.
+
+use super::wire::{self, Ack, Data, Message, OneSided, Request, Response, Route, SendOp, Status, ATOMIC_LEN};
+use crate::error::{Errno, Result};
+use std::collections::{BTreeMap, VecDeque};
+
+/// The most packets in flight per flow: the receiver's reordering buffer,
+/// the ACK's bitmap (64 bits past the gap) and the target's cache of
+/// answers are all sized for it.
+pub const WINDOW: u64 = 64;
+
+/// A flow's parameters (both ends must agree on none of them but
+/// [`WINDOW`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    /// Largest datagram (UD payload, GRH excluded) of the path:
+    /// [`wire::MIN_MTU`]..=[`wire::MAX_MTU`].
+    pub mtu: usize,
+    /// Packets in flight, 1..=[`WINDOW`].
+    pub window: u64,
+    /// Work requests posted and not completed (the send queue's depth):
+    /// one more is ENOMEM, as a full send queue.
+    pub max_queued: usize,
+    /// The largest two-sided message the receiver reassembles (a larger
+    /// one is malformed): the VQP's `max_msg_size`.
+    pub max_message: u32,
+    pub rto_initial_us: u64,
+    pub rto_max_us: u64,
+    /// Timeouts in a row without progress before the flow fails.
+    pub retry_limit: u32,
+    /// The receiver acknowledges at the latest this long after delivering
+    /// (below `rto_initial_us`), or after `ack_every` packets, or at once
+    /// when asked or on a gap or a duplicate.
+    pub ack_delay_us: u64,
+    pub ack_every: u32,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            mtu: 1024,
+            window: 32,
+            max_queued: 256,
+            max_message: 1 << 30,
+            rto_initial_us: 2_000,
+            rto_max_us: 100_000,
+            retry_limit: 7,
+            ack_delay_us: 200,
+            ack_every: 8,
+        }
+    }
+}
+
+impl Config {
+    fn valid(&self) -> bool {
+        (wire::MIN_MTU..=wire::MAX_MTU).contains(&self.mtu)
+            && (1..=WINDOW).contains(&self.window)
+            && self.max_queued > 0
+            && self.rto_initial_us > 0
+            && self.rto_max_us >= self.rto_initial_us
+            && self.ack_every > 0
+            // A delayed ACK must beat the first retransmission.
+            && self.ack_delay_us < self.rto_initial_us
+    }
+}
+
+/// Nonces: splitmix64 over a secret seed, so that a node off the path
+/// cannot guess them (not against one that sees the traffic).
+#[derive(Debug)]
+struct Nonces(u64);
+
+impl Nonces {
+    fn next(&mut self) -> u64 {
+        loop {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            // 0 is the ACK's "no packet".
+            if z != 0 {
+                return z;
+            }
+        }
+    }
+}
+
+/// A seed from the OS's randomness (std's hasher keys), for [`Sender::new`].
+pub fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0x6b72_636f_7265);
+    h.finish()
+}
+
+/// What an atomic does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Atomic {
+    CmpSwp { compare: u64, swap: u64 },
+    FetchAdd { add: u64 },
+}
+
+/// How a work request ended; [`Outcome::wc_status`] is its
+/// `ibv_wc_status`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// A SEND or WRITE, acknowledged.
+    Done,
+    /// A READ's data.
+    Read(Vec<u8>),
+    /// An atomic's original value.
+    Atomic(u64),
+    /// The target refused the request.
+    Remote(Status),
+    /// No progress after `retry_limit` retransmissions.
+    RetryExceeded,
+    /// Posted behind a failed one.
+    Flushed,
+}
+
+impl Outcome {
+    pub fn wc_status(&self) -> u32 {
+        use crate::sys::ibv_wc_status as S;
+        match self {
+            Outcome::Done | Outcome::Read(_) | Outcome::Atomic(_) => S::IBV_WC_SUCCESS,
+            Outcome::Remote(s) => s.wc_status(),
+            Outcome::RetryExceeded => S::IBV_WC_RETRY_EXC_ERR,
+            Outcome::Flushed => S::IBV_WC_WR_FLUSH_ERR,
+        }
+    }
+}
+
+/// A finished work request, in post order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The caller's id (its `wr_id`).
+    pub id: u64,
+    pub outcome: Outcome,
+}
+
+#[derive(Debug)]
+struct Packet {
+    seq: u64,
+    nonce: u64,
+    /// Encoded; its ACK_REQ flag is set per transmission.
+    bytes: Vec<u8>,
+    sent: bool,
+    /// Held by the receiver past its gap (from an ACK's bitmap).
+    sacked: bool,
+    /// A RESPONSE finishes it (READ, atomics, a WRITE's last segment).
+    needs_response: bool,
+    answered: bool,
+}
+
+#[derive(Debug)]
+enum Pending {
+    Send,
+    Write,
+    Read { seg: u32, data: Vec<u8>, got: Vec<bool>, missing: usize },
+    Atomic(OneSided),
+}
+
+#[derive(Debug)]
+struct Work {
+    id: u64,
+    /// The sequence number of its last packet.
+    last_seq: u64,
+    pending: Pending,
+    outcome: Option<Outcome>,
+}
+
+/// What a sender or receiver refused, for the caller's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Drops {
+    /// Not this flow's route (another incarnation, a forged source).
+    pub wrong_route: u64,
+    /// An ACK or RESPONSE whose nonce or sequence matches nothing
+    /// outstanding: a forgery, or a late copy (the answer of a request
+    /// retransmitted after its first answer was only delayed).
+    pub unmatched: u64,
+    /// A packet already delivered (a retransmission).
+    pub duplicate: u64,
+    /// Too far ahead of the receiver's window.
+    pub out_of_window: u64,
+    /// Well-formed messages that break the protocol (a segment out of
+    /// its message, a READ segment off its grid).
+    pub malformed: u64,
+}
+
+/// The source end of a flow.
+#[derive(Debug)]
+pub struct Sender {
+    cfg: Config,
+    /// Our packets' route (the peer's ACKs and RESPONSEs come reversed).
+    route: Route,
+    nonces: Nonces,
+    next_seq: u64,
+    next_msg: u32,
+    /// Unfinished packets from the oldest, in sequence order.
+    packets: VecDeque<Packet>,
+    /// (seq, nonce) of the last packet that left `packets`.
+    last_finished: Option<(u64, u64)>,
+    /// Everything below was acknowledged.
+    acked_to: u64,
+    work: VecDeque<Work>,
+    done: VecDeque<Completion>,
+    rto_us: u64,
+    retries: u32,
+    deadline: Option<u64>,
+    failed: bool,
+    pub drops: Drops,
+}
+
+impl Sender {
+    /// A flow on `route` (ours to the peer VQP); `seed` keys its nonces
+    /// ([`random_seed`]). EINVAL for a config out of its ranges.
+    pub fn new(cfg: Config, route: Route, seed: u64) -> Result<Sender> {
+        if !cfg.valid() {
+            return Err(Errno::EINVAL);
+        }
+        Ok(Sender {
+            cfg,
+            route,
+            nonces: Nonces(seed),
+            next_seq: 0,
+            next_msg: 0,
+            packets: VecDeque::new(),
+            last_finished: None,
+            acked_to: 0,
+            work: VecDeque::new(),
+            done: VecDeque::new(),
+            rto_us: cfg.rto_initial_us,
+            retries: 0,
+            deadline: None,
+            failed: false,
+            drops: Drops::default(),
+        })
+    }
+
+    /// Whether the flow failed (then every work request posted completes
+    /// flushed, as on an RC QP in the error state; requests posted before
+    /// a refused one still get their answers).
+    pub fn failed(&self) -> bool {
+        self.failed
+    }
+
+    /// Work requests posted and not completed.
+    pub fn outstanding(&self) -> usize {
+        self.work.len()
+    }
+
+    /// A SEND (`opcode`, `imm`) of `data`. ENOMEM when `max_queued` work
+    /// requests are outstanding, EINVAL when `data` is longer than 2^32-1.
+    pub fn post_send(&mut self, id: u64, opcode: SendOp, imm: u32, data: &[u8]) -> Result<()> {
+        let total_len = self.admit(data.len())?;
+        if self.flush_if_failed(id) {
+            return Ok(());
+        }
+        let imm = if opcode == SendOp::SendImm { imm } else { 0 };
+        let room = self.cfg.mtu - wire::DATA_HDR;
+        let nsegs = data.len().div_ceil(room).max(1) as u32;
+        let msg = self.next_msg;
+        self.next_msg = msg.wrapping_add(1);
+        for seg in 0..nsegs {
+            let payload = data.chunks(room).nth(seg as usize).unwrap_or(&[]);
+            let (seq, nonce) = self.number();
+            let m = Data { route: self.route, seq, nonce, ack_req: false, msg, total_len, seg, nsegs, opcode, imm, payload };
+            self.push(seq, nonce, Message::Data(m).to_vec(), false);
+        }
+        self.queue(id, Pending::Send);
+        Ok(())
+    }
+
+    /// A READ of `len` bytes at `remote_addr` under `rkey`.
+    pub fn post_read(&mut self, id: u64, rkey: u32, remote_addr: u64, len: u32) -> Result<()> {
+        self.admit(len as usize)?;
+        if self.flush_if_failed(id) {
+            return Ok(());
+        }
+        let seg = (self.cfg.mtu - wire::RESPONSE_HDR) as u32;
+        let segs = (len.div_ceil(seg) as usize).max(1);
+        let (seq, nonce) = self.number();
+        let r = Request { resp_seg: seg, ..self.request(seq, nonce, OneSided::Read, rkey, remote_addr, len) };
+        self.push(seq, nonce, Message::Request(r).to_vec(), true);
+        self.queue(id, Pending::Read { seg, data: vec![0; len as usize], got: vec![false; segs], missing: segs });
+        Ok(())
+    }
+
+    /// A WRITE of `data` to `remote_addr` under `rkey`.
+    pub fn post_write(&mut self, id: u64, rkey: u32, remote_addr: u64, data: &[u8]) -> Result<()> {
+        let length = self.admit(data.len())?;
+        if self.flush_if_failed(id) {
+            return Ok(());
+        }
+        let room = self.cfg.mtu - wire::REQUEST_HDR;
+        let nsegs = data.len().div_ceil(room).max(1);
+        for i in 0..nsegs {
+            let payload = data.chunks(room).nth(i).unwrap_or(&[]);
+            let (seq, nonce) = self.number();
+            let r = Request { offset: (i * room) as u32, payload, ..self.request(seq, nonce, OneSided::Write, rkey, remote_addr, length) };
+            self.push(seq, nonce, Message::Request(r).to_vec(), i + 1 == nsegs);
+        }
+        self.queue(id, Pending::Write);
+        Ok(())
+    }
+
+    /// An 8-byte atomic at `remote_addr` under `rkey` (the target checks
+    /// its alignment).
+    pub fn post_atomic(&mut self, id: u64, atomic: Atomic, rkey: u32, remote_addr: u64) -> Result<()> {
+        self.admit(0)?;
+        if self.flush_if_failed(id) {
+            return Ok(());
+        }
+        let (seq, nonce) = self.number();
+        let base = |op| self.request(seq, nonce, op, rkey, remote_addr, ATOMIC_LEN);
+        let r = match atomic {
+            Atomic::CmpSwp { compare, swap } => Request { compare_add: compare, swap, ..base(OneSided::CmpSwp) },
+            Atomic::FetchAdd { add } => Request { compare_add: add, ..base(OneSided::FetchAdd) },
+        };
+        self.push(seq, nonce, Message::Request(r).to_vec(), true);
+        self.queue(id, Pending::Atomic(r.op));
+        Ok(())
+    }
+
+    fn admit(&self, len: usize) -> Result<u32> {
+        if self.work.len() >= self.cfg.max_queued {
+            return Err(Errno::ENOMEM);
+        }
+        u32::try_from(len).map_err(|_| Errno::EINVAL)
+    }
+
+    /// After a failure a new work request completes flushed at once.
+    fn flush_if_failed(&mut self, id: u64) -> bool {
+        if self.failed {
+            self.done.push_back(Completion { id, outcome: Outcome::Flushed });
+        }
+        self.failed
+    }
+
+    fn number(&mut self) -> (u64, u64) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        (seq, self.nonces.next())
+    }
+
+    fn request(&self, seq: u64, nonce: u64, op: OneSided, rkey: u32, remote_addr: u64, length: u32) -> Request<'static> {
+        Request {
+            route: self.route,
+            seq,
+            nonce,
+            ack_req: false,
+            op,
+            rkey,
+            remote_addr,
+            length,
+            offset: 0,
+            compare_add: 0,
+            swap: 0,
+            resp_seg: 0,
+            payload: &[],
+        }
+    }
+
+    fn push(&mut self, seq: u64, nonce: u64, bytes: Vec<u8>, needs_response: bool) {
+        self.packets.push_back(Packet { seq, nonce, bytes, sent: false, sacked: false, needs_response, answered: false });
+    }
+
+    fn queue(&mut self, id: u64, pending: Pending) {
+        self.work.push_back(Work { id, last_seq: self.next_seq - 1, pending, outcome: None });
+    }
+
+    /// When [`Sender::poll`] must run again (a retransmission timer).
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.deadline
+    }
+
+    /// The datagrams to send now: retransmissions if the timer expired,
+    /// then new packets the window admits (the last of a burst asks for an
+    /// ACK).
+    pub fn poll(&mut self, now: u64) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        if self.deadline.is_some_and(|d| d <= now) {
+            self.timeout(now, &mut out);
+        }
+        let Some(base) = self.packets.front().map(|p| p.seq) else { return out };
+        let first_new = out.len();
+        for p in self.packets.iter_mut().take_while(|p| p.seq < base + self.cfg.window).filter(|p| !p.sent) {
+            p.sent = true;
+            wire::set_ack_req(&mut p.bytes, false);
+            out.push(p.bytes.clone());
+        }
+        if let Some(last) = out.get_mut(first_new..).and_then(|s| s.last_mut()) {
+            wire::set_ack_req(last, true);
+        }
+        if out.len() > first_new && self.deadline.is_none() {
+            self.deadline = Some(now + self.rto_us);
+        }
+        out
+    }
+
+    /// The timer expired: fail after `retry_limit` timeouts in a row, else
+    /// resend what the peer has not shown it has, and back off.
+    fn timeout(&mut self, now: u64, out: &mut Vec<Vec<u8>>) {
+        self.retries += 1;
+        if self.retries > self.cfg.retry_limit {
+            self.fail(Outcome::RetryExceeded);
+            return;
+        }
+        let acked_to = self.acked_to;
+        for p in self.packets.iter_mut().filter(|p| p.sent) {
+            let resend = if p.seq < acked_to { p.needs_response && !p.answered } else { p.seq == acked_to || !p.sacked };
+            if resend {
+                wire::set_ack_req(&mut p.bytes, true);
+                out.push(p.bytes.clone());
+            }
+        }
+        self.rto_us = (self.rto_us * 2).min(self.cfg.rto_max_us);
+        self.deadline = Some(now + self.rto_us);
+    }
+
+    /// The oldest unfinished work request ends with `first`, the rest are
+    /// flushed; the flow sends nothing more.
+    fn fail(&mut self, first: Outcome) {
+        self.failed = true;
+        self.packets.clear();
+        self.deadline = None;
+        let mut first = Some(first);
+        for w in self.work.iter_mut().filter(|w| w.outcome.is_none()) {
+            w.outcome = Some(first.take().unwrap_or(Outcome::Flushed));
+        }
+        self.complete();
+    }
+
+    /// An ACK or RESPONSE that came on the reverse of our route.
+    pub fn on_message(&mut self, now: u64, m: &Message) {
+        if *m.route() != self.route.reverse() {
+            self.drops.wrong_route += 1;
+            return;
+        }
+        match m {
+            Message::Ack(a) => self.on_ack(now, a),
+            Message::Response(r) => self.on_response(now, r),
+            // A flow's own kinds go to the peer's receiver, not here.
+            Message::Data(_) | Message::Request(_) => self.drops.unmatched += 1,
+        }
+    }
+
+    fn nonce_of(&self, seq: u64) -> Option<u64> {
+        match self.packets.front() {
+            Some(front) if seq >= front.seq => self.packets.get((seq - front.seq) as usize).map(|p| p.nonce),
+            _ => self.last_finished.filter(|&(s, _)| s == seq).map(|(_, n)| n),
+        }
+    }
+
+    fn on_ack(&mut self, now: u64, a: &Ack) {
+        if a.next < self.acked_to {
+            // Overtaken by a later ACK or a response: nothing to learn.
+            return;
+        }
+        let sent_to = self.packets.iter().rev().find(|p| p.sent).map_or(self.acked_to, |p| p.seq + 1);
+        let genuine = a.next == 0 || (a.next <= sent_to && self.nonce_of(a.next - 1) == Some(a.nonce));
+        if !genuine {
+            self.drops.unmatched += 1;
+            return;
+        }
+        for p in self.packets.iter_mut().filter(|p| p.seq > a.next && p.seq <= a.next + 64) {
+            p.sacked |= a.sack >> (p.seq - a.next - 1) & 1 != 0;
+        }
+        self.acked(now, a.next);
+    }
+
+    /// Everything below `to` arrived.
+    fn acked(&mut self, now: u64, to: u64) {
+        if to > self.acked_to {
+            self.acked_to = to;
+            self.progress(now);
+        }
+    }
+
+    /// The peer moved: the next timeout starts afresh.
+    fn progress(&mut self, now: u64) {
+        self.retries = 0;
+        self.rto_us = self.cfg.rto_initial_us;
+        self.complete();
+        self.deadline = (!self.packets.is_empty() && self.packets.front().is_some_and(|p| p.sent)).then_some(now + self.rto_us);
+    }
+
+    fn on_response(&mut self, now: u64, r: &Response) {
+        let matched = self.packets.iter().position(|p| p.seq == r.seq && p.nonce == r.nonce && p.needs_response && !p.answered);
+        let work = self.work.iter().position(|w| w.last_seq >= r.seq);
+        let (Some(i), Some(w)) = (matched, work) else {
+            self.drops.unmatched += 1;
+            return;
+        };
+        let kind_matches = match &self.work[w].pending {
+            Pending::Read { .. } => r.op == OneSided::Read,
+            Pending::Write => r.op == OneSided::Write,
+            Pending::Atomic(op) => r.op == *op,
+            Pending::Send => false,
+        };
+        if !kind_matches {
+            self.drops.malformed += 1;
+            return;
+        }
+        if r.status != Status::Ok {
+            self.packets[i].answered = true;
+            self.work[w].outcome = Some(Outcome::Remote(r.status));
+            // As RC: everything after the refused request is flushed.
+            self.packets.retain(|p| p.seq <= r.seq);
+            for later in self.work.iter_mut().skip(w + 1) {
+                later.outcome = Some(Outcome::Flushed);
+            }
+            // Requests before it may still wait for their answers.
+            self.failed = true;
+            self.acked_to = self.acked_to.max(r.seq + 1);
+            self.progress(now);
+            return;
+        }
+        let finished = match &mut self.work[w].pending {
+            Pending::Read { seg, data, got, missing } => {
+                let at = r.offset as usize;
+                let want = (data.len() - at.min(data.len())).min(*seg as usize);
+                let on_grid = (at < data.len() || at == 0) && at % *seg as usize == 0;
+                let ok = r.length as usize == data.len() && on_grid && r.payload.len() == want;
+                if !ok {
+                    self.drops.malformed += 1;
+                    return;
+                }
+                let k = at / *seg as usize;
+                if !got[k] {
+                    got[k] = true;
+                    *missing -= 1;
+                    data[at..at + want].copy_from_slice(r.payload);
+                }
+                (*missing == 0).then(|| Outcome::Read(std::mem::take(data)))
+            }
+            Pending::Atomic(_) => Some(Outcome::Atomic(r.value)),
+            Pending::Write => Some(Outcome::Done),
+            Pending::Send => None,
+        };
+        if let Some(outcome) = finished {
+            self.packets[i].answered = true;
+            self.work[w].outcome = Some(outcome);
+        }
+        // A response means the target took every packet up to the request.
+        if r.seq + 1 > self.acked_to {
+            self.acked_to = r.seq + 1;
+        }
+        self.progress(now);
+    }
+
+    /// Drop finished packets from the front, and complete work requests
+    /// in post order.
+    fn complete(&mut self) {
+        for w in self.work.iter_mut().filter(|w| w.outcome.is_none()) {
+            if matches!(w.pending, Pending::Send) && w.last_seq < self.acked_to {
+                w.outcome = Some(Outcome::Done);
+            }
+        }
+        while let Some(p) = self.packets.front() {
+            if p.seq >= self.acked_to || (p.needs_response && !p.answered) {
+                break;
+            }
+            self.last_finished = Some((p.seq, p.nonce));
+            self.packets.pop_front();
+        }
+        while self.work.front().is_some_and(|w| w.outcome.is_some()) {
+            let w = self.work.pop_front().expect("front checked");
+            self.done.push_back(Completion { id: w.id, outcome: w.outcome.expect("checked") });
+        }
+    }
+
+    /// The next completion, in post order.
+    pub fn pop_completion(&mut self) -> Option<Completion> {
+        self.done.pop_front()
+    }
+}
+
+/// What a receiver hands up, in flow order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// A whole two-sided message.
+    Message { opcode: SendOp, imm: u32, data: Vec<u8> },
+    /// A one-sided request packet, encoded ([`Delivery::request`]), for
+    /// [`super::serve::Responder::serve`].
+    Request(Vec<u8>),
+}
+
+impl Delivery {
+    /// The request packet, if this is one.
+    pub fn request(&self) -> Option<Request<'_>> {
+        match self {
+            Delivery::Request(b) => match Message::decode(b) {
+                Ok(Message::Request(r)) => Some(r),
+                _ => None,
+            },
+            Delivery::Message { .. } => None,
+        }
+    }
+}
+
+/// What [`Receiver::on_message`] did with a packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Received {
+    /// Taken (delivered now or buffered until the gap before it fills).
+    Taken,
+    /// A request packet delivered before: answer it again
+    /// ([`super::serve::Responder::serve_duplicate`]).
+    DuplicateRequest,
+    /// Dropped and counted in [`Receiver::drops`].
+    Dropped,
+}
+
+#[derive(Debug)]
+struct Partial {
+    msg: u32,
+    opcode: SendOp,
+    imm: u32,
+    total_len: u32,
+    nsegs: u32,
+    next_seg: u32,
+    data: Vec<u8>,
+}
+
+/// The destination end of a flow.
+#[derive(Debug)]
+pub struct Receiver {
+    cfg: Config,
+    /// The flow's route as its packets carry it (peer -> us).
+    route: Route,
+    next: u64,
+    last_nonce: u64,
+    /// Packets past the gap, encoded.
+    ahead: BTreeMap<u64, Vec<u8>>,
+    partial: Option<Partial>,
+    ready: VecDeque<Delivery>,
+    unacked: u32,
+    ack_now: bool,
+    ack_deadline: Option<u64>,
+    failed: bool,
+    pub drops: Drops,
+}
+
+impl Receiver {
+    /// The flow whose packets carry `route` (the peer's VQP to ours).
+    pub fn new(cfg: Config, route: Route) -> Result<Receiver> {
+        if !cfg.valid() {
+            return Err(Errno::EINVAL);
+        }
+        Ok(Receiver {
+            cfg,
+            route,
+            next: 0,
+            last_nonce: 0,
+            ahead: BTreeMap::new(),
+            partial: None,
+            ready: VecDeque::new(),
+            unacked: 0,
+            ack_now: false,
+            ack_deadline: None,
+            failed: false,
+            drops: Drops::default(),
+        })
+    }
+
+    /// A DATA or REQUEST packet of the flow.
+    pub fn on_message(&mut self, now: u64, m: &Message) -> Received {
+        let (seq, ack_req) = match m {
+            Message::Data(d) => (d.seq, d.ack_req),
+            Message::Request(r) => (r.seq, r.ack_req),
+            Message::Ack(_) | Message::Response(_) => {
+                self.drops.unmatched += 1;
+                return Received::Dropped;
+            }
+        };
+        if *m.route() != self.route {
+            self.drops.wrong_route += 1;
+            return Received::Dropped;
+        }
+        self.ack_now |= ack_req;
+        if seq < self.next {
+            self.drops.duplicate += 1;
+            self.ack_now = true;
+            return if matches!(m, Message::Request(_)) { Received::DuplicateRequest } else { Received::Dropped };
+        }
+        if self.failed {
+            return Received::Dropped;
+        }
+        if seq >= self.next + WINDOW {
+            self.drops.out_of_window += 1;
+            self.ack_now = true;
+            return Received::Dropped;
+        }
+        if seq > self.next {
+            // A gap: tell the sender at once what is missing.
+            self.ack_now = true;
+            if self.ahead.insert(seq, m.to_vec()).is_some() {
+                self.drops.duplicate += 1;
+            }
+            return Received::Taken;
+        }
+        self.deliver(now, m);
+        while let Some(bytes) = self.ahead.remove(&self.next) {
+            // Encoded from a decoded message: it decodes again.
+            if let Ok(m) = Message::decode(&bytes) {
+                self.deliver(now, &m);
+            }
+        }
+        Received::Taken
+    }
+
+    fn deliver(&mut self, now: u64, m: &Message) {
+        match m {
+            Message::Data(d) => {
+                self.next = d.seq + 1;
+                self.last_nonce = d.nonce;
+                self.reassemble(d);
+            }
+            Message::Request(r) => {
+                self.next = r.seq + 1;
+                self.last_nonce = r.nonce;
+                self.ready.push_back(Delivery::Request(m.to_vec()));
+            }
+            Message::Ack(_) | Message::Response(_) => return,
+        }
+        self.unacked += 1;
+        if self.unacked >= self.cfg.ack_every {
+            self.ack_now = true;
+        } else if self.ack_deadline.is_none() {
+            self.ack_deadline = Some(now + self.cfg.ack_delay_us);
+        }
+    }
+
+    /// Appends a segment to its message; a message ends at its last
+    /// segment with exactly its length. A segment out of place drops the
+    /// message it would belong to.
+    fn reassemble(&mut self, d: &Data) {
+        if d.seg == 0 {
+            if self.partial.take().is_some() {
+                self.drops.malformed += 1;
+            }
+            if d.total_len > self.cfg.max_message {
+                self.drops.malformed += 1;
+                return;
+            }
+            self.partial = Some(Partial {
+                msg: d.msg,
+                opcode: d.opcode,
+                imm: d.imm,
+                total_len: d.total_len,
+                nsegs: d.nsegs,
+                next_seg: 0,
+                data: Vec::new(),
+            });
+        }
+        let fits = self.partial.as_ref().is_some_and(|p| {
+            (p.msg, p.opcode, p.imm, p.total_len, p.nsegs, p.next_seg) == (d.msg, d.opcode, d.imm, d.total_len, d.nsegs, d.seg)
+                && p.data.len() + d.payload.len() <= p.total_len as usize
+        });
+        if !fits {
+            self.drops.malformed += 1;
+            self.partial = None;
+            return;
+        }
+        let Some(p) = self.partial.as_mut() else { return };
+        p.data.extend_from_slice(d.payload);
+        p.next_seg += 1;
+        if p.next_seg == p.nsegs {
+            let p = self.partial.take().expect("just used");
+            if p.data.len() == p.total_len as usize {
+                self.ready.push_back(Delivery::Message { opcode: p.opcode, imm: p.imm, data: p.data });
+            } else {
+                self.drops.malformed += 1;
+            }
+        }
+    }
+
+    /// The next message or request, in flow order.
+    pub fn pop(&mut self) -> Option<Delivery> {
+        self.ready.pop_front()
+    }
+
+    /// The target refused a request: as an RC responder in the error
+    /// state, deliver nothing more (duplicates of what was delivered are
+    /// still answered, from the cache).
+    pub fn fail(&mut self) {
+        self.failed = true;
+        self.ready.clear();
+        self.ahead.clear();
+        self.partial = None;
+    }
+
+    pub fn failed(&self) -> bool {
+        self.failed
+    }
+
+    /// When [`Receiver::poll_ack`] must run again (a delayed ACK).
+    pub fn next_deadline(&self) -> Option<u64> {
+        if self.ack_now {
+            Some(0)
+        } else {
+            self.ack_deadline
+        }
+    }
+
+    /// The ACK to send now, if one is due.
+    pub fn poll_ack(&mut self, now: u64) -> Option<Vec<u8>> {
+        if !self.ack_now && self.ack_deadline.is_none_or(|d| d > now) {
+            return None;
+        }
+        self.ack_now = false;
+        self.ack_deadline = None;
+        self.unacked = 0;
+        // Held packets are past `next` (the gap).
+        let sack = self.ahead.keys().filter_map(|s| s.checked_sub(self.next + 1)).filter(|&i| i < 64).fold(0u64, |b, i| b | 1 << i);
+        let nonce = if self.next == 0 { 0 } else { self.last_nonce };
+        Some(Message::Ack(Ack { route: self.route.reverse(), next: self.next, nonce, sack }).to_vec())
+    }
+}
+
+#[cfg(test)]
+#[path = "reliable_tests.rs"]
+mod tests;
