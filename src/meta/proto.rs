@@ -27,6 +27,7 @@
 //! anything else.
 
 use super::{Endpoint, Key};
+use crate::codec::{Reader, EBADMSG};
 use crate::error::{Errno, Result};
 
 /// `b"MK"` read as a little-endian u16.
@@ -45,7 +46,6 @@ pub const LINK_LEN: usize = 128;
 const UD_MIN_MTU: usize = 256;
 const _: () = assert!(LINK_LEN <= UD_MIN_MTU);
 
-const EBADMSG: Errno = Errno(libc::EBADMSG);
 const EPROTO: Errno = Errno(libc::EPROTO);
 
 const KIND_HELLO: u8 = 1;
@@ -202,12 +202,12 @@ impl Hello {
     }
 
     pub fn decode(buf: &[u8]) -> Result<Hello> {
-        let (mut r, _) = Reader::new(buf, BOOT_LEN, &[KIND_HELLO])?;
+        let (mut r, _) = open(buf, BOOT_LEN, &[KIND_HELLO])?;
         let qpn = r.u24()?;
         let psn = r.u24()?;
         r.reserved(4)?;
         let gid = r.bytes()?;
-        r.finish()?;
+        r.finish_zeroed()?;
         Ok(Hello { gid, qpn, psn })
     }
 }
@@ -226,7 +226,7 @@ impl Welcome {
     }
 
     pub fn decode(buf: &[u8]) -> Result<Welcome> {
-        let (mut r, _) = Reader::new(buf, BOOT_LEN, &[KIND_WELCOME])?;
+        let (mut r, _) = open(buf, BOOT_LEN, &[KIND_WELCOME])?;
         let welcome = Welcome {
             status: r.status()?,
             qpn: r.u24()?,
@@ -237,7 +237,7 @@ impl Welcome {
             table_slots: r.u32()?,
             incarnation: r.u64()?,
         };
-        r.finish()?;
+        r.finish_zeroed()?;
         Ok(welcome)
     }
 }
@@ -261,7 +261,7 @@ impl Request {
     }
 
     pub fn decode(buf: &[u8]) -> Result<Request> {
-        let (mut r, _) = Reader::new(buf, META_LEN, &[KIND_REQUEST])?;
+        let (mut r, _) = open(buf, META_LEN, &[KIND_REQUEST])?;
         let op = r.u8()?;
         let op = Op::ALL.into_iter().find(|&o| o as u8 == op).ok_or(EBADMSG)?;
         let key_kind = r.u8()?;
@@ -277,7 +277,7 @@ impl Request {
         };
         r.reserved(4)?;
         let endpoint = r.endpoint()?;
-        r.finish()?;
+        r.finish_zeroed()?;
         Ok(Request { op, req_id, lease_ms, key, endpoint })
     }
 }
@@ -291,9 +291,9 @@ impl Response {
     }
 
     pub fn decode(buf: &[u8]) -> Result<Response> {
-        let (mut r, _) = Reader::new(buf, META_LEN, &[KIND_RESPONSE])?;
+        let (mut r, _) = open(buf, META_LEN, &[KIND_RESPONSE])?;
         let response = Response { req_id: r.u32()?, status: r.status()?, held: r.u32()? };
-        r.finish()?;
+        r.finish_zeroed()?;
         Ok(response)
     }
 }
@@ -312,7 +312,7 @@ impl LinkReply {
 
 impl LinkMessage {
     pub fn decode(buf: &[u8]) -> Result<LinkMessage> {
-        let (mut r, kind) = Reader::new(buf, LINK_LEN, &[KIND_LINK_REQUEST, KIND_LINK_REPLY])?;
+        let (mut r, kind) = open(buf, LINK_LEN, &[KIND_LINK_REQUEST, KIND_LINK_REPLY])?;
         let link = r.u16()?;
         r.reserved(2)?;
         let req_id = r.u32()?;
@@ -328,7 +328,7 @@ impl LinkMessage {
             src_gid: r.bytes()?,
             dst_gid: r.bytes()?,
         };
-        r.finish()?;
+        r.finish_zeroed()?;
         match kind {
             KIND_LINK_REQUEST if status == 0 => Ok(LinkMessage::Request(LinkRequest { req_id, info })),
             KIND_LINK_REPLY => Ok(LinkMessage::Reply(LinkReply { req_id, status, info })),
@@ -419,53 +419,32 @@ impl<'a> Writer<'a> {
     }
 }
 
-/// Reads a message front to back; every read is bounds-checked, so no
-/// input can make it panic.
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
+/// Checks a message's prefix (magic, then version, then a kind among
+/// `kinds`), then that `buf` is exactly `len` bytes; a reader past the
+/// prefix, and the kind.
+fn open<'a>(buf: &'a [u8], len: usize, kinds: &[u8]) -> Result<(Reader<'a>, u8)> {
+    let mut r = Reader::new(buf);
+    if r.u16()? != MAGIC {
+        return Err(EBADMSG);
+    }
+    if r.u8()? != VERSION {
+        return Err(EPROTO);
+    }
+    let kind = r.u8()?;
+    if !kinds.contains(&kind) || buf.len() != len {
+        return Err(EBADMSG);
+    }
+    Ok((r, kind))
 }
 
-impl<'a> Reader<'a> {
-    /// Checks the prefix (magic, then version, then a kind among `kinds`),
-    /// then that `buf` is exactly `len` bytes; returns the kind.
-    fn new(buf: &'a [u8], len: usize, kinds: &[u8]) -> Result<(Reader<'a>, u8)> {
-        let mut r = Reader { buf, pos: 0 };
-        if r.u16()? != MAGIC {
-            return Err(EBADMSG);
-        }
-        if r.u8()? != VERSION {
-            return Err(EPROTO);
-        }
-        let kind = r.u8()?;
-        if !kinds.contains(&kind) || buf.len() != len {
-            return Err(EBADMSG);
-        }
-        Ok((r, kind))
-    }
+/// The field types of these protocols.
+trait Fields {
+    fn u24(&mut self) -> Result<u32>;
+    fn status(&mut self) -> Result<u32>;
+    fn endpoint(&mut self) -> Result<Endpoint>;
+}
 
-    fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let b = self.buf.get(self.pos..).and_then(<[u8]>::first_chunk::<N>).ok_or(EBADMSG)?;
-        self.pos += N;
-        Ok(*b)
-    }
-
-    fn u8(&mut self) -> Result<u8> {
-        self.bytes().map(u8::from_le_bytes)
-    }
-
-    fn u16(&mut self) -> Result<u16> {
-        self.bytes().map(u16::from_le_bytes)
-    }
-
-    fn u32(&mut self) -> Result<u32> {
-        self.bytes().map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self) -> Result<u64> {
-        self.bytes().map(u64::from_le_bytes)
-    }
-
+impl Fields for Reader<'_> {
     fn u24(&mut self) -> Result<u32> {
         let v = self.u32()?;
         if v < U24_LIMIT {
@@ -484,29 +463,10 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn reserved(&mut self, n: usize) -> Result<()> {
-        let b = self.buf.get(self.pos..self.pos + n).ok_or(EBADMSG)?;
-        self.pos += n;
-        all_zero(b)
-    }
-
-    /// The tail after the last field is reserved.
-    fn finish(self) -> Result<()> {
-        all_zero(self.buf.get(self.pos..).ok_or(EBADMSG)?)
-    }
-
     fn endpoint(&mut self) -> Result<Endpoint> {
         let e = Endpoint { gid: self.bytes()?, qpn: self.u24()?, qkey: self.u32()?, incarnation: self.u64()?, vqpn: self.u32()? };
         self.reserved(4)?;
         Ok(e)
-    }
-}
-
-fn all_zero(b: &[u8]) -> Result<()> {
-    if b.iter().all(|&x| x == 0) {
-        Ok(())
-    } else {
-        Err(EBADMSG)
     }
 }
 

@@ -33,6 +33,7 @@
 //! payload). So every buffer that decodes re-encodes to itself. Errors:
 //! EPROTO for another version, EBADMSG for anything else.
 
+use crate::codec::{Reader, EBADMSG};
 use crate::error::{Errno, Result};
 
 /// `b"KD"` read as a little-endian u16.
@@ -56,7 +57,6 @@ pub const MAX_MTU: usize = 4096;
 /// has to send, or a retransmission).
 pub const ACK_REQ: u8 = 1;
 
-const EBADMSG: Errno = Errno(libc::EBADMSG);
 const EPROTO: Errno = Errno(libc::EPROTO);
 
 const KIND_DATA: u8 = 1;
@@ -329,7 +329,7 @@ impl Message<'_> {
 
     /// Decodes one datagram (GRH excluded); the payload borrows `buf`.
     pub fn decode(buf: &[u8]) -> Result<Message<'_>> {
-        let mut r = Reader { buf, pos: 0 };
+        let mut r = Reader::new(buf);
         if r.u16()? != MAGIC {
             return Err(EBADMSG);
         }
@@ -360,7 +360,7 @@ impl Message<'_> {
             KIND_RESPONSE => Message::Response(decode_response(&mut r, route, seq, nonce)?),
             _ => return Err(EBADMSG),
         };
-        r.finish()?;
+        r.finish_exact()?;
         Ok(m)
     }
 }
@@ -376,7 +376,7 @@ fn decode_data<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ack_r
     let imm = r.u32()?;
     let payload_len = r.u32()?;
     r.reserved(4)?;
-    let payload = r.take(payload_len)?;
+    let payload = r.take(payload_len as usize)?;
     if seg >= nsegs || payload_len > total_len || (opcode == SendOp::Send && imm != 0) {
         return Err(EBADMSG);
     }
@@ -384,7 +384,7 @@ fn decode_data<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ack_r
 }
 
 fn decode_request<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ack_req: bool) -> Result<Request<'a>> {
-    let op = r.op()?;
+    let op = op(r)?;
     r.reserved(3)?;
     let rkey = r.u32()?;
     let remote_addr = r.u64()?;
@@ -394,7 +394,7 @@ fn decode_request<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ac
     let swap = r.u64()?;
     let payload_len = r.u32()?;
     let resp_seg = r.u32()?;
-    let payload = r.take(payload_len)?;
+    let payload = r.take(payload_len as usize)?;
     let ok = match op {
         OneSided::Read => offset == 0 && compare_add == 0 && swap == 0 && payload_len == 0 && resp_seg > 0,
         OneSided::Write => {
@@ -412,14 +412,14 @@ fn decode_request<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ac
 fn decode_response<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64) -> Result<Response<'a>> {
     let status = r.u8()?;
     let status = Status::ALL.into_iter().find(|s| *s as u8 == status).ok_or(EBADMSG)?;
-    let op = r.op()?;
+    let op = op(r)?;
     r.reserved(6)?;
     let length = r.u32()?;
     let offset = r.u32()?;
     let value = r.u64()?;
     let payload_len = r.u32()?;
     r.reserved(4)?;
-    let payload = r.take(payload_len)?;
+    let payload = r.take(payload_len as usize)?;
     let ok = match (status, op) {
         (Status::Ok, OneSided::Read) => u64::from(offset) + u64::from(payload_len) <= u64::from(length) && value == 0,
         (Status::Ok, OneSided::CmpSwp | OneSided::FetchAdd) => length == 0 && offset == 0 && payload_len == 0,
@@ -456,66 +456,10 @@ fn len32(payload: &[u8]) -> u32 {
     payload.len() as u32
 }
 
-/// Reads a message front to back; every read is bounds-checked, so no
-/// input can make it panic.
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let b = self.buf.get(self.pos..).and_then(<[u8]>::first_chunk::<N>).ok_or(EBADMSG)?;
-        self.pos += N;
-        Ok(*b)
-    }
-
-    fn u8(&mut self) -> Result<u8> {
-        self.bytes().map(u8::from_le_bytes)
-    }
-
-    fn u16(&mut self) -> Result<u16> {
-        self.bytes().map(u16::from_le_bytes)
-    }
-
-    fn u32(&mut self) -> Result<u32> {
-        self.bytes().map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self) -> Result<u64> {
-        self.bytes().map(u64::from_le_bytes)
-    }
-
-    fn op(&mut self) -> Result<OneSided> {
-        let op = self.u8()?;
-        OneSided::ALL.into_iter().find(|o| *o as u8 == op).ok_or(EBADMSG)
-    }
-
-    fn take(&mut self, n: u32) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n as usize).ok_or(EBADMSG)?;
-        let b = self.buf.get(self.pos..end).ok_or(EBADMSG)?;
-        self.pos = end;
-        Ok(b)
-    }
-
-    fn reserved(&mut self, n: usize) -> Result<()> {
-        let b = self.buf.get(self.pos..self.pos + n).ok_or(EBADMSG)?;
-        self.pos += n;
-        if b.iter().all(|&x| x == 0) {
-            Ok(())
-        } else {
-            Err(EBADMSG)
-        }
-    }
-
-    /// Nothing may follow the payload.
-    fn finish(self) -> Result<()> {
-        if self.pos == self.buf.len() {
-            Ok(())
-        } else {
-            Err(EBADMSG)
-        }
-    }
+/// The opcode field of one-sided requests.
+fn op(r: &mut Reader<'_>) -> Result<OneSided> {
+    let op = r.u8()?;
+    OneSided::ALL.into_iter().find(|o| *o as u8 == op).ok_or(EBADMSG)
 }
 
 #[cfg(test)]
