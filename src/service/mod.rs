@@ -346,6 +346,7 @@ impl Service {
             return Err(Errno::EOPNOTSUPP);
         }
         ud.ud_ready()?;
+        crate::kmark!("service: UD CQ and QP (RTS) made");
         let ud_bufs = Region::new(dev, UD_RECVS * UD_SLOT, rdma::LOCAL_WRITE)?;
         let link_cq = Arc::new(Cq::new(dev, 4096)?);
         let recv_cq = Arc::new(Cq::new(dev, opts.srq_wr.max(64))?);
@@ -360,6 +361,7 @@ impl Service {
         // `mr_table` writes it, the NIC reads it.
         let mem = unsafe { std::slice::from_raw_parts_mut(mr_table_mem.ptr(), len) };
         let mr_table = Mutex::new(MrTable::init(mem, slots, incarnation)?);
+        crate::kmark!("service: UD buffers, link CQs, SRQ, MR table registered");
         // SAFETY: plain syscall.
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
@@ -400,6 +402,7 @@ impl Service {
             shared.post_ud_recv(slot)?;
         }
         while shared.refill_one() {}
+        crate::kmark!("service: warm pool filled ({} QPs)", shared.warm.lock().len());
         let s2 = Arc::clone(&shared);
         let thread =
             std::thread::Builder::new().name("krcore-service".into()).spawn(move || s2.progress()).map_err(|_| Errno(libc::EAGAIN))?;
@@ -421,7 +424,9 @@ impl Service {
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
+        crate::kmark!("link: connecting");
         let _one = self.shared.connecting.lock();
+        crate::kmark!("link: the connecting lock taken");
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
@@ -723,7 +728,10 @@ impl Shared {
         if self.warm.lock().len() >= self.opts.warm_qps {
             return false;
         }
-        match self.new_link_qp() {
+        crate::kmark!("warm pool: refill (create + INIT)");
+        let made = self.new_link_qp();
+        crate::kmark!("warm pool: refilled");
+        match made {
             Ok(qp) => {
                 let mut w = self.warm.lock();
                 w.push(qp);
@@ -748,10 +756,12 @@ impl Shared {
     fn await_reply(&self, peer: &Endpoint, path: Path, req_id: u32, msg: &[u8; LINK_LEN], deadline: Instant) -> Result<LinkReply> {
         loop {
             self.send_ud(path, peer.qpn, peer.qkey, msg)?;
+            crate::kmark!("link: request {req_id} sent");
             let until = (Instant::now() + RETRANSMIT).min(deadline);
             let mut replies = self.replies.lock();
             loop {
                 if let Some(r) = replies.get_mut(&req_id).and_then(Option::take) {
+                    crate::kmark!("link: reply {req_id} taken by its waiter");
                     return Ok(r);
                 }
                 if Instant::now() >= until {
@@ -770,6 +780,7 @@ impl Shared {
         let deadline = Instant::now() + timeout;
         let src_gid = self.dev.gid(path.sgid_index).map_err(|_| Errno::EINVAL)?;
         let qp = self.take_warm()?;
+        crate::kmark!("link: warm QP taken");
         let psn = rdma::random_psn();
         let req_id = self.next_req.fetch_add(1, Ordering::Relaxed);
         let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index, src_gid, path.dgid) };
@@ -787,6 +798,7 @@ impl Shared {
             return Err(Errno(libc::ECONNREFUSED));
         }
         qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        crate::kmark!("link: RTR + RTS");
         let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn)?);
         // A link the peer asked for meanwhile may serve this key instead:
         // ours is kept until closed (the peer may send on its other end),
@@ -927,6 +939,13 @@ impl Shared {
             });
             // SAFETY: four valid pollfds.
             unsafe { libc::poll(fds.as_mut_ptr(), 4, timeout) };
+            crate::kmark!(
+                "progress: woke (UD {}, kick {}, links {}, messages {})",
+                fds[0].revents,
+                fds[1].revents,
+                fds[2].revents,
+                fds[3].revents
+            );
             self.run_due();
             let due = recheck.is_some_and(|at| at <= Instant::now());
             if fds[3].revents != 0 || due {
@@ -1048,8 +1067,12 @@ impl Shared {
             // SAFETY: this slot's receive completed; it is reposted below.
             let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * UD_SLOT + GRH, LINK_LEN) });
             match msg {
-                Ok(LinkMessage::Request(r)) => self.on_request(&r),
+                Ok(LinkMessage::Request(r)) => {
+                    crate::kmark!("link: request {} received", r.req_id);
+                    self.on_request(&r)
+                }
                 Ok(LinkMessage::Reply(r)) => {
+                    crate::kmark!("link: reply {} received", r.req_id);
                     if let Some(slot) = self.replies.lock().get_mut(&r.req_id) {
                         *slot = Some(r);
                     }
@@ -1094,13 +1117,16 @@ impl Shared {
         if let Err(e) = self.send_ud(path, peer.qpn, peer.qkey, &msg) {
             klog!(Level::Warn, "service: cannot answer a link request: {e:?}");
         }
+        crate::kmark!("link: reply {} sent", r.req_id);
     }
 
     fn accept(&self, r: &LinkRequest, path: Path) -> Result<Arc<Link>> {
         let theirs = &r.info;
         let qp = self.take_warm()?;
+        crate::kmark!("link: warm QP taken");
         let psn = rdma::random_psn();
         qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        crate::kmark!("link: RTR + RTS");
         let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn)?);
         {
             let mut links = self.links.lock();

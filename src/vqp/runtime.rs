@@ -602,17 +602,20 @@ impl Runtime {
         if let Some(rt) = map.get(&(pd as usize)) {
             return Ok(Arc::clone(rt));
         }
+        crate::kmark!("runtime: start");
         // SAFETY: caller contract.
         let dev = unsafe { Device::borrow(ctx, pd) }?;
         let gi = match gid_index.or(crate::config::get().gid_index) {
             Some(i) => i,
             None => Runtime::home_gid_index(&dev)?,
         };
+        crate::kmark!("runtime: device borrowed, GID index {gi}");
         let svc = Service::start(&dev, gi, service::Options::default())?;
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
         let hdr_arena = Arc::new(HdrArena::new(&dev)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
+        crate::kmark!("runtime: receive buffers, header arena, scratch and probe registered");
         let rt = Arc::new(Runtime {
             pd: pd as usize,
             hdr_arenas: Mutex::new(vec![hdr_arena]),
@@ -679,6 +682,7 @@ impl Runtime {
         }));
         Runtime::schedule_maintenance(&rt);
         map.insert(pd as usize, Arc::clone(&rt));
+        crate::kmark!("runtime: started (receives posted)");
         Ok(rt)
     }
 
@@ -961,7 +965,10 @@ impl Runtime {
                 };
                 let addrs = client::parse_addrs(spec)?;
                 let opts = client::Options { timeout: connect_timeout(), lease: Duration::from_millis(cfg.meta_lease_ms) };
-                MetaClient::connect(self.svc.device(), self.svc.gid_index(), &addrs, opts)
+                crate::kmark!("meta: connecting");
+                let c = MetaClient::connect(self.svc.device(), self.svc.gid_index(), &addrs, opts);
+                crate::kmark!("meta: connected");
+                c
             })
             .cloned()
     }
@@ -1230,6 +1237,7 @@ impl Runtime {
     /// READ `len` bytes at (addr, rkey) of the peer behind `link` into
     /// `dst` (a library region), waiting for it.
     pub fn control_read(&self, link: &service::Link, dst: &Region, addr: u64, rkey: u32, len: usize) -> Result<()> {
+        crate::kmark!("control READ: {len} bytes from the peer");
         let tag = self.next_tag();
         let mut sge = dst.sge(0, len);
         let mut wr = control_read_wr(tag, &mut sge, addr, rkey);
@@ -1267,6 +1275,7 @@ impl Runtime {
         loop {
             self.progress();
             if let Some(status) = self.control.lock().remove(&tag) {
+                crate::kmark!("control READ: completed");
                 return if status == ibv_wc_status::IBV_WC_SUCCESS { Ok(()) } else { Err(Errno(libc::EIO)) };
             }
             if std::time::Instant::now() > deadline {
