@@ -88,7 +88,7 @@ fn a_panic_on_the_service_thread_fails_its_links_and_the_thread_goes_on() {
     let dev = device();
     let a = service_on(&dev, 2);
     let b = service_on(&dev, 3);
-    let link = a.link(&b.endpoint(), 0, Duration::from_secs(5)).expect("a link from node 2 to node 3");
+    let link = a.link(&b.endpoint(), 0, a.default_path(&b.endpoint()), Duration::from_secs(5)).expect("a link from node 2 to node 3");
     let buf = Region::new(&dev, 4096, krcore::rdma::LOCAL_WRITE).unwrap();
     assert_eq!(read_status(&a, &link, &buf), Ok(ibv_wc_status::IBV_WC_SUCCESS), "a READ before the panic");
 
@@ -162,7 +162,7 @@ fn a_message_whose_header_lies_about_its_length_is_never_delivered() {
     let key = Key::Port { gid: ipv4_gid(Ipv4Addr::new(10, 77, 0, 1)), port };
     let ep = mc.lookup(&key).expect("lookup").expect("the victim's binding");
     let svc = Service::start(&dev, gi, Options::default()).unwrap();
-    let link = svc.link(&ep, 0, Duration::from_secs(5)).expect("a link to the victim");
+    let link = svc.link(&ep, 0, svc.default_path(&ep), Duration::from_secs(5)).expect("a link to the victim");
 
     // A data header claiming 100 bytes, followed by 10.
     let h = Header { src_vqpn: 0x42, dst: ep.vqpn, len: 100, ..Header::default() };

@@ -26,6 +26,8 @@
 //! is busy elsewhere. It sleeps in `poll(2)` on the UD completion channel
 //! and an eventfd (refill, stop), never spinning.
 
+mod gate;
+
 use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
@@ -269,6 +271,25 @@ impl Links {
     }
 }
 
+/// One of our connects in progress ([`Shared::connects`]).
+struct Connecting<'a>(&'a Shared);
+
+impl<'a> Connecting<'a> {
+    fn new(s: &'a Shared) -> Connecting<'a> {
+        s.connects.fetch_add(1, Ordering::AcqRel);
+        Connecting(s)
+    }
+}
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        if self.0.connects.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // The refills put off meanwhile.
+            self.0.kick();
+        }
+    }
+}
+
 /// State shared with the progress thread.
 struct Shared {
     dev: Arc<Device>,
@@ -299,8 +320,15 @@ struct Shared {
     replies: Mutex<HashMap<u32, Option<LinkReply>>>,
     reply_ready: Condvar,
     next_req: AtomicU32,
-    /// Cold connects one at a time: each is milliseconds of QP modifies.
-    connecting: Mutex<()>,
+    /// Cold connects one at a time per link key (a second connect to the
+    /// same key waits and takes the link the first made); connects to
+    /// different peers run side by side.
+    connecting: gate::Gate<LinkKey>,
+    /// Our connects waiting for a reply or finishing their RTR and RTS:
+    /// the progress thread refills the warm pool only when there are none
+    /// (a refill is milliseconds of kernel work, which would stand between
+    /// a connect and its reply), and is kicked when the last one ends.
+    connects: AtomicU32,
     /// Declared before `mr_table_mem`, whose memory it points into, so
     /// that it is dropped first.
     mr_table: Mutex<MrTable<'static>>,
@@ -386,7 +414,8 @@ impl Service {
             replies: Mutex::new(HashMap::new()),
             reply_ready: Condvar::new(),
             next_req: AtomicU32::new(1),
-            connecting: Mutex::new(()),
+            connecting: gate::Gate::new(),
+            connects: AtomicU32::new(0),
             mr_table,
             mr_table_mem,
             mr_table_slots: slots,
@@ -425,12 +454,13 @@ impl Service {
             return Ok(Arc::clone(l));
         }
         crate::kmark!("link: connecting");
-        let _one = self.shared.connecting.lock();
+        let deadline = Instant::now() + timeout;
+        let _one = self.shared.connecting.enter(key, deadline)?;
         crate::kmark!("link: the connecting lock taken");
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
-        self.shared.connect(peer, index, path, timeout)
+        self.shared.connect(peer, index, path, deadline.saturating_duration_since(Instant::now()))
     }
 
     /// The path of a link to `peer` when the application names no GIDs:
@@ -725,7 +755,7 @@ impl Shared {
     /// One at a time, so that link requests arriving meanwhile are answered
     /// between two creations (each costs milliseconds in the kernel).
     fn refill_one(&self) -> bool {
-        if self.warm.lock().len() >= self.opts.warm_qps {
+        if self.connects.load(Ordering::Acquire) > 0 || self.warm.lock().len() >= self.opts.warm_qps {
             return false;
         }
         crate::kmark!("warm pool: refill (create + INIT)");
@@ -777,6 +807,7 @@ impl Shared {
     }
 
     fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration) -> Result<Arc<Link>> {
+        let _refill_later = Connecting::new(self);
         let deadline = Instant::now() + timeout;
         let src_gid = self.dev.gid(path.sgid_index).map_err(|_| Errno::EINVAL)?;
         let qp = self.take_warm()?;
@@ -1100,40 +1131,68 @@ impl Shared {
             }
         };
         let existing = self.links.lock().accepted.get(&(peer.incarnation, r.info.rc_qpn)).cloned();
-        let reply = match existing {
-            Some(l) => Ok(l),
-            None => self.accept(r, path),
-        };
-        let (ours, theirs) = (r.info.dst_gid, r.info.src_gid);
-        let reply = match reply {
-            Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link, ours, theirs) },
-            Err(e) => {
-                klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
-                LinkReply { req_id: r.req_id, status: e.0 as u32, info: self.info(0, 0, r.info.link, ours, theirs) }
+        match existing {
+            Some(l) => self.answer(r, path, Ok(&l)),
+            None => {
+                if let Err(e) = self.accept(r, path) {
+                    klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
+                    self.answer(r, path, Err(e));
+                }
             }
+        }
+    }
+
+    /// Reply to link request `r`: with our end of `link`, or the error.
+    fn answer(&self, r: &LinkRequest, path: Path, link: Result<&Link>) {
+        let (ours, theirs) = (r.info.dst_gid, r.info.src_gid);
+        let reply = match link {
+            Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link, ours, theirs) },
+            Err(e) => LinkReply { req_id: r.req_id, status: e.0 as u32, info: self.info(0, 0, r.info.link, ours, theirs) },
         };
         let mut msg = [0u8; LINK_LEN];
         reply.encode(&mut msg);
-        if let Err(e) = self.send_ud(path, peer.qpn, peer.qkey, &msg) {
+        if let Err(e) = self.send_ud(path, r.info.from.qpn, r.info.from.qkey, &msg) {
             klog!(Level::Warn, "service: cannot answer a link request: {e:?}");
         }
         crate::kmark!("link: reply {} sent", r.req_id);
     }
 
-    fn accept(&self, r: &LinkRequest, path: Path) -> Result<Arc<Link>> {
+    /// Make the link `r` asks for and answer. The reply goes as soon as
+    /// our QP is in RTR, where it already receives and answers (ACKs, READ
+    /// responses, atomics): the requester's RTR and RTS overlap our RTS.
+    /// Until RTS, the link's send lock is held, so nothing posts on a QP
+    /// that cannot send yet.
+    fn accept(&self, r: &LinkRequest, path: Path) -> Result<()> {
         let theirs = &r.info;
         let qp = self.take_warm()?;
         crate::kmark!("link: warm QP taken");
         let psn = rdma::random_psn();
-        qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
-        crate::kmark!("link: RTR + RTS");
+        qp.to_rtr(path.sgid_index, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        crate::kmark!("link: RTR");
         let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn)?);
         {
-            let mut links = self.links.lock();
-            links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
-            links.insert(LinkKey::of(&theirs.from, theirs.link, path), Arc::clone(&link), &self.me);
+            let _sends_wait = link.sq.lock();
+            {
+                let mut links = self.links.lock();
+                links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
+                links.insert(LinkKey::of(&theirs.from, theirs.link, path), Arc::clone(&link), &self.me);
+            }
+            self.answer(r, path, Ok(&link));
+            if let Err(e) = link.qp.to_rts(psn) {
+                // The peer has our reply: its operations on the link fail
+                // (RC retries) as if we had died, and it connects anew.
+                klog!(Level::Warn, "service: an accepted link's QP {} cannot go to RTS: {e:?}: it fails", link.qp.qpn());
+                link.failed.store(true, Ordering::Release);
+                let mut links = self.links.lock();
+                links.retire(&link);
+                links.by_qpn.remove(&link.qp.qpn());
+                drop(links);
+                let _ = link.qp.to_error();
+                return Ok(());
+            }
+            crate::kmark!("link: RTS");
         }
         self.new_link_made(&link);
-        Ok(link)
+        Ok(())
     }
 }
