@@ -68,8 +68,8 @@ SPANS = [
     ("reply handed to the waiting thread", 3, ("c", r"^link: reply \d+ received"), ("c", r"^link: reply \d+ taken")),
     ("client: RTR + RTS", 3, ("c", r"^link: reply \d+ taken"), ("c", r"^link: RTR \+ RTS")),
     ("first READ: post (the peer's MR table)", 1, ("c", r"^round: READ post called"), ("c", r"^round: READ posted")),
-    ("MR table header READ", 2, ("c", r"^control READ: \d+ bytes"), ("c", r"^control READ: completed")),
-    ("MR table slots READ", 2, ("c", r"^control READ: completed"), ("c", r"^control READ: completed")),
+    ("1st control READ (before: the MR table header; after: the rkey's slots)", 2, ("c", r"^control READ: \d+ bytes"), ("c", r"^control READ: completed")),
+    ("2nd control READ (before: the rkey's slots)", 2, ("c", r"^control READ: completed"), ("c", r"^control READ: completed")),
     ("first READ: completion", 1, ("c", r"^round: READ posted"), ("c", r"^round: READ completed")),
 ]
 

@@ -5,25 +5,25 @@
 
 use crate::error::{Errno, Result};
 use parking_lot::{Condvar, Mutex};
-use std::collections::HashSet;
-use std::hash::Hash;
 use std::time::Instant;
 
-/// The keys being connected now.
+/// The keys being connected now: a few at most (one per peer being
+/// connected at this moment), so a list, not a hash set (no hashing on the
+/// connect path).
 pub struct Gate<K> {
-    busy: Mutex<HashSet<K>>,
+    busy: Mutex<Vec<K>>,
     done: Condvar,
 }
 
 /// The right to connect `key`, until dropped.
-pub struct Pass<'a, K: Eq + Hash + Copy> {
+pub struct Pass<'a, K: Eq + Copy> {
     gate: &'a Gate<K>,
     key: K,
 }
 
-impl<K: Eq + Hash + Copy> Gate<K> {
+impl<K: Eq + Copy> Gate<K> {
     pub fn new() -> Gate<K> {
-        Gate { busy: Mutex::new(HashSet::new()), done: Condvar::new() }
+        Gate { busy: Mutex::new(Vec::new()), done: Condvar::new() }
     }
 
     /// Wait until nobody connects `key` (ETIMEDOUT after `deadline`), then
@@ -36,7 +36,7 @@ impl<K: Eq + Hash + Copy> Gate<K> {
                 return Err(Errno(libc::ETIMEDOUT));
             }
         }
-        busy.insert(key);
+        busy.push(key);
         Ok(Pass { gate: self, key })
     }
 
@@ -47,9 +47,9 @@ impl<K: Eq + Hash + Copy> Gate<K> {
     }
 }
 
-impl<K: Eq + Hash + Copy> Drop for Pass<'_, K> {
+impl<K: Eq + Copy> Drop for Pass<'_, K> {
     fn drop(&mut self) {
-        self.gate.busy.lock().remove(&self.key);
+        self.gate.busy.lock().retain(|k| *k != self.key);
         self.gate.done.notify_all();
     }
 }

@@ -9,9 +9,9 @@
 //! ```text
 //! initiator                                   responder (progress thread)
 //! take a warm QP (INIT)
-//! LinkRequest{rc_qpn, psn, MR table} --UD-->  take a warm QP, RTR + RTS
+//! LinkRequest{rc_qpn, psn, MR table} --UD-->  take a warm QP, RTR
 //!                                   <--UD--   LinkReply{rc_qpn, psn, MR table}
-//! RTR + RTS
+//! RTR + RTS                                   RTS (posts wait for it)
 //! ```
 //!
 //! Nothing on this path creates a QP: QPs wait in the pool already in INIT
