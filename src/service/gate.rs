@@ -5,7 +5,7 @@
 
 use crate::error::{Errno, Result};
 use parking_lot::{Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The keys being connected now: a few at most (one per peer being
 /// connected at this moment), so a list, not a hash set (no hashing on the
@@ -26,13 +26,16 @@ impl<K: Eq + Copy> Gate<K> {
         Gate { busy: Mutex::new(Vec::new()), done: Condvar::new() }
     }
 
-    /// Wait until nobody connects `key` (ETIMEDOUT after `deadline`), then
+    /// Wait until nobody connects `key` (ETIMEDOUT after `timeout`), then
     /// hold it. The caller looks for a link made meanwhile before it
-    /// connects.
-    pub fn enter(&self, key: K, deadline: Instant) -> Result<Pass<'_, K>> {
+    /// connects. The clock is read only when there is a wait (a clock
+    /// read costs microseconds under emulation).
+    pub fn enter(&self, key: K, timeout: Duration) -> Result<Pass<'_, K>> {
         let mut busy = self.busy.lock();
+        let mut deadline = None;
         while busy.contains(&key) {
-            if self.done.wait_until(&mut busy, deadline).timed_out() && busy.contains(&key) {
+            let until = *deadline.get_or_insert_with(|| Instant::now() + timeout);
+            if self.done.wait_until(&mut busy, until).timed_out() && busy.contains(&key) {
                 return Err(Errno(libc::ETIMEDOUT));
             }
         }
@@ -59,10 +62,9 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{mpsc, Arc};
-    use std::time::Duration;
 
-    fn soon() -> Instant {
-        Instant::now() + Duration::from_secs(10)
+    fn soon() -> Duration {
+        Duration::from_secs(10)
     }
 
     #[test]
@@ -71,7 +73,7 @@ mod tests {
         let a = g.enter(1u32, soon()).unwrap();
         // Entered at once although key 1 is held: a connect to another
         // peer does not wait for the one in progress.
-        let b = g.enter(2u32, Instant::now()).unwrap();
+        let b = g.enter(2u32, Duration::ZERO).unwrap();
         assert_eq!(g.held(), 2);
         drop(a);
         drop(b);
@@ -104,7 +106,7 @@ mod tests {
         let g = Gate::new();
         let _held = g.enter(3u32, soon()).unwrap();
         let t0 = Instant::now();
-        let e = g.enter(3u32, Instant::now() + Duration::from_millis(50)).err();
+        let e = g.enter(3u32, Duration::from_millis(50)).err();
         assert_eq!(e, Some(Errno(libc::ETIMEDOUT)));
         assert!(t0.elapsed() >= Duration::from_millis(50));
         assert_eq!(g.held(), 1);

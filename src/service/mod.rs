@@ -454,13 +454,14 @@ impl Service {
             return Ok(Arc::clone(l));
         }
         crate::kmark!("link: connecting");
-        let deadline = Instant::now() + timeout;
-        let _one = self.shared.connecting.enter(key, deadline)?;
+        // A connect that waited for another to the same key is bounded by
+        // `timeout` twice at most (the wait, then its own handshake).
+        let _one = self.shared.connecting.enter(key, timeout)?;
         crate::kmark!("link: the connecting lock taken");
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
-        self.shared.connect(peer, index, path, deadline.saturating_duration_since(Instant::now()))
+        self.shared.connect(peer, index, path, timeout)
     }
 
     /// The path of a link to `peer` when the application names no GIDs:
