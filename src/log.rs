@@ -57,6 +57,39 @@ pub fn write_line(level: Level, args: std::fmt::Arguments<'_>) {
     unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
 }
 
+/// CLOCK_MONOTONIC in microseconds: the clock of [`kmark!`] lines, one
+/// clock for every process of the machine, so that the lines of two peers
+/// (and a benchmark's own stamps) merge into one timeline.
+pub fn mono_us() -> u64 {
+    // SAFETY: a plain C struct, filled by the call.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to it.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
+}
+
+#[doc(hidden)]
+pub fn mark(args: std::fmt::Arguments<'_>) {
+    let t = mono_us();
+    let me = std::thread::current();
+    write_line(Level::Debug, format_args!("mark {t} {}: {args}", me.name().unwrap_or("app")));
+}
+
+/// `kmark!("fmt", args...)`: one point of the cold-path timeline (issue
+/// 19; `bench/coldpath.sh` reads them), a debug line
+/// `mark <CLOCK_MONOTONIC µs> <thread>: <what>`. Off unless
+/// `KRCORE_LOG=debug`; only on the control path (runtime start, link
+/// handshake, meta-server bootstrap and lookups, control READs), never per
+/// data-path operation.
+#[macro_export]
+macro_rules! kmark {
+    ($($arg:tt)*) => {
+        if $crate::log::enabled($crate::log::Level::Debug) {
+            $crate::log::mark(format_args!($($arg)*));
+        }
+    };
+}
+
 /// `klog!(Level::Info, "fmt", args...)`
 #[macro_export]
 macro_rules! klog {

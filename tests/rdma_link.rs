@@ -197,3 +197,105 @@ fn peer() {
         }
     }
 }
+
+/// What a link's responder relies on when it replies before its RTS
+/// (issue 19): an RC QP in RTR already answers the peer's READs and takes
+/// its SENDs, so the requester may use the link as soon as it has the
+/// reply. Two QPs of this process on nodes 2 and 3; `rtr` stays in RTR
+/// throughout; `rts` READs 4 KiB of it (checked byte for byte) and SENDs
+/// into it (the message checked where it landed).
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_qp_in_rtr_answers_reads_and_takes_sends() {
+    use krcore::rdma::{Caps, Cq, Qp, RcPeer};
+    let dev = device();
+    let gi = |node: u8| dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, node))).expect("node GID");
+    let (g2, g3) = (gi(2), gi(3));
+    let cq = Arc::new(Cq::new(&dev, 16).unwrap());
+    let caps = Caps { send_wr: 4, recv_wr: 4, send_sge: 1, recv_sge: 1, inline: 0 };
+    let rtr = Qp::new(&dev, ibv_qp_type::IBV_QPT_RC, &cq, &cq, caps).unwrap();
+    let rts = Qp::new(&dev, ibv_qp_type::IBV_QPT_RC, &cq, &cq, caps).unwrap();
+    rtr.to_init().unwrap();
+    rts.to_init().unwrap();
+    let (psn_rtr, psn_rts) = (0x1234, 0x5678);
+    rtr.to_rtr(g2, &RcPeer { gid: dev.gid(g3).unwrap(), qpn: rts.qpn(), psn: psn_rts }).unwrap();
+    rts.rc_connect(g3, psn_rts, &RcPeer { gid: dev.gid(g2).unwrap(), qpn: rtr.qpn(), psn: psn_rtr }).unwrap();
+
+    let access = krcore::rdma::LOCAL_WRITE | krcore::rdma::REMOTE_READ;
+    let src = Region::new(&dev, 4096, access).unwrap();
+    let dst = Region::new(&dev, 4096, krcore::rdma::LOCAL_WRITE).unwrap();
+    let pattern = |i: usize| (i as u8).wrapping_mul(31) ^ 0x5a;
+    // SAFETY: our regions, nothing posted on them yet.
+    unsafe { src.bytes_mut(0, 4096) }.iter_mut().enumerate().for_each(|(i, b)| *b = pattern(i));
+    // SAFETY: as above.
+    unsafe { dst.bytes_mut(0, 4096) }.fill(0);
+
+    // A receive on the QP in RTR, into the second half of `src`.
+    let mut rsge = src.sge(2048, 64);
+    // SAFETY: a plain C struct.
+    let mut rwr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+    rwr.wr_id = 20;
+    rwr.sg_list = &mut rsge;
+    rwr.num_sge = 1;
+    // SAFETY: one WR into our registered buffer.
+    unsafe { rtr.post_recv(&mut rwr) }.expect("post a receive on the QP in RTR");
+
+    let wait = |wr_id: u64, opcode: u32| {
+        // SAFETY: plain C data.
+        let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
+        let t0 = Instant::now();
+        while cq.poll(&mut wc).unwrap() == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no completion for wr_id {wr_id}");
+        }
+        assert_eq!(wc[0].status, ibv_wc_status::IBV_WC_SUCCESS, "wr_id {wr_id}: status");
+        assert_eq!((wc[0].wr_id, wc[0].opcode), (wr_id, opcode));
+    };
+
+    // The READ, answered by the QP in RTR.
+    let mut sge = dst.sge(0, 2048);
+    // SAFETY: a plain C struct.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = 10;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.wr.rdma.remote_addr = src.addr();
+    wr.wr.rdma.rkey = src.rkey();
+    // SAFETY: one WR into our registered buffer.
+    unsafe { rts.post_send(&mut wr) }.expect("post the READ");
+    wait(10, ibv_wc_opcode::IBV_WC_RDMA_READ);
+    // SAFETY: the READ completed.
+    let got = unsafe { dst.bytes(0, 2048) };
+    assert!(got.iter().enumerate().all(|(i, &b)| b == pattern(i)), "the READ from the QP in RTR returned other bytes");
+
+    // The SEND, taken by the QP in RTR: the first 64 bytes READ just now.
+    let mut sge = dst.sge(0, 64);
+    // SAFETY: a plain C struct.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = 11;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+    wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    // SAFETY: one WR from our registered buffer.
+    unsafe { rts.post_send(&mut wr) }.expect("post the SEND");
+    // Both completions on the shared CQ, in either order.
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        // SAFETY: plain C data.
+        let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
+        let t0 = Instant::now();
+        while cq.poll(&mut wc).unwrap() == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no completion of the SEND or its receive");
+        }
+        assert_eq!(wc[0].status, ibv_wc_status::IBV_WC_SUCCESS, "wr_id {}: status", wc[0].wr_id);
+        seen.push((wc[0].wr_id, wc[0].opcode, wc[0].byte_len));
+    }
+    seen.sort();
+    assert_eq!(seen[0].0, 11);
+    assert_eq!(seen[1], (20, ibv_wc_opcode::IBV_WC_RECV, 64));
+    // SAFETY: the receive completed.
+    let landed = unsafe { src.bytes(2048, 64) };
+    assert!(landed.iter().enumerate().all(|(i, &b)| b == pattern(i)), "the SEND landed other bytes");
+}

@@ -352,7 +352,9 @@ impl MetaClient {
     /// drops it within milliseconds.
     pub fn lookup_fresh(&self, key: &Key) -> Result<Option<Endpoint>> {
         let old = self.cache.lock().remove(key);
+        crate::kmark!("meta: lookup (READ)");
         let now = self.lookup(key)?;
+        crate::kmark!("meta: lookup done");
         if let Some(old) = old.filter(|o| now != Some(*o)) {
             self.forget_process(old.incarnation);
         }
@@ -783,6 +785,7 @@ fn background(me: &Weak<MetaClient>) {
 impl Conn {
     fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration) -> Result<Conn> {
         let mut tcp = TcpStream::connect_timeout(&addr, timeout)?;
+        crate::kmark!("meta: TCP connected to {addr}");
         tcp.set_read_timeout(Some(timeout))?;
         let _ = tcp.set_nodelay(true);
         let cq = Arc::new(Cq::new(dev, 2 * PIPELINE as u32)?);
@@ -790,6 +793,7 @@ impl Conn {
         let qp = Qp::new(dev, ibv_qp_type::IBV_QPT_RC, &cq, &cq, caps)?;
         qp.to_init()?;
         let bufs = Region::new(dev, BUFS_LEN, rdma::LOCAL_WRITE)?;
+        crate::kmark!("meta: CQ, QP (INIT) and buffers made");
         let psn = rdma::random_psn();
         let hello = Hello { gid: dev.gid(sgid_index)?, qpn: qp.qpn(), psn };
         let mut out = [0u8; proto::BOOT_LEN];
@@ -797,11 +801,13 @@ impl Conn {
         tcp.write_all(&out)?;
         let mut buf = [0u8; proto::BOOT_LEN];
         tcp.read_exact(&mut buf)?;
+        crate::kmark!("meta: welcome received (TCP round trip)");
         let w = Welcome::decode(&buf)?;
         if w.status != 0 {
             return Err(Errno(w.status as i32));
         }
         qp.rc_connect(sgid_index, psn, &RcPeer { gid: w.gid, qpn: w.qpn, psn: w.psn })?;
+        crate::kmark!("meta: QP RTR + RTS");
         let mut c = Conn {
             tcp,
             cq,
@@ -819,6 +825,7 @@ impl Conn {
         // The header, once: it says how to find a key's neighborhood.
         let up = AtomicU8::new(REPOPULATING);
         c.read(0, HEADER_SIZE, timeout, &up)?;
+        crate::kmark!("meta: table header READ");
         // SAFETY: the READ completed; nothing else writes the buffer.
         let table = RemoteEndpointTable::parse(unsafe { c.bufs.bytes(READ_OFF, HEADER_SIZE) })?;
         if table.nslots() != w.table_slots || table.incarnation() != w.incarnation {

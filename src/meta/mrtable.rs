@@ -120,6 +120,27 @@ mod tests {
         assert_eq!(slot[56..], 0xe24d_d412_7787_1249u64.to_le_bytes());
     }
 
+    /// What a link's handshake says (slots, incarnation) finds every MR
+    /// as the header READ did: the first post needs no READ of the header.
+    #[test]
+    fn a_table_known_from_the_link_finds_what_the_header_finds() {
+        let mut buf = Vec::new();
+        let mut table = MrTable::init(aligned(&mut buf, MrTable::bytes_for(37)), 37, 0x5eed).unwrap();
+        let parsed = RemoteMrTable::parse(table.as_bytes()).unwrap();
+        let known = RemoteMrTable::known(37, 0x5eed).unwrap();
+        assert_eq!(known, parsed);
+        for rkey in (0..30).map(|i| (i << 8) | 0x11) {
+            table.insert(rkey, mr(u64::from(rkey & 7))).unwrap();
+        }
+        for rkey in (0..40).map(|i| (i << 8) | 0x11) {
+            assert_eq!(known.neighborhood(rkey), parsed.neighborhood(rkey));
+            let bytes = read(&table, &known, rkey);
+            let expected = (rkey >> 8 < 30).then(|| mr(u64::from(rkey & 7)));
+            assert_eq!(known.lookup_in(bytes, rkey), expected.map_or(Lookup::Absent, Lookup::Found));
+        }
+        assert_eq!(RemoteMrTable::known(0, 1), Err(Errno(libc::EPROTO)));
+    }
+
     #[test]
     fn tables_of_other_kinds_are_rejected() {
         let mut buf = Vec::new();

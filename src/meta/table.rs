@@ -314,6 +314,20 @@ impl<S: Schema> RemoteTable<S> {
         Ok(RemoteTable { nslots, incarnation, schema: PhantomData })
     }
 
+    /// The view of a table whose size and incarnation its owner told us
+    /// some other way (a link message carries its MR table's slots, and
+    /// the incarnation the table was laid out with is the endpoint's), so
+    /// that the first lookup needs no READ of the header. The layout is
+    /// this library's: a peer speaking the same link protocol version
+    /// lays its table out the same way. EPROTO for zero slots.
+    pub fn known(nslots: u32, incarnation: u64) -> Result<Self> {
+        let () = SchemaCheck::<S>::VALID;
+        if nslots == 0 {
+            return Err(Errno(libc::EPROTO));
+        }
+        Ok(RemoteTable { nslots, incarnation, schema: PhantomData })
+    }
+
     /// Home slots (the region is `Table::bytes_for(nslots)` bytes).
     pub fn nslots(&self) -> u32 {
         self.nslots

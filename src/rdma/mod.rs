@@ -594,6 +594,13 @@ impl Qp {
 
     /// INIT -> RTR -> RTS towards `peer`, from our GID at `sgid_index`.
     pub fn rc_connect(&self, sgid_index: u32, my_psn: u32, peer: &RcPeer) -> Result<()> {
+        self.to_rtr(sgid_index, peer)?;
+        self.to_rts(my_psn)
+    }
+
+    /// INIT -> RTR towards `peer`, from our GID at `sgid_index`: the QP
+    /// receives and answers (ACKs, READ responses, atomics) from here on.
+    pub fn to_rtr(&self, sgid_index: u32, peer: &RcPeer) -> Result<()> {
         // SAFETY: a plain C struct.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTR;
@@ -612,7 +619,11 @@ impl Qp {
                 | M::IBV_QP_RQ_PSN.0
                 | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
                 | M::IBV_QP_MIN_RNR_TIMER.0,
-        )?;
+        )
+    }
+
+    /// RTR -> RTS, sending from PSN `my_psn`.
+    pub fn to_rts(&self, my_psn: u32) -> Result<()> {
         // SAFETY: a plain C struct.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;

@@ -9,9 +9,9 @@
 //! ```text
 //! initiator                                   responder (progress thread)
 //! take a warm QP (INIT)
-//! LinkRequest{rc_qpn, psn, MR table} --UD-->  take a warm QP, RTR + RTS
+//! LinkRequest{rc_qpn, psn, MR table} --UD-->  take a warm QP, RTR
 //!                                   <--UD--   LinkReply{rc_qpn, psn, MR table}
-//! RTR + RTS
+//! RTR + RTS                                   RTS (posts wait for it)
 //! ```
 //!
 //! Nothing on this path creates a QP: QPs wait in the pool already in INIT
@@ -25,6 +25,8 @@
 //! One progress thread per endpoint answers peers while the application
 //! is busy elsewhere. It sleeps in `poll(2)` on the UD completion channel
 //! and an eventfd (refill, stop), never spinning.
+
+mod gate;
 
 use crate::error::{Errno, Result};
 use crate::klog;
@@ -269,6 +271,25 @@ impl Links {
     }
 }
 
+/// One of our connects in progress ([`Shared::connects`]).
+struct Connecting<'a>(&'a Shared);
+
+impl<'a> Connecting<'a> {
+    fn new(s: &'a Shared) -> Connecting<'a> {
+        s.connects.fetch_add(1, Ordering::AcqRel);
+        Connecting(s)
+    }
+}
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        if self.0.connects.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // The refills put off meanwhile.
+            self.0.kick();
+        }
+    }
+}
+
 /// State shared with the progress thread.
 struct Shared {
     dev: Arc<Device>,
@@ -299,8 +320,15 @@ struct Shared {
     replies: Mutex<HashMap<u32, Option<LinkReply>>>,
     reply_ready: Condvar,
     next_req: AtomicU32,
-    /// Cold connects one at a time: each is milliseconds of QP modifies.
-    connecting: Mutex<()>,
+    /// Cold connects one at a time per link key (a second connect to the
+    /// same key waits and takes the link the first made); connects to
+    /// different peers run side by side.
+    connecting: gate::Gate<LinkKey>,
+    /// Our connects waiting for a reply or finishing their RTR and RTS:
+    /// the progress thread refills the warm pool only when there are none
+    /// (a refill is milliseconds of kernel work, which would stand between
+    /// a connect and its reply), and is kicked when the last one ends.
+    connects: AtomicU32,
     /// Declared before `mr_table_mem`, whose memory it points into, so
     /// that it is dropped first.
     mr_table: Mutex<MrTable<'static>>,
@@ -346,6 +374,7 @@ impl Service {
             return Err(Errno::EOPNOTSUPP);
         }
         ud.ud_ready()?;
+        crate::kmark!("service: UD CQ and QP (RTS) made");
         let ud_bufs = Region::new(dev, UD_RECVS * UD_SLOT, rdma::LOCAL_WRITE)?;
         let link_cq = Arc::new(Cq::new(dev, 4096)?);
         let recv_cq = Arc::new(Cq::new(dev, opts.srq_wr.max(64))?);
@@ -360,6 +389,7 @@ impl Service {
         // `mr_table` writes it, the NIC reads it.
         let mem = unsafe { std::slice::from_raw_parts_mut(mr_table_mem.ptr(), len) };
         let mr_table = Mutex::new(MrTable::init(mem, slots, incarnation)?);
+        crate::kmark!("service: UD buffers, link CQs, SRQ, MR table registered");
         // SAFETY: plain syscall.
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
@@ -384,7 +414,8 @@ impl Service {
             replies: Mutex::new(HashMap::new()),
             reply_ready: Condvar::new(),
             next_req: AtomicU32::new(1),
-            connecting: Mutex::new(()),
+            connecting: gate::Gate::new(),
+            connects: AtomicU32::new(0),
             mr_table,
             mr_table_mem,
             mr_table_slots: slots,
@@ -423,7 +454,11 @@ impl Service {
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
-        let _one = self.shared.connecting.lock();
+        crate::kmark!("link: connecting");
+        // A connect that waited for another to the same key is bounded by
+        // `timeout` twice at most (the wait, then its own handshake).
+        let _one = self.shared.connecting.enter(key, timeout)?;
+        crate::kmark!("link: the connecting lock taken");
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
@@ -722,10 +757,13 @@ impl Shared {
     /// One at a time, so that link requests arriving meanwhile are answered
     /// between two creations (each costs milliseconds in the kernel).
     fn refill_one(&self) -> bool {
-        if self.warm.lock().len() >= self.opts.warm_qps {
+        if self.connects.load(Ordering::Acquire) > 0 || self.warm.lock().len() >= self.opts.warm_qps {
             return false;
         }
-        match self.new_link_qp() {
+        crate::kmark!("warm pool: refill (create + INIT)");
+        let made = self.new_link_qp();
+        crate::kmark!("warm pool: refilled");
+        match made {
             Ok(qp) => {
                 let mut w = self.warm.lock();
                 w.push(qp);
@@ -750,10 +788,12 @@ impl Shared {
     fn await_reply(&self, peer: &Endpoint, path: Path, req_id: u32, msg: &[u8; LINK_LEN], deadline: Instant) -> Result<LinkReply> {
         loop {
             self.send_ud(path, peer.qpn, peer.qkey, msg)?;
+            crate::kmark!("link: request {req_id} sent");
             let until = (Instant::now() + RETRANSMIT).min(deadline);
             let mut replies = self.replies.lock();
             loop {
                 if let Some(r) = replies.get_mut(&req_id).and_then(Option::take) {
+                    crate::kmark!("link: reply {req_id} taken by its waiter");
                     return Ok(r);
                 }
                 if Instant::now() >= until {
@@ -769,9 +809,11 @@ impl Shared {
     }
 
     fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration) -> Result<Arc<Link>> {
+        let _refill_later = Connecting::new(self);
         let deadline = Instant::now() + timeout;
         let src_gid = self.dev.gid(path.sgid_index).map_err(|_| Errno::EINVAL)?;
         let qp = self.take_warm()?;
+        crate::kmark!("link: warm QP taken");
         let psn = rdma::random_psn();
         let req_id = self.next_req.fetch_add(1, Ordering::Relaxed);
         let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index, src_gid, path.dgid) };
@@ -789,6 +831,7 @@ impl Shared {
             return Err(Errno(libc::ECONNREFUSED));
         }
         qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        crate::kmark!("link: RTR + RTS");
         let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn)?);
         // A link the peer asked for meanwhile may serve this key instead:
         // ours is kept until closed (the peer may send on its other end),
@@ -929,6 +972,13 @@ impl Shared {
             });
             // SAFETY: four valid pollfds.
             unsafe { libc::poll(fds.as_mut_ptr(), 4, timeout) };
+            crate::kmark!(
+                "progress: woke (UD {}, kick {}, links {}, messages {})",
+                fds[0].revents,
+                fds[1].revents,
+                fds[2].revents,
+                fds[3].revents
+            );
             self.run_due();
             let due = recheck.is_some_and(|at| at <= Instant::now());
             if fds[3].revents != 0 || due {
@@ -1050,8 +1100,12 @@ impl Shared {
             // SAFETY: this slot's receive completed; it is reposted below.
             let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * UD_SLOT + GRH, LINK_LEN) });
             match msg {
-                Ok(LinkMessage::Request(r)) => self.on_request(&r),
+                Ok(LinkMessage::Request(r)) => {
+                    crate::kmark!("link: request {} received", r.req_id);
+                    self.on_request(&r)
+                }
                 Ok(LinkMessage::Reply(r)) => {
+                    crate::kmark!("link: reply {} received", r.req_id);
                     if let Some(slot) = self.replies.lock().get_mut(&r.req_id) {
                         *slot = Some(r);
                     }
@@ -1079,37 +1133,68 @@ impl Shared {
             }
         };
         let existing = self.links.lock().accepted.get(&(peer.incarnation, r.info.rc_qpn)).cloned();
-        let reply = match existing {
-            Some(l) => Ok(l),
-            None => self.accept(r, path),
-        };
-        let (ours, theirs) = (r.info.dst_gid, r.info.src_gid);
-        let reply = match reply {
-            Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link, ours, theirs) },
-            Err(e) => {
-                klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
-                LinkReply { req_id: r.req_id, status: e.0 as u32, info: self.info(0, 0, r.info.link, ours, theirs) }
+        match existing {
+            Some(l) => self.answer(r, path, Ok(&l)),
+            None => {
+                if let Err(e) = self.accept(r, path) {
+                    klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
+                    self.answer(r, path, Err(e));
+                }
             }
-        };
-        let mut msg = [0u8; LINK_LEN];
-        reply.encode(&mut msg);
-        if let Err(e) = self.send_ud(path, peer.qpn, peer.qkey, &msg) {
-            klog!(Level::Warn, "service: cannot answer a link request: {e:?}");
         }
     }
 
-    fn accept(&self, r: &LinkRequest, path: Path) -> Result<Arc<Link>> {
+    /// Reply to link request `r`: with our end of `link`, or the error.
+    fn answer(&self, r: &LinkRequest, path: Path, link: Result<&Link>) {
+        let (ours, theirs) = (r.info.dst_gid, r.info.src_gid);
+        let reply = match link {
+            Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link, ours, theirs) },
+            Err(e) => LinkReply { req_id: r.req_id, status: e.0 as u32, info: self.info(0, 0, r.info.link, ours, theirs) },
+        };
+        let mut msg = [0u8; LINK_LEN];
+        reply.encode(&mut msg);
+        if let Err(e) = self.send_ud(path, r.info.from.qpn, r.info.from.qkey, &msg) {
+            klog!(Level::Warn, "service: cannot answer a link request: {e:?}");
+        }
+        crate::kmark!("link: reply {} sent", r.req_id);
+    }
+
+    /// Make the link `r` asks for and answer. The reply goes as soon as
+    /// our QP is in RTR, where it already receives and answers (ACKs, READ
+    /// responses, atomics): the requester's RTR and RTS overlap our RTS.
+    /// Until RTS, the link's send lock is held, so nothing posts on a QP
+    /// that cannot send yet.
+    fn accept(&self, r: &LinkRequest, path: Path) -> Result<()> {
         let theirs = &r.info;
         let qp = self.take_warm()?;
+        crate::kmark!("link: warm QP taken");
         let psn = rdma::random_psn();
-        qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        qp.to_rtr(path.sgid_index, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
+        crate::kmark!("link: RTR");
         let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn)?);
         {
-            let mut links = self.links.lock();
-            links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
-            links.insert(LinkKey::of(&theirs.from, theirs.link, path), Arc::clone(&link), &self.me);
+            let _sends_wait = link.sq.lock();
+            {
+                let mut links = self.links.lock();
+                links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
+                links.insert(LinkKey::of(&theirs.from, theirs.link, path), Arc::clone(&link), &self.me);
+            }
+            self.answer(r, path, Ok(&link));
+            if let Err(e) = link.qp.to_rts(psn) {
+                // The peer has our reply: its operations on the link fail
+                // (RC retries) as if we had died, and it connects anew.
+                klog!(Level::Warn, "service: an accepted link's QP {} cannot go to RTS: {e:?}: it fails", link.qp.qpn());
+                link.failed.store(true, Ordering::Release);
+                let mut links = self.links.lock();
+                links.retire(&link);
+                links.by_qpn.remove(&link.qp.qpn());
+                drop(links);
+                let _ = link.qp.to_error();
+                return Ok(());
+            }
+            crate::kmark!("link: RTS");
         }
         self.new_link_made(&link);
-        Ok(link)
+        Ok(())
     }
 }

@@ -39,7 +39,10 @@ pub unsafe fn qbind(qp: *mut ibv_qp, gid: [u8; 16], port: c_int) -> Result<c_int
 pub unsafe fn qconnect(qp: *mut ibv_qp, gid: [u8; 16], port: c_int) -> Result<c_int> {
     // SAFETY: caller contract.
     let v = unsafe { vqp_of(qp) }?;
-    v.connect(gid, port_of(port)?)?;
+    crate::kmark!("qconnect: start (port {port})");
+    let r = v.connect(gid, port_of(port)?);
+    crate::kmark!("qconnect: done ({:?})", r.as_ref().err());
+    r?;
     // SAFETY: as above.
     unsafe { (*qp).state = ibv_qp_state::IBV_QPS_RTS };
     Ok(0)

@@ -31,7 +31,7 @@ use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
 use crate::meta::mrtable::RemoteMrTable;
-use crate::meta::table::{Lookup, HEADER_SIZE};
+use crate::meta::table::Lookup;
 use crate::meta::Endpoint;
 use crate::rdma::{self, Region};
 use crate::service::{Link, Path};
@@ -1246,14 +1246,14 @@ impl Vqp {
     fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32) -> Result<bool> {
         let pm = self.peer_mrs.get().ok_or(Errno::EINVAL)?;
         let scratch = rt.scratch.lock();
-        let (addr, trkey, _) = link.peer_mr_table;
+        let (addr, trkey, slots) = link.peer_mr_table;
         let cached = pm.lock().table;
         let table = match cached {
             Some(t) => t,
             None => {
-                rt.control_read(link, &scratch, addr, trkey, HEADER_SIZE)?;
-                // SAFETY: the READ completed; the scratch is ours while locked.
-                let t = RemoteMrTable::parse(unsafe { scratch.bytes(0, HEADER_SIZE) })?;
+                // The link's handshake told us what the header holds: no
+                // READ of it (one round trip less on the first post).
+                let t = RemoteMrTable::known(slots, link.peer.incarnation)?;
                 pm.lock().table = Some(t);
                 t
             }

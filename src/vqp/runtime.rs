@@ -596,12 +596,16 @@ fn start_meta(dev: &Arc<Device>, gid_index: u32) -> Option<MetaStart> {
     let spec = crate::config::get().meta.as_deref()?;
     let dev = Arc::clone(dev);
     let spec = spec.to_string();
-    let body = move || MetaClient::connect(&dev, gid_index, &client::parse_addrs(&spec)?, meta_options());
+    let body = move || connect_meta(&dev, gid_index, &client::parse_addrs(&spec)?);
     std::thread::Builder::new().name("krcore-meta-connect".into()).spawn(body).ok()
 }
 
-fn meta_options() -> client::Options {
-    client::Options { timeout: connect_timeout(), lease: Duration::from_millis(crate::config::get().meta_lease_ms) }
+fn connect_meta(dev: &Arc<Device>, gid_index: u32, addrs: &[std::net::SocketAddr]) -> Result<Arc<MetaClient>> {
+    let opts = client::Options { timeout: connect_timeout(), lease: Duration::from_millis(crate::config::get().meta_lease_ms) };
+    crate::kmark!("meta: connecting");
+    let c = MetaClient::connect(dev, gid_index, addrs, opts);
+    crate::kmark!("meta: connected");
+    c
 }
 
 /// `KRCORE_CONNECT_TIMEOUT_MS`: the bound on every wait for a peer or the
@@ -622,18 +626,21 @@ impl Runtime {
         if let Some(rt) = map.get(&(pd as usize)) {
             return Ok(Arc::clone(rt));
         }
+        crate::kmark!("runtime: start");
         // SAFETY: caller contract.
         let dev = unsafe { Device::borrow(ctx, pd) }?;
         let gi = match gid_index.or(crate::config::get().gid_index) {
             Some(i) => i,
             None => Runtime::home_gid_index(&dev)?,
         };
+        crate::kmark!("runtime: device borrowed, GID index {gi}");
         let meta_start = start_meta(&dev, gi);
         let svc = Service::start(&dev, gi, service::Options::default())?;
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
         let hdr_arena = Arc::new(HdrArena::new(&dev)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
+        crate::kmark!("runtime: receive buffers, header arena, scratch and probe registered");
         let rt = Arc::new(Runtime {
             pd: pd as usize,
             hdr_arenas: Mutex::new(vec![hdr_arena]),
@@ -701,6 +708,7 @@ impl Runtime {
         }));
         Runtime::schedule_maintenance(&rt);
         map.insert(pd as usize, Arc::clone(&rt));
+        crate::kmark!("runtime: started (receives posted)");
         Ok(rt)
     }
 
@@ -989,7 +997,7 @@ impl Runtime {
                     return Err(Errno(libc::ENOTCONN));
                 };
                 let addrs = client::parse_addrs(spec)?;
-                MetaClient::connect(self.svc.device(), self.svc.gid_index(), &addrs, meta_options())
+                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs)
             })
             .cloned()
     }
@@ -1258,6 +1266,7 @@ impl Runtime {
     /// READ `len` bytes at (addr, rkey) of the peer behind `link` into
     /// `dst` (a library region), waiting for it.
     pub fn control_read(&self, link: &service::Link, dst: &Region, addr: u64, rkey: u32, len: usize) -> Result<()> {
+        crate::kmark!("control READ: {len} bytes from the peer");
         let tag = self.next_tag();
         let mut sge = dst.sge(0, len);
         let mut wr = control_read_wr(tag, &mut sge, addr, rkey);
@@ -1295,6 +1304,7 @@ impl Runtime {
         loop {
             self.progress();
             if let Some(status) = self.control.lock().remove(&tag) {
+                crate::kmark!("control READ: completed");
                 return if status == ibv_wc_status::IBV_WC_SUCCESS { Ok(()) } else { Err(Errno(libc::EIO)) };
             }
             if std::time::Instant::now() > deadline {
