@@ -47,6 +47,10 @@ SPANS = [
     ("service: UD buffers, link CQs, SRQ, MR table registered", 3, ("c", r"^service: UD CQ and QP"), ("c", r"^service: UD buffers")),
     ("service: warm pool (4 x create + INIT)", 3, ("c", r"^service: UD buffers"), ("c", r"^service: warm pool filled")),
     ("runtime: receive buffers, header arena, scratch, probe registered", 3, ("c", r"^service: warm pool filled"), ("c", r"^runtime: receive buffers")),
+    # Since the lazy start the pool fills on the progress thread: no
+    # "warm pool filled" mark, the buffers follow the service at once.
+    ("service ready -> receive buffers registered (before the lazy start: with the warm pool)", 3,
+     ("c", r"^service: UD buffers"), ("c", r"^runtime: receive buffers")),
     ("runtime: SRQ receives posted, handlers", 3, ("c", r"^runtime: receive buffers"), ("c", r"^runtime: started")),
     ("meta-server bootstrap", 2, ("c", r"^meta: connecting"), ("c", r"^meta: connected")),
     ("TCP connect", 3, ("c", r"^meta: connecting"), ("c", r"^meta: TCP connected")),
