@@ -407,6 +407,10 @@ impl CqSoft {
 /// on its first send.
 pub const HDR_SLOT: usize = HEADER_LEN + super::qp::MAX_INLINE as usize;
 const HDR_ARENA_SLOTS: u32 = 8192;
+/// The arena made with the runtime is small (a few VQPs' worth): the
+/// start registers it in front of the first operation; the next ones, made
+/// as VQPs need them, are full size.
+const FIRST_HDR_ARENA_SLOTS: u32 = 512;
 
 /// A registered arena of header slots and its free ranges.
 pub struct HdrArena {
@@ -415,11 +419,8 @@ pub struct HdrArena {
 }
 
 impl HdrArena {
-    fn new(dev: &Arc<Device>) -> Result<HdrArena> {
-        Ok(HdrArena {
-            region: Region::new(dev, HDR_ARENA_SLOTS as usize * HDR_SLOT, rdma::LOCAL_WRITE)?,
-            free: Mutex::new(Ranges::new(HDR_ARENA_SLOTS)),
-        })
+    fn new(dev: &Arc<Device>, slots: u32) -> Result<HdrArena> {
+        Ok(HdrArena { region: Region::new(dev, slots as usize * HDR_SLOT, rdma::LOCAL_WRITE)?, free: Mutex::new(Ranges::new(slots)) })
     }
 
     pub fn free(&self, start: u32, n: u32) {
@@ -637,7 +638,7 @@ impl Runtime {
         let meta_start = start_meta(&dev, gi);
         let svc = Service::start(&dev, gi, service::Options::default())?;
         let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
-        let hdr_arena = Arc::new(HdrArena::new(&dev)?);
+        let hdr_arena = Arc::new(HdrArena::new(&dev, FIRST_HDR_ARENA_SLOTS)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
         crate::kmark!("runtime: receive buffers, header arena, scratch and probe registered");
@@ -1015,7 +1016,7 @@ impl Runtime {
                 return Ok(Some((Arc::clone(a), start)));
             }
         }
-        let a = Arc::new(HdrArena::new(self.svc.device())?);
+        let a = Arc::new(HdrArena::new(self.svc.device(), HDR_ARENA_SLOTS)?);
         let start = a.free.lock().alloc(n);
         arenas.push(Arc::clone(&a));
         Ok(start.map(|s| (a, s)))
