@@ -27,6 +27,10 @@
 //! and an eventfd (refill, stop), never spinning.
 
 mod gate;
+mod link;
+
+pub use link::{Link, Path};
+use link::{LinkKey, Links};
 
 use crate::error::{Errno, Result};
 use crate::klog;
@@ -36,11 +40,9 @@ use crate::meta::proto::{LinkInfo, LinkMessage, LinkReply, LinkRequest, LINK_LEN
 use crate::meta::Endpoint;
 use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region, Srq};
 use crate::sys::*;
-use crate::vqp::queue::PhysSq;
 use parking_lot::{Condvar, Mutex};
-use rustc_hash::FxHashMap;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -77,199 +79,6 @@ pub const LINK_SEND_SGE: u32 = 4;
 /// Inline bytes of a link's send WRs: a bare message header (a DONE) needs
 /// no registered memory.
 pub const LINK_INLINE: u32 = crate::vqp::header::HEADER_LEN as u32;
-
-/// The two GIDs a link runs between: ours (by index) and the peer's.
-/// By default our home GID and the peer endpoint's; a transparent VQP's
-/// are the ones its application gave at RTR (`sgid_index`, `dgid`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub struct Path {
-    pub sgid_index: u32,
-    pub dgid: Gid,
-}
-
-/// An RC connection to one peer process, shared by every VQP that talks to
-/// it.
-pub struct Link {
-    pub qp: Qp,
-    pub peer: Endpoint,
-    pub index: u16,
-    pub path: Path,
-    /// The peer's MR table: READ it to check remote addresses and keys.
-    pub peer_mr_table: (u64, u32, u32),
-    /// We sent the request (else the peer did).
-    pub initiated: bool,
-    /// The PSN our side starts sending with (told to the peer).
-    psn: u32,
-    /// Overflow accounting of the send queue; held while posting, so that
-    /// decisions are in posting order.
-    pub sq: Mutex<PhysSq>,
-    /// An error completion came on it (the peer died or is unreachable):
-    /// it is out of the tables that hand links out, never posted on again.
-    failed: AtomicBool,
-    /// Being closed (reclaim, or a duplicate): handed out no more; VQPs
-    /// move to a new link once every WQE of theirs on it completed.
-    closing: AtomicBool,
-    /// Our LINK_CLOSE was posted / its completion seen / the peer's came.
-    pub close_posted: AtomicBool,
-    pub close_done: AtomicBool,
-    pub close_heard: AtomicBool,
-    /// This process posted on it since the last maintenance tick; the tick
-    /// turns that into `last_used` (`coarse_ms`), for LRU reclaim: no clock
-    /// read on the data path.
-    used: AtomicBool,
-    last_used: AtomicU64,
-    /// When it began closing (`coarse_ms`).
-    close_started: AtomicU64,
-}
-
-impl Link {
-    fn new(qp: Qp, peer: Endpoint, index: u16, path: Path, theirs: &LinkInfo, initiated: bool, psn: u32) -> Result<Link> {
-        let qp_depth = qp.caps.send_wr;
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
-        Ok(Link {
-            qp,
-            peer,
-            index,
-            path,
-            peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
-            initiated,
-            psn,
-            sq: Mutex::new(PhysSq::new(qp_depth)?),
-            failed: AtomicBool::new(false),
-            closing: AtomicBool::new(false),
-            close_posted: AtomicBool::new(false),
-            close_done: AtomicBool::new(false),
-            close_heard: AtomicBool::new(false),
-            used: AtomicBool::new(false),
-            last_used: AtomicU64::new(crate::vqp::runtime::coarse_ms()),
-            close_started: AtomicU64::new(0),
-        })
-    }
-
-    pub fn is_failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
-    }
-
-    pub fn is_closing(&self) -> bool {
-        self.closing.load(Ordering::Acquire)
-    }
-
-    /// Whether a VQP may start new work on it.
-    pub fn is_open(&self) -> bool {
-        !self.is_closing() && !self.is_failed()
-    }
-
-    /// Milliseconds since it began closing.
-    pub fn closing_for_ms(&self) -> u64 {
-        crate::vqp::runtime::coarse_ms().saturating_sub(self.close_started.load(Ordering::Relaxed))
-    }
-
-    /// This process posts on it (under its send lock: the line is hot).
-    #[inline]
-    pub fn touch(&self) {
-        self.used.store(true, Ordering::Relaxed);
-    }
-
-    /// The link the two processes keep when both made one (they connected
-    /// to each other at once): the one whose initiator has the smaller
-    /// endpoint, a choice both sides make alike without talking.
-    fn preferred_over(&self, other: &Link, me: &Endpoint) -> bool {
-        let initiator = |l: &Link| {
-            let e = if l.initiated { me } else { &l.peer };
-            (e.gid, e.qpn, e.incarnation)
-        };
-        initiator(self) < initiator(other)
-    }
-}
-
-/// Links are found by the peer's endpoint, the link's index and path.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-struct LinkKey {
-    gid: Gid,
-    qpn: u32,
-    incarnation: u64,
-    index: u16,
-    path: Path,
-}
-
-impl Drop for Link {
-    fn drop(&mut self) {
-        crate::stats::sub(crate::stats::Stat::KRCORE_STAT_LINKS, 1);
-    }
-}
-
-impl std::fmt::Debug for Link {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Link")
-            .field("qpn", &self.qp.qpn())
-            .field("peer", &self.peer)
-            .field("index", &self.index)
-            .field("initiated", &self.initiated)
-            .finish()
-    }
-}
-
-impl LinkKey {
-    fn of(peer: &Endpoint, index: u16, path: Path) -> LinkKey {
-        LinkKey { gid: peer.gid, qpn: peer.qpn, incarnation: peer.incarnation, index, path }
-    }
-
-    fn of_link(l: &Link) -> LinkKey {
-        LinkKey::of(&l.peer, l.index, l.path)
-    }
-}
-
-/// Every link, by peer and index (what a connect looks for), by QP number
-/// (what a completion names: looked up once per completion) and, for the
-/// links a peer asked for, by the peer's QP (what a repeated request names).
-///
-/// Two processes that connect to each other at the same time make two
-/// links, each side's request accepted by the other. Both sides keep
-/// serving new connects with the same one ([`Link::preferred_over`]); the
-/// other is a duplicate, closed like an idle link (LINK_CLOSE both ways)
-/// once the VQPs that were given it moved.
-#[derive(Default)]
-struct Links {
-    by_key: FxHashMap<LinkKey, Arc<Link>>,
-    by_qpn: FxHashMap<u32, Arc<Link>>,
-    accepted: FxHashMap<(u64, u32), Arc<Link>>,
-}
-
-impl Links {
-    /// Keep `link`; it serves new connects unless the one that already
-    /// does is preferred. The one that serves.
-    fn insert(&mut self, key: LinkKey, link: Arc<Link>, me: &Endpoint) -> Arc<Link> {
-        self.by_qpn.insert(link.qp.qpn(), Arc::clone(&link));
-        match self.by_key.get(&key) {
-            Some(l) if !link.preferred_over(l, me) => Arc::clone(l),
-            _ => {
-                self.by_key.insert(key, Arc::clone(&link));
-                link
-            }
-        }
-    }
-
-    /// Hand `link` out no more; a live duplicate to the same peer serves
-    /// its key instead.
-    fn retire(&mut self, link: &Arc<Link>) {
-        let key = LinkKey::of_link(link);
-        self.accepted.retain(|_, l| !Arc::ptr_eq(l, link));
-        if self.by_key.get(&key).is_some_and(|l| Arc::ptr_eq(l, link)) {
-            self.by_key.remove(&key);
-            let twin = self.by_qpn.values().find(|l| l.is_open() && LinkKey::of_link(l) == key);
-            if let Some(twin) = twin {
-                self.by_key.insert(key, Arc::clone(twin));
-            }
-        }
-    }
-
-    /// Open links that serve no key: the duplicates of simultaneous
-    /// connects.
-    fn duplicates(&self) -> impl Iterator<Item = &Arc<Link>> {
-        self.by_qpn.values().filter(|l| l.is_open() && !self.by_key.get(&LinkKey::of_link(l)).is_some_and(|k| Arc::ptr_eq(k, l)))
-    }
-}
 
 /// One of our connects in progress ([`Shared::connects`]).
 struct Connecting<'a>(&'a Shared);
