@@ -7,6 +7,7 @@
 use crate::error::{Errno, Result};
 
 pub const EBADMSG: Errno = Errno(libc::EBADMSG);
+pub const EPROTO: Errno = Errno(libc::EPROTO);
 
 pub struct Reader<'a> {
     buf: &'a [u8],
@@ -16,6 +17,19 @@ pub struct Reader<'a> {
 impl<'a> Reader<'a> {
     pub fn new(buf: &'a [u8]) -> Reader<'a> {
         Reader { buf, pos: 0 }
+    }
+
+    /// The prefix every format starts with: `magic` (u16; else EBADMSG),
+    /// `version` (u8; else EPROTO, judged before anything else so that a
+    /// future version is told apart), then the kind byte, returned.
+    pub fn prefix(&mut self, magic: u16, version: u8) -> Result<u8> {
+        if self.u16()? != magic {
+            return Err(EBADMSG);
+        }
+        if self.u8()? != version {
+            return Err(EPROTO);
+        }
+        self.u8()
     }
 
     pub fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {

@@ -28,7 +28,7 @@
 
 use super::{Endpoint, Key};
 use crate::codec::{Reader, EBADMSG};
-use crate::error::{Errno, Result};
+use crate::error::Result;
 
 /// `b"MK"` read as a little-endian u16.
 pub const MAGIC: u16 = 0x4b4d;
@@ -45,8 +45,6 @@ pub const LINK_LEN: usize = 128;
 /// The smallest IB path MTU: a link message fits in any UD datagram.
 const UD_MIN_MTU: usize = 256;
 const _: () = assert!(LINK_LEN <= UD_MIN_MTU);
-
-const EPROTO: Errno = Errno(libc::EPROTO);
 
 const KIND_HELLO: u8 = 1;
 const KIND_WELCOME: u8 = 2;
@@ -424,13 +422,7 @@ impl<'a> Writer<'a> {
 /// prefix, and the kind.
 fn open<'a>(buf: &'a [u8], len: usize, kinds: &[u8]) -> Result<(Reader<'a>, u8)> {
     let mut r = Reader::new(buf);
-    if r.u16()? != MAGIC {
-        return Err(EBADMSG);
-    }
-    if r.u8()? != VERSION {
-        return Err(EPROTO);
-    }
-    let kind = r.u8()?;
+    let kind = r.prefix(MAGIC, VERSION)?;
     if !kinds.contains(&kind) || buf.len() != len {
         return Err(EBADMSG);
     }
@@ -473,6 +465,7 @@ impl Fields for Reader<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::EPROTO;
     use crate::testing::Rng;
 
     const GID: [u8; 16] = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55];

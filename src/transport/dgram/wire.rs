@@ -34,7 +34,7 @@
 //! EPROTO for another version, EBADMSG for anything else.
 
 use crate::codec::{Reader, EBADMSG};
-use crate::error::{Errno, Result};
+use crate::error::Result;
 
 /// `b"KD"` read as a little-endian u16.
 pub const MAGIC: u16 = 0x444b;
@@ -56,8 +56,6 @@ pub const MAX_MTU: usize = 4096;
 /// DATA and REQUEST flag: the sender wants an ACK now (the last packet it
 /// has to send, or a retransmission).
 pub const ACK_REQ: u8 = 1;
-
-const EPROTO: Errno = Errno(libc::EPROTO);
 
 const KIND_DATA: u8 = 1;
 const KIND_ACK: u8 = 2;
@@ -330,13 +328,7 @@ impl Message<'_> {
     /// Decodes one datagram (GRH excluded); the payload borrows `buf`.
     pub fn decode(buf: &[u8]) -> Result<Message<'_>> {
         let mut r = Reader::new(buf);
-        if r.u16()? != MAGIC {
-            return Err(EBADMSG);
-        }
-        if r.u8()? != VERSION {
-            return Err(EPROTO);
-        }
-        let kind = r.u8()?;
+        let kind = r.prefix(MAGIC, VERSION)?;
         let flags = r.u8()?;
         r.reserved(3)?;
         let route = Route { src_incarnation: r.u64()?, dst_incarnation: r.u64()?, src_vqpn: r.u32()?, dst_vqpn: r.u32()? };

@@ -1,4 +1,5 @@
 use super::*;
+use crate::codec::EPROTO;
 use crate::testing::Rng;
 
 const ROUTE: Route =
