@@ -139,6 +139,24 @@ enum krcore_stat {
   // Panics caught on a service endpoint's progress thread (each logged;
   // the endpoint's links were failed and the thread went on).
   KRCORE_STAT_SERVICE_PANICS,
+  // Work requests VQPs posted on the datagram tier (no link to their
+  // peer yet).
+  KRCORE_STAT_DGRAM_WRS,
+  // Datagrams of the tier sent (first transmissions, retransmissions,
+  // ACKs and one-sided answers).
+  KRCORE_STAT_DGRAM_SENT,
+  // Datagrams of the tier dropped: malformed, from another source than
+  // their flow's, unmatched (a forged or late ACK or answer), duplicate,
+  // out of window, or for no VQP here.
+  KRCORE_STAT_DGRAM_DROPPED,
+  // One-sided requests served for peers on the datagram tier.
+  KRCORE_STAT_DGRAM_SERVED,
+  // Of those, refused (unknown rkey, out of range, access not granted,
+  // malformed): answered with an error status.
+  KRCORE_STAT_DGRAM_REFUSED,
+  // VQPs that moved from the datagram tier onto a link (everything they
+  // sent on the tier acknowledged first).
+  KRCORE_STAT_DGRAM_MOVES,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

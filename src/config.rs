@@ -23,6 +23,9 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_LINK_PROBE_MS", "1000", "an idle link is probed (one 8-byte READ) this often: a peer that died is found within this plus the RC retry time (about 3.8 s); 0: never"),
     ("KRCORE_MAX_LINKS", "64", "links (physical RC QPs) a process keeps: above it the least recently used idle ones are closed, and made again when next used; 0: no limit"),
     ("KRCORE_LINK_IDLE_MS", "1000", "a link is idle (may be closed to keep KRCORE_MAX_LINKS) when this process posted nothing on it for this long"),
+    ("KRCORE_DGRAM", "0", "1: a connected VQP whose peer has no link yet sends at once on the connectionless (datagram) tier while its link is made in the background, and moves onto the link without reordering (docs/vqp.md, \"The datagram tier\"); 0: qconnect and a transparent VQP's RTR wait for the link"),
+    ("KRCORE_LINK_AFTER", "0", "with KRCORE_DGRAM=1: work requests a VQP posts on the datagram tier before its link is made in the background (0: at first contact)"),
+    ("KRCORE_DGRAM_RTO_US", "4000", "the datagram tier's first retransmission timeout (doubling per timeout, up to 100 ms; 7 in a row fail the VQP with IBV_WC_RETRY_EXC_ERR)"),
     ("KRCORE_VIRTUALIZE", "0", "1: the application's RC QPs become virtual QPs on shared links (needs KRCORE_META); auto: as 1, but a QP whose peer does not resolve falls back to a real QP"),
 ];
 
@@ -73,6 +76,9 @@ pub struct Config {
     pub link_probe_ms: u64,
     pub max_links: usize,
     pub link_idle_ms: u64,
+    pub dgram: bool,
+    pub link_after: u64,
+    pub dgram_rto_us: u64,
     pub virtualize: Virtualize,
 }
 
@@ -102,6 +108,9 @@ impl Config {
             link_probe_ms: var("KRCORE_LINK_PROBE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
             max_links: var("KRCORE_MAX_LINKS").and_then(|v| v.parse().ok()).unwrap_or(64),
             link_idle_ms: var("KRCORE_LINK_IDLE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
+            dgram: var("KRCORE_DGRAM").is_some_and(|v| v != "0"),
+            link_after: var("KRCORE_LINK_AFTER").and_then(|v| v.parse().ok()).unwrap_or(0),
+            dgram_rto_us: var("KRCORE_DGRAM_RTO_US").and_then(|v| v.parse().ok()).unwrap_or(4000).max(500),
             virtualize: Virtualize::parse(var("KRCORE_VIRTUALIZE")),
         }
     }
@@ -128,6 +137,9 @@ impl Config {
             self.link_probe_ms.to_string(),
             self.max_links.to_string(),
             self.link_idle_ms.to_string(),
+            (self.dgram as u8).to_string(),
+            self.link_after.to_string(),
+            self.dgram_rto_us.to_string(),
             self.virtualize.name().to_string(),
         ];
         VARIABLES.iter().zip(vals).map(|((name, _, _), v)| format!("{name}={v}\n")).collect()

@@ -49,10 +49,15 @@ use std::time::{Duration, Instant};
 
 /// How often an unanswered link request is sent again.
 const RETRANSMIT: Duration = Duration::from_millis(100);
-/// Receive buffers of the UD QP (a GRH then a link message each).
-const UD_RECVS: usize = 64;
+/// Receive buffers of the UD QP (a GRH then a link message or a datagram
+/// of the connectionless tier each).
+const UD_RECVS: usize = 128;
+/// Datagrams of the tier in flight on the UD QP (each holds a send buffer
+/// until its completion is reaped).
+const UD_SENDS: usize = 128;
 const GRH: usize = 40;
-const UD_SLOT: usize = GRH + LINK_LEN;
+/// wr_id bit of a datagram's send (the rest: its send buffer).
+const TX_TAG: u64 = 1 << 63;
 
 /// Sizes of the service endpoint and its links.
 #[derive(Clone, Copy, Debug)]
@@ -105,9 +110,19 @@ struct Shared {
     sgid_index: u32,
     me: Endpoint,
     opts: Options,
+    /// The UD QP's receives (the progress thread sleeps on its channel).
     ud_cq: Arc<Cq>,
     ud: Qp,
     ud_bufs: Region,
+    /// A UD receive buffer: a GRH and a datagram of up to `mtu` bytes.
+    ud_slot: usize,
+    /// The largest datagram of the port (its active path MTU).
+    mtu: usize,
+    /// The UD QP's sends: reaped by whoever sends next (no thread wakes
+    /// for them), each datagram from one of `UD_SENDS` buffers.
+    tx: Mutex<Tx>,
+    /// Datagrams of the connectionless tier go here (the runtime's port).
+    on_datagram: Mutex<Option<DatagramHandler>>,
     /// Address handles to peers' GIDs (from ours), for UD sends.
     ahs: Mutex<HashMap<Path, Arc<Ah>>>,
     /// Indexes of our GIDs that link requests were sent to.
@@ -166,6 +181,72 @@ struct Shared {
 /// Work for the progress thread.
 pub type Deferred = Box<dyn FnOnce() + Send>;
 
+/// What takes the connectionless tier's datagrams: (bytes, their source).
+pub type DatagramHandler = Box<dyn Fn(&[u8], &Source) + Send + Sync>;
+
+pub use crate::transport::dgram::port::Source;
+
+/// The UD QP's send side.
+struct Tx {
+    cq: Arc<Cq>,
+    bufs: Region,
+    free: Vec<u32>,
+}
+
+impl Tx {
+    /// Take the completed sends' buffers back (and see failed sends).
+    fn reap(&mut self) {
+        // SAFETY: plain C data.
+        let mut wcs: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
+        loop {
+            let n = match self.cq.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    klog!(Level::Warn, "service: polling the UD send CQ: {e:?}");
+                    return;
+                }
+            };
+            for wc in &wcs[..n] {
+                if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
+                    klog!(Level::Warn, "service: a UD send failed (status {})", wc.status);
+                }
+                if wc.wr_id & TX_TAG != 0 {
+                    self.free.push((wc.wr_id & !TX_TAG) as u32);
+                }
+            }
+            if n < wcs.len() {
+                return;
+            }
+        }
+    }
+}
+
+/// The path MTU of `dev`'s port in bytes, within what the tier takes.
+fn port_mtu(dev: &Device) -> usize {
+    use crate::transport::dgram::wire::{MAX_MTU, MIN_MTU};
+    (128usize << dev.port_attr.active_mtu.clamp(1, 5)).clamp(MIN_MTU, MAX_MTU)
+}
+
+/// Where a UD receive came from: the GRH's source and destination GIDs
+/// (RoCE v2 over IPv4 puts an IPv4 header in the GRH's last 20 bytes: the
+/// GIDs are then the addresses, IPv4-mapped).
+fn grh_gids(grh: &[u8]) -> Option<(Gid, Gid)> {
+    let mut src = [0u8; 16];
+    let mut dst = [0u8; 16];
+    if grh.first()? >> 4 == 6 {
+        src.copy_from_slice(grh.get(8..24)?);
+        dst.copy_from_slice(grh.get(24..40)?);
+    } else if grh.get(20)? >> 4 == 4 {
+        src[10..12].copy_from_slice(&[0xff, 0xff]);
+        dst[10..12].copy_from_slice(&[0xff, 0xff]);
+        src[12..].copy_from_slice(grh.get(32..36)?);
+        dst[12..].copy_from_slice(grh.get(36..40)?);
+    } else {
+        return None;
+    }
+    Some((src, dst))
+}
+
 /// A PD's service endpoint: what peers address, and what makes links.
 pub struct Service {
     shared: Arc<Shared>,
@@ -176,15 +257,19 @@ impl Service {
     /// Start the endpoint on `dev` from our GID at `sgid_index`.
     pub fn start(dev: &Arc<Device>, sgid_index: u32, opts: Options) -> Result<Service> {
         let gid = dev.gid(sgid_index)?;
-        let ud_cq = Arc::new(Cq::new(dev, (2 * UD_RECVS) as u32)?);
-        let caps = Caps { send_wr: UD_RECVS as u32, recv_wr: UD_RECVS as u32, send_sge: 1, recv_sge: 1, inline: LINK_LEN as u32 };
-        let ud = Qp::new(dev, ibv_qp_type::IBV_QPT_UD, &ud_cq, &ud_cq, caps)?;
+        let ud_cq = Arc::new(Cq::new(dev, UD_RECVS as u32)?);
+        let tx_cq = Arc::new(Cq::new(dev, (UD_SENDS + UD_RECVS) as u32)?);
+        let caps = Caps { send_wr: UD_SENDS as u32, recv_wr: UD_RECVS as u32, send_sge: 1, recv_sge: 1, inline: LINK_LEN as u32 };
+        let ud = Qp::new(dev, ibv_qp_type::IBV_QPT_UD, &tx_cq, &ud_cq, caps)?;
         if (ud.caps.inline as usize) < LINK_LEN {
             return Err(Errno::EOPNOTSUPP);
         }
         ud.ud_ready()?;
         crate::kmark!("service: UD CQ and QP (RTS) made");
-        let ud_bufs = Region::new(dev, UD_RECVS * UD_SLOT, rdma::LOCAL_WRITE)?;
+        let mtu = port_mtu(dev);
+        let ud_slot = GRH + mtu.max(LINK_LEN);
+        let ud_bufs = Region::new(dev, UD_RECVS * ud_slot, rdma::LOCAL_WRITE)?;
+        let tx = Tx { cq: tx_cq, bufs: Region::new(dev, UD_SENDS * mtu, rdma::LOCAL_WRITE)?, free: (0..UD_SENDS as u32).collect() };
         let link_cq = Arc::new(Cq::new(dev, 4096)?);
         let recv_cq = Arc::new(Cq::new(dev, opts.srq_wr.max(64))?);
         recv_cq.arm()?;
@@ -213,6 +298,10 @@ impl Service {
             ud_cq,
             ud,
             ud_bufs,
+            ud_slot,
+            mtu,
+            tx: Mutex::new(tx),
+            on_datagram: Mutex::new(None),
             ahs: Mutex::new(HashMap::new()),
             gid_indexes: Mutex::new(HashMap::new()),
             link_cq,
@@ -254,6 +343,29 @@ impl Service {
         self.shared.me
     }
 
+    /// The largest datagram of the UD QP (the port's active MTU).
+    pub fn mtu(&self) -> usize {
+        self.shared.mtu
+    }
+
+    /// Hand the connectionless tier's datagrams to `f` (on the progress
+    /// thread).
+    pub fn on_datagram(&self, f: DatagramHandler) {
+        *self.shared.on_datagram.lock() = Some(f);
+    }
+
+    /// Send one datagram of the connectionless tier (at most `mtu()`
+    /// bytes) to UD QP `qpn` over `path`. Best effort, as UD: with every
+    /// send buffer in flight it is dropped (EAGAIN; the tier retransmits).
+    pub fn send_datagram(&self, path: Path, qpn: u32, qkey: u32, bytes: &[u8]) -> Result<()> {
+        self.shared.send_datagram(path, qpn, qkey, bytes)
+    }
+
+    /// The index of our GID `gid`.
+    pub fn gid_index_of(&self, gid: &Gid) -> Result<u32> {
+        self.shared.our_gid_index(gid)
+    }
+
     /// Link number `index` to `peer`: the existing one (no communication at
     /// all), or a new one made with the UD handshake. ECONNREFUSED when a
     /// different process (incarnation) answers, ETIMEDOUT when none does
@@ -284,6 +396,14 @@ impl Service {
     /// handshake (for paths that must not block, e.g. `qpop_msgs`).
     pub fn existing_link(&self, peer: &Endpoint, index: u16, path: Path) -> Option<Arc<Link>> {
         self.shared.links.lock().by_key.get(&LinkKey::of(peer, index, path)).cloned()
+    }
+
+    /// The link that serves link number `index` of process `incarnation`
+    /// over `path` now, whichever side made it (a datagram names its
+    /// sender's process, not its home GID).
+    pub fn link_to(&self, incarnation: u64, index: u16, path: Path) -> Option<Arc<Link>> {
+        let links = self.shared.links.lock();
+        links.by_key.values().find(|l| l.peer.incarnation == incarnation && l.index == index && l.path == path).cloned()
     }
 
     /// Links currently up (made by either side).
@@ -671,39 +791,77 @@ impl Shared {
         }
     }
 
+    /// The address handle of `path` (made once, kept for the endpoint's life).
+    fn ah(&self, path: Path) -> Result<Arc<Ah>> {
+        let mut ahs = self.ahs.lock();
+        if let Some(ah) = ahs.get(&path) {
+            return Ok(Arc::clone(ah));
+        }
+        let mut attr = self.ud.ah_attr(path.sgid_index, &path.dgid);
+        let ah = Arc::new(Ah::new(&self.dev, &mut attr)?);
+        ahs.insert(path, Arc::clone(&ah));
+        Ok(ah)
+    }
+
     /// One link message to a peer's UD QP (inline: `msg` may go at once).
     fn send_ud(&self, path: Path, qpn: u32, qkey: u32, msg: &[u8; LINK_LEN]) -> Result<()> {
-        let ah = {
-            let mut ahs = self.ahs.lock();
-            match ahs.get(&path) {
-                Some(ah) => Arc::clone(ah),
-                None => {
-                    let mut attr = self.ud.ah_attr(path.sgid_index, &path.dgid);
-                    let ah = Arc::new(Ah::new(&self.dev, &mut attr)?);
-                    ahs.insert(path, Arc::clone(&ah));
-                    ah
-                }
-            }
-        };
+        let ah = self.ah(path)?;
         let mut sge = ibv_sge { addr: msg.as_ptr() as u64, length: LINK_LEN as u32, lkey: 0 };
+        let mut tx = self.tx.lock();
+        tx.reap();
+        // SAFETY: inline data is copied at post time; the AH outlives the
+        // send (cached for the endpoint's life).
+        unsafe { self.post_ud(&ah, qpn, qkey, &mut sge, ibv_send_flags::IBV_SEND_INLINE.0, 0) }
+    }
+
+    fn send_datagram(&self, path: Path, qpn: u32, qkey: u32, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > self.mtu {
+            return Err(Errno::EINVAL);
+        }
+        let ah = self.ah(path)?;
+        let mut tx = self.tx.lock();
+        if tx.free.is_empty() {
+            tx.reap();
+        }
+        let Some(slot) = tx.free.pop() else { return Err(Errno(libc::EAGAIN)) };
+        let off = slot as usize * self.mtu;
+        // SAFETY: a free send buffer (its last send completed), ours until
+        // this send's completion is reaped.
+        unsafe { tx.bufs.bytes_mut(off, bytes.len()) }.copy_from_slice(bytes);
+        let mut sge = tx.bufs.sge(off, bytes.len());
+        // SAFETY: the buffer stays untouched until the completion comes back.
+        let r = unsafe { self.post_ud(&ah, qpn, qkey, &mut sge, 0, TX_TAG | u64::from(slot)) };
+        if r.is_err() {
+            tx.free.push(slot);
+        }
+        r
+    }
+
+    /// Post one signaled UD send (the caller holds `tx`: the send queue
+    /// never holds more than its reaped share).
+    ///
+    /// # Safety
+    /// `sge` is valid for the send (inline, or registered memory that
+    /// stays untouched until its completion).
+    unsafe fn post_ud(&self, ah: &Ah, qpn: u32, qkey: u32, sge: &mut ibv_sge, flags: u32, wr_id: u64) -> Result<()> {
         // SAFETY: a plain C struct.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.sg_list = &mut sge;
+        wr.wr_id = wr_id;
+        wr.sg_list = sge;
         wr.num_sge = 1;
         wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
-        // Signaled: the progress thread reaps every send, so the queue
-        // never fills with completions nobody polls.
-        wr.send_flags = ibv_send_flags::IBV_SEND_INLINE.0 | ibv_send_flags::IBV_SEND_SIGNALED.0;
+        // Signaled: every send is reaped, so the queue never fills with
+        // completions nobody polls.
+        wr.send_flags = flags | ibv_send_flags::IBV_SEND_SIGNALED.0;
         wr.wr.ud.ah = ah.ah;
         wr.wr.ud.remote_qpn = qpn;
         wr.wr.ud.remote_qkey = qkey;
-        // SAFETY: inline data is copied at post time; the AH outlives the
-        // send (cached for the endpoint's life).
+        // SAFETY: caller contract; the AH outlives the send (cached).
         unsafe { self.ud.post_send(&mut wr) }
     }
 
     fn post_ud_recv(&self, slot: usize) -> Result<()> {
-        let mut sge = self.ud_bufs.sge(slot * UD_SLOT, UD_SLOT);
+        let mut sge = self.ud_bufs.sge(slot * self.ud_slot, self.ud_slot);
         // SAFETY: a plain C struct.
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = slot as u64;
@@ -891,11 +1049,7 @@ impl Shared {
                 }
             };
             for wc in &wcs[..n] {
-                if wc.opcode == ibv_wc_opcode::IBV_WC_RECV {
-                    self.on_recv(wc);
-                } else if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
-                    klog!(Level::Warn, "service: a UD send failed (status {})", wc.status);
-                }
+                self.on_recv(wc);
             }
             if n < wcs.len() {
                 return;
@@ -905,9 +1059,18 @@ impl Shared {
 
     fn on_recv(&self, wc: &ibv_wc) {
         let slot = wc.wr_id as usize;
-        if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
-            // SAFETY: this slot's receive completed; it is reposted below.
-            let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * UD_SLOT + GRH, LINK_LEN) });
+        let len = (wc.byte_len as usize).clamp(GRH, self.ud_slot);
+        // SAFETY: this slot's receive completed; it is reposted below.
+        let bytes = unsafe { self.ud_bufs.bytes(slot * self.ud_slot, len) };
+        if wc.status == ibv_wc_status::IBV_WC_SUCCESS && crate::transport::dgram::wire::is_dgram(&bytes[GRH..]) {
+            let gids = (wc.wc_flags & ibv_wc_flags::IBV_WC_GRH.0 != 0).then(|| grh_gids(&bytes[..GRH])).flatten();
+            match (gids, self.on_datagram.lock().as_ref()) {
+                (Some((gid, to_gid)), Some(f)) => f(&bytes[GRH..], &Source { gid, to_gid, qpn: wc.src_qp }),
+                _ => crate::stats::inc(crate::stats::Stat::KRCORE_STAT_DGRAM_DROPPED),
+            }
+        } else if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
+            // SAFETY: as above (the slot holds at least a link message).
+            let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * self.ud_slot + GRH, LINK_LEN) });
             match msg {
                 Ok(LinkMessage::Request(r)) => {
                     crate::kmark!("link: request {} received", r.req_id);

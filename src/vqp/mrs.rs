@@ -23,6 +23,8 @@ struct Entry {
 #[derive(Default)]
 pub struct PdMrs {
     by_lkey: FxHashMap<u32, Entry>,
+    /// rkey -> lkey of the MRs peers may access.
+    rkeys: FxHashMap<u32, u32>,
 }
 
 impl PdMrs {
@@ -30,6 +32,12 @@ impl PdMrs {
     /// table.
     pub fn published(&self) -> Vec<(u32, MrInfo)> {
         self.by_lkey.values().filter(|e| remote(&e.info)).map(|e| (e.rkey, e.info)).collect()
+    }
+
+    /// The MR peers may access under `rkey` (what the datagram tier's
+    /// target serves against).
+    pub fn by_rkey(&self, rkey: u32) -> Option<MrInfo> {
+        self.rkeys.get(&rkey).and_then(|lkey| self.by_lkey.get(lkey)).map(|e| e.info)
     }
 }
 
@@ -71,9 +79,13 @@ static OBSERVERS: RwLock<Option<FxHashMap<usize, Observer>>> = RwLock::new(None)
 /// An MR of real PD `pd` was registered (`lkey`, `rkey`, range, access).
 pub fn added(pd: usize, lkey: u32, rkey: u32, info: MrInfo) {
     let mut g = PDS.write();
-    let e = g.get_or_insert_with(FxHashMap::default).entry(pd).or_default().by_lkey.entry(lkey).or_insert(Entry { info, rkey, refs: 0 });
+    let mrs = g.get_or_insert_with(FxHashMap::default).entry(pd).or_default();
+    let e = mrs.by_lkey.entry(lkey).or_insert(Entry { info, rkey, refs: 0 });
     e.refs += 1;
     let first = e.refs == 1;
+    if first && remote(&info) {
+        mrs.rkeys.insert(rkey, lkey);
+    }
     drop(g);
     if first && remote(&info) {
         notify(pd, &Change::Added { rkey, info });
@@ -91,6 +103,9 @@ pub fn removed(pd: usize, lkey: u32) {
     }
     let (rkey, published) = (e.rkey, remote(&e.info));
     mrs.by_lkey.remove(&lkey);
+    if published && mrs.rkeys.get(&rkey) == Some(&lkey) {
+        mrs.rkeys.remove(&rkey);
+    }
     EPOCH.fetch_add(1, Ordering::AcqRel);
     drop(g);
     if published {

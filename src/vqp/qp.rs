@@ -44,6 +44,9 @@ use std::sync::{Arc, Weak};
 mod landing;
 mod popmsgs;
 mod teardown;
+mod tier;
+
+use tier::Tier;
 
 /// Application SGEs per send: the link has one more for the header.
 pub const MAX_SEND_SGE: u32 = crate::service::LINK_SEND_SGE - 1;
@@ -126,6 +129,9 @@ struct Conn {
     path: Path,
     /// The peer VQP's number.
     dst: u32,
+    /// Its flow on the datagram tier, once it used it (kept across moves:
+    /// its sequence numbers go on if the VQP falls back to the tier).
+    flow: Option<Arc<crate::transport::dgram::port::Flow>>,
 }
 
 impl Conn {
@@ -139,12 +145,33 @@ impl Conn {
     }
 }
 
+/// Where a received message came from: its sender's process, which of
+/// the links to it and on which path, and the link it came on (None: the
+/// datagram tier).
+#[derive(Clone)]
+struct Origin {
+    peer: Endpoint,
+    index: u16,
+    path: Path,
+    link: Option<Arc<Link>>,
+}
+
+impl Origin {
+    fn of(link: &Arc<Link>) -> Origin {
+        Origin { peer: link.peer, index: link.index, path: link.path, link: Some(Arc::clone(link)) }
+    }
+
+    fn is_on(&self, link: &Arc<Link>) -> bool {
+        self.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link))
+    }
+}
+
 /// A message that arrived before the application posted a receive (or
 /// behind a large one still being READ).
 struct Held {
     header: Header,
     payload: Vec<u8>,
-    link: Arc<Link>,
+    origin: Origin,
 }
 
 /// A large message being READ into a posted receive buffer.
@@ -211,13 +238,17 @@ struct State {
     held_sends: Vec<Completion>,
     /// Being destroyed or reset: no new READ of a large message.
     torn_down: bool,
+    /// Where the READs and atomics posted on the datagram tier land, by
+    /// send sequence number, in post order.
+    tier_dst: VecDeque<(u16, Vec<ibv_sge>)>,
+    /// Work requests posted on the datagram tier (`KRCORE_LINK_AFTER`).
+    tier_posts: u64,
 }
 
 /// An entry of a bound VQP's inbox.
 enum Inbox {
-    /// A message: its sender's endpoint, the index of the link it came
-    /// on, the sending VQP, its completion, the link it came on.
-    Msg(Endpoint, u16, u32, ibv_wc, Arc<Link>),
+    /// A message: where it came from, the sending VQP, its completion.
+    Msg(Origin, u32, ibv_wc),
     /// The sending VQP (incarnation, VQPN) was destroyed.
     Closed(u64, u32),
 }
@@ -301,6 +332,8 @@ impl Vqp {
             wire: None,
             held_sends: Vec::new(),
             torn_down: false,
+            tier_dst: VecDeque::new(),
+            tier_posts: 0,
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {
@@ -429,6 +462,15 @@ impl Vqp {
                 (Some(sgid_index), crate::meta::Key::Vqpn { gid, .. }) => Path { sgid_index, dgid: gid },
                 _ => rt.svc.default_path(&ep),
             };
+            if crate::config::get().dgram {
+                // No handshake: the first posts go on the datagram tier
+                // while the link is made (tier.rs).
+                self.attach_at(rt, None, ep, index, path, ep.vqpn);
+                if crate::config::get().link_after == 0 {
+                    Runtime::want_link(rt, ep, index, path);
+                }
+                return Ok(());
+            }
             match rt.svc.link(&ep, index, path, super::runtime::connect_timeout()) {
                 Ok(link) => {
                     self.attach(rt, link, ep, ep.vqpn);
@@ -570,6 +612,9 @@ impl Vqp {
                 st.sq.revive();
                 st.rq.flush(&mut |_| {});
                 st.held.clear();
+                if let Some(rt) = self.rt.get() {
+                    self.detach_flow(rt, &mut st);
+                }
                 st.conn = None;
                 st.failed = false;
                 st.memo = MrMemo::default();
@@ -610,47 +655,11 @@ impl Vqp {
     }
 
     /// [`Self::attach`], to link `index` of `peer`; without a link (None)
-    /// the first post makes or finds one ([`Self::ensure_link`]).
+    /// the first post makes or finds one, or takes the datagram tier
+    /// ([`Self::ensure_tier`]).
     fn attach_at(&self, rt: &Runtime, link: Option<Arc<Link>>, peer: Endpoint, index: u16, path: Path, dst: u32) {
         let _ = self.peer_mrs.set(rt.peer_mrs(peer.incarnation));
-        self.st.lock().conn = Some(Conn { link, peer, index, path, dst });
-    }
-
-    /// Make sure the connection has an open link: its own, or, once that
-    /// one is closing, another to the same peer process, taken after every
-    /// WQE of ours on the old one completed (the fence of a link close:
-    /// nothing sent later on the new link can overtake them). Ok when the
-    /// connection has one now (or the VQP is not connected or failed: the
-    /// caller looks again); an error when the peer cannot be reached.
-    fn ensure_link(&self, rt: &Runtime) -> Result<()> {
-        let deadline = std::time::Instant::now() + super::runtime::connect_timeout().max(super::runtime::TRANSPORT_WAIT);
-        loop {
-            let (peer, index, path, old) = {
-                let st = self.st.lock();
-                match &st.conn {
-                    Some(c) if c.open_link().is_none() => (c.peer, c.index, c.path, c.link.clone()),
-                    _ => return Ok(()),
-                }
-            };
-            // A failed link: its VQPs enter the error state (progress);
-            // a closing one: its WQEs complete first (the fence).
-            if old.as_ref().is_some_and(|l| l.is_failed() || l.sq.lock().outstanding() > 0) {
-                if std::time::Instant::now() > deadline {
-                    return Err(Errno(libc::ETIMEDOUT));
-                }
-                rt.progress();
-                std::thread::yield_now();
-                continue;
-            }
-            let new = rt.svc.link(&peer, index, path, super::runtime::connect_timeout())?;
-            let mut st = self.st.lock();
-            if let Some(c) = st.conn.as_mut() {
-                if c.link.as_ref().map(Arc::as_ptr) == old.as_ref().map(Arc::as_ptr) {
-                    klog!(Level::Debug, "vqp {:#x}: moves to link QP {}", self.vqpn, new.qp.qpn());
-                    c.link = Some(new);
-                }
-            }
-        }
+        self.st.lock().conn = Some(Conn { link, peer, index, path, dst, flow: None });
     }
 
     /// A new link to our peer could not be made: as an RC QP whose retries
@@ -660,9 +669,9 @@ impl Vqp {
         let mut st = self.st.lock();
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
+        let held = self.flush_sends(&mut st, &mut |c| sends.push(c));
         st.conn = None;
         st.failed = true;
-        let held = self.flush_sends(&mut st, &mut |c| sends.push(c));
         if let Some(rc) = st.rc.as_mut() {
             rc.fail();
         }
@@ -688,7 +697,7 @@ impl Vqp {
     /// over it, or waiting for a receive): it cannot be closed yet.
     pub fn pins(&self, link: &Arc<Link>) -> bool {
         let st = self.st.lock();
-        st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, link)) || st.held.iter().any(|h| Arc::ptr_eq(&h.link, link))
+        st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, link)) || st.held.iter().any(|h| h.origin.is_on(link))
     }
 
     /// Whether this VQP uses runtime `rt` (its PD's).
@@ -765,8 +774,15 @@ impl Vqp {
             }
             if st.conn.as_ref().is_some_and(|c| c.open_link().is_none()) {
                 drop(guard);
-                if let Err(e) = self.ensure_link(rt) {
-                    self.fail_unreachable(e);
+                match self.ensure_tier(rt, tier::tier_carries(w, total)) {
+                    Ok(Tier::Link) => {}
+                    Ok(Tier::Dgram(flow)) => {
+                        // SAFETY: caller contract.
+                        if unsafe { self.post_on_tier(rt, &flow, w, &sw) }? {
+                            return Ok(());
+                        }
+                    }
+                    Err(e) => self.fail_unreachable(e),
                 }
                 continue;
             }
@@ -972,10 +988,16 @@ impl Vqp {
             let sw = unsafe { self.send_wr(w) }?;
             let mut fetched = false;
             while self.precheck_fetching(rt, self.st.lock(), &sw, &mut fetched)?.is_none() {
-                if let Err(e) = self.ensure_link(rt) {
-                    // Accepted, then flushed (the VQP is in error now).
-                    self.fail_unreachable(e);
-                    return Ok(());
+                match self.ensure_tier(rt, true) {
+                    Ok(Tier::Link) => {}
+                    // The target checks the remote side (the local one is
+                    // checked at the post).
+                    Ok(Tier::Dgram(_)) => break,
+                    Err(e) => {
+                        // Accepted, then flushed (the VQP is in error now).
+                        self.fail_unreachable(e);
+                        return Ok(());
+                    }
                 }
             }
             wr = w.next;
@@ -1358,6 +1380,11 @@ impl Vqp {
 
     /// A message for this VQP, arrived on `link` (progress).
     pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>) {
+        self.on_message_from(h, payload, Origin::of(link));
+    }
+
+    /// A message for this VQP from `origin` (progress).
+    fn on_message_from(&self, h: &Header, payload: &[u8], origin: Origin) {
         klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
         let mut st = self.st.lock();
         if h.flags.contains(Flags::CLOSE) {
@@ -1367,18 +1394,18 @@ impl Vqp {
                 return;
             }
             if st.held.is_empty() && st.reading.is_none() {
-                st.inbox.push_back(Inbox::Closed(link.peer.incarnation, h.src_vqpn));
+                st.inbox.push_back(Inbox::Closed(origin.peer.incarnation, h.src_vqpn));
             } else {
-                st.held.push_back(Held { header: *h, payload: Vec::new(), link: Arc::clone(link) });
+                st.held.push_back(Held { header: *h, payload: Vec::new(), origin });
             }
             return;
         }
         // Behind held messages or a large one being READ: RC order.
         if !st.held.is_empty() || st.reading.is_some() || self.rq_is_empty(&st) {
-            st.held.push_back(Held { header: *h, payload: payload.to_vec(), link: Arc::clone(link) });
+            st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin });
             return;
         }
-        self.land(&mut st, h, payload, link);
+        self.land(&mut st, h, payload, &origin);
     }
 
     /// Land held messages while there are receive buffers (and no large
@@ -1415,6 +1442,9 @@ impl Vqp {
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
         if st.conn.as_ref().is_some_and(|c| c.is_on(link)) {
+            if let Some(rt) = self.rt.get() {
+                self.detach_flow(rt, &mut st);
+            }
             st.conn = None;
             st.failed = true;
             // The link is drained: what was held for it goes first.
@@ -1427,7 +1457,7 @@ impl Vqp {
         if st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, link)) {
             if let Some(mut rd) = st.reading.take() {
                 rd.wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
-                self.complete_recv(&mut st, rd.wc, link);
+                self.complete_recv(&mut st, rd.wc, &Origin::of(link));
                 self.drain_held(&mut st);
             }
         }
@@ -1439,13 +1469,13 @@ impl Vqp {
             // inbox, held, or being taken now), so they are reported
             // closed too, after those messages.
             gone.extend(st.inbox.iter().filter_map(|e| match e {
-                Inbox::Msg(p, _, src, _, _) if p.incarnation == incarnation => Some(*src),
+                Inbox::Msg(o, src, _) if o.peer.incarnation == incarnation => Some(*src),
                 _ => None,
             }));
             gone.extend(
                 st.held
                     .iter()
-                    .filter(|h| !h.header.flags.contains(Flags::CLOSE) && h.link.peer.incarnation == incarnation)
+                    .filter(|h| !h.header.flags.contains(Flags::CLOSE) && h.origin.peer.incarnation == incarnation)
                     .map(|h| h.header.src_vqpn),
             );
             gone.extend(st.answering.filter(|(i, _)| *i == incarnation).map(|(_, src)| src));
@@ -1457,7 +1487,7 @@ impl Vqp {
                     st.inbox.push_back(Inbox::Closed(incarnation, src));
                 } else {
                     let header = Header { flags: Flags::CLOSE, src_vqpn: src, dst: self.vqpn, ..Header::default() };
-                    st.held.push_back(Held { header, payload: Vec::new(), link: Arc::clone(link) });
+                    st.held.push_back(Held { header, payload: Vec::new(), origin: Origin::of(link) });
                 }
             }
         }
@@ -1476,9 +1506,9 @@ impl Vqp {
             }
             let Some(m) = st.held.pop_front() else { break };
             if closing {
-                st.inbox.push_back(Inbox::Closed(m.link.peer.incarnation, m.header.src_vqpn));
+                st.inbox.push_back(Inbox::Closed(m.origin.peer.incarnation, m.header.src_vqpn));
             } else {
-                self.land(st, &m.header, &m.payload, &m.link);
+                self.land(st, &m.header, &m.payload, &m.origin);
             }
         }
     }
@@ -1486,11 +1516,18 @@ impl Vqp {
     /// Tell the peer VQP that we are gone (a CLOSE header on the
     /// connection's link, or on the next one when that one closes),
     /// bounded by the connect timeout; best effort.
-    fn post_close(&self, rt: &Runtime, h: &Header) {
+    fn post_close(&self, rt: &Arc<Runtime>, h: &Header) {
         let deadline = std::time::Instant::now() + super::runtime::connect_timeout();
         while std::time::Instant::now() < deadline {
-            if self.ensure_link(rt).is_err() {
-                break;
+            match self.ensure_tier(rt, true) {
+                Err(_) => break,
+                Ok(Tier::Dgram(flow)) => {
+                    if self.close_on_tier(rt, &flow) {
+                        return;
+                    }
+                    break;
+                }
+                Ok(Tier::Link) => {}
             }
             let Some(link) = self.st.lock().conn.as_ref().and_then(|c| c.open_link().cloned()) else { break };
             if post_header(rt, &link, h) {
@@ -1537,6 +1574,8 @@ impl Vqp {
             if let Some(h) = close {
                 self.post_close(rt, &h);
             }
+            self.detach_flow(rt, &mut self.st.lock());
+            rt.dgram.forget_vqp(self.vqpn);
         }
         if let Some(Hdrs::Arena { arena, start }) = self.hdrs.get() {
             arena.free(*start, self.sq_cap.max(1));

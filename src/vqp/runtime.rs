@@ -569,6 +569,11 @@ pub struct Runtime {
     pub wire: super::wire::Waiters,
     /// See [`Runtime::gids`].
     gids: OnceCell<Vec<rdma::Gid>>,
+    /// The datagram tier on the service endpoint's UD QP.
+    pub dgram: crate::transport::dgram::port::Port,
+    /// Links being made in the background, by peer process, index, path.
+    linking: Mutex<std::collections::HashSet<(u64, u16, service::Path)>>,
+    me: OnceCell<Weak<Runtime>>,
 }
 
 /// A signaled READ of the library's own (a control READ, `tag`) into
@@ -641,6 +646,7 @@ impl Runtime {
         let hdr_arena = Arc::new(HdrArena::new(&dev, FIRST_HDR_ARENA_SLOTS)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
+        let dgram = crate::transport::dgram::port::Port::new(svc.mtu(), crate::config::get().dgram_rto_us)?;
         crate::kmark!("runtime: receive buffers, header arena, scratch and probe registered");
         let rt = Arc::new(Runtime {
             pd: pd as usize,
@@ -664,7 +670,17 @@ impl Runtime {
             probing: AtomicBool::new(true),
             wire: Default::default(),
             gids: OnceCell::new(),
+            dgram,
+            linking: Mutex::new(Default::default()),
+            me: OnceCell::new(),
         });
+        let _ = rt.me.set(Arc::downgrade(&rt));
+        let weak = Arc::downgrade(&rt);
+        rt.svc.on_datagram(Box::new(move |bytes, from| {
+            if let Some(rt) = weak.upgrade() {
+                rt.dgram.on_datagram(&*rt, bytes, from);
+            }
+        }));
         for buf in 0..service::Options::default().srq_wr {
             rt.post_recv_buf(buf)?;
         }
@@ -711,6 +727,33 @@ impl Runtime {
         map.insert(pd as usize, Arc::clone(&rt));
         crate::kmark!("runtime: started (receives posted)");
         Ok(rt)
+    }
+
+    /// A weak reference to this runtime (for work that must not keep it).
+    pub fn weak_self(&self) -> Weak<Runtime> {
+        self.me.get().cloned().unwrap_or_default()
+    }
+
+    /// Make link `index` to `peer` over `path` in the background (a
+    /// thread of its own for the handshake; one per link at a time), for
+    /// VQPs on the datagram tier to move onto.
+    pub fn want_link(rt: &Arc<Runtime>, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
+        let key = (peer.incarnation, index, path);
+        if rt.svc.link_to(peer.incarnation, index, path).is_some() || !rt.linking.lock().insert(key) {
+            return;
+        }
+        let weak = Arc::downgrade(rt);
+        let body = move || {
+            let Some(rt) = weak.upgrade() else { return };
+            crate::kmark!("link: made in the background");
+            if let Err(e) = rt.svc.link(&peer, index, path, connect_timeout()) {
+                klog!(Level::Info, "vqp: a background link to {:02x?} failed: {e:?} (its VQPs stay on the datagram tier)", peer.gid);
+            }
+            rt.linking.lock().remove(&key);
+        };
+        if std::thread::Builder::new().name("krcore-link".into()).spawn(body).is_err() {
+            rt.linking.lock().remove(&key);
+        }
     }
 
     /// Our GID when neither qbind nor `KRCORE_GID_INDEX` names one: the

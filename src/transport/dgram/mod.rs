@@ -16,6 +16,7 @@
 //! docs/vqp.md, "The datagram tier (core)", describes the protocol and its
 //! limits.
 
+pub mod port;
 pub mod reliable;
 pub mod serve;
 pub mod wire;

@@ -17,7 +17,7 @@
 //!
 //! | kind | part (from 48) | head + part |
 //! | --- | --- | --- |
-//! | 1 DATA | 48: msg, 52: total_len, 56: seg, 60: nsegs, 64: opcode (u8: 1 SEND, 2 SEND_WITH_IMM), 68: imm, 72: payload_len | [`DATA_HDR`] = 80 |
+//! | 1 DATA | 48: msg, 52: total_len, 56: seg, 60: nsegs, 64: opcode (u8: 1 SEND, 2 SEND_WITH_IMM, 3 CLOSE: empty), 68: imm, 72: payload_len | [`DATA_HDR`] = 80 |
 //! | 2 ACK | 48: sack (u64): bit i = packet seq + 1 + i arrived | [`ACK_LEN`] = 56 |
 //! | 3 REQUEST | 48: op (u8: 1 READ, 2 WRITE, 3 CMP_SWP, 4 FETCH_ADD), 52: rkey, 56: remote_addr (u64), 64: length, 68: offset (WRITE), 72: compare_add (u64), 80: swap (u64), 88: payload_len (WRITE), 92: resp_seg (READ) | [`REQUEST_HDR`] = 96 |
 //! | 4 RESPONSE | 48: status (u8), 49: op (u8), 56: length (READ), 60: offset (READ), 64: value (u64, atomics), 72: payload_len (READ) | [`RESPONSE_HDR`] = 80 |
@@ -108,6 +108,9 @@ pub enum SendOp {
     Send = 1,
     /// `imm` is delivered with the message.
     SendImm = 2,
+    /// No payload: the sending VQP was destroyed (what a link's CLOSE
+    /// header says), so that a bound VQP reports its sender closed.
+    Close = 3,
 }
 
 /// One segment of a two-sided message: segments of a message are
@@ -362,6 +365,7 @@ fn decode_data<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ack_r
     let opcode = match r.u8()? {
         1 => SendOp::Send,
         2 => SendOp::SendImm,
+        3 => SendOp::Close,
         _ => return Err(EBADMSG),
     };
     r.reserved(3)?;
@@ -369,7 +373,7 @@ fn decode_data<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ack_r
     let payload_len = r.u32()?;
     r.reserved(4)?;
     let payload = r.take(payload_len as usize)?;
-    if seg >= nsegs || payload_len > total_len || (opcode == SendOp::Send && imm != 0) {
+    if seg >= nsegs || payload_len > total_len || (opcode != SendOp::SendImm && imm != 0) || (opcode == SendOp::Close && total_len != 0) {
         return Err(EBADMSG);
     }
     Ok(Data { route, seq, nonce, ack_req, msg, total_len, seg, nsegs, opcode, imm, payload })

@@ -272,7 +272,11 @@ fn rejects_inconsistent_fields() {
     assert_eq!(set(d, 56, &4u32.to_le_bytes()), Err(EBADMSG), "seg == nsegs");
     assert_eq!(set(d, 52, &2u32.to_le_bytes()), Err(EBADMSG), "payload above total");
     assert_eq!(set(d, 64, &[1]), Err(EBADMSG), "imm on a SEND");
-    assert_eq!(set(d, 64, &[3]), Err(EBADMSG), "opcode");
+    assert_eq!(set(d, 64, &[3]), Err(EBADMSG), "imm on a CLOSE");
+    assert_eq!(set(d, 64, &[4]), Err(EBADMSG), "opcode");
+    let close = Data { opcode: SendOp::Close, imm: 0, total_len: 0, seg: 0, nsegs: 1, ..data(&[]) };
+    assert!(Message::decode(&Message::Data(close).to_vec()).is_ok(), "an empty CLOSE");
+    assert_eq!(set(Message::Data(close), 52, &[1]), Err(EBADMSG), "a CLOSE with a length");
     assert_eq!(set(d, 72, &4u32.to_le_bytes()), Err(EBADMSG), "payload_len past the end");
     assert_eq!(set(d, 72, &u32::MAX.to_le_bytes()), Err(EBADMSG), "payload_len huge");
     let ack = Message::Ack(Ack { route: ROUTE, next: 0, nonce: 0, sack: 3 });

@@ -8,7 +8,7 @@ use super::*;
 impl Vqp {
     /// Complete a message into the next posted receive: copy a small one,
     /// start READing a large one.
-    pub(super) fn land(&self, st: &mut State, h: &Header, payload: &[u8], link: &Arc<Link>) {
+    pub(super) fn land(&self, st: &mut State, h: &Header, payload: &[u8], origin: &Origin) {
         let mut srq = self.srq.get().map(|s| s.ring());
         let r = match srq.as_mut() {
             Some(ring) => ring.pop_front(),
@@ -29,7 +29,7 @@ impl Vqp {
         }
         if h.flags.contains(Flags::WRITE_IMM) {
             wc.opcode = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
-        } else if h.flags.contains(Flags::LARGE) {
+        } else if let (true, Some(link)) = (h.flags.contains(Flags::LARGE), origin.link.as_ref()) {
             let mut done = self.done_for(h);
             let buf = r.sg_list.to_vec();
             let pieces = match r.scatter(h.len) {
@@ -72,12 +72,12 @@ impl Vqp {
             }
         }
         drop(srq);
-        self.complete_recv(st, wc, link);
+        self.complete_recv(st, wc, origin);
     }
 
-    pub(super) fn complete_recv(&self, st: &mut State, wc: ibv_wc, link: &Arc<Link>) {
+    pub(super) fn complete_recv(&self, st: &mut State, wc: ibv_wc, origin: &Origin) {
         if st.bound.is_some() {
-            st.inbox.push_back(Inbox::Msg(link.peer, link.index, wc.src_qp, wc, Arc::clone(link)));
+            st.inbox.push_back(Inbox::Msg(origin.clone(), wc.src_qp, wc));
         } else {
             self.recv_soft.push(wc);
         }
@@ -139,7 +139,7 @@ impl Vqp {
             return;
         }
         let Some(rd) = st.reading.take() else { return };
-        self.complete_recv(st, rd.wc, &rd.link);
+        self.complete_recv(st, rd.wc, &Origin::of(&rd.link));
         self.drain_held(st);
     }
 
@@ -165,9 +165,9 @@ impl Vqp {
             let mut wc = rd.wc;
             wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
             wc.byte_len = 0;
-            self.complete_recv(st, wc, &rd.link);
+            self.complete_recv(st, wc, &Origin::of(&rd.link));
         }
-        st.held.retain(|m| !(Arc::ptr_eq(&m.link, &rd.link) && m.header.src_vqpn == src && !m.header.flags.contains(Flags::CLOSE)));
+        st.held.retain(|m| !(m.origin.is_on(&rd.link) && m.header.src_vqpn == src && !m.header.flags.contains(Flags::CLOSE)));
         self.drain_held(st);
     }
 

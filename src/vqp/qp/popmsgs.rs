@@ -44,8 +44,8 @@ impl Vqp {
         while out.len() < n {
             let mut st = self.st.lock();
             let Some(entry) = st.inbox.pop_front() else { break };
-            let (peer, index, src, wc, link) = match entry {
-                Inbox::Msg(peer, index, src, wc, link) => (peer, index, src, wc, link),
+            let (origin, src, wc) = match entry {
+                Inbox::Msg(origin, src, wc) => (origin, src, wc),
                 Inbox::Closed(incarnation, src) => {
                     // A sender we never answered has no src_qp to retire.
                     if let Some(qp) = st.src_qps.remove(&(incarnation, src)) {
@@ -61,14 +61,14 @@ impl Vqp {
                     continue;
                 }
             };
-            let key = (peer.incarnation, src);
+            let key = (origin.peer.incarnation, src);
             if let Some(&qp) = st.src_qps.get(&key) {
                 out.push((qp, wc));
                 continue;
             }
             st.answering = Some(key);
             drop(st);
-            let made = self.answer(rt, peer, index, src, &link, make_src);
+            let made = self.answer(rt, &origin, src, make_src);
             let mut st = self.st.lock();
             st.answering = None;
             match made {
@@ -78,7 +78,7 @@ impl Vqp {
                 }
                 Err(e) => {
                     // Nothing is lost: the message waits for the next call.
-                    st.inbox.push_front(Inbox::Msg(peer, index, src, wc, link));
+                    st.inbox.push_front(Inbox::Msg(origin, src, wc));
                     if out.is_empty() {
                         return Err(e);
                     }
@@ -91,34 +91,35 @@ impl Vqp {
         Ok(out)
     }
 
-    /// A VQP connected back to sender `src` of `peer`, whose message came
-    /// on `came_on`, without a link handshake (`qpop_msgs` never blocks).
+    /// A VQP connected back to sender `src` of the process its message
+    /// came from (`origin`), without a link handshake (`qpop_msgs` never
+    /// blocks).
     fn answer(
         self: &Arc<Self>,
         rt: &Arc<Runtime>,
-        peer: Endpoint,
-        index: u16,
+        origin: &Origin,
         src: u32,
-        came_on: &Arc<Link>,
         make_src: &dyn Fn(&Arc<Vqp>) -> Result<*mut ibv_qp>,
     ) -> Result<*mut ibv_qp> {
+        let (peer, index) = (origin.peer, origin.index);
         let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
         let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
         let _ = v.rt.set(Arc::clone(rt));
         let _ = v.parent.set((Arc::downgrade(self), (peer.incarnation, src)));
-        match rt.svc.existing_link(&peer, index, came_on.path) {
+        match rt.svc.link_to(peer.incarnation, index, origin.path) {
             Some(link) => v.attach(rt, link, peer, src),
             // Its process is gone: as a VQP whose link failed (posts are
             // accepted and flushed); the sender is reported closed after
             // its messages (`on_link_failed`).
-            None if came_on.is_failed() => {
+            None if origin.link.as_ref().is_some_and(|l| l.is_failed()) => {
                 let mut st = v.st.lock();
                 st.failed = true;
                 // Empty: this puts its send queue in the error state.
                 st.sq.flush(&mut |_| {});
             }
-            // Closed since (link reclaim): the first post makes a new one.
-            None => v.attach_at(rt, None, peer, index, came_on.path, src),
+            // Closed since (link reclaim), or it came on the datagram tier:
+            // the first post makes or finds a link, or takes the tier.
+            None => v.attach_at(rt, None, peer, index, origin.path, src),
         }
         make_src(&v)
     }

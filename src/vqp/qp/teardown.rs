@@ -54,6 +54,9 @@ impl Vqp {
     /// its WQEs are off the link, else held (true: call
     /// [`Vqp::watch_held`] once the VQP's lock is released).
     pub(super) fn flush_sends(&self, st: &mut State, emit: &mut impl FnMut(Completion)) -> bool {
+        if let Some(rt) = self.rt.get() {
+            self.detach_flow(rt, st);
+        }
         if st.held_sends.is_empty() && sends_idle(st) {
             st.sq.flush(emit);
             return false;
@@ -141,7 +144,9 @@ impl Vqp {
         let mut unread: Vec<(Arc<Link>, Header)> = st.reading.take().map(|r| (r.link, r.done)).into_iter().collect();
         let held: Vec<_> = st.held.drain(..).collect();
         for m in held.into_iter().filter(|m| m.header.flags.contains(super::Flags::LARGE)) {
-            unread.push((m.link, self.done_for(&m.header)));
+            if let Some(link) = m.origin.link {
+                unread.push((link, self.done_for(&m.header)));
+            }
         }
         unread
     }

@@ -1,0 +1,418 @@
+//! The datagram tier on a service endpoint's UD QP: the flows of this
+//! endpoint's VQPs, what arrives for them, the one-sided requests served
+//! for peers, and the timers.
+//!
+//! The port is the glue between [`super::reliable`] / [`super::serve`]
+//! (pure logic) and the world, which it reaches through [`Host`]: sending a
+//! datagram, waking at a time, and the VQPs (who takes a flow, where a
+//! message or a completion goes). Threads: a VQP posts from the
+//! application's thread; everything that arrives, and every timer, is
+//! handled on the endpoint's progress thread, the only one that takes
+//! completions out of a flow (so they reach the VQP in order).
+//!
+//! Trust: a flow is bound to the network address (GRH source GID and
+//! `src_qp`) it was opened with or first came from; a datagram of that
+//! flow from anywhere else is dropped and counted, as is anything that
+//! does not decode or that the flow's nonces and sequence numbers do not
+//! match. A one-sided request is served only against the MRs the target
+//! application registered with remote access (rkey, range and access
+//! checked by [`super::serve::check`]) in the PD of the VQP it names.
+
+use super::reliable::{self, Completion, Config, Delivery, Received, Receiver, Sender};
+use super::serve::{Memory, Mrs, Responder};
+use super::wire::{Message, OneSided, Route, SendOp};
+use crate::error::{Errno, Result};
+use crate::meta::mrtable::MrInfo;
+use crate::rdma::Gid;
+use crate::stats::{self, Stat};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where a datagram came from, as the network says (not as it claims).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Source {
+    /// The GRH's source GID.
+    pub gid: Gid,
+    /// The GID of ours it was sent to (the GRH's destination).
+    pub to_gid: Gid,
+    /// The sending UD QP (`wc.src_qp`).
+    pub qpn: u32,
+}
+
+/// Where a flow's datagrams go: the peer endpoint's UD QP over a path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub sgid_index: u32,
+    pub dgid: Gid,
+    pub qpn: u32,
+    pub qkey: u32,
+}
+
+impl Peer {
+    fn sent(&self, from: &Source) -> bool {
+        from.gid == self.dgid && from.qpn == self.qpn
+    }
+}
+
+/// What the port needs from its endpoint and its VQPs.
+pub trait Host: Send + Sync {
+    /// Send one datagram (best effort: a loss is the flows' business).
+    fn send(&self, to: &Peer, bytes: &[u8]);
+    /// Call [`Port::on_timer`] at `at` (or a bit later) on the progress
+    /// thread.
+    fn wake_at(&self, at: Instant);
+    /// A peer VQP opens a flow to our VQP `route.dst_vqpn`: the PD whose
+    /// MRs serve its one-sided requests, and the address its answers go
+    /// to; None to refuse (no such VQP, or one that takes nothing from
+    /// that sender).
+    fn admit(&self, route: &Route, from: &Source) -> Option<(usize, Peer)>;
+    /// A message of an admitted flow, in the flow's order.
+    fn message(&self, route: &Route, from: &Peer, opcode: SendOp, imm: u32, data: Vec<u8>);
+    /// A work request of our flow `route` finished (in post order).
+    fn completed(&self, route: &Route, c: Completion);
+}
+
+/// A work request on the datagram tier (the caller's `id` comes back in
+/// its [`Completion`]).
+pub enum Op<'a> {
+    Send { id: u64, opcode: SendOp, imm: u32, data: &'a [u8] },
+    Read { id: u64, rkey: u32, addr: u64, len: u32 },
+    Write { id: u64, rkey: u32, addr: u64, data: &'a [u8] },
+    Atomic { id: u64, atomic: reliable::Atomic, rkey: u32, addr: u64 },
+}
+
+/// One of our VQPs' flows to a peer VQP.
+pub struct Flow {
+    pub route: Route,
+    pub peer: Peer,
+    sender: Mutex<Sender>,
+}
+
+impl Flow {
+    /// Work requests posted and not completed.
+    pub fn outstanding(&self) -> usize {
+        self.sender.lock().outstanding()
+    }
+}
+
+/// A peer's flow to one of our VQPs.
+struct Inbound {
+    peer: Peer,
+    pd: usize,
+    receiver: Receiver,
+    responder: Responder,
+}
+
+/// Most flows from peers a port keeps (each a receiver and a cache of
+/// answers); a flow beyond them is dropped until one goes.
+pub const MAX_INBOUND: usize = 4096;
+
+pub struct Port {
+    cfg: Config,
+    epoch: Instant,
+    out: Mutex<HashMap<Route, Arc<Flow>>>,
+    inbound: Mutex<HashMap<Route, Inbound>>,
+    /// The earliest wake-up asked of the host and not run yet (µs since
+    /// `epoch`; u64::MAX: none).
+    armed: AtomicU64,
+}
+
+impl Port {
+    /// A port for paths of `mtu` bytes.
+    pub fn new(mtu: usize, rto_us: u64) -> Result<Port> {
+        let base = Config::default();
+        let rto = rto_us.max(base.ack_delay_us + 1);
+        let cfg = Config { mtu, rto_initial_us: rto, rto_max_us: base.rto_max_us.max(rto), ..base };
+        Sender::new(cfg, ZERO_ROUTE, 0)?; // validates the config
+        Ok(Port {
+            cfg,
+            epoch: Instant::now(),
+            out: Mutex::new(HashMap::new()),
+            inbound: Mutex::new(HashMap::new()),
+            armed: AtomicU64::new(u64::MAX),
+        })
+    }
+
+    pub fn mtu(&self) -> usize {
+        self.cfg.mtu
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    /// Our flow on `route` to `peer` (the existing one, whose sequence
+    /// numbers go on: a VQP that falls back from a link keeps its flow).
+    pub fn open(&self, route: Route, peer: Peer) -> Result<Arc<Flow>> {
+        let mut out = self.out.lock();
+        if let Some(f) = out.get(&route).filter(|f| f.peer == peer) {
+            return Ok(Arc::clone(f));
+        }
+        let sender = Sender::new(self.cfg, route, reliable::random_seed())?;
+        let f = Arc::new(Flow { route, peer, sender: Mutex::new(sender) });
+        out.insert(route, Arc::clone(&f));
+        Ok(f)
+    }
+
+    /// Our flow ends (its VQP was destroyed, reset or failed): what it
+    /// still has outstanding completes no more.
+    pub fn close(&self, flow: &Flow) {
+        let mut out = self.out.lock();
+        if out.get(&flow.route).is_some_and(|f| std::ptr::eq(&**f, flow)) {
+            out.remove(&flow.route);
+        }
+    }
+
+    /// Our VQP `vqpn` is gone: the peers' flows to it go too.
+    pub fn forget_vqp(&self, vqpn: u32) {
+        self.inbound.lock().retain(|r, _| r.dst_vqpn != vqpn);
+    }
+
+    /// Post `op` on `flow` and send what its window admits. ENOTCONN when
+    /// the flow failed (the caller's VQP is in the error state: the
+    /// request is flushed), ENOMEM when its queue is full.
+    pub fn post(&self, host: &dyn Host, flow: &Flow, op: Op<'_>) -> Result<()> {
+        let mut s = flow.sender.lock();
+        if s.failed() {
+            return Err(Errno(libc::ENOTCONN));
+        }
+        match op {
+            Op::Send { id, opcode, imm, data } => s.post_send(id, opcode, imm, data)?,
+            Op::Read { id, rkey, addr, len } => s.post_read(id, rkey, addr, len)?,
+            Op::Write { id, rkey, addr, data } => s.post_write(id, rkey, addr, data)?,
+            Op::Atomic { id, atomic, rkey, addr } => s.post_atomic(id, atomic, rkey, addr)?,
+        }
+        stats::inc(Stat::KRCORE_STAT_DGRAM_WRS);
+        self.transmit(host, flow, &mut s);
+        Ok(())
+    }
+
+    /// Send what the sender has to send now (under its lock: in order),
+    /// and make sure its timer is armed.
+    fn transmit(&self, host: &dyn Host, flow: &Flow, s: &mut Sender) {
+        for d in s.poll(self.now_us()) {
+            stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+            host.send(&flow.peer, &d);
+        }
+        if let Some(at) = s.next_deadline() {
+            self.arm(host, at);
+        }
+    }
+
+    fn arm(&self, host: &dyn Host, at_us: u64) {
+        if self.armed.fetch_min(at_us, Ordering::AcqRel) > at_us {
+            host.wake_at(self.epoch + Duration::from_micros(at_us));
+        }
+    }
+
+    /// A datagram of this family arrived from `from` (the progress thread).
+    pub fn on_datagram(&self, host: &dyn Host, bytes: &[u8], from: &Source) {
+        let m = match Message::decode(bytes) {
+            Ok(m) => m,
+            Err(_) => return dropped(),
+        };
+        match m {
+            Message::Ack(_) | Message::Response(_) => self.on_answer(host, &m, from),
+            Message::Data(_) | Message::Request(_) => self.on_inbound(host, &m, from),
+        }
+    }
+
+    /// An ACK or RESPONSE for one of our flows.
+    fn on_answer(&self, host: &dyn Host, m: &Message, from: &Source) {
+        let route = m.route().reverse();
+        let Some(flow) = self.out.lock().get(&route).cloned() else { return dropped() };
+        if !flow.peer.sent(from) {
+            return dropped();
+        }
+        let done = {
+            let mut s = flow.sender.lock();
+            let before = s.drops;
+            s.on_message(self.now_us(), m);
+            if s.drops != before {
+                dropped();
+            }
+            let done = take_completions(&mut s);
+            self.transmit(host, &flow, &mut s);
+            done
+        };
+        for c in done {
+            host.completed(&flow.route, c);
+        }
+    }
+
+    /// A DATA or REQUEST packet of a peer's flow to one of our VQPs.
+    fn on_inbound(&self, host: &dyn Host, m: &Message, from: &Source) {
+        let route = *m.route();
+        let mut inbound = self.inbound.lock();
+        if !inbound.contains_key(&route) {
+            if inbound.len() >= MAX_INBOUND {
+                return dropped();
+            }
+            drop(inbound);
+            let Some((pd, peer)) = host.admit(&route, from) else { return dropped() };
+            let receiver = match Receiver::new(self.cfg, route) {
+                Ok(r) => r,
+                Err(_) => return dropped(),
+            };
+            inbound = self.inbound.lock();
+            inbound.entry(route).or_insert(Inbound { peer, pd, receiver, responder: Responder::new(self.cfg.mtu, MAX_READ) });
+        }
+        let Some(f) = inbound.get_mut(&route) else { return };
+        if !f.peer.sent(from) {
+            return dropped();
+        }
+        let now = self.now_us();
+        let (peer, pd) = (f.peer, f.pd);
+        let mut answers = Vec::new();
+        let mut messages = Vec::new();
+        match f.receiver.on_message(now, m) {
+            Received::Dropped => dropped(),
+            Received::DuplicateRequest => {
+                if let Message::Request(req) = m {
+                    answers = crate::vqp::mrs::with(pd, |mrs| f.responder.serve_duplicate(req, &Registered(mrs), &mut ProcessMemory));
+                }
+            }
+            Received::Taken => {
+                while let Some(d) = f.receiver.pop() {
+                    match d {
+                        Delivery::Message { opcode, imm, data } => messages.push((opcode, imm, data)),
+                        Delivery::Request(_) => {
+                            let Some(req) = d.request() else { continue };
+                            let served = crate::vqp::mrs::with(pd, |mrs| f.responder.serve(&req, &Registered(mrs), &mut ProcessMemory));
+                            stats::inc(Stat::KRCORE_STAT_DGRAM_SERVED);
+                            answers.extend(served.responses);
+                            if served.status != super::wire::Status::Ok {
+                                stats::inc(Stat::KRCORE_STAT_DGRAM_REFUSED);
+                                // As an RC responder: nothing more of this flow.
+                                f.receiver.fail();
+                                messages.clear();
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        drop(inbound);
+        for a in &answers {
+            stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+            host.send(&peer, a);
+        }
+        // Delivered before they are acknowledged: once the sender learns
+        // they arrived, what it sends next (on the tier or on a link) lands
+        // behind them.
+        for (opcode, imm, data) in messages {
+            host.message(&route, &peer, opcode, imm, data);
+        }
+        self.ack(host, &route, now);
+    }
+
+    /// Send flow `route`'s ACK if one is due, else arm its timer.
+    fn ack(&self, host: &dyn Host, route: &Route, now: u64) {
+        let mut inbound = self.inbound.lock();
+        let Some(f) = inbound.get_mut(route) else { return };
+        let peer = f.peer;
+        if let Some(a) = f.receiver.poll_ack(now) {
+            drop(inbound);
+            stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+            host.send(&peer, &a);
+        } else if let Some(at) = f.receiver.next_deadline() {
+            drop(inbound);
+            self.arm(host, at);
+        }
+    }
+
+    /// The timer fired: retransmissions, delayed ACKs, failed flows.
+    pub fn on_timer(&self, host: &dyn Host) {
+        self.armed.store(u64::MAX, Ordering::Release);
+        let now = self.now_us();
+        let flows: Vec<Arc<Flow>> = self.out.lock().values().cloned().collect();
+        for flow in flows {
+            let done = {
+                let mut s = flow.sender.lock();
+                if s.next_deadline().is_none_or(|d| d > now) {
+                    if let Some(d) = s.next_deadline() {
+                        self.arm(host, d);
+                    }
+                    continue;
+                }
+                self.transmit(host, &flow, &mut s);
+                take_completions(&mut s)
+            };
+            for c in done {
+                host.completed(&flow.route, c);
+            }
+        }
+        let routes: Vec<Route> =
+            self.inbound.lock().iter().filter(|(_, f)| f.receiver.next_deadline().is_some()).map(|(r, _)| *r).collect();
+        for r in routes {
+            self.ack(host, &r, now);
+        }
+    }
+}
+
+/// The largest READ served (answered from one buffer): RC's 2 GiB is not
+/// a datagram tier's business; larger READs wait for a link.
+pub const MAX_READ: u32 = 1 << 20;
+
+const ZERO_ROUTE: Route = Route { src_incarnation: 0, dst_incarnation: 0, src_vqpn: 0, dst_vqpn: 0 };
+
+fn dropped() {
+    stats::inc(Stat::KRCORE_STAT_DGRAM_DROPPED);
+}
+
+fn take_completions(s: &mut Sender) -> Vec<Completion> {
+    std::iter::from_fn(|| s.pop_completion()).collect()
+}
+
+/// The PD's registered MRs with remote access.
+struct Registered<'a>(&'a crate::vqp::mrs::PdMrs);
+
+impl Mrs for Registered<'_> {
+    fn by_rkey(&self, rkey: u32) -> Option<MrInfo> {
+        self.0.by_rkey(rkey)
+    }
+}
+
+/// This process's memory, inside MRs the checks found registered (and
+/// which stay registered: the caller holds the MR registry's lock, which
+/// a deregistration takes first).
+struct ProcessMemory;
+
+impl Memory for ProcessMemory {
+    fn read(&mut self, addr: u64, out: &mut [u8]) -> bool {
+        // SAFETY: [addr, addr + len) lies inside a registered MR (checked),
+        // which stays registered while the registry's lock is held.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
+        true
+    }
+
+    fn write(&mut self, addr: u64, data: &[u8]) -> bool {
+        // SAFETY: as `read`; the MR grants REMOTE_WRITE (checked).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+        true
+    }
+
+    fn compare_swap(&mut self, addr: u64, compare: u64, swap: u64) -> Option<u64> {
+        // SAFETY: 8 aligned bytes inside a registered MR granting
+        // REMOTE_ATOMIC (checked); concurrent CPU access is atomic too.
+        let a = unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) };
+        Some(match a.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
+            Ok(v) | Err(v) => v,
+        })
+    }
+
+    fn fetch_add(&mut self, addr: u64, add: u64) -> Option<u64> {
+        // SAFETY: as `compare_swap`.
+        let a = unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) };
+        Some(a.fetch_add(add, Ordering::SeqCst))
+    }
+}
+
+/// Whether `op` is one the tier serves (the rest wait for a link).
+pub fn serves(op: OneSided, len: u32) -> bool {
+    op != OneSided::Read || len <= MAX_READ
+}

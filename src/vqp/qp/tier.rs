@@ -1,0 +1,397 @@
+//! Which transport a connected VQP's work goes on, and the VQP's side of
+//! the datagram tier (`src/transport/dgram/`).
+//!
+//! A connection whose peer has no open link (first contact, or its link
+//! was closed by reclaim) posts on its flow of the datagram tier at once
+//! (`KRCORE_DGRAM=1`), and asks for the link in the background
+//! (`KRCORE_LINK_AFTER`). The move: once the link serves that peer and
+//! everything the VQP posted on the tier has completed (acknowledged or
+//! answered by the peer), the connection takes the link; a post that
+//! finds the link up while work is still outstanding on the tier waits
+//! for it (one round trip at most, bounded). So nothing sent on the link
+//! can overtake what was sent on the tier, and the peer delivered every
+//! message of the tier before it acknowledged it.
+//!
+//! On the tier the target checks the remote side of one-sided requests
+//! (an unknown rkey completes with `IBV_WC_REM_ACCESS_ERR` and the VQP
+//! enters the error state, as on RC); the VQP checks the local side as on
+//! a link. `IBV_WR_RDMA_WRITE_WITH_IMM`, `IBV_SEND_SOLICITED` and READs
+//! above [`port::MAX_READ`] wait for the link.
+
+use super::*;
+use crate::transport::dgram::port::{self, Flow, Host, Op, Peer, Source};
+use crate::transport::dgram::reliable::{self, Atomic, Outcome};
+use crate::transport::dgram::wire::{Route, SendOp};
+
+/// What a connection sends on now.
+pub(super) enum Tier {
+    Link,
+    Dgram(Arc<Flow>),
+}
+
+/// Ids of the tier's work that is not the application's (a CLOSE).
+const CONTROL_ID: u64 = 1 << 32;
+
+/// The remote side as the tier sees it: the target checks it.
+struct TargetChecks;
+
+impl precheck::RemoteMrs for TargetChecks {
+    fn remote(&self, _rkey: u32) -> Option<precheck::MrInfo> {
+        use crate::sys::ibv_access_flags as A;
+        let access = A::IBV_ACCESS_REMOTE_READ.0 | A::IBV_ACCESS_REMOTE_WRITE.0 | A::IBV_ACCESS_REMOTE_ATOMIC.0;
+        Some(precheck::MrInfo { addr: 0, len: u64::MAX, access })
+    }
+}
+
+/// Whether the tier can carry `w` (else it waits for the link).
+pub(super) fn tier_carries(w: &ibv_send_wr, total: u32) -> bool {
+    crate::config::get().dgram
+        && w.opcode != ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+        && w.send_flags & ibv_send_flags::IBV_SEND_SOLICITED.0 == 0
+        && (w.opcode != ibv_wr_opcode::IBV_WR_RDMA_READ || total <= port::MAX_READ)
+}
+
+impl Vqp {
+    /// Make sure the connection can send: on its open link, on a link that
+    /// serves its peer now (the move, once the tier is drained), or on the
+    /// datagram tier when `tier_ok` (else a new link, waited for). A
+    /// closing link's WQEs complete first (the fence of a link close). Ok
+    /// also when the VQP is not connected or failed: the caller looks
+    /// again. An error when the peer cannot be reached.
+    pub(super) fn ensure_tier(&self, rt: &Arc<Runtime>, tier_ok: bool) -> Result<Tier> {
+        let deadline = std::time::Instant::now() + super::super::runtime::connect_timeout().max(super::super::runtime::TRANSPORT_WAIT);
+        loop {
+            let (peer, index, path, dst, old, flow) = {
+                let st = self.st.lock();
+                match &st.conn {
+                    Some(c) if c.open_link().is_none() => (c.peer, c.index, c.path, c.dst, c.link.clone(), c.flow.clone()),
+                    _ => return Ok(Tier::Link),
+                }
+            };
+            // A failed link: its VQPs enter the error state (progress);
+            // a closing one: its WQEs complete first (the fence).
+            let busy = |l: &Arc<Link>| l.is_failed() || l.sq.lock().outstanding() > 0;
+            let waiting_tier = flow.as_ref().is_some_and(|f| f.outstanding() > 0);
+            if old.as_ref().is_some_and(busy) {
+                self.wait_a_little(rt, deadline)?;
+                continue;
+            }
+            if old.is_some() {
+                // Closed, and done with: let it go (what the link close's
+                // fence waited for).
+                let mut st = self.st.lock();
+                if let Some(c) = st.conn.as_mut().filter(|c| c.link.as_ref().map(Arc::as_ptr) == old.as_ref().map(Arc::as_ptr)) {
+                    c.link = None;
+                }
+                continue;
+            }
+            if let Some(link) = rt.svc.link_to(peer.incarnation, index, path).filter(|l| l.is_open()) {
+                if waiting_tier {
+                    // The move waits for the tier to drain.
+                    self.wait_a_little(rt, deadline)?;
+                    continue;
+                }
+                self.take_link(old.as_ref(), link, flow.is_some());
+                continue;
+            }
+            if tier_ok && crate::config::get().dgram {
+                let flow = match flow {
+                    Some(f) => f,
+                    None => self.open_flow(rt, peer, path, dst)?,
+                };
+                return Ok(Tier::Dgram(flow));
+            }
+            if waiting_tier {
+                self.wait_a_little(rt, deadline)?;
+                continue;
+            }
+            let new = rt.svc.link(&peer, index, path, super::super::runtime::connect_timeout())?;
+            self.take_link(old.as_ref(), new, flow.is_some());
+        }
+    }
+
+    /// Progress, and give the other threads a turn; ETIMEDOUT past `deadline`.
+    fn wait_a_little(&self, rt: &Runtime, deadline: std::time::Instant) -> Result<()> {
+        if std::time::Instant::now() > deadline {
+            return Err(Errno(libc::ETIMEDOUT));
+        }
+        rt.progress();
+        std::thread::yield_now();
+        Ok(())
+    }
+
+    /// The connection goes on `new` (if it still is where it was: on `old`).
+    fn take_link(&self, old: Option<&Arc<Link>>, new: Arc<Link>, from_tier: bool) {
+        let mut st = self.st.lock();
+        if let Some(c) = st.conn.as_mut() {
+            if c.link.as_ref().map(Arc::as_ptr) == old.map(Arc::as_ptr) {
+                klog!(
+                    Level::Debug,
+                    "vqp {:#x}: moves to link QP {}{}",
+                    self.vqpn,
+                    new.qp.qpn(),
+                    if from_tier { " from the datagram tier" } else { "" }
+                );
+                if from_tier && c.link.is_none() {
+                    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_DGRAM_MOVES);
+                }
+                c.link = Some(new);
+            }
+        }
+    }
+
+    /// The connection's flow on the datagram tier; its link is asked for
+    /// in the background (`KRCORE_LINK_AFTER` 0: now).
+    fn open_flow(&self, rt: &Arc<Runtime>, peer: Endpoint, path: Path, dst: u32) -> Result<Arc<Flow>> {
+        let route =
+            Route { src_incarnation: rt.svc.endpoint().incarnation, dst_incarnation: peer.incarnation, src_vqpn: self.vqpn, dst_vqpn: dst };
+        let to = Peer { sgid_index: path.sgid_index, dgid: path.dgid, qpn: peer.qpn, qkey: peer.qkey };
+        let flow = rt.dgram.open(route, to)?;
+        let mut st = self.st.lock();
+        match st.conn.as_mut() {
+            Some(c) if c.flow.is_none() => c.flow = Some(Arc::clone(&flow)),
+            Some(c) => return Ok(c.flow.clone().unwrap_or(flow)),
+            None => return Err(Errno(libc::EAGAIN)),
+        }
+        let index = st.conn.as_ref().map_or(0, |c| c.index);
+        drop(st);
+        if crate::config::get().link_after == 0 {
+            Runtime::want_link(rt, peer, index, path);
+        }
+        Ok(flow)
+    }
+
+    /// Post `w` on the datagram tier (the VQP's lock not held; `sw` its
+    /// checked view). `Ok(false)`: the connection changed meanwhile, look
+    /// again.
+    ///
+    /// # Safety
+    /// `w` and its SGE list are the application's valid WR.
+    pub(super) unsafe fn post_on_tier(&self, rt: &Arc<Runtime>, flow: &Arc<Flow>, w: &ibv_send_wr, sw: &SendWr<'_>) -> Result<bool> {
+        mrs::with(self.app.real_pd as usize, |local| precheck::check_send(sw, &self.dev_caps(), local, &TargetChecks)).map_err(
+            |v| match v {
+                Verdict::Reject(r) => {
+                    klog!(Level::Debug, "vqp {:#x}: rejected a work request: {r}", self.vqpn);
+                    r.errno()
+                }
+                Verdict::NeedRemote { .. } => Errno::EINVAL,
+            },
+        )?;
+        let total: u32 = sw.sge.iter().map(|s| s.length).sum();
+        let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
+        let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
+        // The payload of a SEND or WRITE is copied now, as inline data.
+        let data: Vec<u8> = if is_send || w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE {
+            let mut d = Vec::with_capacity(total as usize);
+            for s in sw.sge.iter().filter(|s| s.length > 0) {
+                // SAFETY: the application's memory, checked against its MRs
+                // (or inline data, read at post time as verbs does).
+                d.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) });
+            }
+            d
+        } else {
+            Vec::new()
+        };
+        let mut guard = self.st.lock();
+        let st = &mut *guard;
+        if !st.conn.as_ref().and_then(|c| c.flow.as_ref()).is_some_and(|f| Arc::ptr_eq(f, flow))
+            || st.conn.as_ref().is_some_and(|c| c.link.is_some())
+        {
+            return Ok(false);
+        }
+        if st.sq.outstanding() >= self.sq_cap as usize {
+            return Err(Errno::ENOMEM);
+        }
+        let entry = SendEntry { wr_id: w.wr_id, signaled, opcode: wc_opcode_of(w.opcode), byte_len: total, awaits_done: false };
+        let seq = st.sq.push(entry)?;
+        let id = u64::from(seq);
+        // SAFETY: the union members the opcode names.
+        let op = unsafe {
+            match w.opcode {
+                ibv_wr_opcode::IBV_WR_SEND => Op::Send { id, opcode: SendOp::Send, imm: 0, data: &data },
+                ibv_wr_opcode::IBV_WR_SEND_WITH_IMM => {
+                    Op::Send { id, opcode: SendOp::SendImm, imm: w.imm_data_invalidated_rkey_union.imm_data, data: &data }
+                }
+                ibv_wr_opcode::IBV_WR_RDMA_WRITE => Op::Write { id, rkey: w.wr.rdma.rkey, addr: w.wr.rdma.remote_addr, data: &data },
+                ibv_wr_opcode::IBV_WR_RDMA_READ => Op::Read { id, rkey: w.wr.rdma.rkey, addr: w.wr.rdma.remote_addr, len: total },
+                ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP => Op::Atomic {
+                    id,
+                    atomic: Atomic::CmpSwp { compare: w.wr.atomic.compare_add, swap: w.wr.atomic.swap },
+                    rkey: w.wr.atomic.rkey,
+                    addr: w.wr.atomic.remote_addr,
+                },
+                _ => Op::Atomic {
+                    id,
+                    atomic: Atomic::FetchAdd { add: w.wr.atomic.compare_add },
+                    rkey: w.wr.atomic.rkey,
+                    addr: w.wr.atomic.remote_addr,
+                },
+            }
+        };
+        if matches!(op, Op::Read { .. } | Op::Atomic { .. }) {
+            st.tier_dst.push_back((seq, sw.sge.to_vec()));
+        }
+        st.sent_msgs |= is_send;
+        klog!(Level::Debug, "vqp {:#x}: post opcode {} len {total} seq {seq} on the datagram tier", self.vqpn, w.opcode);
+        match rt.dgram.post(&**rt, flow, op) {
+            Ok(()) => {}
+            // The flow failed: the completion that failed it (on its way)
+            // flushes this one too.
+            Err(e) if e.0 == libc::ENOTCONN => {}
+            Err(e) => self.link_refused(&mut st.sq, seq, e),
+        }
+        let posted = st.conn.as_ref().is_some_and(|c| c.link.is_none());
+        let count = st.tier_posts;
+        st.tier_posts += 1;
+        let want = posted && crate::config::get().link_after > 0 && count + 1 == crate::config::get().link_after;
+        let conn = st.conn.as_ref().map(|c| (c.peer, c.index, c.path));
+        drop(guard);
+        if let (true, Some((peer, index, path))) = (want, conn) {
+            Runtime::want_link(rt, peer, index, path);
+        }
+        Ok(true)
+    }
+
+    /// A work request of this VQP's flow finished (progress): a READ's data
+    /// or an atomic's value lands in its buffer, then it completes as on
+    /// RC; an error puts the VQP in the error state.
+    fn on_tier_completion(&self, rt: &Runtime, route: &Route, c: reliable::Completion) {
+        if c.id >= CONTROL_ID {
+            return;
+        }
+        let mut guard = self.st.lock();
+        let st = &mut *guard;
+        if !st.conn.as_ref().and_then(|c| c.flow.as_ref()).is_some_and(|f| f.route == *route) || st.sq.is_error() {
+            return;
+        }
+        let seq = c.id as u16;
+        let dst = match st.tier_dst.front() {
+            Some((s, _)) if *s == seq => st.tier_dst.pop_front().map(|(_, sges)| sges),
+            _ => None,
+        };
+        let status = c.outcome.wc_status();
+        match (&c.outcome, dst) {
+            (Outcome::Read(data), Some(sges)) => scatter(data, &sges),
+            (Outcome::Atomic(v), Some(sges)) => scatter(&v.to_le_bytes(), &sges),
+            _ => {}
+        }
+        let mut sends = Vec::new();
+        let _ = st.sq.complete(seq, status, &mut |c| sends.push(c));
+        let mut recvs = Vec::new();
+        if status != ibv_wc_status::IBV_WC_SUCCESS {
+            klog!(Level::Info, "vqp {:#x}: a work request on the datagram tier failed (status {status}): error state", self.vqpn);
+            st.failed = true;
+            if let Some(rc) = st.rc.as_mut() {
+                rc.fail();
+            }
+            self.detach_flow(rt, st);
+            st.conn = None;
+            self.flush_receives_if_failed(st, &mut recvs);
+        }
+        drop(guard);
+        sends.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
+        recvs.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+    }
+
+    /// The send queue was flushed or the connection ends: its flow
+    /// completes nothing more (its work was reported flushed).
+    pub(super) fn detach_flow(&self, rt: &Runtime, st: &mut State) {
+        st.tier_dst.clear();
+        if let Some(flow) = st.conn.as_mut().and_then(|c| c.flow.take()) {
+            rt.dgram.close(&flow);
+        }
+    }
+
+    /// Tell the peer VQP on the tier that we are gone (a CLOSE), waiting a
+    /// bounded time for it to be acknowledged; whether it was.
+    pub(super) fn close_on_tier(&self, rt: &Runtime, flow: &Flow) -> bool {
+        let op = Op::Send { id: CONTROL_ID, opcode: SendOp::Close, imm: 0, data: &[] };
+        if rt.dgram.post(rt, flow, op).is_err() {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + super::super::runtime::connect_timeout();
+        while flow.outstanding() > 0 {
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
+    }
+}
+
+/// `data` into the buffers `sges` (checked against the application's MRs
+/// at post time), in order.
+fn scatter(data: &[u8], sges: &[ibv_sge]) {
+    let mut at = 0;
+    for s in sges {
+        let n = (s.length as usize).min(data.len() - at);
+        // SAFETY: the application's buffer of the WR, checked at post.
+        unsafe { std::ptr::copy_nonoverlapping(data[at..].as_ptr(), s.addr as *mut u8, n) };
+        at += n;
+    }
+}
+
+/// The datagram tier's view of the runtime: the endpoint that sends and
+/// wakes, and the VQPs behind the flows.
+impl Host for Runtime {
+    fn send(&self, to: &Peer, bytes: &[u8]) {
+        if let Err(e) = self.svc.send_datagram(Path { sgid_index: to.sgid_index, dgid: to.dgid }, to.qpn, to.qkey, bytes) {
+            klog!(Level::Debug, "vqp: a datagram of the tier was not sent: {e:?}");
+        }
+    }
+
+    fn wake_at(&self, at: std::time::Instant) {
+        let weak = self.weak_self();
+        self.svc.defer(
+            at,
+            Box::new(move || {
+                if let Some(rt) = weak.upgrade() {
+                    rt.dgram.on_timer(&*rt);
+                }
+            }),
+        );
+    }
+
+    fn admit(&self, route: &Route, from: &Source) -> Option<(usize, Peer)> {
+        if route.dst_incarnation != self.svc.endpoint().incarnation {
+            return None;
+        }
+        let v = by_vqpn(route.dst_vqpn)?;
+        if !v.rt.get().is_some_and(|r| std::ptr::eq(&**r, self)) {
+            return None;
+        }
+        {
+            // A connected VQP takes messages from its peer's process only;
+            // a bound one from anyone (what qbind is for).
+            let st = v.st.lock();
+            if st.bound.is_none() && st.conn.as_ref().is_some_and(|c| c.peer.incarnation != route.src_incarnation) {
+                return None;
+            }
+        }
+        let sgid_index = self.svc.gid_index_of(&from.to_gid).ok()?;
+        Some((v.app.real_pd as usize, Peer { sgid_index, dgid: from.gid, qpn: from.qpn, qkey: crate::rdma::QKEY }))
+    }
+
+    fn message(&self, route: &Route, from: &Peer, opcode: SendOp, imm: u32, data: Vec<u8>) {
+        let Some(v) = by_vqpn(route.dst_vqpn) else { return };
+        let mut h = Header { src_vqpn: route.src_vqpn, dst: route.dst_vqpn, len: data.len() as u32, ..Header::default() };
+        match opcode {
+            SendOp::Send => {}
+            SendOp::SendImm => {
+                h.flags |= Flags::HAS_IMM;
+                h.imm = imm;
+            }
+            SendOp::Close => h.flags |= Flags::CLOSE,
+        }
+        let peer = Endpoint { gid: from.dgid, qpn: from.qpn, qkey: from.qkey, incarnation: route.src_incarnation, vqpn: 0 };
+        let path = Path { sgid_index: from.sgid_index, dgid: from.dgid };
+        v.on_message_from(&h, &data, Origin { peer, index: 0, path, link: None });
+    }
+
+    fn completed(&self, route: &Route, c: reliable::Completion) {
+        if let Some(v) = by_vqpn(route.src_vqpn) {
+            v.on_tier_completion(self, route, c);
+        }
+    }
+}
