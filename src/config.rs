@@ -26,6 +26,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_DGRAM", "0", "1: a connected VQP whose peer has no link yet sends at once on the connectionless (datagram) tier while its link is made in the background, and moves onto the link without reordering (docs/vqp.md, \"The datagram tier\"); 0: qconnect and a transparent VQP's RTR wait for the link"),
     ("KRCORE_LINK_AFTER", "0", "with KRCORE_DGRAM=1: work requests a VQP posts on the datagram tier before its link is made in the background (0: at first contact)"),
     ("KRCORE_DGRAM_RTO_US", "4000", "the datagram tier's first retransmission timeout (doubling per timeout, up to 100 ms; 7 in a row fail the VQP with IBV_WC_RETRY_EXC_ERR)"),
+    ("KRCORE_TEST_DGRAM_LOSS", "0", "test hook: N > 0 drops one in N (at random) of the datagrams of the tier this process sends (a lossy network, for the tests; rxe loops same-device traffic past the netdev, where tc netem cannot see it)"),
     ("KRCORE_VIRTUALIZE", "0", "1: the application's RC QPs become virtual QPs on shared links (needs KRCORE_META); auto: as 1, but a QP whose peer does not resolve falls back to a real QP"),
 ];
 
@@ -79,6 +80,7 @@ pub struct Config {
     pub dgram: bool,
     pub link_after: u64,
     pub dgram_rto_us: u64,
+    pub test_dgram_loss: u64,
     pub virtualize: Virtualize,
 }
 
@@ -111,6 +113,7 @@ impl Config {
             dgram: var("KRCORE_DGRAM").is_some_and(|v| v != "0"),
             link_after: var("KRCORE_LINK_AFTER").and_then(|v| v.parse().ok()).unwrap_or(0),
             dgram_rto_us: var("KRCORE_DGRAM_RTO_US").and_then(|v| v.parse().ok()).unwrap_or(4000).max(500),
+            test_dgram_loss: var("KRCORE_TEST_DGRAM_LOSS").and_then(|v| v.parse().ok()).unwrap_or(0),
             virtualize: Virtualize::parse(var("KRCORE_VIRTUALIZE")),
         }
     }
@@ -140,6 +143,7 @@ impl Config {
             (self.dgram as u8).to_string(),
             self.link_after.to_string(),
             self.dgram_rto_us.to_string(),
+            self.test_dgram_loss.to_string(),
             self.virtualize.name().to_string(),
         ];
         VARIABLES.iter().zip(vals).map(|((name, _, _), v)| format!("{name}={v}\n")).collect()

@@ -336,6 +336,18 @@ fn scatter(data: &[u8], sges: &[ibv_sge]) {
 /// wakes, and the VQPs behind the flows.
 impl Host for Runtime {
     fn send(&self, to: &Peer, bytes: &[u8]) {
+        let loss = crate::config::get().test_dgram_loss;
+        if loss > 0 {
+            // One in `loss` at random (a fixed period could line up with
+            // the retransmissions and drop the same packet every time).
+            static SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut z = n.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            if (z ^ (z >> 29)) % loss == 0 {
+                return;
+            }
+        }
         if let Err(e) = self.svc.send_datagram(Path { sgid_index: to.sgid_index, dgid: to.dgid }, to.qpn, to.qkey, bytes) {
             klog!(Level::Debug, "vqp: a datagram of the tier was not sent: {e:?}");
         }
