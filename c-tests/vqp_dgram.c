@@ -51,6 +51,7 @@
 #define WINDOW 8
 #define SEED 77
 #define QUIT 0x51554954u
+#define QUIT_WRID 1000
 
 struct target {
 	uint64_t addr;
@@ -92,20 +93,26 @@ static int server(int ready_fd)
 		for (int i = 0; i < k; i++) {
 			uint64_t buf = wc[i].wr_id;
 			uint8_t *p = n.b.p + buf * MSG_MAX;
-			int imm = (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0;
+			int imm = (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0, is_quit;
 			struct ibv_wc s;
 
 			if (wc[i].status == IBV_WC_WR_FLUSH_ERR)
 				continue; /* a sender reported closed: its src_qp goes */
 			CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "receive status %d", wc[i].status);
-			if (wc[i].byte_len == 4 && *(uint32_t *)p == QUIT) {
-				quits++;
-			} else {
-				CT_OK(ct_post_send1(src[i], buf, imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND,
-						    IBV_SEND_SIGNALED, &n.b, buf * MSG_MAX, wc[i].byte_len, 0, 0,
-						    imm ? ntohl(wc[i].imm_data) : 0));
+			/* The answer to a QUIT tells its client that every
+			 * echo before it completed here (the client may go
+			 * right after: its completion is not waited for). */
+			is_quit = wc[i].byte_len == 4 && *(uint32_t *)p == QUIT;
+			quits += is_quit;
+			CT_OK(ct_post_send1(src[i], is_quit ? QUIT_WRID + buf : buf,
+					    imm ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b,
+					    buf * MSG_MAX, wc[i].byte_len, 0, 0, imm ? ntohl(wc[i].imm_data) : 0));
+			while (!is_quit) {
 				s = ct_poll1(n.scq);
+				if (s.wr_id >= QUIT_WRID)
+					continue; /* a QUIT's answer, whatever became of it */
 				CT_CHECK(s.status == IBV_WC_SUCCESS && s.wr_id == buf, "echo: status %d", s.status);
+				break;
 			}
 			ct_post_recv1(qp, buf, &n.b, buf * MSG_MAX, MSG_MAX);
 		}
@@ -293,12 +300,17 @@ static void rounds(struct client *c, uint64_t ctr_off)
 	}
 }
 
-/* Tell the server we are done, and free everything. */
+/* Tell the server we are done, wait for its answer (every echo of ours
+ * completed there), and free everything. */
 static void quit(struct client *c)
 {
+	struct ibv_wc wc;
+
 	*(uint32_t *)c->out = QUIT;
 	CT_OK(ct_post_send1(c->qp, 9, IBV_WR_SEND, IBV_SEND_SIGNALED, &c->n.b, RECV_AREA, 4, 0, 0, 0));
 	one(c->n.scq, "QUIT");
+	wc = one(c->n.rcq, "the QUIT's answer");
+	CT_CHECK(wc.byte_len == 4 && *(uint32_t *)(c->n.b.p + wc.wr_id * MSG_MAX) == QUIT, "the QUIT's answer");
 	CT_OK(ibv_destroy_qp(c->qp));
 	ct_buf_free(&c->n.b);
 	CT_OK(ibv_destroy_cq(c->n.scq));

@@ -25,7 +25,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_LINK_IDLE_MS", "1000", "a link is idle (may be closed to keep KRCORE_MAX_LINKS) when this process posted nothing on it for this long"),
     ("KRCORE_DGRAM", "0", "1: a connected VQP whose peer has no link yet sends at once on the connectionless (datagram) tier while its link is made in the background, and moves onto the link without reordering (docs/vqp.md, \"The datagram tier\"); 0: qconnect and a transparent VQP's RTR wait for the link"),
     ("KRCORE_LINK_AFTER", "0", "with KRCORE_DGRAM=1: work requests a VQP posts on the datagram tier before its link is made in the background (0: at first contact)"),
-    ("KRCORE_DGRAM_RTO_US", "4000", "the datagram tier's first retransmission timeout (doubling per timeout, up to 100 ms; 7 in a row fail the VQP with IBV_WC_RETRY_EXC_ERR)"),
+    ("KRCORE_DGRAM_RTO_US", "4000", "the datagram tier's smallest retransmission timeout (it follows the measured round trip above it, doubles per timeout up to 500 ms; 10 in a row, about 2 s, fail the VQP with IBV_WC_RETRY_EXC_ERR)"),
     ("KRCORE_TEST_DGRAM_LOSS", "0", "test hook: N > 0 drops one in N (at random) of the datagrams of the tier this process sends (a lossy network, for the tests; rxe loops same-device traffic past the netdev, where tc netem cannot see it)"),
     ("KRCORE_VIRTUALIZE", "0", "1: the application's RC QPs become virtual QPs on shared links (needs KRCORE_META); auto: as 1, but a QP whose peer does not resolve falls back to a real QP"),
 ];

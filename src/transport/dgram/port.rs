@@ -125,7 +125,17 @@ impl Port {
     pub fn new(mtu: usize, rto_us: u64) -> Result<Port> {
         let base = Config::default();
         let rto = rto_us.max(base.ack_delay_us + 1);
-        let cfg = Config { mtu, rto_initial_us: rto, rto_max_us: base.rto_max_us.max(rto), ..base };
+        // About 2 s of retransmissions before a flow fails (RC's retries
+        // are about as long), backing off to half a second: a process
+        // starved of CPU for a moment is not taken for dead.
+        let cfg = Config {
+            mtu,
+            rto_initial_us: rto,
+            rto_max_us: RTO_MAX_US.max(rto),
+            retry_limit: 10,
+            max_queued: crate::vqp::queue::MAX_DEPTH as usize,
+            ..base
+        };
         Sender::new(cfg, ZERO_ROUTE, 0)?; // validates the config
         Ok(Port {
             cfg,
@@ -353,6 +363,9 @@ impl Port {
         }
     }
 }
+
+/// The longest retransmission timeout of the tier.
+const RTO_MAX_US: u64 = 500_000;
 
 /// The largest READ served (answered from one buffer): RC's 2 GiB is not
 /// a datagram tier's business; larger READs wait for a link.

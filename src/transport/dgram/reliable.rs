@@ -166,6 +166,10 @@ struct Packet {
     /// Encoded; its ACK_REQ flag is set per transmission.
     bytes: Vec<u8>,
     sent: bool,
+    /// When it was first sent (µs), and whether it was sent again: only a
+    /// packet sent once gives a round-trip sample (Karn).
+    sent_at: u64,
+    resent: bool,
     /// Held by the receiver past its gap (from an ACK's bitmap).
     sacked: bool,
     /// A RESPONSE finishes it (READ, atomics, a WRITE's last segment).
@@ -226,6 +230,13 @@ pub struct Sender {
     work: VecDeque<Work>,
     done: VecDeque<Completion>,
     rto_us: u64,
+    /// The timeout after progress: the smoothed round trip plus four
+    /// deviations (RFC 6298), within `rto_initial_us..=rto_max_us`, so
+    /// that a slow path (a loaded host) does not retransmit on the first
+    /// try.
+    base_rto_us: u64,
+    srtt_us: Option<u64>,
+    rttvar_us: u64,
     retries: u32,
     deadline: Option<u64>,
     failed: bool,
@@ -251,6 +262,9 @@ impl Sender {
             work: VecDeque::new(),
             done: VecDeque::new(),
             rto_us: cfg.rto_initial_us,
+            base_rto_us: cfg.rto_initial_us,
+            srtt_us: None,
+            rttvar_us: 0,
             retries: 0,
             deadline: None,
             failed: false,
@@ -383,7 +397,17 @@ impl Sender {
     }
 
     fn push(&mut self, seq: u64, nonce: u64, bytes: Vec<u8>, needs_response: bool) {
-        self.packets.push_back(Packet { seq, nonce, bytes, sent: false, sacked: false, needs_response, answered: false });
+        self.packets.push_back(Packet {
+            seq,
+            nonce,
+            bytes,
+            sent: false,
+            sent_at: 0,
+            resent: false,
+            sacked: false,
+            needs_response,
+            answered: false,
+        });
     }
 
     fn queue(&mut self, id: u64, pending: Pending) {
@@ -407,6 +431,7 @@ impl Sender {
         let first_new = out.len();
         for p in self.packets.iter_mut().take_while(|p| p.seq < base + self.cfg.window).filter(|p| !p.sent) {
             p.sent = true;
+            p.sent_at = now;
             wire::set_ack_req(&mut p.bytes, false);
             out.push(p.bytes.clone());
         }
@@ -431,6 +456,7 @@ impl Sender {
         for p in self.packets.iter_mut().filter(|p| p.sent) {
             let resend = if p.seq < acked_to { p.needs_response && !p.answered } else { p.seq == acked_to || !p.sacked };
             if resend {
+                p.resent = true;
                 wire::set_ack_req(&mut p.bytes, true);
                 out.push(p.bytes.clone());
             }
@@ -466,6 +492,23 @@ impl Sender {
         }
     }
 
+    /// A round-trip sample from packet `seq`'s answer, if it was sent once.
+    fn sample(&mut self, now: u64, seq: u64) {
+        let Some(front) = self.packets.front().map(|p| p.seq) else { return };
+        let Some(p) = seq.checked_sub(front).and_then(|i| self.packets.get(i as usize)) else { return };
+        if !p.sent || p.resent {
+            return;
+        }
+        let r = now.saturating_sub(p.sent_at);
+        let (srtt, var) = match self.srtt_us {
+            None => (r, r / 2),
+            Some(s) => ((7 * s + r) / 8, (3 * self.rttvar_us + s.abs_diff(r)) / 4),
+        };
+        self.srtt_us = Some(srtt);
+        self.rttvar_us = var;
+        self.base_rto_us = (srtt + 4 * var).clamp(self.cfg.rto_initial_us, self.cfg.rto_max_us);
+    }
+
     fn nonce_of(&self, seq: u64) -> Option<u64> {
         match self.packets.front() {
             Some(front) if seq >= front.seq => self.packets.get((seq - front.seq) as usize).map(|p| p.nonce),
@@ -487,6 +530,9 @@ impl Sender {
         for p in self.packets.iter_mut().filter(|p| p.seq > a.next && p.seq <= a.next + 64) {
             p.sacked |= a.sack >> (p.seq - a.next - 1) & 1 != 0;
         }
+        if a.next > self.acked_to {
+            self.sample(now, a.next - 1);
+        }
         self.acked(now, a.next);
     }
 
@@ -501,7 +547,7 @@ impl Sender {
     /// The peer moved: the next timeout starts afresh.
     fn progress(&mut self, now: u64) {
         self.retries = 0;
-        self.rto_us = self.cfg.rto_initial_us;
+        self.rto_us = self.base_rto_us;
         self.complete();
         self.deadline = (!self.packets.is_empty() && self.packets.front().is_some_and(|p| p.sent)).then_some(now + self.rto_us);
     }
@@ -523,6 +569,7 @@ impl Sender {
             self.drops.malformed += 1;
             return;
         }
+        self.sample(now, r.seq);
         if r.status != Status::Ok {
             self.packets[i].answered = true;
             self.work[w].outcome = Some(Outcome::Remote(r.status));

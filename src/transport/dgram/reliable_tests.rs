@@ -544,3 +544,35 @@ fn segmented_messages_reassemble_byte_for_byte() {
     assert_eq!(nodes[1].got, want);
     assert!(nodes[0].done.iter().all(|d| d.outcome == Outcome::Done));
 }
+
+/// A path slower than the first timeout: once a round trip was measured,
+/// the timeout covers it (no retransmission on the first try), and a
+/// retransmitted packet gives no sample.
+#[test]
+fn the_timeout_follows_the_measured_round_trip() {
+    let c = Config { rto_initial_us: 1_000, rto_max_us: 100_000, ..cfg() };
+    let mut s = Sender::new(c, A_TO_B, 3).unwrap();
+    let mut r = Receiver::new(c, A_TO_B).unwrap();
+    // Round trips of 20 ms: the first packet times out once (resent, no
+    // sample), the second is answered in time and measured.
+    s.post_send(1, SendOp::Send, 0, b"a").unwrap();
+    let first = s.poll(0);
+    assert_eq!(s.next_deadline(), Some(1_000));
+    assert_eq!(s.poll(1_000).len(), 1, "a timeout resends");
+    r.on_message(1_000, &decode(&first[0]));
+    let ack = r.poll_ack(1_000).unwrap();
+    s.on_message(20_000, &decode(&ack));
+    assert_eq!(s.pop_completion().map(|c| c.id), Some(1));
+    s.post_send(2, SendOp::Send, 0, b"b").unwrap();
+    let second = s.poll(20_000);
+    assert_eq!(s.next_deadline(), Some(21_000), "a resent packet gave no sample");
+    r.on_message(20_000, &decode(&second[0]));
+    let ack = r.poll_ack(20_000).unwrap();
+    s.on_message(40_000, &decode(&ack));
+    assert_eq!(s.pop_completion().map(|c| c.id), Some(2));
+    s.post_send(3, SendOp::Send, 0, b"c").unwrap();
+    s.poll(40_000);
+    // srtt 20 ms, rttvar 10 ms: 60 ms.
+    assert_eq!(s.next_deadline(), Some(100_000));
+    assert!(s.poll(99_999).is_empty(), "no retransmission before the measured timeout");
+}
