@@ -6,6 +6,127 @@
 use super::*;
 
 impl Vqp {
+    /// `ibv_post_recv`.
+    ///
+    /// # Safety
+    /// As [`Vqp::post_send`].
+    pub unsafe fn post_recv(&self, mut wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> i32 {
+        while !wr.is_null() {
+            // SAFETY: caller contract.
+            let w = unsafe { &*wr };
+            let r = (|| {
+                // With an SRQ, receives are posted there (as RC: EINVAL).
+                if self.srq.get().is_some()
+                    || w.num_sge < 0
+                    || w.num_sge as u32 > self.caps.max_recv_sge
+                    || (w.num_sge > 0 && w.sg_list.is_null())
+                {
+                    return Err(Errno::EINVAL);
+                }
+                let sges: &[ibv_sge] = if w.num_sge == 0 {
+                    &[]
+                } else {
+                    // SAFETY: num_sge entries of the application's list.
+                    unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
+                };
+                mrs::with(self.app.real_pd as usize, |local| {
+                    precheck::check_recv(&precheck::RecvWr { sge: sges }, &self.dev_caps(), local)
+                })
+                .map_err(|r| r.errno())?;
+                let mut st = self.st.lock();
+                match st.rc.as_ref().map(RcShadow::state) {
+                    // As a real RC QP: no receives in RESET; in ERR they are
+                    // taken and flushed at once (after the messages that
+                    // came before the error: see `flush_receives_if_failed`).
+                    Some(ibv_qp_state::IBV_QPS_RESET) => Err(Errno::EINVAL),
+                    _ => {
+                        st.rq.push(w.wr_id, sges)?;
+                        let mut out = Vec::new();
+                        self.flush_receives_if_failed(&mut st, &mut out);
+                        drop(st);
+                        out.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+                        Ok(())
+                    }
+                }
+            })();
+            if let Err(e) = r {
+                // SAFETY: caller contract.
+                unsafe { *bad = wr };
+                return e.0;
+            }
+            wr = w.next;
+        }
+        self.deliver_held();
+        0
+    }
+
+    /// A message for this VQP, arrived on `link` (progress).
+    pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>) {
+        self.on_message_from(h, payload, Origin::of(link));
+    }
+
+    /// A message for this VQP from `origin` (progress).
+    pub(super) fn on_message_from(&self, h: &Header, payload: &[u8], origin: Origin) {
+        klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
+        let mut st = self.st.lock();
+        if h.flags.contains(Flags::CLOSE) {
+            if st.bound.is_none() {
+                // A connected VQP keeps its own state; peer death is reported
+                // by the link.
+                return;
+            }
+            if st.held.is_empty() && st.reading.is_none() {
+                st.inbox.push_back(Inbox::Closed(origin.peer.incarnation, h.src_vqpn));
+            } else {
+                st.held.push_back(Held { header: *h, payload: Vec::new(), origin });
+            }
+            return;
+        }
+        // Behind held messages or a large one being READ: RC order.
+        if !st.held.is_empty() || st.reading.is_some() || self.rq_is_empty(&st) {
+            st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin });
+            return;
+        }
+        self.land(&mut st, h, payload, &origin);
+    }
+
+    /// Land held messages while there are receive buffers (and no large
+    /// message is being READ).
+    pub fn deliver_held(&self) {
+        let mut st = self.st.lock();
+        self.drain_held(&mut st);
+        let mut out = Vec::new();
+        self.flush_receives_if_failed(&mut st, &mut out);
+        drop(st);
+        out.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+    }
+
+    /// In the error state (moved to ERR, or its link failed) once every
+    /// message that arrived before is delivered: the posted receives are
+    /// flushed, as RC flushes its receive queue.
+    pub(super) fn flush_receives_if_failed(&self, st: &mut State, out: &mut Vec<Completion>) {
+        let in_error = st.failed || st.rc.as_ref().is_some_and(|rc| rc.state() == ibv_qp_state::IBV_QPS_ERR);
+        if in_error && st.held.is_empty() && st.reading.is_none() && self.srq.get().is_none() {
+            st.rq.flush(&mut |c| out.push(c));
+        }
+    }
+
+    pub(super) fn drain_held(&self, st: &mut State) {
+        while st.reading.is_none() {
+            let Some(front) = st.held.front() else { break };
+            let closing = front.header.flags.contains(Flags::CLOSE);
+            if !closing && self.rq_is_empty(st) {
+                break;
+            }
+            let Some(m) = st.held.pop_front() else { break };
+            if closing {
+                st.inbox.push_back(Inbox::Closed(m.origin.peer.incarnation, m.header.src_vqpn));
+            } else {
+                self.land(st, &m.header, &m.payload, &m.origin);
+            }
+        }
+    }
+
     /// Complete a message into the next posted receive: copy a small one,
     /// start READing a large one.
     pub(super) fn land(&self, st: &mut State, h: &Header, payload: &[u8], origin: &Origin) {

@@ -59,7 +59,7 @@ impl Vqp {
     /// also when the VQP is not connected or failed: the caller looks
     /// again. An error when the peer cannot be reached.
     pub(super) fn ensure_tier(&self, rt: &Arc<Runtime>, tier_ok: bool) -> Result<Tier> {
-        let deadline = std::time::Instant::now() + super::super::runtime::connect_timeout().max(super::super::runtime::TRANSPORT_WAIT);
+        let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout().max(crate::vqp::runtime::TRANSPORT_WAIT);
         loop {
             let (peer, index, path, dst, old, flow) = {
                 let st = self.st.lock();
@@ -105,7 +105,7 @@ impl Vqp {
                 self.wait_a_little(rt, deadline)?;
                 continue;
             }
-            let new = rt.svc.link(&peer, index, path, super::super::runtime::connect_timeout())?;
+            let new = rt.svc.link(&peer, index, path, crate::vqp::runtime::connect_timeout())?;
             self.take_link(old.as_ref(), new, flow.is_some());
         }
     }
@@ -309,7 +309,7 @@ impl Vqp {
         if rt.dgram.post(rt, flow, op).is_err() {
             return false;
         }
-        let deadline = std::time::Instant::now() + super::super::runtime::connect_timeout();
+        let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout();
         while flow.outstanding() > 0 {
             if std::time::Instant::now() > deadline {
                 return false;
