@@ -44,8 +44,9 @@
 #                             server's qbind port (default 18777)
 #   KRCORE_BENCH_META_PORT    krcore-meta's TCP port (default 18790)
 #   KRCORE_BENCH_READY_S      how long to wait for a server to be ready (default 60)
-#   KRCORE_BENCH_DGRAM        KRCORE_DGRAM of the cold clients (default 0): 1
-#                             measures first contact on the datagram tier
+#   KRCORE_BENCH_DGRAM        KRCORE_DGRAM of the cold clients (default: the
+#                             library's): 0 measures first contact waiting
+#                             for the link, 1 on the datagram tier
 set -euo pipefail
 cd "$(dirname "$0")/.."
 report_only=0
@@ -64,7 +65,7 @@ reads="${KRCORE_BENCH_READS:-1000}"
 port="${KRCORE_BENCH_PORT:-18777}"
 meta_port="${KRCORE_BENCH_META_PORT:-18790}"
 ready_s="${KRCORE_BENCH_READY_S:-60}"
-dgram="${KRCORE_BENCH_DGRAM:-0}"
+dgram="${KRCORE_BENCH_DGRAM:-}"
 server_gid=1
 client_gid=2
 
@@ -112,7 +113,7 @@ run_krcore() {
     KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m warm -g "$client_gid" \
         -p "$port" -n "$rounds" -r "$reads" >"$out/krcore-warm-$i.txt" || wrc=$?
     if ((!wrc)); then
-        KRCORE_DGRAM="$dgram" KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
+        env ${dgram:+KRCORE_DGRAM="$dgram"} KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
             -p "$port" -n "$cold_rounds" -r "$reads" >"$out/krcore-cold-$i.txt" || crc=$?
     fi
     kill -TERM "$spid" 2>/dev/null || true
