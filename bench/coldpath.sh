@@ -78,7 +78,8 @@ run() {
     spid=$!
     addr="$(wait_ready "$o/server-$i.txt" "$spid" 's/^connect: server bound on \([0-9.]*\) .*/\1/p')" \
         || { kill "$mpid"; exit 1; }
-    KRCORE_BENCH_MARKS=1 KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
+    env ${KRCORE_BENCH_DGRAM:+KRCORE_DGRAM="$KRCORE_BENCH_DGRAM"} ${KRCORE_BENCH_LINK_AFTER:+KRCORE_LINK_AFTER="$KRCORE_BENCH_LINK_AFTER"} \
+        KRCORE_BENCH_MARKS=1 KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
         -p "$port" -n "$rounds" -r 100 >"$o/client-$i.txt" 2>"$o/client-$i.err" || crc=$?
     kill -TERM "$spid" 2>/dev/null || true
     wait "$spid" || src=$?
@@ -126,6 +127,7 @@ if ((!report_only)); then
         KRCORE_IN_VM=1 bash "$0" "$rounds" "$repeats"
     else
         scripts/vm-run.sh "$out" env KRCORE_IN_VM=1 KRCORE_COLDPATH_LIBS="$libs" KRCORE_BENCH_PORT="$port" \
+            KRCORE_BENCH_DGRAM="${KRCORE_BENCH_DGRAM:-}" KRCORE_BENCH_LINK_AFTER="${KRCORE_BENCH_LINK_AFTER:-}" \
             KRCORE_BENCH_META_PORT="$meta_port" KRCORE_BENCH_READY_S="$ready_s" \
             bash bench/coldpath.sh "$rounds" "$repeats"
     fi

@@ -47,6 +47,8 @@
 #   KRCORE_BENCH_DGRAM        KRCORE_DGRAM of the cold clients (default: the
 #                             library's): 0 measures first contact waiting
 #                             for the link, 1 on the datagram tier
+#   KRCORE_BENCH_LINK_AFTER   KRCORE_LINK_AFTER of the cold clients (default:
+#                             the library's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 report_only=0
@@ -66,6 +68,7 @@ port="${KRCORE_BENCH_PORT:-18777}"
 meta_port="${KRCORE_BENCH_META_PORT:-18790}"
 ready_s="${KRCORE_BENCH_READY_S:-60}"
 dgram="${KRCORE_BENCH_DGRAM:-}"
+link_after="${KRCORE_BENCH_LINK_AFTER:-}"
 server_gid=1
 client_gid=2
 
@@ -113,7 +116,7 @@ run_krcore() {
     KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m warm -g "$client_gid" \
         -p "$port" -n "$rounds" -r "$reads" >"$out/krcore-warm-$i.txt" || wrc=$?
     if ((!wrc)); then
-        env ${dgram:+KRCORE_DGRAM="$dgram"} KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
+        env ${dgram:+KRCORE_DGRAM="$dgram"} ${link_after:+KRCORE_LINK_AFTER="$link_after"} KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
             -p "$port" -n "$cold_rounds" -r "$reads" >"$out/krcore-cold-$i.txt" || crc=$?
     fi
     kill -TERM "$spid" 2>/dev/null || true
@@ -174,6 +177,7 @@ if ((!report_only)); then
             KRCORE_BENCH_COLD_ROUNDS="$cold_rounds" \
             KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
             KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_DGRAM="$dgram" \
+            KRCORE_BENCH_LINK_AFTER="$link_after" \
             bash bench/connect-compare.sh "$repeats"
     fi
 fi

@@ -153,6 +153,12 @@ struct Shared {
     /// (a refill is milliseconds of kernel work, which would stand between
     /// a connect and its reply), and is kicked when the last one ends.
     connects: AtomicU32,
+    /// Whether the warm pool is filled. With the datagram tier, not before
+    /// this process makes or accepts its first link: a QP creation is
+    /// milliseconds of kernel work that would stand in the tier's way
+    /// (rxe posts through the same kernel device) in a process that may
+    /// never need a link.
+    pool_wanted: AtomicBool,
     /// Declared before `mr_table_mem`, whose memory it points into, so
     /// that it is dropped first.
     mr_table: Mutex<MrTable<'static>>,
@@ -314,6 +320,7 @@ impl Service {
             next_req: AtomicU32::new(1),
             connecting: gate::Gate::new(),
             connects: AtomicU32::new(0),
+            pool_wanted: AtomicBool::new(!crate::config::get().dgram),
             mr_table,
             mr_table_mem,
             mr_table_slots: slots,
@@ -664,6 +671,7 @@ impl Shared {
 
     /// A QP in INIT from the pool (or a new one when the pool ran dry).
     fn take_warm(&self) -> Result<Qp> {
+        self.pool_wanted.store(true, Ordering::Release);
         let qp = self.warm.lock().pop();
         self.kick();
         match qp {
@@ -686,7 +694,10 @@ impl Shared {
     /// One at a time, so that link requests arriving meanwhile are answered
     /// between two creations (each costs milliseconds in the kernel).
     fn refill_one(&self) -> bool {
-        if self.connects.load(Ordering::Acquire) > 0 || self.warm.lock().len() >= self.opts.warm_qps {
+        if self.connects.load(Ordering::Acquire) > 0
+            || !self.pool_wanted.load(Ordering::Acquire)
+            || self.warm.lock().len() >= self.opts.warm_qps
+        {
             return false;
         }
         crate::kmark!("warm pool: refill (create + INIT)");
@@ -799,6 +810,7 @@ impl Shared {
         }
         let mut attr = self.ud.ah_attr(path.sgid_index, &path.dgid);
         let ah = Arc::new(Ah::new(&self.dev, &mut attr)?);
+        crate::kmark!("UD: address handle made");
         ahs.insert(path, Arc::clone(&ah));
         Ok(ah)
     }
@@ -1048,6 +1060,9 @@ impl Shared {
                     return;
                 }
             };
+            if n > 0 {
+                crate::kmark!("UD: {n} received");
+            }
             for wc in &wcs[..n] {
                 self.on_recv(wc);
             }

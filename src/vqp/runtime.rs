@@ -573,6 +573,9 @@ pub struct Runtime {
     pub dgram: crate::transport::dgram::port::Port,
     /// Links being made in the background, by peer process, index, path.
     linking: Mutex<std::collections::HashSet<(u64, u16, service::Path)>>,
+    /// Processes (incarnations) a link to failed: gone, as far as this
+    /// process can tell (a restarted one has a new incarnation).
+    gone: Mutex<std::collections::HashSet<u64>>,
     me: OnceCell<Weak<Runtime>>,
 }
 
@@ -672,6 +675,7 @@ impl Runtime {
             gids: OnceCell::new(),
             dgram,
             linking: Mutex::new(Default::default()),
+            gone: Mutex::new(Default::default()),
             me: OnceCell::new(),
         });
         let _ = rt.me.set(Arc::downgrade(&rt));
@@ -727,6 +731,12 @@ impl Runtime {
         map.insert(pd as usize, Arc::clone(&rt));
         crate::kmark!("runtime: started (receives posted)");
         Ok(rt)
+    }
+
+    /// Whether a link to process `incarnation` failed: its VQPs on the
+    /// datagram tier fail with its links' VQPs, and new ones get nowhere.
+    pub fn peer_gone(&self, incarnation: u64) -> bool {
+        self.gone.lock().contains(&incarnation)
     }
 
     /// A weak reference to this runtime (for work that must not keep it).
@@ -974,6 +984,7 @@ impl Runtime {
         if let Some(meta) = self.meta.get() {
             meta.forget_process(link.peer.incarnation);
         }
+        self.gone.lock().insert(link.peer.incarnation);
         let tag = self.next_tag();
         self.large.track(tag, Control::Fence { link_qpn: qpn });
         // SAFETY: a plain C struct.

@@ -112,6 +112,9 @@ pub const MAX_INBOUND: usize = 4096;
 
 pub struct Port {
     cfg: Config,
+    /// The last timeout a flow measured: a new flow starts with it (the
+    /// same host's round trip, most likely) rather than with a guess.
+    rto_hint: AtomicU64,
     epoch: Instant,
     out: Mutex<HashMap<Route, Arc<Flow>>>,
     inbound: Mutex<HashMap<Route, Inbound>>,
@@ -122,15 +125,16 @@ pub struct Port {
 
 impl Port {
     /// A port for paths of `mtu` bytes.
-    pub fn new(mtu: usize, rto_us: u64) -> Result<Port> {
+    pub fn new(mtu: usize, rto_min_us: u64) -> Result<Port> {
         let base = Config::default();
-        let rto = rto_us.max(base.ack_delay_us + 1);
+        let rto = rto_min_us.max(base.ack_delay_us + 1);
         // About 2 s of retransmissions before a flow fails (RC's retries
         // are about as long), backing off to half a second: a process
         // starved of CPU for a moment is not taken for dead.
         let cfg = Config {
             mtu,
-            rto_initial_us: rto,
+            rto_initial_us: RTO_FIRST_US.max(rto),
+            rto_min_us: rto,
             rto_max_us: RTO_MAX_US.max(rto),
             retry_limit: 10,
             max_queued: crate::vqp::queue::MAX_DEPTH as usize,
@@ -139,6 +143,7 @@ impl Port {
         Sender::new(cfg, ZERO_ROUTE, 0)?; // validates the config
         Ok(Port {
             cfg,
+            rto_hint: AtomicU64::new(0),
             epoch: Instant::now(),
             out: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
@@ -161,7 +166,9 @@ impl Port {
         if let Some(f) = out.get(&route).filter(|f| f.peer == peer) {
             return Ok(Arc::clone(f));
         }
-        let sender = Sender::new(self.cfg, route, reliable::random_seed())?;
+        let hint = self.rto_hint.load(Ordering::Relaxed);
+        let cfg = if hint > 0 { Config { rto_initial_us: hint, ..self.cfg } } else { self.cfg };
+        let sender = Sender::new(cfg, route, reliable::random_seed())?;
         let f = Arc::new(Flow { route, peer, sender: Mutex::new(sender) });
         out.insert(route, Arc::clone(&f));
         Ok(f)
@@ -204,6 +211,7 @@ impl Port {
     /// and make sure its timer is armed.
     fn transmit(&self, host: &dyn Host, flow: &Flow, s: &mut Sender) {
         for d in s.poll(self.now_us()) {
+            crate::kmark!("dgram: a packet sent ({} bytes)", d.len());
             stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
             host.send(&flow.peer, &d);
         }
@@ -233,8 +241,10 @@ impl Port {
     /// An ACK or RESPONSE for one of our flows.
     fn on_answer(&self, host: &dyn Host, m: &Message, from: &Source) {
         let route = m.route().reverse();
+        crate::kmark!("dgram: an answer received");
         let Some(flow) = self.out.lock().get(&route).cloned() else { return dropped() };
         if !flow.peer.sent(from) {
+            crate::kmark!("dgram: an answer from another source dropped ({from:?} for {:?})", flow.peer);
             return dropped();
         }
         let done = {
@@ -246,11 +256,15 @@ impl Port {
             }
             let done = take_completions(&mut s);
             self.transmit(host, &flow, &mut s);
+            if let Some(rto) = s.measured_rto() {
+                self.rto_hint.store(rto, Ordering::Relaxed);
+            }
             done
         };
         for c in done {
             host.completed(&flow.route, c);
         }
+        crate::kmark!("dgram: answer handled");
     }
 
     /// A DATA or REQUEST packet of a peer's flow to one of our VQPs.
@@ -307,6 +321,7 @@ impl Port {
             }
         }
         drop(inbound);
+        crate::kmark!("dgram: a packet received, {} answers", answers.len());
         for a in &answers {
             stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
             host.send(&peer, a);
@@ -363,6 +378,12 @@ impl Port {
         }
     }
 }
+
+/// The first timeout of a flow before any round trip was measured on
+/// this endpoint: a new peer's first answer waits for its service thread
+/// to wake, which on a loaded or emulated host takes milliseconds, and a
+/// retransmission then would only add work (TCP starts at 1 s).
+const RTO_FIRST_US: u64 = 50_000;
 
 /// The longest retransmission timeout of the tier.
 const RTO_MAX_US: u64 = 500_000;

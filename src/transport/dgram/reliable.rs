@@ -45,7 +45,10 @@ pub struct Config {
     /// The largest two-sided message the receiver reassembles (a larger
     /// one is malformed): the VQP's `max_msg_size`.
     pub max_message: u32,
+    /// The timeout before the first round trip was measured.
     pub rto_initial_us: u64,
+    /// The smallest timeout a measured round trip may give.
+    pub rto_min_us: u64,
     pub rto_max_us: u64,
     /// Timeouts in a row without progress before the flow fails.
     pub retry_limit: u32,
@@ -64,6 +67,7 @@ impl Default for Config {
             max_queued: 256,
             max_message: 1 << 30,
             rto_initial_us: 2_000,
+            rto_min_us: 100,
             rto_max_us: 100_000,
             retry_limit: 7,
             ack_delay_us: 200,
@@ -78,7 +82,9 @@ impl Config {
             && (1..=WINDOW).contains(&self.window)
             && self.max_queued > 0
             && self.rto_initial_us > 0
+            && self.rto_min_us > 0
             && self.rto_max_us >= self.rto_initial_us
+            && self.rto_max_us >= self.rto_min_us
             && self.ack_every > 0
             // A delayed ACK must beat the first retransmission.
             && self.ack_delay_us < self.rto_initial_us
@@ -414,6 +420,12 @@ impl Sender {
         self.work.push_back(Work { id, last_seq: self.next_seq - 1, pending, outcome: None });
     }
 
+    /// The timeout the measured round trips give (None before any), for
+    /// the first timeout of a new flow to the same place.
+    pub fn measured_rto(&self) -> Option<u64> {
+        self.srtt_us.map(|_| self.base_rto_us)
+    }
+
     /// When [`Sender::poll`] must run again (a retransmission timer).
     pub fn next_deadline(&self) -> Option<u64> {
         self.deadline
@@ -506,7 +518,7 @@ impl Sender {
         };
         self.srtt_us = Some(srtt);
         self.rttvar_us = var;
-        self.base_rto_us = (srtt + 4 * var).clamp(self.cfg.rto_initial_us, self.cfg.rto_max_us);
+        self.base_rto_us = (srtt + 4 * var).clamp(self.cfg.rto_min_us, self.cfg.rto_max_us);
     }
 
     fn nonce_of(&self, seq: u64) -> Option<u64> {

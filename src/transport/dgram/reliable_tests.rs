@@ -550,7 +550,7 @@ fn segmented_messages_reassemble_byte_for_byte() {
 /// retransmitted packet gives no sample.
 #[test]
 fn the_timeout_follows_the_measured_round_trip() {
-    let c = Config { rto_initial_us: 1_000, rto_max_us: 100_000, ..cfg() };
+    let c = Config { rto_initial_us: 1_000, rto_min_us: 1_000, rto_max_us: 100_000, ..cfg() };
     let mut s = Sender::new(c, A_TO_B, 3).unwrap();
     let mut r = Receiver::new(c, A_TO_B).unwrap();
     // Round trips of 20 ms: the first packet times out once (resent, no

@@ -68,6 +68,16 @@ impl Vqp {
                 (Some(sgid_index), crate::meta::Key::Vqpn { gid, .. }) => Path { sgid_index, dgid: gid },
                 _ => rt.svc.default_path(&ep),
             };
+            if crate::config::get().dgram && rt.peer_gone(ep.incarnation) && !looked_again {
+                // A binding left by a process that is gone: ask again.
+                meta.invalidate(&key);
+                looked_again = true;
+                match meta.lookup(&key)? {
+                    Some(now) if now != ep => ep = now,
+                    _ => return Err(Errno(libc::ECONNREFUSED)),
+                }
+                continue;
+            }
             if crate::config::get().dgram {
                 // No handshake: the first posts go on the datagram tier
                 // while the link is made (tier.rs).
@@ -258,7 +268,10 @@ impl Vqp {
         let mut st = self.st.lock();
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
-        if st.conn.as_ref().is_some_and(|c| c.is_on(link)) {
+        // Its VQPs on the datagram tier to that process fail with it (the
+        // process is gone), whether or not they had moved yet.
+        let on_tier = |c: &Conn| c.link.is_none() && c.peer.incarnation == link.peer.incarnation;
+        if st.conn.as_ref().is_some_and(|c| c.is_on(link) || on_tier(c)) {
             if let Some(rt) = self.rt.get() {
                 self.detach_flow(rt, &mut st);
             }

@@ -111,7 +111,7 @@ impl Vqp {
             // Its process is gone: as a VQP whose link failed (posts are
             // accepted and flushed); the sender is reported closed after
             // its messages (`on_link_failed`).
-            None if origin.link.as_ref().is_some_and(|l| l.is_failed()) => {
+            None if origin.link.as_ref().is_some_and(|l| l.is_failed()) || rt.peer_gone(peer.incarnation) => {
                 let mut st = v.st.lock();
                 st.failed = true;
                 // Empty: this puts its send queue in the error state.

@@ -67,6 +67,7 @@ impl Vqp {
             }
             if st.conn.as_ref().is_some_and(|c| c.open_link().is_none()) {
                 drop(guard);
+                crate::kmark!("vqp: no open link: link or tier?");
                 match self.ensure_tier(rt, tier::tier_carries(w, total)) {
                     Ok(Tier::Link) => {}
                     Ok(Tier::Dgram(flow)) => {

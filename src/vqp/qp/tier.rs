@@ -94,6 +94,9 @@ impl Vqp {
                 self.take_link(old.as_ref(), link, flow.is_some());
                 continue;
             }
+            if rt.peer_gone(peer.incarnation) {
+                return Err(Errno(libc::ECONNRESET));
+            }
             if tier_ok && crate::config::get().dgram {
                 let flow = match flow {
                     Some(f) => f,
@@ -147,6 +150,7 @@ impl Vqp {
             Route { src_incarnation: rt.svc.endpoint().incarnation, dst_incarnation: peer.incarnation, src_vqpn: self.vqpn, dst_vqpn: dst };
         let to = Peer { sgid_index: path.sgid_index, dgid: path.dgid, qpn: peer.qpn, qkey: peer.qkey };
         let flow = rt.dgram.open(route, to)?;
+        crate::kmark!("vqp: a flow on the datagram tier opened");
         let mut st = self.st.lock();
         match st.conn.as_mut() {
             Some(c) if c.flow.is_none() => c.flow = Some(Arc::clone(&flow)),
@@ -177,6 +181,7 @@ impl Vqp {
                 Verdict::NeedRemote { .. } => Errno::EINVAL,
             },
         )?;
+        crate::kmark!("vqp: on the tier, local side checked");
         let total: u32 = sw.sge.iter().map(|s| s.length).sum();
         let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
         let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
