@@ -749,7 +749,11 @@ impl Runtime {
     /// VQPs on the datagram tier to move onto.
     pub fn want_link(rt: &Arc<Runtime>, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
         let key = (peer.incarnation, index, path);
-        if rt.svc.link_to(peer.incarnation, index, path).is_some() || !rt.linking.lock().insert(key) {
+        // At KRCORE_MAX_LINKS a new link would only close another one in
+        // use (thrashing): the VQP stays on the tier, and asks again later.
+        let max = crate::config::get().max_links;
+        let full = max > 0 && rt.svc.physical_links() >= max;
+        if full || rt.svc.link_to(peer.incarnation, index, path).is_some() || !rt.linking.lock().insert(key) {
             return;
         }
         let weak = Arc::downgrade(rt);

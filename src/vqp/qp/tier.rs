@@ -29,6 +29,9 @@ pub(super) enum Tier {
     Dgram(Arc<Flow>),
 }
 
+/// Work requests on the tier between two asks for the link.
+const ASK_AGAIN: u64 = 64;
+
 /// Ids of the tier's work that is not the application's (a CLOSE).
 const CONTROL_ID: u64 = 1 << 32;
 
@@ -246,9 +249,11 @@ impl Vqp {
             Err(e) => self.link_refused(&mut st.sq, seq, e),
         }
         let posted = st.conn.as_ref().is_some_and(|c| c.link.is_none());
-        let count = st.tier_posts;
         st.tier_posts += 1;
-        let want = posted && crate::config::get().link_after > 0 && count + 1 == crate::config::get().link_after;
+        // At KRCORE_LINK_AFTER posts on the tier, and every ASK_AGAIN after
+        // (a link that could not be made, or was not for KRCORE_MAX_LINKS).
+        let after = crate::config::get().link_after;
+        let want = posted && st.tier_posts >= after.max(1) && (st.tier_posts - after.max(1)) % ASK_AGAIN == 0;
         let conn = st.conn.as_ref().map(|c| (c.peer, c.index, c.path));
         drop(guard);
         if let (true, Some((peer, index, path))) = (want, conn) {
