@@ -399,12 +399,6 @@ impl Service {
         Path { sgid_index: self.shared.sgid_index, dgid: peer.gid }
     }
 
-    /// Link number `index` to `peer` if one serves it now; never a
-    /// handshake (for paths that must not block, e.g. `qpop_msgs`).
-    pub fn existing_link(&self, peer: &Endpoint, index: u16, path: Path) -> Option<Arc<Link>> {
-        self.shared.links.lock().by_key.get(&LinkKey::of(peer, index, path)).cloned()
-    }
-
     /// The link that serves link number `index` of process `incarnation`
     /// over `path` now, whichever side made it (a datagram names its
     /// sender's process, not its home GID).

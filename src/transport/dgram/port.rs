@@ -20,7 +20,7 @@
 
 use super::reliable::{self, Completion, Config, Delivery, Received, Receiver, Sender};
 use super::serve::{Memory, Mrs, Responder};
-use super::wire::{Message, OneSided, Route, SendOp};
+use super::wire::{Message, Route, SendOp};
 use crate::error::{Errno, Result};
 use crate::meta::mrtable::MrInfo;
 use crate::rdma::Gid;
@@ -149,10 +149,6 @@ impl Port {
             inbound: Mutex::new(HashMap::new()),
             armed: AtomicU64::new(u64::MAX),
         })
-    }
-
-    pub fn mtu(&self) -> usize {
-        self.cfg.mtu
     }
 
     fn now_us(&self) -> u64 {
@@ -444,9 +440,4 @@ impl Memory for ProcessMemory {
         let a = unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) };
         Some(a.fetch_add(add, Ordering::SeqCst))
     }
-}
-
-/// Whether `op` is one the tier serves (the rest wait for a link).
-pub fn serves(op: OneSided, len: u32) -> bool {
-    op != OneSided::Read || len <= MAX_READ
 }
