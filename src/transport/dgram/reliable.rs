@@ -385,21 +385,7 @@ impl Sender {
     }
 
     fn request(&self, seq: u64, nonce: u64, op: OneSided, rkey: u32, remote_addr: u64, length: u32) -> Request<'static> {
-        Request {
-            route: self.route,
-            seq,
-            nonce,
-            ack_req: false,
-            op,
-            rkey,
-            remote_addr,
-            length,
-            offset: 0,
-            compare_add: 0,
-            swap: 0,
-            resp_seg: 0,
-            payload: &[],
-        }
+        Request::new(self.route, seq, nonce, op, rkey, remote_addr, length)
     }
 
     fn push(&mut self, seq: u64, nonce: u64, bytes: Vec<u8>, needs_response: bool) {

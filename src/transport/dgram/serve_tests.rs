@@ -94,21 +94,8 @@ pub fn target() -> (HostMrs, HostMem) {
 const ROUTE: Route = Route { src_incarnation: 1, dst_incarnation: 2, src_vqpn: 3, dst_vqpn: 4 };
 
 fn req(op: OneSided, rkey: u32, remote_addr: u64, length: u32) -> Request<'static> {
-    Request {
-        route: ROUTE,
-        seq: 5,
-        nonce: 0xabc,
-        ack_req: false,
-        op,
-        rkey,
-        remote_addr,
-        length,
-        offset: 0,
-        compare_add: 0,
-        swap: 0,
-        resp_seg: if op == OneSided::Read { 900 } else { 0 },
-        payload: &[],
-    }
+    let resp_seg = if op == OneSided::Read { 900 } else { 0 };
+    Request { resp_seg, ..Request::new(ROUTE, 5, 0xabc, op, rkey, remote_addr, length) }
 }
 
 fn decoded(bytes: &[u8]) -> Response<'_> {

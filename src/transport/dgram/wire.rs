@@ -193,6 +193,26 @@ pub struct Request<'a> {
 }
 
 impl Request<'_> {
+    /// A request packet without operands, WRITE payload or READ segment
+    /// size (set those with struct update syntax), not asking for an ACK.
+    pub fn new(route: Route, seq: u64, nonce: u64, op: OneSided, rkey: u32, remote_addr: u64, length: u32) -> Request<'static> {
+        Request {
+            route,
+            seq,
+            nonce,
+            ack_req: false,
+            op,
+            rkey,
+            remote_addr,
+            length,
+            offset: 0,
+            compare_add: 0,
+            swap: 0,
+            resp_seg: 0,
+            payload: &[],
+        }
+    }
+
     /// The packet that ends its request (and gets a response when all is
     /// well): every packet but a WRITE's non-final segments.
     pub fn is_last(&self) -> bool {
