@@ -124,8 +124,9 @@ pub struct Port {
 }
 
 impl Port {
-    /// A port for paths of `mtu` bytes.
-    pub fn new(mtu: usize, rto_min_us: u64) -> Result<Port> {
+    /// A port for paths of `mtu` bytes; a flow whose peer never answers
+    /// fails after `first_contact_us`.
+    pub fn new(mtu: usize, rto_min_us: u64, first_contact_us: u64) -> Result<Port> {
         let base = Config::default();
         let rto = rto_min_us.max(base.ack_delay_us + 1);
         // About 2 s of retransmissions before a flow fails (RC's retries
@@ -137,6 +138,7 @@ impl Port {
             rto_min_us: rto,
             rto_max_us: RTO_MAX_US.max(rto),
             retry_limit: 10,
+            first_contact_us,
             max_queued: crate::vqp::queue::MAX_DEPTH as usize,
             ..base
         };

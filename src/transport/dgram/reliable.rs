@@ -57,6 +57,10 @@ pub struct Config {
     /// when asked or on a gap or a duplicate.
     pub ack_delay_us: u64,
     pub ack_every: u32,
+    /// A flow whose peer never answered fails this long after its first
+    /// packet left (0: only `retry_limit` bounds it): first contact with
+    /// a process that is gone or stopped ends as a handshake would.
+    pub first_contact_us: u64,
 }
 
 impl Default for Config {
@@ -72,6 +76,7 @@ impl Default for Config {
             retry_limit: 7,
             ack_delay_us: 200,
             ack_every: 8,
+            first_contact_us: 0,
         }
     }
 }
@@ -245,6 +250,9 @@ pub struct Sender {
     rttvar_us: u64,
     retries: u32,
     deadline: Option<u64>,
+    /// When the first packet left, while the peer has not answered yet.
+    unanswered_since: Option<u64>,
+    heard: bool,
     failed: bool,
     pub drops: Drops,
 }
@@ -273,6 +281,8 @@ impl Sender {
             rttvar_us: 0,
             retries: 0,
             deadline: None,
+            unanswered_since: None,
+            heard: false,
             failed: false,
             drops: Drops::default(),
         })
@@ -436,17 +446,34 @@ impl Sender {
         if let Some(last) = out.get_mut(first_new..).and_then(|s| s.last_mut()) {
             wire::set_ack_req(last, true);
         }
-        if out.len() > first_new && self.deadline.is_none() {
-            self.deadline = Some(now + self.rto_us);
+        if out.len() > first_new {
+            if !self.heard && self.unanswered_since.is_none() {
+                self.unanswered_since = Some(now);
+            }
+            if self.deadline.is_none() {
+                self.arm(now);
+            }
         }
         out
+    }
+
+    /// The next timeout, `rto_us` from `now`, and at the latest the end
+    /// of first contact.
+    fn arm(&mut self, now: u64) {
+        let mut at = now + self.rto_us;
+        if let (Some(since), true) = (self.unanswered_since, self.cfg.first_contact_us > 0) {
+            at = at.min(since + self.cfg.first_contact_us);
+        }
+        self.deadline = Some(at);
     }
 
     /// The timer expired: fail after `retry_limit` timeouts in a row, else
     /// resend what the peer has not shown it has, and back off.
     fn timeout(&mut self, now: u64, out: &mut Vec<Vec<u8>>) {
         self.retries += 1;
-        if self.retries > self.cfg.retry_limit {
+        let first_contact_over =
+            self.cfg.first_contact_us > 0 && self.unanswered_since.is_some_and(|t| now >= t + self.cfg.first_contact_us);
+        if self.retries > self.cfg.retry_limit || first_contact_over {
             self.fail(Outcome::RetryExceeded);
             return;
         }
@@ -460,7 +487,7 @@ impl Sender {
             }
         }
         self.rto_us = (self.rto_us * 2).min(self.cfg.rto_max_us);
-        self.deadline = Some(now + self.rto_us);
+        self.arm(now);
     }
 
     /// The oldest unfinished work request ends with `first`, the rest are
@@ -545,6 +572,8 @@ impl Sender {
     /// The peer moved: the next timeout starts afresh.
     fn progress(&mut self, now: u64) {
         self.retries = 0;
+        self.heard = true;
+        self.unanswered_since = None;
         self.rto_us = self.base_rto_us;
         self.complete();
         self.deadline = (!self.packets.is_empty() && self.packets.front().is_some_and(|p| p.sent)).then_some(now + self.rto_us);
@@ -568,6 +597,8 @@ impl Sender {
             return;
         }
         self.sample(now, r.seq);
+        self.heard = true;
+        self.unanswered_since = None;
         if r.status != Status::Ok {
             self.packets[i].answered = true;
             self.work[w].outcome = Some(Outcome::Remote(r.status));

@@ -191,6 +191,38 @@ fn progress_resets_the_backoff() {
     assert!(s.failed());
 }
 
+#[test]
+fn first_contact_ends_at_its_bound_unless_the_peer_answered() {
+    let c = Config { rto_initial_us: 100, rto_max_us: 1000, retry_limit: 50, first_contact_us: 650, ..cfg() };
+    // Never answered: the last timeout is cut to the bound.
+    let mut s = Sender::new(c, A_TO_B, 7).unwrap();
+    s.post_send(1, SendOp::Send, 0, b"a").unwrap();
+    assert_eq!(s.poll(10).len(), 1);
+    let mut fired = Vec::new();
+    while let Some(d) = s.next_deadline() {
+        fired.push(d);
+        s.poll(d);
+    }
+    assert_eq!(fired, [110, 310, 660]);
+    assert!(s.failed());
+    assert_eq!(s.pop_completion().map(|c| c.outcome.wc_status()), Some(crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR));
+    // Answered once: only the retry limit bounds it afterwards.
+    let mut s = Sender::new(c, A_TO_B, 7).unwrap();
+    let mut r = Receiver::new(c, A_TO_B).unwrap();
+    s.post_send(1, SendOp::Send, 0, b"a").unwrap();
+    let sent = s.poll(0);
+    r.on_message(1, &decode(&sent[0]));
+    s.on_message(2, &decode(&r.poll_ack(1 + c.ack_delay_us).unwrap()));
+    s.post_send(2, SendOp::Send, 0, b"b").unwrap();
+    s.poll(100);
+    let mut now = 100;
+    while now < 5_000 {
+        now = s.next_deadline().unwrap();
+        s.poll(now);
+    }
+    assert!(!s.failed(), "a peer that answered is not a first contact");
+}
+
 /// One endpoint: a flow out and a flow in, and the target side of the
 /// flow in.
 struct Node {
