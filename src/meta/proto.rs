@@ -163,14 +163,21 @@ pub struct LinkInfo {
 
 /// Service endpoint -> service endpoint over UD: "connect one link".
 ///
-/// 4: link (u16), 8: req_id, 12: status (0 in a request), 16: rc_qpn,
-/// 20: psn, 24: mr_table_addr (u64), 32: mr_table_rkey, 36: mr_table_slots,
-/// 40: from (endpoint), 80: src_gid[16], 96: dst_gid[16].
+/// 4: link (u16), 8: req_id, 12: status (in a request: flags, bit 0
+/// [`LINK_OPTIONAL`]), 16: rc_qpn, 20: psn, 24: mr_table_addr (u64),
+/// 32: mr_table_rkey, 36: mr_table_slots, 40: from (endpoint),
+/// 80: src_gid[16], 96: dst_gid[16].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkRequest {
     pub req_id: u32,
     pub info: LinkInfo,
+    /// The requester can go on without the link (its VQPs stay on the
+    /// datagram tier): a responder at its link limit refuses it.
+    pub optional: bool,
 }
+
+/// A link request's flag: [`LinkRequest::optional`].
+const LINK_OPTIONAL: u32 = 1;
 
 /// The answer to a [`LinkRequest`], same layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -298,7 +305,8 @@ impl Response {
 
 impl LinkRequest {
     pub fn encode(&self, out: &mut [u8; LINK_LEN]) {
-        encode_link(out, KIND_LINK_REQUEST, self.req_id, 0, &self.info);
+        let flags = if self.optional { LINK_OPTIONAL } else { 0 };
+        encode_link(out, KIND_LINK_REQUEST, self.req_id, flags, &self.info);
     }
 }
 
@@ -314,7 +322,7 @@ impl LinkMessage {
         let link = r.u16()?;
         r.reserved(2)?;
         let req_id = r.u32()?;
-        let status = r.status()?;
+        let status = if kind == KIND_LINK_REQUEST { r.u32()? } else { r.status()? };
         let info = LinkInfo {
             link,
             rc_qpn: r.u24()?,
@@ -328,7 +336,9 @@ impl LinkMessage {
         };
         r.finish_zeroed()?;
         match kind {
-            KIND_LINK_REQUEST if status == 0 => Ok(LinkMessage::Request(LinkRequest { req_id, info })),
+            KIND_LINK_REQUEST if status & !LINK_OPTIONAL == 0 => {
+                Ok(LinkMessage::Request(LinkRequest { req_id, info, optional: status == LINK_OPTIONAL }))
+            }
             KIND_LINK_REPLY => Ok(LinkMessage::Reply(LinkReply { req_id, status, info })),
             _ => Err(EBADMSG),
         }
@@ -661,7 +671,11 @@ mod tests {
         let mut as_request = link(&reply);
         as_request[3] = 5;
         as_request[12..16].fill(0);
-        assert_eq!(link(&LinkMessage::Request(LinkRequest { req_id, info })), as_request);
+        assert_eq!(link(&LinkMessage::Request(LinkRequest { req_id, info, optional: false })), as_request);
+        // An optional one: flag bit 0 in the status word.
+        as_request[12] = 1;
+        assert_eq!(link(&LinkMessage::Request(LinkRequest { req_id, info, optional: true })), as_request);
+        assert_eq!(LinkMessage::decode(&as_request), Ok(LinkMessage::Request(LinkRequest { req_id, info, optional: true })));
     }
 
     /// Decodes and re-encodes: `Ok(b)` iff `b` is a valid message.
@@ -729,7 +743,7 @@ mod tests {
         }
         for i in [info_zero(), info_max(), info(endpoint(1))] {
             for req_id in [0, u32::MAX] {
-                all.push((link(&LinkMessage::Request(LinkRequest { req_id, info: i })), re_link));
+                all.push((link(&LinkMessage::Request(LinkRequest { req_id, info: i, optional: req_id % 2 == 1 })), re_link));
                 for status in [0, 1, ERRNO_MAX] {
                     let reply = LinkReply { req_id, status, info: i };
                     all.push((link(&LinkMessage::Reply(reply)), re_link));
@@ -751,7 +765,7 @@ mod tests {
         assert_eq!(Request::decode(&meta(Request::encode, &r)), Ok(r));
         let w = welcome();
         assert_eq!(Welcome::decode(&boot(Welcome::encode, &w)), Ok(w));
-        let m = LinkMessage::Request(LinkRequest { req_id: 9, info: info_max() });
+        let m = LinkMessage::Request(LinkRequest { req_id: 9, info: info_max(), optional: true });
         assert_eq!(LinkMessage::decode(&link(&m)), Ok(m));
     }
 
@@ -826,9 +840,10 @@ mod tests {
         let resp = meta(Response::encode, &Response { req_id: 1, status: 0, held: 0 });
         assert_eq!(Response::decode(&set(resp, 8, &not_errno)), Err(EBADMSG));
 
-        let req = link(&LinkMessage::Request(LinkRequest { req_id: 1, info: info(endpoint(1)) }));
-        // A request carries no status; a reply's status is an errno.
-        assert_eq!(LinkMessage::decode(&set(req.clone(), 12, &[1, 0, 0, 0])), Err(EBADMSG));
+        let req = link(&LinkMessage::Request(LinkRequest { req_id: 1, info: info(endpoint(1)), optional: false }));
+        // A request's status word holds its one flag; a reply's is an errno.
+        assert_eq!(LinkMessage::decode(&set(req.clone(), 12, &[2, 0, 0, 0])), Err(EBADMSG));
+        assert_eq!(LinkMessage::decode(&set(req.clone(), 12, &[0, 0, 0, 0x80])), Err(EBADMSG));
         let reply = set(req.clone(), 3, &[KIND_LINK_REPLY]);
         assert!(LinkMessage::decode(&reply).is_ok());
         assert_eq!(LinkMessage::decode(&set(reply, 12, &not_errno)), Err(EBADMSG));
@@ -848,7 +863,8 @@ mod tests {
             (KIND_WELCOME, &[(56, BOOT_LEN)]),
             (KIND_REQUEST, &[(6, 8), (36, 40), (76, META_LEN)]),
             (KIND_RESPONSE, &[(16, META_LEN)]),
-            (KIND_LINK_REQUEST, &[(6, 8), (12, 16), (76, 80), (112, LINK_LEN)]),
+            // Byte 12 of a request holds its flag (bit 0).
+            (KIND_LINK_REQUEST, &[(6, 8), (13, 16), (76, 80), (112, LINK_LEN)]),
             (KIND_LINK_REPLY, &[(6, 8), (76, 80), (112, LINK_LEN)]),
         ];
         let mut refused = 0;

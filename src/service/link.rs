@@ -175,8 +175,21 @@ impl LinkKey {
 pub(super) struct Links {
     pub(super) by_key: FxHashMap<LinkKey, Arc<Link>>,
     pub(super) by_qpn: FxHashMap<u32, Arc<Link>>,
-    pub(super) accepted: FxHashMap<(u64, u32), Arc<Link>>,
+    /// By the requester's (incarnation, QP, PSN): a request is answered
+    /// with the same link however often it is repeated.
+    pub(super) accepted: FxHashMap<RequestId, Arc<Link>>,
+    /// Requests whose link was retired since, the last [`MAX_RETIRED`]: a
+    /// copy that comes late (retransmitted while we were slow) is dropped,
+    /// not made into a link nobody uses on the other side.
+    retired: std::collections::VecDeque<RequestId>,
 }
+
+/// A link request, as the requester's (incarnation, QP number, PSN): the
+/// random PSN tells a reused QP number's new request from an old one.
+pub(super) type RequestId = (u64, u32, u32);
+
+/// Retired link requests remembered.
+const MAX_RETIRED: usize = 4096;
 
 impl Links {
     /// Keep `link`; it serves new connects unless the one that already
@@ -196,7 +209,17 @@ impl Links {
     /// its key instead.
     pub(super) fn retire(&mut self, link: &Arc<Link>) {
         let key = LinkKey::of_link(link);
-        self.accepted.retain(|_, l| !Arc::ptr_eq(l, link));
+        let retired = &mut self.retired;
+        self.accepted.retain(|id, l| {
+            let keep = !Arc::ptr_eq(l, link);
+            if !keep {
+                if retired.len() == MAX_RETIRED {
+                    retired.pop_front();
+                }
+                retired.push_back(*id);
+            }
+            keep
+        });
         if self.by_key.get(&key).is_some_and(|l| Arc::ptr_eq(l, link)) {
             self.by_key.remove(&key);
             let twin = self.by_qpn.values().find(|l| l.is_open() && LinkKey::of_link(l) == key);
@@ -204,6 +227,11 @@ impl Links {
                 self.by_key.insert(key, Arc::clone(twin));
             }
         }
+    }
+
+    /// Whether the link request `id` made a link that is retired now.
+    pub(super) fn was_retired(&self, id: &RequestId) -> bool {
+        self.retired.contains(id)
     }
 
     /// Open links that serve no key: the duplicates of simultaneous

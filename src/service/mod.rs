@@ -378,6 +378,17 @@ impl Service {
     /// different process (incarnation) answers, ETIMEDOUT when none does
     /// within `timeout`.
     pub fn link(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration) -> Result<Arc<Link>> {
+        self.link_as(peer, index, path, timeout, false)
+    }
+
+    /// [`Self::link`] for VQPs that can stay on the datagram tier without
+    /// it: a peer at its `KRCORE_MAX_LINKS` refuses it (ECONNREFUSED)
+    /// rather than close a link in use.
+    pub fn optional_link(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration) -> Result<Arc<Link>> {
+        self.link_as(peer, index, path, timeout, true)
+    }
+
+    fn link_as(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration, optional: bool) -> Result<Arc<Link>> {
         let key = LinkKey::of(peer, index, path);
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
@@ -390,7 +401,7 @@ impl Service {
         if let Some(l) = self.shared.links.lock().by_key.get(&key) {
             return Ok(Arc::clone(l));
         }
-        self.shared.connect(peer, index, path, timeout)
+        self.shared.connect(peer, index, path, timeout, optional)
     }
 
     /// The path of a link to `peer` when the application names no GIDs:
@@ -742,7 +753,7 @@ impl Shared {
         }
     }
 
-    fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration) -> Result<Arc<Link>> {
+    fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration, optional: bool) -> Result<Arc<Link>> {
         let _refill_later = Connecting::new(self);
         let deadline = Instant::now() + timeout;
         let src_gid = self.dev.gid(path.sgid_index).map_err(|_| Errno::EINVAL)?;
@@ -750,7 +761,7 @@ impl Shared {
         crate::kmark!("link: warm QP taken");
         let psn = rdma::random_psn();
         let req_id = self.next_req.fetch_add(1, Ordering::Relaxed);
-        let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index, src_gid, path.dgid) };
+        let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index, src_gid, path.dgid), optional };
         let mut msg = [0u8; LINK_LEN];
         req.encode(&mut msg);
         self.replies.lock().insert(req_id, None);
@@ -1113,9 +1124,20 @@ impl Shared {
                 return;
             }
         };
-        let existing = self.links.lock().accepted.get(&(peer.incarnation, r.info.rc_qpn)).cloned();
+        let id = (peer.incarnation, r.info.rc_qpn, r.info.psn);
+        let (existing, retired) = {
+            let links = self.links.lock();
+            (links.accepted.get(&id).cloned(), links.was_retired(&id))
+        };
         match existing {
+            None if retired => {
+                klog!(Level::Debug, "service: a late copy of a link request from QP {} whose link is closed: dropped", peer.qpn);
+            }
             Some(l) => self.answer(r, path, Ok(&l)),
+            None if r.optional && self.at_link_limit() => {
+                klog!(Level::Debug, "service: at KRCORE_MAX_LINKS: refused an optional link from QP {}", peer.qpn);
+                self.answer(r, path, Err(Errno(libc::ECONNREFUSED)));
+            }
             None => {
                 if let Err(e) = self.accept(r, path) {
                     klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
@@ -1123,6 +1145,12 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Whether we hold `KRCORE_MAX_LINKS` links (open, closing or failed).
+    fn at_link_limit(&self) -> bool {
+        let max = crate::config::get().max_links;
+        max > 0 && self.links.lock().by_qpn.len() >= max
     }
 
     /// Reply to link request `r`: with our end of `link`, or the error.
@@ -1157,7 +1185,7 @@ impl Shared {
             let _sends_wait = link.sq.lock();
             {
                 let mut links = self.links.lock();
-                links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn), Arc::clone(&link));
+                links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn, theirs.psn), Arc::clone(&link));
                 links.insert(LinkKey::of(&theirs.from, theirs.link, path), Arc::clone(&link), &self.me);
             }
             self.answer(r, path, Ok(&link));
