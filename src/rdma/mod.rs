@@ -150,7 +150,12 @@ impl Device {
 
     /// The index of `gid` in our port's GID table (EADDRNOTAVAIL if absent).
     pub fn gid_index(&self, gid: &Gid) -> Result<u32> {
-        (0..self.gid_table_len()).find(|&i| self.gid(i).is_ok_and(|g| &g == gid)).ok_or(Errno(libc::EADDRNOTAVAIL))
+        // On RoCE a GID is listed once per type: the usable (v2) entry,
+        // the one links are made on, so that a path named by a GID is the
+        // same path whichever way it was learnt (a datagram's GRH, qbind).
+        let at = |i: u32| self.gid(i).is_ok_and(|g| &g == gid);
+        let mut all = 0..self.gid_table_len();
+        all.clone().find(|&i| at(i) && self.gid_usable(i)).or_else(|| all.find(|&i| at(i))).ok_or(Errno(libc::EADDRNOTAVAIL))
     }
 
     /// The first usable GID: the first RoCE v2 one on Ethernet, the first
