@@ -208,6 +208,15 @@ void ct_expect_quiet_ex(struct ibv_cq_ex *cq, int ms, const char *what);
 				   "%s %llu", krcore_stat_name(stat), v_,     \
 				   #op, w_);                                  \
 	} while (0)
+/* The same, waited for (a background link): polled for up to CT_TIMEOUT_MS. */
+#define CT_KRCORE_STAT_WITHIN(stat, op, want)                                 \
+	do {                                                                  \
+		uint64_t t_ = ct_now_ns();                                    \
+		while (!(krcore_stat_get(stat) op (want)) &&                  \
+		       ct_now_ns() - t_ < CT_TIMEOUT_MS * 1000000ull)         \
+			usleep(1000);                                         \
+		CT_KRCORE_STAT(stat, op, want);                               \
+	} while (0)
 #endif
 
 /* ---- misc ----------------------------------------------------------- */

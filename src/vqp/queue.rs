@@ -255,6 +255,15 @@ impl SendRing {
         }
     }
 
+    /// The oldest WR outstanding fails with `status` (whether signaled or
+    /// not), the rest are flushed, and the queue enters the error state:
+    /// what an RC QP reports when its peer stops answering.
+    pub fn fail_oldest(&mut self, status: ibv_wc_status::Type, emit: &mut impl FnMut(Completion)) {
+        if self.complete(self.head_seq, status, emit).is_err() {
+            self.flush(emit);
+        }
+    }
+
     /// Reports every WR in the queue with `IBV_WC_WR_FLUSH_ERR`, FIFO, and
     /// enters the error state: the VQP moved to ERR or is being destroyed.
     /// Their physical completions, if any arrive, are stale from now on.

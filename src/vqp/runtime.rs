@@ -574,8 +574,11 @@ pub struct Runtime {
     /// Links being made in the background, by peer process, index, path.
     linking: Mutex<std::collections::HashSet<(u64, u16, service::Path)>>,
     /// Processes (incarnations) a link to failed: gone, as far as this
-    /// process can tell (a restarted one has a new incarnation).
-    gone: Mutex<std::collections::HashSet<u64>>,
+    /// process can tell (a restarted one has a new incarnation); or that
+    /// did not answer a handshake: gone until the instant given (one meta
+    /// lease: a binding of theirs still there after it was renewed, so the
+    /// process lives, a stopped one resumed).
+    gone: Mutex<FxHashMap<u64, Option<std::time::Instant>>>,
     me: OnceCell<Weak<Runtime>>,
 }
 
@@ -649,7 +652,8 @@ impl Runtime {
         let hdr_arena = Arc::new(HdrArena::new(&dev, FIRST_HDR_ARENA_SLOTS)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
-        let dgram = crate::transport::dgram::port::Port::new(svc.mtu(), crate::config::get().dgram_rto_us)?;
+        let dgram =
+            crate::transport::dgram::port::Port::new(svc.mtu(), crate::config::get().dgram_rto_us, connect_timeout().as_micros() as u64)?;
         crate::kmark!("runtime: receive buffers, header arena, scratch and probe registered");
         let rt = Arc::new(Runtime {
             pd: pd as usize,
@@ -736,7 +740,29 @@ impl Runtime {
     /// Whether a link to process `incarnation` failed: its VQPs on the
     /// datagram tier fail with its links' VQPs, and new ones get nowhere.
     pub fn peer_gone(&self, incarnation: u64) -> bool {
-        self.gone.lock().contains(&incarnation)
+        match self.gone.lock().get(&incarnation) {
+            Some(None) => true,
+            Some(Some(until)) => std::time::Instant::now() < *until,
+            None => false,
+        }
+    }
+
+    /// Process `peer` did not answer a link handshake within
+    /// `KRCORE_CONNECT_TIMEOUT_MS` and no link to it is open: it is gone
+    /// (its VQPs on the tier fail, as they would on a link whose peer died).
+    fn peer_unreachable(&self, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
+        if self.svc.live_links().iter().any(|l| l.peer.incarnation == peer.incarnation) {
+            return;
+        }
+        klog!(Level::Warn, "vqp: {:02x?} does not answer: the process is gone; its VQPs move to the error state", peer.gid);
+        if let Some(meta) = self.meta.get() {
+            meta.forget_process(peer.incarnation);
+        }
+        let until = std::time::Instant::now() + Duration::from_millis(crate::config::get().meta_lease_ms);
+        self.gone.lock().entry(peer.incarnation).or_insert(Some(until));
+        for v in vqp::live() {
+            v.on_peer_unreachable(peer, index, path);
+        }
     }
 
     /// A weak reference to this runtime (for work that must not keep it).
@@ -752,7 +778,7 @@ impl Runtime {
         // At KRCORE_MAX_LINKS a new link would only close another one in
         // use (thrashing): the VQP stays on the tier, and asks again later.
         let max = crate::config::get().max_links;
-        let full = max > 0 && rt.svc.physical_links() >= max;
+        let full = max > 0 && rt.svc.physical_links() + rt.linking.lock().len() >= max;
         if full || rt.svc.link_to(peer.incarnation, index, path).is_some() || !rt.linking.lock().insert(key) {
             return;
         }
@@ -760,8 +786,15 @@ impl Runtime {
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
             crate::kmark!("link: made in the background");
-            if let Err(e) = rt.svc.link(&peer, index, path, connect_timeout()) {
-                klog!(Level::Info, "vqp: a background link to {:02x?} failed: {e:?} (its VQPs stay on the datagram tier)", peer.gid);
+            match rt.svc.optional_link(&peer, index, path, connect_timeout()) {
+                // VQPs with nothing on the tier take it now (the others at
+                // their next post once drained): an idle VQP learns of its
+                // peer's death from the link's probes.
+                Ok(link) => vqp::live().iter().for_each(|v| v.move_if_idle(&link)),
+                Err(e) if e.0 == libc::ETIMEDOUT => rt.peer_unreachable(peer, index, path),
+                Err(e) => {
+                    klog!(Level::Info, "vqp: a background link to {:02x?} failed: {e:?} (its VQPs stay on the datagram tier)", peer.gid)
+                }
             }
             rt.linking.lock().remove(&key);
         };
@@ -988,7 +1021,7 @@ impl Runtime {
         if let Some(meta) = self.meta.get() {
             meta.forget_process(link.peer.incarnation);
         }
-        self.gone.lock().insert(link.peer.incarnation);
+        self.gone.lock().insert(link.peer.incarnation, None);
         let tag = self.next_tag();
         self.large.track(tag, Control::Fence { link_qpn: qpn });
         // SAFETY: a plain C struct.

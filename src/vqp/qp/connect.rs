@@ -68,14 +68,16 @@ impl Vqp {
                 (Some(sgid_index), crate::meta::Key::Vqpn { gid, .. }) => Path { sgid_index, dgid: gid },
                 _ => rt.svc.default_path(&ep),
             };
-            if crate::config::get().dgram && rt.peer_gone(ep.incarnation) && !looked_again {
+            if crate::config::get().dgram && rt.peer_gone(ep.incarnation) {
                 // A binding left by a process that is gone: ask again.
+                // Gone: ECONNREFUSED; bound by another process now: try
+                // it; the same one (it did not answer): ETIMEDOUT.
+                if looked_again {
+                    return Err(Errno(libc::ETIMEDOUT));
+                }
                 meta.invalidate(&key);
                 looked_again = true;
-                match meta.lookup(&key)? {
-                    Some(now) if now != ep => ep = now,
-                    _ => return Err(Errno(libc::ECONNREFUSED)),
-                }
+                ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
                 continue;
             }
             if crate::config::get().dgram {
@@ -265,13 +267,30 @@ impl Vqp {
     /// VQP reports the senders of that process closed (`qpop_msgs`) and
     /// serves the others as before.
     pub fn on_link_failed(&self, link: &Arc<Link>) {
+        self.on_peer_gone(&Origin::of(link));
+    }
+
+    /// Link `index` to `peer` over `path` could not be made (the process
+    /// did not answer within `KRCORE_CONNECT_TIMEOUT_MS`) and we have no
+    /// other: the process is gone for this VQP as if its link had failed,
+    /// and the VQP's oldest work on the tier fails with
+    /// `IBV_WC_RETRY_EXC_ERR` (an RC QP's status when its peer stops
+    /// answering).
+    pub fn on_peer_unreachable(&self, peer: Endpoint, index: u16, path: Path) {
+        self.on_peer_gone(&Origin { peer, index, path, link: None });
+    }
+
+    /// The process of `from` is gone (`from.link` failed, or none could be
+    /// made): see [`Self::on_link_failed`].
+    fn on_peer_gone(&self, from: &Origin) {
         let mut st = self.st.lock();
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
+        let incarnation = from.peer.incarnation;
         // Its VQPs on the datagram tier to that process fail with it (the
         // process is gone), whether or not they had moved yet.
-        let on_tier = |c: &Conn| c.link.is_none() && c.peer.incarnation == link.peer.incarnation;
-        if st.conn.as_ref().is_some_and(|c| c.is_on(link) || on_tier(c)) {
+        let on_tier = |c: &Conn| c.link.is_none() && c.peer.incarnation == incarnation;
+        if let Some(tier) = st.conn.as_ref().filter(|c| from.link.as_ref().is_some_and(|l| c.is_on(l)) || on_tier(c)).map(on_tier) {
             if let Some(rt) = self.rt.get() {
                 self.detach_flow(rt, &mut st);
             }
@@ -279,12 +298,18 @@ impl Vqp {
             st.failed = true;
             // The link is drained: what was held for it goes first.
             sends.append(&mut st.held_sends);
-            st.sq.flush(&mut |c| sends.push(c));
+            // Work on the tier met no error of its own yet: its oldest
+            // takes one, as on an RC QP whose peer stopped answering.
+            if tier {
+                st.sq.fail_oldest(ibv_wc_status::IBV_WC_RETRY_EXC_ERR, &mut |c| sends.push(c));
+            } else {
+                st.sq.flush(&mut |c| sends.push(c));
+            }
             if let Some(rc) = st.rc.as_mut() {
                 rc.fail();
             }
         }
-        if st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, link)) {
+        if let Some(link) = from.link.as_ref().filter(|l| st.reading.as_ref().is_some_and(|r| Arc::ptr_eq(&r.link, l))) {
             if let Some(mut rd) = st.reading.take() {
                 rd.wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
                 self.complete_recv(&mut st, rd.wc, &Origin::of(link));
@@ -292,7 +317,6 @@ impl Vqp {
             }
         }
         if st.bound.is_some() {
-            let incarnation = link.peer.incarnation;
             let mut gone: Vec<u32> = st.src_qps.keys().filter(|(i, _)| *i == incarnation).map(|(_, src)| *src).collect();
             // Senders of that process not answered yet: `qpop_msgs` makes
             // their src_qps when it takes their messages (waiting in the
@@ -317,7 +341,7 @@ impl Vqp {
                     st.inbox.push_back(Inbox::Closed(incarnation, src));
                 } else {
                     let header = Header { flags: Flags::CLOSE, src_vqpn: src, dst: self.vqpn, ..Header::default() };
-                    st.held.push_back(Held { header, payload: Vec::new(), origin: Origin::of(link) });
+                    st.held.push_back(Held { header, payload: Vec::new(), origin: from.clone() });
                 }
             }
         }

@@ -3,7 +3,7 @@
 //!
 //! A connection whose peer has no open link (first contact, or its link
 //! was closed by reclaim) posts on its flow of the datagram tier at once
-//! (`KRCORE_DGRAM=1`), and asks for the link in the background
+//! (`KRCORE_DGRAM`, on by default), and asks for the link in the background
 //! (`KRCORE_LINK_AFTER`). The move: once the link serves that peer and
 //! everything the VQP posted on the tier has completed (acknowledged or
 //! answered by the peer), the connection takes the link; a post that
@@ -143,6 +143,25 @@ impl Vqp {
                 }
                 c.link = Some(new);
             }
+        }
+    }
+
+    /// `link` was made for this VQP's peer: the connection takes it now if
+    /// it waits for it with nothing outstanding on the tier (the move).
+    pub fn move_if_idle(&self, link: &Arc<Link>) {
+        let mut st = self.st.lock();
+        let Some(c) = st.conn.as_mut() else { return };
+        let waits = c.link.is_none()
+            && c.peer.incarnation == link.peer.incarnation
+            && c.index == link.index
+            && c.path == link.path
+            && c.flow.as_ref().is_none_or(|f| f.outstanding() == 0);
+        if waits {
+            klog!(Level::Debug, "vqp {:#x}: moves to link QP {} as it came up", self.vqpn, link.qp.qpn());
+            if c.flow.is_some() {
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_DGRAM_MOVES);
+            }
+            c.link = Some(Arc::clone(link));
         }
     }
 
