@@ -26,7 +26,7 @@
  *    reaches another, and the binder binds anew.
  * 4. "an expired lease never resolves": a bound process is stopped
  *    (SIGSTOP: no renewals, its TCP connections stay open); a prober
- *    (KRCORE_CONNECT_TIMEOUT_MS=200) qconnects to its address and SENDs
+ *    (KRCORE_CONNECT_TIMEOUT_MS=200, KRCORE_DGRAM=1) qconnects to its address and SENDs
  *    again and again: the SEND completes with IBV_WC_RETRY_EXC_ERR (bound,
  *    not answering; qconnect makes no handshake) while the lease runs,
  *    then qconnect fails with ECONNREFUSED and never anything else; no
@@ -245,8 +245,14 @@ static void spawn(struct worker *w, int node, const char *meta, const char *extr
 		close(from[0]);
 		/* Read at this process's first use of the library. */
 		setenv("KRCORE_META", meta, 1);
-		if (extra)
-			CT_CHECK(putenv((char *)extra) == 0, "putenv");
+		/* `extra`: NAME=VALUE assignments separated by spaces. */
+		if (extra) {
+			char *all = strdup(extra), *save = NULL;
+
+			CT_CHECK(all != NULL, "strdup");
+			for (char *a = strtok_r(all, " ", &save); a; a = strtok_r(NULL, " ", &save))
+				CT_CHECK(putenv(a) == 0, "putenv");
+		}
 		_exit(worker_main(node, to[0], from[1]));
 	}
 	close(to[0]);
@@ -463,7 +469,8 @@ int main(void)
 	spawn(&victim, 1, both, NULL, "victim (node 1)");
 	call_ok(&victim, CMD_BIND, 1, PORT + 40, 10000);
 	/* The prober has no link to the victim: every probe looks it up. */
-	spawn(&prober, 5, both, "KRCORE_CONNECT_TIMEOUT_MS=200", "prober (node 5)");
+	/* The datagram tier's contract (qconnect makes no handshake). */
+	spawn(&prober, 5, both, "KRCORE_CONNECT_TIMEOUT_MS=200 KRCORE_DGRAM=1", "prober (node 5)");
 	{
 		struct resp sp;
 		uint64_t t_stop, end_of_lease;

@@ -14,7 +14,7 @@
  * READ, that links were closed and made again, and that it holds at most
  * KRCORE_MAX_LINKS links once the closes are done. It runs twice: with
  * KRCORE_DGRAM=0 (every VQP needs a link: links are closed and made again
- * every round), and by default, where a VQP whose link is not made (the
+ * every round), and with KRCORE_DGRAM=1, where a VQP whose link is not made (the
  * client is at its limit) stays on the datagram tier: the tier carries
  * work, no link fails, the limit holds.
  *
@@ -351,10 +351,7 @@ static int lru_reclaim(int tier)
 	/* Read by the children at their first use of the library. */
 	lru_tier = tier;
 	lru_port = PORT + (tier ? 20 : 0);
-	if (!tier)
-		setenv("KRCORE_DGRAM", "0", 1);
-	else
-		unsetenv("KRCORE_DGRAM");
+	setenv("KRCORE_DGRAM", tier ? "1" : "0", 1);
 
 	CT_CHECK(pipe(info_pipe) == 0 && pipe(done_pipe) == 0 && pipe(start_pipe) == 0, "pipe");
 	for (int s = 0; s < SERVERS; s++) {
@@ -549,6 +546,7 @@ int main(void)
 	meta_pid = ct_start_meta();
 	fails += lru_reclaim(0);
 	fails += lru_reclaim(1);
+	unsetenv("KRCORE_DGRAM");
 	fails += simultaneous();
 	kill(meta_pid, SIGTERM);
 	waitpid(meta_pid, NULL, 0);

@@ -112,6 +112,14 @@ static int client(void)
 			if (wc.status != IBV_WC_SUCCESS)
 				break;
 			if (++ok == WINDOW && !told) {
+				/* An idle round: everything sent completes before
+				 * the server may be killed. */
+				while (idle && outstanding > 0) {
+					ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
+					CT_CHECK(wc.status == IBV_WC_SUCCESS, "round %d: %s", r,
+						 ibv_wc_status_str(wc.status));
+					outstanding--;
+				}
 				CT_CHECK(write(stream_pipe[1], "S", 1) == 1, "streaming");
 				told = 1;
 				if (idle)
@@ -121,13 +129,6 @@ static int client(void)
 		if (idle) {
 			/* The link stays idle: the server dies unseen (until
 			 * the probe), and the next round's server binds. */
-			while (outstanding > 0) {
-				struct ibv_wc wc;
-
-				ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
-				CT_CHECK(wc.status == IBV_WC_SUCCESS, "round %d: %s", r, ibv_wc_status_str(wc.status));
-				outstanding--;
-			}
 			CT_OK(ibv_destroy_qp(q));
 			CT_CHECK(write(stream_pipe[1], "R", 1) == 1, "next");
 			continue;

@@ -573,12 +573,10 @@ pub struct Runtime {
     pub dgram: crate::transport::dgram::port::Port,
     /// Links being made in the background, by peer process, index, path.
     linking: Mutex<std::collections::HashSet<(u64, u16, service::Path)>>,
-    /// Processes (incarnations) a link to failed: gone, as far as this
-    /// process can tell (a restarted one has a new incarnation); or that
-    /// did not answer a handshake: gone until the instant given (one meta
-    /// lease: a binding of theirs still there after it was renewed, so the
-    /// process lives, a stopped one resumed).
-    gone: Mutex<FxHashMap<u64, Option<std::time::Instant>>>,
+    /// Processes (incarnations) a link to failed, or that did not answer
+    /// a handshake: gone, as far as this process can tell, until a
+    /// connect finds one of their bindings still there ([`Self::forgive`]).
+    gone: Mutex<std::collections::HashSet<u64>>,
     me: OnceCell<Weak<Runtime>>,
 }
 
@@ -740,11 +738,15 @@ impl Runtime {
     /// Whether a link to process `incarnation` failed: its VQPs on the
     /// datagram tier fail with its links' VQPs, and new ones get nowhere.
     pub fn peer_gone(&self, incarnation: u64) -> bool {
-        match self.gone.lock().get(&incarnation) {
-            Some(None) => true,
-            Some(Some(until)) => std::time::Instant::now() < *until,
-            None => false,
-        }
+        self.gone.lock().contains(&incarnation)
+    }
+
+    /// A connect found a binding of process `incarnation`, taken for gone,
+    /// still there after looking again: try it anew (a link can fail, or
+    /// a process stop answering for a while, and the process live on; if
+    /// it is dead, the new connection's work fails as the first did).
+    pub fn forgive(&self, incarnation: u64) {
+        self.gone.lock().remove(&incarnation);
     }
 
     /// Process `peer` did not answer a link handshake within
@@ -758,8 +760,7 @@ impl Runtime {
         if let Some(meta) = self.meta.get() {
             meta.forget_process(peer.incarnation);
         }
-        let until = std::time::Instant::now() + Duration::from_millis(crate::config::get().meta_lease_ms);
-        self.gone.lock().entry(peer.incarnation).or_insert(Some(until));
+        self.gone.lock().insert(peer.incarnation);
         for v in vqp::live() {
             v.on_peer_unreachable(peer, index, path);
         }
@@ -1021,7 +1022,7 @@ impl Runtime {
         if let Some(meta) = self.meta.get() {
             meta.forget_process(link.peer.incarnation);
         }
-        self.gone.lock().insert(link.peer.incarnation, None);
+        self.gone.lock().insert(link.peer.incarnation);
         let tag = self.next_tag();
         self.large.track(tag, Control::Fence { link_qpn: qpn });
         // SAFETY: a plain C struct.

@@ -27,7 +27,7 @@ use crate::rdma::Gid;
 use crate::stats::{self, Stat};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -89,6 +89,9 @@ pub struct Flow {
     pub route: Route,
     pub peer: Peer,
     sender: Mutex<Sender>,
+    /// Its VQP is gone: the port keeps it until its last work (a CLOSE)
+    /// completed or failed, then drops it ([`Port::linger`]).
+    lingering: AtomicBool,
 }
 
 impl Flow {
@@ -161,20 +164,45 @@ impl Port {
     /// numbers go on: a VQP that falls back from a link keeps its flow).
     pub fn open(&self, route: Route, peer: Peer) -> Result<Arc<Flow>> {
         let mut out = self.out.lock();
-        if let Some(f) = out.get(&route).filter(|f| f.peer == peer) {
+        // (A lingering one is its destroyed VQP's: a VQP that took its
+        // number since starts afresh.)
+        if let Some(f) = out.get(&route).filter(|f| f.peer == peer && !f.lingering.load(Ordering::Acquire)) {
             return Ok(Arc::clone(f));
         }
         let hint = self.rto_hint.load(Ordering::Relaxed);
         let cfg = if hint > 0 { Config { rto_initial_us: hint, ..self.cfg } } else { self.cfg };
         let sender = Sender::new(cfg, route, reliable::random_seed())?;
-        let f = Arc::new(Flow { route, peer, sender: Mutex::new(sender) });
+        let f = Arc::new(Flow { route, peer, sender: Mutex::new(sender), lingering: AtomicBool::new(false) });
         out.insert(route, Arc::clone(&f));
         Ok(f)
     }
 
     /// Our flow ends (its VQP was destroyed, reset or failed): what it
-    /// still has outstanding completes no more.
+    /// still has outstanding completes no more (a lingering flow stays
+    /// until its work is done).
     pub fn close(&self, flow: &Flow) {
+        if flow.lingering.load(Ordering::Acquire) {
+            return;
+        }
+        self.remove(flow);
+    }
+
+    /// Keep `flow` (its VQP is going) only until its outstanding work, a
+    /// CLOSE its VQP posted last, is acknowledged or the flow fails: the
+    /// VQP's destruction does not wait for its peer.
+    pub fn linger(&self, flow: &Flow) {
+        flow.lingering.store(true, Ordering::Release);
+        self.drop_if_done(flow, &flow.sender.lock());
+    }
+
+    /// A lingering flow with nothing left to do goes.
+    fn drop_if_done(&self, flow: &Flow, s: &Sender) {
+        if flow.lingering.load(Ordering::Acquire) && (s.outstanding() == 0 || s.failed()) {
+            self.remove(flow);
+        }
+    }
+
+    fn remove(&self, flow: &Flow) {
         let mut out = self.out.lock();
         if out.get(&flow.route).is_some_and(|f| std::ptr::eq(&**f, flow)) {
             out.remove(&flow.route);
@@ -257,6 +285,7 @@ impl Port {
             if let Some(rto) = s.measured_rto() {
                 self.rto_hint.store(rto, Ordering::Relaxed);
             }
+            self.drop_if_done(&flow, &s);
             done
         };
         for c in done {
@@ -363,7 +392,9 @@ impl Port {
                     continue;
                 }
                 self.transmit(host, &flow, &mut s);
-                take_completions(&mut s)
+                let done = take_completions(&mut s);
+                self.drop_if_done(&flow, &s);
+                done
             };
             for c in done {
                 host.completed(&flow.route, c);

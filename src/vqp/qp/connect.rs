@@ -69,11 +69,12 @@ impl Vqp {
                 _ => rt.svc.default_path(&ep),
             };
             if crate::config::get().dgram && rt.peer_gone(ep.incarnation) {
-                // A binding left by a process that is gone: ask again.
-                // Gone: ECONNREFUSED; bound by another process now: try
-                // it; the same one (it did not answer): ETIMEDOUT.
+                // A binding of a process taken for gone: ask again. Gone:
+                // ECONNREFUSED; bound by another process now: that one;
+                // the same one still: try it anew.
                 if looked_again {
-                    return Err(Errno(libc::ETIMEDOUT));
+                    rt.forgive(ep.incarnation);
+                    continue;
                 }
                 meta.invalidate(&key);
                 looked_again = true;
@@ -84,7 +85,7 @@ impl Vqp {
                 // No handshake: the first posts go on the datagram tier
                 // while the link is made (tier.rs).
                 self.attach_at(rt, None, ep, index, path, ep.vqpn);
-                if crate::config::get().link_after == 0 {
+                if crate::config::get().link_after == 0 && self.asks_first(rt, &ep) {
                     Runtime::want_link(rt, ep, index, path);
                 }
                 return Ok(());

@@ -3,7 +3,7 @@
 //!
 //! A connection whose peer has no open link (first contact, or its link
 //! was closed by reclaim) posts on its flow of the datagram tier at once
-//! (`KRCORE_DGRAM`, on by default), and asks for the link in the background
+//! (`KRCORE_DGRAM=1`), and asks for the link in the background
 //! (`KRCORE_LINK_AFTER`). The move: once the link serves that peer and
 //! everything the VQP posted on the tier has completed (acknowledged or
 //! answered by the peer), the connection takes the link; a post that
@@ -165,6 +165,17 @@ impl Vqp {
         }
     }
 
+    /// Whether this VQP asks for its link at first contact. Only one side
+    /// of a connection does, so that the two do not make a link each (a
+    /// duplicate to close): the one that called `qconnect`, and of two
+    /// transparent VQPs the one of the lower incarnation. The other (a
+    /// src_qp answering a sender, the other transparent VQP) moves onto
+    /// the link its peer made, and asks only after [`ASK_AGAIN`] work
+    /// requests on the tier (its peer may be at its link limit).
+    pub(super) fn asks_first(&self, rt: &Runtime, peer: &Endpoint) -> bool {
+        self.parent.get().is_none() && (self.st.lock().rc.is_none() || rt.svc.endpoint().incarnation < peer.incarnation)
+    }
+
     /// The connection's flow on the datagram tier; its link is asked for
     /// in the background (`KRCORE_LINK_AFTER` 0: now).
     fn open_flow(&self, rt: &Arc<Runtime>, peer: Endpoint, path: Path, dst: u32) -> Result<Arc<Flow>> {
@@ -181,7 +192,7 @@ impl Vqp {
         }
         let index = st.conn.as_ref().map_or(0, |c| c.index);
         drop(st);
-        if crate::config::get().link_after == 0 {
+        if crate::config::get().link_after == 0 && self.asks_first(rt, &peer) {
             Runtime::want_link(rt, peer, index, path);
         }
         Ok(flow)
@@ -269,14 +280,16 @@ impl Vqp {
         }
         let posted = st.conn.as_ref().is_some_and(|c| c.link.is_none());
         st.tier_posts += 1;
-        // At KRCORE_LINK_AFTER posts on the tier, and every ASK_AGAIN after
-        // (a link that could not be made, or was not for KRCORE_MAX_LINKS).
-        let after = crate::config::get().link_after;
-        let want = posted && st.tier_posts >= after.max(1) && (st.tier_posts - after.max(1)) % ASK_AGAIN == 0;
-        let conn = st.conn.as_ref().map(|c| (c.peer, c.index, c.path));
+        let (tier_posts, conn) = (st.tier_posts, st.conn.as_ref().map(|c| (c.peer, c.index, c.path)));
         drop(guard);
-        if let (true, Some((peer, index, path))) = (want, conn) {
-            Runtime::want_link(rt, peer, index, path);
+        if let (true, Some((peer, index, path))) = (posted, conn) {
+            // At KRCORE_LINK_AFTER posts on the tier (ASK_AGAIN more when
+            // the peer asks first), and every ASK_AGAIN after (a link that
+            // could not be made, or was not for KRCORE_MAX_LINKS).
+            let first = crate::config::get().link_after.max(1) + if self.asks_first(rt, &peer) { 0 } else { ASK_AGAIN };
+            if tier_posts >= first && (tier_posts - first) % ASK_AGAIN == 0 {
+                Runtime::want_link(rt, peer, index, path);
+            }
         }
         Ok(true)
     }
@@ -331,20 +344,15 @@ impl Vqp {
         }
     }
 
-    /// Tell the peer VQP on the tier that we are gone (a CLOSE), waiting a
-    /// bounded time for it to be acknowledged; whether it was.
+    /// Tell the peer VQP on the tier that we are gone (a CLOSE): the flow
+    /// lingers in the port until the CLOSE is acknowledged or the flow
+    /// fails, without holding up the destruction. Whether it was posted.
     pub(super) fn close_on_tier(&self, rt: &Runtime, flow: &Flow) -> bool {
         let op = Op::Send { id: CONTROL_ID, opcode: SendOp::Close, imm: 0, data: &[] };
         if rt.dgram.post(rt, flow, op).is_err() {
             return false;
         }
-        let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout();
-        while flow.outstanding() > 0 {
-            if std::time::Instant::now() > deadline {
-                return false;
-            }
-            std::thread::yield_now();
-        }
+        rt.dgram.linger(flow);
         true
     }
 }
