@@ -127,8 +127,9 @@ pub unsafe extern "C" fn qconnect(qp: *mut ibv_qp, gid: ibv_gid, port: c_int) ->
 /// once more, after the sender's last message, with `wc[i].status ==
 /// IBV_WC_WR_FLUSH_ERR` (`byte_len` 0, no receive buffer consumed, like a
 /// disconnect event); it stays valid until the next `qpop_msgs` call on
-/// `qp`, which destroys it (so a server that serves any number of
-/// short-lived clients in turn keeps its memory flat). All of them are
+/// `qp`, which destroys it once the work the application posted on it has
+/// completed (its completions reach the CQ first), so that a server that
+/// serves any number of short-lived clients in turn keeps its memory flat. All of them are
 /// destroyed with `qp`. The application may also destroy one early with
 /// `ibv_destroy_qp`; a later message from that sender then gets a new one.
 ///

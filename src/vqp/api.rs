@@ -61,8 +61,13 @@ pub unsafe fn qpop_msgs(qp: *mut ibv_qp, num_entries: c_int, src_qp: *mut *mut i
         // SAFETY: as above.
         let ctx = unsafe { (*qp).qp_context };
         let msgs = v.pop_msgs(num_entries as usize, &|src| Ok(Qp::wrap_virtual(std::sync::Arc::clone(src), ctx)), &|src| {
-            // SAFETY: a src_qp the library made, no longer handed out.
+            // SAFETY: a src_qp the library made, alive until destroyed here.
+            if unsafe { vqp_of(src) }.is_ok_and(|s| s.sends_outstanding()) {
+                return false;
+            }
+            // SAFETY: as above; no longer handed out.
             let _ = unsafe { Qp::destroy(src) };
+            true
         })?;
         for (i, (q, w)) in msgs.iter().enumerate() {
             // SAFETY: both arrays hold num_entries >= msgs.len() entries.

@@ -477,6 +477,13 @@ impl Vqp {
         self.st.lock().bound.is_some()
     }
 
+    /// Work on the send queue not completed yet (none once it is in error:
+    /// what was outstanding has been reported flushed).
+    pub fn sends_outstanding(&self) -> bool {
+        let st = self.st.lock();
+        !st.sq.is_error() && st.sq.outstanding() > 0
+    }
+
     pub fn is_connected(&self) -> bool {
         self.st.lock().conn.is_some()
     }
@@ -543,6 +550,7 @@ impl Vqp {
         drop(st);
         self.tell_unread(unread);
         if let Some(rt) = self.rt.get() {
+            rt.dgram.ack_for(&**rt, self.vqpn);
             if let Some(h) = close {
                 self.post_close(rt, &h);
             }

@@ -209,6 +209,24 @@ impl Port {
         }
     }
 
+    /// Our VQP `vqpn` is going: the delayed ACKs of what it received go
+    /// now (an RC QP acknowledges in the transport, before its
+    /// application could destroy it), before its CLOSE.
+    pub fn ack_for(&self, host: &dyn Host, vqpn: u32) {
+        let mut acks = Vec::new();
+        for (_, f) in self.inbound.lock().iter_mut().filter(|(r, _)| r.dst_vqpn == vqpn) {
+            if f.receiver.next_deadline().is_some() {
+                if let Some(a) = f.receiver.poll_ack(u64::MAX) {
+                    acks.push((f.peer, a));
+                }
+            }
+        }
+        for (peer, a) in acks {
+            stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+            host.send(&peer, &a);
+        }
+    }
+
     /// Our VQP `vqpn` is gone: the peers' flows to it go too.
     pub fn forget_vqp(&self, vqpn: u32) {
         self.inbound.lock().retain(|r, _| r.dst_vqpn != vqpn);
@@ -356,8 +374,19 @@ impl Port {
         // Delivered before they are acknowledged: once the sender learns
         // they arrived, what it sends next (on the tier or on a link) lands
         // behind them.
+        let closed = messages.iter().any(|(opcode, ..)| *opcode == SendOp::Close);
         for (opcode, imm, data) in messages {
             host.message(&route, &peer, opcode, imm, data);
+        }
+        if closed {
+            // The sender's VQP is gone: its CLOSE is acknowledged now and
+            // the flow goes (its number may come back with a new VQP).
+            let gone = self.inbound.lock().remove(&route);
+            if let Some(a) = gone.and_then(|mut f| f.receiver.poll_ack(u64::MAX)) {
+                stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+                host.send(&peer, &a);
+            }
+            return;
         }
         self.ack(host, &route, now);
     }

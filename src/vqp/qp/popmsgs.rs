@@ -7,8 +7,10 @@ use super::*;
 impl Vqp {
     /// `qpop_msgs`: up to `n` (sender, completion) pairs. `make_src`
     /// creates the application object of a VQP connected back to a sender;
-    /// `free_src` destroys one whose sender is gone (reported by the
-    /// previous call with `IBV_WC_WR_FLUSH_ERR`).
+    /// `free_src` destroys one whose sender is gone (reported by an earlier
+    /// call with `IBV_WC_WR_FLUSH_ERR`) once its own work has completed
+    /// (an answer still waiting for its acknowledgement, or failing, must
+    /// reach the application's CQ), and returns whether it did.
     ///
     /// Never waits for the network: a sender's src_qp goes on the link that
     /// serves its process now, or, with none (it was closed), gets one at
@@ -24,18 +26,19 @@ impl Vqp {
         self: &Arc<Self>,
         n: usize,
         make_src: &dyn Fn(&Arc<Vqp>) -> Result<*mut ibv_qp>,
-        free_src: &dyn Fn(*mut ibv_qp),
+        free_src: &dyn Fn(*mut ibv_qp) -> bool,
     ) -> Result<Vec<(*mut ibv_qp, ibv_wc)>> {
         let rt = self.rt.get().ok_or(Errno::EINVAL)?;
         if !self.is_bound() {
             return Err(Errno::EINVAL);
         }
         let _one = self.popping.lock();
-        let (retired, failure) = {
+        let (mut retired, failure) = {
             let mut st = self.st.lock();
             (std::mem::take(&mut st.retired), st.pop_error.take())
         };
-        retired.into_iter().for_each(free_src);
+        retired.retain(|&q| !free_src(q));
+        self.st.lock().retired.append(&mut retired);
         if let Some(e) = failure {
             return Err(e);
         }
