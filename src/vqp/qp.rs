@@ -493,16 +493,17 @@ impl Vqp {
     }
 
     /// Tell the peer VQP that we are gone (a CLOSE header on the
-    /// connection's link, or on the next one when that one closes),
-    /// bounded by the connect timeout; best effort.
-    fn post_close(&self, rt: &Arc<Runtime>, h: &Header) {
+    /// connection's link, or on the next one when that one closes, or a
+    /// CLOSE on the datagram tier carrying our final ACKs), bounded by the
+    /// connect timeout; best effort. Whether it carried the final ACKs.
+    fn post_close(&self, rt: &Arc<Runtime>, h: &Header) -> bool {
         let deadline = std::time::Instant::now() + super::runtime::connect_timeout();
         while std::time::Instant::now() < deadline {
             match self.ensure_tier(rt, true) {
                 Err(_) => break,
                 Ok(Tier::Dgram(flow)) => {
                     if self.close_on_tier(rt, &flow) {
-                        return;
+                        return true;
                     }
                     break;
                 }
@@ -510,12 +511,13 @@ impl Vqp {
             }
             let Some(link) = self.st.lock().conn.as_ref().and_then(|c| c.open_link().cloned()) else { break };
             if post_header(rt, &link, h) {
-                return;
+                return false;
             }
             rt.progress();
             std::thread::yield_now();
         }
         klog!(Level::Warn, "vqp {:#x}: the peer VQP was not told of its destruction", self.vqpn);
+        false
     }
 
     /// Destroy: unpublish a binding, flush what is outstanding, free the
@@ -550,9 +552,10 @@ impl Vqp {
         drop(st);
         self.tell_unread(unread);
         if let Some(rt) = self.rt.get() {
-            rt.dgram.ack_for(&**rt, self.vqpn);
-            if let Some(h) = close {
-                self.post_close(rt, &h);
+            let carried = close.is_some_and(|h| self.post_close(rt, &h));
+            if !carried {
+                // What we received on the tier is acknowledged now.
+                rt.dgram.final_acks(&**rt, self.vqpn, None);
             }
             self.detach_flow(rt, &mut self.st.lock());
             rt.dgram.forget_vqp(self.vqpn);

@@ -20,7 +20,7 @@
 
 use super::reliable::{self, Completion, Config, Delivery, Received, Receiver, Sender};
 use super::serve::{Memory, Mrs, Responder};
-use super::wire::{Message, Route, SendOp};
+use super::wire::{self, Message, Route, SendOp};
 use crate::error::{Errno, Result};
 use crate::meta::mrtable::MrInfo;
 use crate::rdma::Gid;
@@ -209,22 +209,28 @@ impl Port {
         }
     }
 
-    /// Our VQP `vqpn` is going: the delayed ACKs of what it received go
-    /// now (an RC QP acknowledges in the transport, before its
-    /// application could destroy it), before its CLOSE.
-    pub fn ack_for(&self, host: &dyn Host, vqpn: u32) {
-        let mut acks = Vec::new();
-        for (_, f) in self.inbound.lock().iter_mut().filter(|(r, _)| r.dst_vqpn == vqpn) {
-            if f.receiver.next_deadline().is_some() {
-                if let Some(a) = f.receiver.poll_ack(u64::MAX) {
-                    acks.push((f.peer, a));
-                }
+    /// Our VQP `vqpn` is going: the final ACKs of the flows to it from
+    /// process `carry_for`, for its CLOSE to carry (an RC QP acknowledges
+    /// in its transport, reliably, before its application could destroy
+    /// it; a lone ACK datagram may be lost). At most
+    /// [`wire::MAX_CLOSE_ACKS`]; the others, and those of other processes,
+    /// are sent now as they are.
+    pub fn final_acks(&self, host: &dyn Host, vqpn: u32, carry_for: Option<u64>) -> Vec<u8> {
+        let mut carried = Vec::new();
+        let mut loose = Vec::new();
+        for (r, f) in self.inbound.lock().iter_mut().filter(|(r, _)| r.dst_vqpn == vqpn) {
+            let a = f.receiver.final_ack();
+            if carry_for == Some(r.src_incarnation) && carried.len() < wire::MAX_CLOSE_ACKS * wire::ACK_LEN {
+                carried.extend_from_slice(&a);
+            } else {
+                loose.push((f.peer, a));
             }
         }
-        for (peer, a) in acks {
+        for (peer, a) in loose {
             stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
             host.send(&peer, &a);
         }
+        carried
     }
 
     /// Our VQP `vqpn` is gone: the peers' flows to it go too.
@@ -375,7 +381,23 @@ impl Port {
         // they arrived, what it sends next (on the tier or on a link) lands
         // behind them.
         let closed = messages.iter().any(|(opcode, ..)| *opcode == SendOp::Close);
-        for (opcode, imm, data) in messages {
+        for (opcode, imm, mut data) in messages {
+            if opcode == SendOp::Close {
+                // Its final ACKs first, so that what we sent the closing
+                // VQP completes before it is reported gone; only ACKs of
+                // flows to that VQP are taken.
+                for a in data.chunks_exact(wire::ACK_LEN) {
+                    match Message::decode(a) {
+                        Ok(m @ Message::Ack(_))
+                            if m.route().src_vqpn == route.src_vqpn && m.route().src_incarnation == route.src_incarnation =>
+                        {
+                            self.on_answer(host, &m, from)
+                        }
+                        _ => dropped(),
+                    }
+                }
+                data = Vec::new();
+            }
             host.message(&route, &peer, opcode, imm, data);
         }
         if closed {

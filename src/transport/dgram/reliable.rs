@@ -900,6 +900,13 @@ impl Receiver {
         }
     }
 
+    /// The ACK of everything received so far, due or not (a VQP that goes
+    /// hands it to its peer inside its CLOSE).
+    pub fn final_ack(&mut self) -> Vec<u8> {
+        self.ack_now = true;
+        self.poll_ack(0).unwrap_or_default()
+    }
+
     /// The ACK to send now, if one is due.
     pub fn poll_ack(&mut self, now: u64) -> Option<Vec<u8>> {
         if !self.ack_now && self.ack_deadline.is_none_or(|d| d > now) {

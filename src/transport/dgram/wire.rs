@@ -44,6 +44,9 @@ pub const VERSION: u8 = 1;
 pub const HEAD_LEN: usize = 48;
 pub const DATA_HDR: usize = 80;
 pub const ACK_LEN: usize = 56;
+/// A CLOSE's payload: the closing VQP's final ACKs of the flows to it
+/// (whole ACK messages), at most this many (they fit the smallest MTU).
+pub const MAX_CLOSE_ACKS: usize = (MIN_MTU - DATA_HDR) / ACK_LEN;
 pub const REQUEST_HDR: usize = 96;
 pub const RESPONSE_HDR: usize = 80;
 /// The largest header: a payload of `mtu - MAX_HDR` bytes fits any kind.
@@ -393,7 +396,11 @@ fn decode_data<'a>(r: &mut Reader<'a>, route: Route, seq: u64, nonce: u64, ack_r
     let payload_len = r.u32()?;
     r.reserved(4)?;
     let payload = r.take(payload_len as usize)?;
-    if seg >= nsegs || payload_len > total_len || (opcode != SendOp::SendImm && imm != 0) || (opcode == SendOp::Close && total_len != 0) {
+    if seg >= nsegs
+        || payload_len > total_len
+        || (opcode != SendOp::SendImm && imm != 0)
+        || (opcode == SendOp::Close && (total_len as usize % ACK_LEN != 0 || total_len as usize > MAX_CLOSE_ACKS * ACK_LEN))
+    {
         return Err(EBADMSG);
     }
     Ok(Data { route, seq, nonce, ack_req, msg, total_len, seg, nsegs, opcode, imm, payload })

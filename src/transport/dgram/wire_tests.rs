@@ -276,7 +276,13 @@ fn rejects_inconsistent_fields() {
     assert_eq!(set(d, 64, &[4]), Err(EBADMSG), "opcode");
     let close = Data { opcode: SendOp::Close, imm: 0, total_len: 0, seg: 0, nsegs: 1, ..data(&[]) };
     assert!(Message::decode(&Message::Data(close).to_vec()).is_ok(), "an empty CLOSE");
-    assert_eq!(set(Message::Data(close), 52, &[1]), Err(EBADMSG), "a CLOSE with a length");
+    assert_eq!(set(Message::Data(close), 52, &[1]), Err(EBADMSG), "a CLOSE with a length not of whole ACKs");
+    let acks = [0u8; 2 * ACK_LEN];
+    let close2 = Data { opcode: SendOp::Close, imm: 0, total_len: acks.len() as u32, seg: 0, nsegs: 1, ..data(&acks) };
+    assert!(Message::decode(&Message::Data(close2).to_vec()).is_ok(), "a CLOSE carrying two ACKs");
+    let many = vec![0u8; (MAX_CLOSE_ACKS + 1) * ACK_LEN];
+    let close3 = Data { opcode: SendOp::Close, imm: 0, total_len: many.len() as u32, seg: 0, nsegs: 1, ..data(&many) };
+    assert_eq!(Message::decode(&Message::Data(close3).to_vec()), Err(EBADMSG), "a CLOSE with too many ACKs");
     assert_eq!(set(d, 72, &4u32.to_le_bytes()), Err(EBADMSG), "payload_len past the end");
     assert_eq!(set(d, 72, &u32::MAX.to_le_bytes()), Err(EBADMSG), "payload_len huge");
     let ack = Message::Ack(Ack { route: ROUTE, next: 0, nonce: 0, sack: 3 });

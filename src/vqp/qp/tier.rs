@@ -344,11 +344,13 @@ impl Vqp {
         }
     }
 
-    /// Tell the peer VQP on the tier that we are gone (a CLOSE): the flow
-    /// lingers in the port until the CLOSE is acknowledged or the flow
-    /// fails, without holding up the destruction. Whether it was posted.
+    /// Tell the peer VQP on the tier that we are gone (a CLOSE, carrying
+    /// our final ACKs of what that process sent us): the flow lingers in
+    /// the port until the CLOSE is acknowledged or the flow fails, without
+    /// holding up the destruction. Whether it was posted.
     pub(super) fn close_on_tier(&self, rt: &Runtime, flow: &Flow) -> bool {
-        let op = Op::Send { id: CONTROL_ID, opcode: SendOp::Close, imm: 0, data: &[] };
+        let acks = rt.dgram.final_acks(rt, self.vqpn, Some(flow.route.dst_incarnation));
+        let op = Op::Send { id: CONTROL_ID, opcode: SendOp::Close, imm: 0, data: &acks };
         if rt.dgram.post(rt, flow, op).is_err() {
             return false;
         }
