@@ -241,8 +241,8 @@ int qconnect(struct ibv_qp *qp, union ibv_gid gid, int port);
 // disconnect event); it stays valid until the next `qpop_msgs` call on
 // `qp`, which destroys it once the work the application posted on it has
 // completed (its completions reach the CQ first), so that a server that
-// serves any number of short-lived clients in turn keeps its memory flat. All of them are
-// destroyed with `qp`. The application may also destroy one early with
+// serves any number of short-lived clients in turn keeps its memory
+// flat. All of them are destroyed with `qp`. The application may also destroy one early with
 // `ibv_destroy_qp`; a later message from that sender then gets a new one.
 //
 // Returns the number of entries (0 when none is waiting), or a negative

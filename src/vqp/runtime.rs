@@ -735,8 +735,10 @@ impl Runtime {
         Ok(rt)
     }
 
-    /// Whether a link to process `incarnation` failed: its VQPs on the
-    /// datagram tier fail with its links' VQPs, and new ones get nowhere.
+    /// Whether process `incarnation` is taken for gone (a link to it
+    /// failed, or it did not answer a handshake): its VQPs on the datagram
+    /// tier fail with its links' VQPs, and new ones get nowhere until a
+    /// connect tries it anew ([`Self::forgive`]).
     pub fn peer_gone(&self, incarnation: u64) -> bool {
         self.gone.lock().contains(&incarnation)
     }
@@ -749,6 +751,15 @@ impl Runtime {
         self.gone.lock().remove(&incarnation);
     }
 
+    /// Process `incarnation` is gone as far as we can tell: its endpoint
+    /// leaves the DCCache, and [`Self::peer_gone`] says so.
+    fn take_for_gone(&self, incarnation: u64) {
+        if let Some(meta) = self.meta.get() {
+            meta.forget_process(incarnation);
+        }
+        self.gone.lock().insert(incarnation);
+    }
+
     /// Process `peer` did not answer a link handshake within
     /// `KRCORE_CONNECT_TIMEOUT_MS` and no link to it is open: it is gone
     /// (its VQPs on the tier fail, as they would on a link whose peer died).
@@ -757,10 +768,7 @@ impl Runtime {
             return;
         }
         klog!(Level::Warn, "vqp: {:02x?} does not answer: the process is gone; its VQPs move to the error state", peer.gid);
-        if let Some(meta) = self.meta.get() {
-            meta.forget_process(peer.incarnation);
-        }
-        self.gone.lock().insert(peer.incarnation);
+        self.take_for_gone(peer.incarnation);
         for v in vqp::live() {
             v.on_peer_unreachable(peer, index, path);
         }
@@ -1019,10 +1027,7 @@ impl Runtime {
             "vqp: the link to {:02x?} (QP {qpn}) failed with status {status}: the peer is gone; its VQPs move to the error state",
             link.peer.gid
         );
-        if let Some(meta) = self.meta.get() {
-            meta.forget_process(link.peer.incarnation);
-        }
-        self.gone.lock().insert(link.peer.incarnation);
+        self.take_for_gone(link.peer.incarnation);
         let tag = self.next_tag();
         self.large.track(tag, Control::Fence { link_qpn: qpn });
         // SAFETY: a plain C struct.

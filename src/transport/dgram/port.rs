@@ -404,9 +404,9 @@ impl Port {
             // The sender's VQP is gone: its CLOSE is acknowledged now and
             // the flow goes (its number may come back with a new VQP).
             let gone = self.inbound.lock().remove(&route);
-            if let Some(a) = gone.and_then(|mut f| f.receiver.poll_ack(u64::MAX)) {
+            if let Some(mut f) = gone {
                 stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
-                host.send(&peer, &a);
+                host.send(&peer, &f.receiver.final_ack());
             }
             return;
         }

@@ -94,7 +94,7 @@ impl Vqp {
                     self.wait_a_little(rt, deadline)?;
                     continue;
                 }
-                self.take_link(old.as_ref(), link, flow.is_some());
+                self.take_link(old.as_ref(), link);
                 continue;
             }
             if rt.peer_gone(peer.incarnation) {
@@ -112,7 +112,7 @@ impl Vqp {
                 continue;
             }
             let new = rt.svc.link(&peer, index, path, crate::vqp::runtime::connect_timeout())?;
-            self.take_link(old.as_ref(), new, flow.is_some());
+            self.take_link(old.as_ref(), new);
         }
     }
 
@@ -127,22 +127,10 @@ impl Vqp {
     }
 
     /// The connection goes on `new` (if it still is where it was: on `old`).
-    fn take_link(&self, old: Option<&Arc<Link>>, new: Arc<Link>, from_tier: bool) {
+    fn take_link(&self, old: Option<&Arc<Link>>, new: Arc<Link>) {
         let mut st = self.st.lock();
-        if let Some(c) = st.conn.as_mut() {
-            if c.link.as_ref().map(Arc::as_ptr) == old.map(Arc::as_ptr) {
-                klog!(
-                    Level::Debug,
-                    "vqp {:#x}: moves to link QP {}{}",
-                    self.vqpn,
-                    new.qp.qpn(),
-                    if from_tier { " from the datagram tier" } else { "" }
-                );
-                if from_tier && c.link.is_none() {
-                    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_DGRAM_MOVES);
-                }
-                c.link = Some(new);
-            }
+        if let Some(c) = st.conn.as_mut().filter(|c| c.link.as_ref().map(Arc::as_ptr) == old.map(Arc::as_ptr)) {
+            move_onto(self.vqpn, c, new);
         }
     }
 
@@ -157,11 +145,7 @@ impl Vqp {
             && c.path == link.path
             && c.flow.as_ref().is_none_or(|f| f.outstanding() == 0);
         if waits {
-            klog!(Level::Debug, "vqp {:#x}: moves to link QP {} as it came up", self.vqpn, link.qp.qpn());
-            if c.flow.is_some() {
-                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_DGRAM_MOVES);
-            }
-            c.link = Some(Arc::clone(link));
+            move_onto(self.vqpn, c, Arc::clone(link));
         }
     }
 
@@ -357,6 +341,17 @@ impl Vqp {
         rt.dgram.linger(flow);
         true
     }
+}
+
+/// Connection `c` of VQP `vqpn` goes on link `new` (counted as a move when
+/// it was on its flow of the tier).
+fn move_onto(vqpn: u32, c: &mut Conn, new: Arc<Link>) {
+    let from_tier = c.link.is_none() && c.flow.is_some();
+    klog!(Level::Debug, "vqp {vqpn:#x}: moves to link QP {}{}", new.qp.qpn(), if from_tier { " from the datagram tier" } else { "" });
+    if from_tier {
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_DGRAM_MOVES);
+    }
+    c.link = Some(new);
 }
 
 /// `data` into the buffers `sges` (checked against the application's MRs
