@@ -782,6 +782,7 @@ static int churn_server(int ready_fd)
 	 * dead. */
 	{
 		uint64_t t0 = ct_now_ns();
+		uint64_t flows;
 
 		for (;;) {
 			struct ibv_qp *src[4];
@@ -790,14 +791,17 @@ static int churn_server(int ready_fd)
 			CT_CHECK(qpop_msgs(qp, 4, src, wc) == 0, "a message after the last client");
 			r.vqps_end = krcore_stat_get(KRCORE_STAT_VQPS);
 			r.links_end = krcore_stat_get(KRCORE_STAT_LINKS);
-			if (r.vqps_end == r.vqps_base && r.links_end == 0)
+			flows = krcore_stat_get(KRCORE_STAT_DGRAM_FLOWS);
+			/* The datagram tier's flows from the clients go with
+			 * their VQPs' CLOSEs (on the tier or on the link). */
+			if (r.vqps_end == r.vqps_base && r.links_end == 0 && flows == 0)
 				break;
 			if (r.links_end > r.links_max)
 				r.links_max = r.links_end;
 			CT_CHECK(ms_since(t0) < RECLAIM_MS,
-				 "%llu VQPs (baseline %llu) and %llu links %d ms after the last client",
+				 "%llu VQPs (baseline %llu), %llu links and %llu datagram-tier flows %d ms after the last client",
 				 (unsigned long long)r.vqps_end, (unsigned long long)r.vqps_base,
-				 (unsigned long long)r.links_end, RECLAIM_MS);
+				 (unsigned long long)r.links_end, (unsigned long long)flows, RECLAIM_MS);
 			usleep(10000);
 		}
 		r.reclaim_ms = ms_since(t0);

@@ -157,6 +157,10 @@ enum krcore_stat {
   // VQPs that moved from the datagram tier onto a link (everything they
   // sent on the tier acknowledged first).
   KRCORE_STAT_DGRAM_MOVES,
+  // Flows of the datagram tier held: ours to peers' VQPs and theirs to
+  // ours (a gauge; a flow goes with its VQP, the peer VQP's CLOSE or
+  // its process's death).
+  KRCORE_STAT_DGRAM_FLOWS,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

@@ -28,6 +28,7 @@ pub mod mr;
 pub mod obj;
 pub mod rdma;
 pub mod real;
+pub mod recent;
 pub mod service;
 pub mod stats;
 #[cfg(test)]

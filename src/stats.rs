@@ -144,6 +144,10 @@ pub enum krcore_stat {
     /// VQPs that moved from the datagram tier onto a link (everything they
     /// sent on the tier acknowledged first).
     KRCORE_STAT_DGRAM_MOVES,
+    /// Flows of the datagram tier held: ours to peers' VQPs and theirs to
+    /// ours (a gauge; a flow goes with its VQP, the peer VQP's CLOSE or
+    /// its process's death).
+    KRCORE_STAT_DGRAM_FLOWS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -209,6 +213,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "dgram_served\0",
     "dgram_refused\0",
     "dgram_moves\0",
+    "dgram_flows\0",
 ];
 
 /// A counter's name ("post_send").

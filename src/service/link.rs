@@ -171,7 +171,6 @@ impl LinkKey {
 /// serving new connects with the same one ([`Link::preferred_over`]); the
 /// other is a duplicate, closed like an idle link (LINK_CLOSE both ways)
 /// once the VQPs that were given it moved.
-#[derive(Default)]
 pub(super) struct Links {
     pub(super) by_key: FxHashMap<LinkKey, Arc<Link>>,
     pub(super) by_qpn: FxHashMap<u32, Arc<Link>>,
@@ -181,7 +180,7 @@ pub(super) struct Links {
     /// Requests whose link was retired since, the last [`MAX_RETIRED`]: a
     /// copy that comes late (retransmitted while we were slow) is dropped,
     /// not made into a link nobody uses on the other side.
-    retired: std::collections::VecDeque<RequestId>,
+    retired: crate::recent::Recent<RequestId>,
 }
 
 /// A link request, as the requester's (incarnation, QP number, PSN): the
@@ -190,6 +189,17 @@ pub(super) type RequestId = (u64, u32, u32);
 
 /// Retired link requests remembered.
 const MAX_RETIRED: usize = 4096;
+
+impl Default for Links {
+    fn default() -> Links {
+        Links {
+            by_key: FxHashMap::default(),
+            by_qpn: FxHashMap::default(),
+            accepted: FxHashMap::default(),
+            retired: crate::recent::Recent::new(MAX_RETIRED),
+        }
+    }
+}
 
 impl Links {
     /// Keep `link`; it serves new connects unless the one that already
@@ -213,10 +223,7 @@ impl Links {
         self.accepted.retain(|id, l| {
             let keep = !Arc::ptr_eq(l, link);
             if !keep {
-                if retired.len() == MAX_RETIRED {
-                    retired.pop_front();
-                }
-                retired.push_back(*id);
+                retired.insert(*id);
             }
             keep
         });

@@ -542,11 +542,14 @@ impl Vqp {
         st.rq.flush(&mut |c| out.push(c));
         let mut srcs: Vec<*mut ibv_qp> = st.src_qps.drain().map(|(_, q)| q).collect();
         srcs.append(&mut st.retired);
-        // The VQP we talk to may release what it keeps for us (a src_qp,
-        // made only for a sender of messages: a VQP that only READ, WROTE
-        // or used atomics has none there, and its destroy sends nothing).
+        // The VQP we talk to may release what it keeps for us: a src_qp,
+        // made only for a sender of messages, and a flow of the datagram
+        // tier, made for any work sent there (a VQP that only READ, WROTE
+        // or used atomics over links has neither, and sends nothing).
         let close = match (&st.conn, self.parent.get()) {
-            (Some(c), None) if st.sent_msgs => Some(Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() }),
+            (Some(c), None) if st.sent_msgs || c.flow.is_some() => {
+                Some(Header { flags: Flags::CLOSE, src_vqpn: self.vqpn, dst: c.dst, ..Header::default() })
+            }
             _ => None,
         };
         drop(st);

@@ -576,9 +576,13 @@ pub struct Runtime {
     /// Processes (incarnations) a link to failed, or that did not answer
     /// a handshake: gone, as far as this process can tell, until a
     /// connect finds one of their bindings still there ([`Self::forgive`]).
-    gone: Mutex<std::collections::HashSet<u64>>,
+    gone: Mutex<crate::recent::Recent<u64>>,
     me: OnceCell<Weak<Runtime>>,
 }
+
+/// Processes taken for gone that are remembered (the oldest is forgotten:
+/// a connect to it then finds out again).
+const MAX_GONE: usize = 4096;
 
 /// A signaled READ of the library's own (a control READ, `tag`) into
 /// `sge` from (addr, rkey); `sge` must outlive the post.
@@ -677,7 +681,7 @@ impl Runtime {
             gids: OnceCell::new(),
             dgram,
             linking: Mutex::new(Default::default()),
-            gone: Mutex::new(Default::default()),
+            gone: Mutex::new(crate::recent::Recent::new(MAX_GONE)),
             me: OnceCell::new(),
         });
         let _ = rt.me.set(Arc::downgrade(&rt));
@@ -757,6 +761,7 @@ impl Runtime {
         if let Some(meta) = self.meta.get() {
             meta.forget_process(incarnation);
         }
+        self.dgram.forget_process(incarnation);
         self.gone.lock().insert(incarnation);
     }
 
@@ -765,6 +770,13 @@ impl Runtime {
     /// (its VQPs on the tier fail, as they would on a link whose peer died).
     fn peer_unreachable(&self, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
         if self.svc.live_links().iter().any(|l| l.peer.incarnation == peer.incarnation) {
+            return;
+        }
+        if self.dgram.heard_from(peer.incarnation, connect_timeout()) {
+            // Alive on the tier (a handshake can be lost, or late under
+            // load): its VQPs stay there; the tier's own retries find a
+            // death.
+            klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but it answers on the datagram tier", peer.gid);
             return;
         }
         klog!(Level::Warn, "vqp: {:02x?} does not answer: the process is gone; its VQPs move to the error state", peer.gid);

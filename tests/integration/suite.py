@@ -455,8 +455,11 @@ def read_text(path: Path) -> str:
 
 
 def tail(path: Path, n: int = 8) -> str:
-    lines = read_text(path).splitlines()[-n:]
-    return "\n".join(f"    | {x}" for x in lines)
+    """The last n lines, after every FAIL line before them (a test's cause
+    is often its first FAIL, far above the cascade it set off)."""
+    lines = read_text(path).splitlines()
+    fails = [x for x in lines[:-n] if x.startswith("FAIL ")][:20]
+    return "\n".join(f"    | {x}" for x in fails + lines[-n:])
 
 
 # --------------------------------------------------------------------------

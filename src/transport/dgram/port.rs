@@ -105,6 +105,8 @@ impl Flow {
 struct Inbound {
     peer: Peer,
     pd: usize,
+    /// When its last packet came (µs since the port's epoch).
+    last_us: u64,
     receiver: Receiver,
     responder: Responder,
 }
@@ -162,18 +164,27 @@ impl Port {
 
     /// Our flow on `route` to `peer` (the existing one, whose sequence
     /// numbers go on: a VQP that falls back from a link keeps its flow).
+    /// EAGAIN while the route's last flow lingers: a VQP that took a
+    /// destroyed one's number waits until the peer dropped that flow (its
+    /// CLOSE or END acknowledged), or the new flow's first packets would
+    /// land in the old one's receiver.
     pub fn open(&self, route: Route, peer: Peer) -> Result<Arc<Flow>> {
         let mut out = self.out.lock();
-        // (A lingering one is its destroyed VQP's: a VQP that took its
-        // number since starts afresh.)
-        if let Some(f) = out.get(&route).filter(|f| f.peer == peer && !f.lingering.load(Ordering::Acquire)) {
-            return Ok(Arc::clone(f));
+        if let Some(f) = out.get(&route) {
+            if f.lingering.load(Ordering::Acquire) {
+                return Err(Errno(libc::EAGAIN));
+            }
+            if f.peer == peer {
+                return Ok(Arc::clone(f));
+            }
         }
         let hint = self.rto_hint.load(Ordering::Relaxed);
         let cfg = if hint > 0 { Config { rto_initial_us: hint, ..self.cfg } } else { self.cfg };
         let sender = Sender::new(cfg, route, reliable::random_seed())?;
         let f = Arc::new(Flow { route, peer, sender: Mutex::new(sender), lingering: AtomicBool::new(false) });
-        out.insert(route, Arc::clone(&f));
+        if out.insert(route, Arc::clone(&f)).is_none() {
+            stats::inc(Stat::KRCORE_STAT_DGRAM_FLOWS);
+        }
         Ok(f)
     }
 
@@ -206,6 +217,10 @@ impl Port {
         let mut out = self.out.lock();
         if out.get(&flow.route).is_some_and(|f| std::ptr::eq(&**f, flow)) {
             out.remove(&flow.route);
+            stats::sub(Stat::KRCORE_STAT_DGRAM_FLOWS, 1);
+            if out.is_empty() {
+                out.shrink_to_fit();
+            }
         }
     }
 
@@ -235,7 +250,34 @@ impl Port {
 
     /// Our VQP `vqpn` is gone: the peers' flows to it go too.
     pub fn forget_vqp(&self, vqpn: u32) {
-        self.inbound.lock().retain(|r, _| r.dst_vqpn != vqpn);
+        self.forget_inbound(|r| r.dst_vqpn == vqpn);
+    }
+
+    /// Process `incarnation` is gone: every flow from it goes.
+    pub fn forget_process(&self, incarnation: u64) {
+        self.forget_inbound(|r| r.src_incarnation == incarnation);
+    }
+
+    fn forget_inbound(&self, which: impl Fn(&Route) -> bool) {
+        let mut inbound = self.inbound.lock();
+        let before = inbound.len();
+        inbound.retain(|r, _| !which(r));
+        stats::sub(Stat::KRCORE_STAT_DGRAM_FLOWS, (before - inbound.len()) as u64);
+        if inbound.is_empty() {
+            // A burst of peers leaves no high-water table behind.
+            inbound.shrink_to_fit();
+        }
+    }
+
+    /// Whether process `incarnation` was heard from on the tier (answered
+    /// one of our flows, or sent on one of its own) in the last `within`.
+    pub fn heard_from(&self, incarnation: u64, within: Duration) -> bool {
+        let since = self.now_us().saturating_sub(within.as_micros() as u64);
+        // (A flow's lock is never taken under `out`'s: a lingering flow
+        // takes `out`'s under its own.)
+        let flows: Vec<Arc<Flow>> = self.out.lock().values().filter(|f| f.route.dst_incarnation == incarnation).cloned().collect();
+        let answered = flows.iter().any(|f| f.sender.lock().heard_at().is_some_and(|t| t >= since));
+        answered || self.inbound.lock().iter().any(|(r, f)| r.src_incarnation == incarnation && f.last_us >= since)
     }
 
     /// Post `op` on `flow` and send what its window admits. ENOTCONN when
@@ -333,13 +375,17 @@ impl Port {
                 Err(_) => return dropped(),
             };
             inbound = self.inbound.lock();
-            inbound.entry(route).or_insert(Inbound { peer, pd, receiver, responder: Responder::new(self.cfg.mtu, MAX_READ) });
+            if !inbound.contains_key(&route) {
+                stats::inc(Stat::KRCORE_STAT_DGRAM_FLOWS);
+            }
+            inbound.entry(route).or_insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_READ) });
         }
         let Some(f) = inbound.get_mut(&route) else { return };
         if !f.peer.sent(from) {
             return dropped();
         }
         let now = self.now_us();
+        f.last_us = now;
         let (peer, pd) = (f.peer, f.pd);
         let mut answers = Vec::new();
         let mut messages = Vec::new();
@@ -405,6 +451,7 @@ impl Port {
             // the flow goes (its number may come back with a new VQP).
             let gone = self.inbound.lock().remove(&route);
             if let Some(mut f) = gone {
+                stats::sub(Stat::KRCORE_STAT_DGRAM_FLOWS, 1);
                 stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
                 host.send(&peer, &f.receiver.final_ack());
             }

@@ -252,7 +252,8 @@ pub struct Sender {
     deadline: Option<u64>,
     /// When the first packet left, while the peer has not answered yet.
     unanswered_since: Option<u64>,
-    heard: bool,
+    /// When the peer last answered (µs).
+    heard_at: Option<u64>,
     failed: bool,
     pub drops: Drops,
 }
@@ -282,7 +283,7 @@ impl Sender {
             retries: 0,
             deadline: None,
             unanswered_since: None,
-            heard: false,
+            heard_at: None,
             failed: false,
             drops: Drops::default(),
         })
@@ -293,6 +294,11 @@ impl Sender {
     /// a refused one still get their answers).
     pub fn failed(&self) -> bool {
         self.failed
+    }
+
+    /// When the peer last answered (µs, the clock `now` is read from).
+    pub fn heard_at(&self) -> Option<u64> {
+        self.heard_at
     }
 
     /// Work requests posted and not completed.
@@ -447,7 +453,7 @@ impl Sender {
             wire::set_ack_req(last, true);
         }
         if out.len() > first_new {
-            if !self.heard && self.unanswered_since.is_none() {
+            if self.heard_at.is_none() && self.unanswered_since.is_none() {
                 self.unanswered_since = Some(now);
             }
             if self.deadline.is_none() {
@@ -572,7 +578,7 @@ impl Sender {
     /// The peer moved: the next timeout starts afresh.
     fn progress(&mut self, now: u64) {
         self.retries = 0;
-        self.heard = true;
+        self.heard_at = Some(now);
         self.unanswered_since = None;
         self.rto_us = self.base_rto_us;
         self.complete();
@@ -597,7 +603,7 @@ impl Sender {
             return;
         }
         self.sample(now, r.seq);
-        self.heard = true;
+        self.heard_at = Some(now);
         self.unanswered_since = None;
         if r.status != Status::Ok {
             self.packets[i].answered = true;

@@ -103,7 +103,13 @@ impl Vqp {
             if tier_ok && crate::config::get().dgram {
                 let flow = match flow {
                     Some(f) => f,
-                    None => self.open_flow(rt, peer, path, dst)?,
+                    None => match self.open_flow(rt, peer, path, dst) {
+                        Err(e) if e.0 == libc::EAGAIN => {
+                            self.wait_a_little(rt, deadline)?;
+                            continue;
+                        }
+                        r => r?,
+                    },
                 };
                 return Ok(Tier::Dgram(flow));
             }
