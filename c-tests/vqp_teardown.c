@@ -518,8 +518,16 @@ static void stuck_pair(struct t *t, struct ibv_qp **q1, struct ibv_qp **q2, uint
 {
 	int st;
 
+	uint64_t t0 = ct_now_ns();
+
 	pair(t, q1, q2);
 	witness(t, *q2, seed);
+	/* RNR is the link's matter: the datagram tier may carry a new pair
+	 * until its link, made in the background, is up. VQP 1 takes the link
+	 * at its next post. */
+	while (krcore_stat_get(KRCORE_STAT_LINKS) == 0)
+		CT_CHECK(ms_since(t0) < CT_TIMEOUT_MS, "no link to the peer after %d ms", CT_TIMEOUT_MS);
+	witness(t, *q1, seed);
 	CT_CHECK(kill(t->peer, SIGSTOP) == 0, "SIGSTOP: %s", strerror(errno));
 	CT_CHECK(waitpid(t->peer, &st, WUNTRACED) == t->peer && WIFSTOPPED(st), "the peer did not stop");
 	t->peer_may_fail++;

@@ -537,7 +537,11 @@ pub struct Runtime {
     /// The meta-server connection being made on its own thread since the
     /// runtime started (with `KRCORE_META`), taken by the first `meta()`.
     meta_start: Mutex<Option<MetaStart>>,
-    recv_bufs: Region,
+    /// The links' receive buffers, posted on the SRQ: made in the
+    /// background once the runtime is up, or by the first link made
+    /// before that ([`Self::receive_side`]); a VQP on the datagram tier
+    /// needs none.
+    recv_bufs: OnceCell<Region>,
     /// Held by the one thread making progress (see the module doc).
     progress: Mutex<LastVqp>,
     /// A thread found `progress` held: its holder drains once more after
@@ -650,7 +654,6 @@ impl Runtime {
         crate::kmark!("runtime: device borrowed, GID index {gi}");
         let meta_start = start_meta(&dev, gi);
         let svc = Service::start(&dev, gi, service::Options::default())?;
-        let recv_bufs = Region::new(&dev, service::Options::default().srq_wr as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
         let hdr_arena = Arc::new(HdrArena::new(&dev, FIRST_HDR_ARENA_SLOTS)?);
         let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
         let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
@@ -665,7 +668,7 @@ impl Runtime {
             svc,
             meta: OnceCell::new(),
             meta_start: Mutex::new(meta_start),
-            recv_bufs,
+            recv_bufs: OnceCell::new(),
             progress: Mutex::new(LastVqp::default()),
             progress_again: AtomicBool::new(false),
             cqs: Mutex::new(Vec::new()),
@@ -691,9 +694,19 @@ impl Runtime {
                 rt.dgram.on_datagram(&*rt, bytes, from);
             }
         }));
-        for buf in 0..service::Options::default().srq_wr {
-            rt.post_recv_buf(buf)?;
-        }
+        // The links' receive side, off the caller's path (the first
+        // operation goes on the datagram tier).
+        let weak = Arc::downgrade(&rt);
+        rt.svc.defer(
+            Instant::now(),
+            Box::new(move || {
+                if let Some(rt) = weak.upgrade() {
+                    if let Err(e) = rt.receive_side() {
+                        klog!(Level::Warn, "vqp: the links' receive buffers: {e:?} (retried by the next link)");
+                    }
+                }
+            }),
+        );
         rt.publish_mrs();
         // While the application sleeps on a completion channel, the
         // service thread makes progress when the links have completions.
@@ -720,6 +733,10 @@ impl Runtime {
         let weak = Arc::downgrade(&rt);
         rt.svc.on_new_link(Box::new(move || {
             let Some(rt) = weak.upgrade() else { return };
+            // A link a peer asked for: its messages need our receives.
+            if let Err(e) = rt.receive_side() {
+                klog!(Level::Warn, "vqp: the links' receive buffers: {e:?}");
+            }
             let max = crate::config::get().max_links;
             if max > 0 && rt.svc.physical_links() > max {
                 let weak = Arc::downgrade(&rt);
@@ -735,7 +752,7 @@ impl Runtime {
         }));
         Runtime::schedule_maintenance(&rt);
         map.insert(pd as usize, Arc::clone(&rt));
-        crate::kmark!("runtime: started (receives posted)");
+        crate::kmark!("runtime: started");
         Ok(rt)
     }
 
@@ -807,7 +824,8 @@ impl Runtime {
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
             crate::kmark!("link: made in the background");
-            match rt.svc.optional_link(&peer, index, path, connect_timeout()) {
+            let link = rt.receive_side().and_then(|_| rt.svc.optional_link(&peer, index, path, connect_timeout()));
+            match link {
                 // VQPs with nothing on the tier take it now (the others at
                 // their next post once drained): an idle VQP learns of its
                 // peer's death from the link's probes.
@@ -1136,8 +1154,23 @@ impl Runtime {
         Arc::clone(self.peer_mrs.lock().entry(incarnation).or_default())
     }
 
-    fn post_recv_buf(&self, buf: u32) -> Result<()> {
-        let mut sge = self.recv_bufs.sge(buf as usize * RECV_BUF, RECV_BUF);
+    /// The links' receive buffers, registered and posted on the SRQ the
+    /// first time (a link needs them before its peer's first message:
+    /// until then the peer's RC retries on RNR).
+    pub fn receive_side(&self) -> Result<&Region> {
+        self.recv_bufs.get_or_try_init(|| {
+            let n = service::Options::default().srq_wr;
+            let bufs = Region::new(self.svc.device(), n as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
+            for buf in 0..n {
+                self.post_recv_buf(&bufs, buf)?;
+            }
+            crate::kmark!("runtime: the links' receives posted");
+            Ok(bufs)
+        })
+    }
+
+    fn post_recv_buf(&self, bufs: &Region, buf: u32) -> Result<()> {
+        let mut sge = bufs.sge(buf as usize * RECV_BUF, RECV_BUF);
         // SAFETY: a plain C struct.
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = WrId::Recv { buf }.encode();
@@ -1321,9 +1354,10 @@ impl Runtime {
             return;
         }
         let off = buf as usize * RECV_BUF;
+        let Some(bufs) = self.recv_bufs.get() else { return };
         // SAFETY: this buffer's receive completed; it is reposted below
         // once the message is copied out.
-        let bytes = unsafe { self.recv_bufs.bytes(off, RECV_BUF) };
+        let bytes = unsafe { bufs.bytes(off, RECV_BUF) };
         let link = self.svc.link_by_qpn(wc.qp_num);
         match Header::received(bytes, wc.byte_len, MAX_MSG) {
             Ok(h) if h.flags.contains(Flags::LINK_CLOSE) => match link {
@@ -1368,7 +1402,7 @@ impl Runtime {
                 self.link_failed(wc.qp_num, ibv_wc_status::IBV_WC_LOC_PROT_ERR);
             }
         }
-        if let Err(e) = self.post_recv_buf(buf) {
+        if let Err(e) = self.post_recv_buf(bufs, buf) {
             klog!(Level::Warn, "vqp: cannot repost a receive buffer: {e:?}");
         }
     }
@@ -1511,8 +1545,10 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
     // The map's reference is the only one when no VQP holds the runtime;
     // the service thread and CQ polls hold it while they work, which is
     // waited out (without the map's lock, which they may take), as long
-    // as a link's work may take (a link failing under that work).
-    let deadline = Instant::now() + connect_timeout().max(TRANSPORT_WAIT);
+    // as a link's work may take (a link failing under that work), and a
+    // background link's handshake in flight (bounded by the connect
+    // timeout from its own start) after it.
+    let deadline = Instant::now() + 2 * connect_timeout().max(TRANSPORT_WAIT);
     let rt = loop {
         let mut g = RUNTIMES.lock();
         let Some(map) = g.as_mut() else { return Ok(()) };

@@ -90,7 +90,7 @@ impl Vqp {
                 }
                 return Ok(());
             }
-            match rt.svc.link(&ep, index, path, crate::vqp::runtime::connect_timeout()) {
+            match rt.receive_side().and_then(|_| rt.svc.link(&ep, index, path, crate::vqp::runtime::connect_timeout())) {
                 Ok(link) => {
                     self.attach(rt, link, ep, ep.vqpn);
                     return Ok(());

@@ -32,6 +32,12 @@ pub(super) enum Tier {
 /// Work requests on the tier between two asks for the link.
 const ASK_AGAIN: u64 = 64;
 
+/// How long the transparent VQP that does not ask first waits for its
+/// peer's link before asking itself (its peer may post nothing: a passive
+/// target of one-sided work asks for no link). Beyond a handshake's time on a busy
+/// host; should both ask, the duplicate is closed.
+const ASK_LATE: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Ids of the tier's work that is not the application's (a CLOSE).
 const CONTROL_ID: u64 = 1 << 32;
 
@@ -117,6 +123,7 @@ impl Vqp {
                 self.wait_a_little(rt, deadline)?;
                 continue;
             }
+            rt.receive_side()?;
             let new = rt.svc.link(&peer, index, path, crate::vqp::runtime::connect_timeout())?;
             self.take_link(old.as_ref(), new);
         }
@@ -276,9 +283,25 @@ impl Vqp {
             // At KRCORE_LINK_AFTER posts on the tier (ASK_AGAIN more when
             // the peer asks first), and every ASK_AGAIN after (a link that
             // could not be made, or was not for KRCORE_MAX_LINKS).
-            let first = crate::config::get().link_after.max(1) + if self.asks_first(rt, &peer) { 0 } else { ASK_AGAIN };
+            let asks_first = self.asks_first(rt, &peer);
+            let first = crate::config::get().link_after.max(1) + if asks_first { 0 } else { ASK_AGAIN };
             if tier_posts >= first && (tier_posts - first) % ASK_AGAIN == 0 {
                 Runtime::want_link(rt, peer, index, path);
+            }
+            // (A src_qp's sender asked at its first contact: only the other
+            // of two transparent VQPs of two processes asks late.)
+            let own = peer.incarnation == rt.svc.endpoint().incarnation;
+            if tier_posts == 1 && !asks_first && !own && self.parent.get().is_none() && crate::config::get().link_after == 0 {
+                let weak = rt.weak_self();
+                rt.svc.defer(
+                    std::time::Instant::now() + ASK_LATE,
+                    Box::new(move || {
+                        // Nothing when the link is up or being made.
+                        if let Some(rt) = weak.upgrade() {
+                            Runtime::want_link(&rt, peer, index, path);
+                        }
+                    }),
+                );
             }
         }
         Ok(true)
