@@ -775,13 +775,27 @@ impl Shared {
         if theirs.from.incarnation != peer.incarnation || theirs.from.gid != peer.gid || theirs.src_gid != path.dgid {
             return Err(Errno(libc::ECONNREFUSED));
         }
-        qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
-        crate::kmark!("link: RTR + RTS");
         let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn)?);
-        // A link the peer asked for meanwhile may serve this key instead:
-        // ours is kept until closed (the peer may send on its other end),
-        // and the caller uses the one that serves.
-        let serving = self.links.lock().insert(LinkKey::of(peer, index, path), Arc::clone(&link), &self.me);
+        // Known by its QP number before RTR, where it starts receiving: the
+        // peer may send at once (a message, its LINK_CLOSE of a duplicate),
+        // and a completion of a QP not in the table is dropped. Until RTS
+        // the link's send lock is held (nothing posts on a QP that cannot
+        // send yet). A link the peer asked for meanwhile may serve this key
+        // instead: ours is kept until closed (the peer may send on its
+        // other end), and the caller uses the one that serves.
+        let serving = {
+            let _sends_wait = link.sq.lock();
+            let serving = self.links.lock().insert(LinkKey::of(peer, index, path), Arc::clone(&link), &self.me);
+            if let Err(e) = link.qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn }) {
+                link.failed.store(true, Ordering::Release);
+                let mut links = self.links.lock();
+                links.retire(&link);
+                links.by_qpn.remove(&link.qp.qpn());
+                return Err(e);
+            }
+            serving
+        };
+        crate::kmark!("link: RTR + RTS");
         self.new_link_made(&link);
         Ok(serving)
     }
