@@ -166,8 +166,8 @@ impl Port {
     /// numbers go on: a VQP that falls back from a link keeps its flow).
     /// EAGAIN while the route's last flow lingers: a VQP that took a
     /// destroyed one's number waits until the peer dropped that flow (its
-    /// CLOSE or END acknowledged), or the new flow's first packets would
-    /// land in the old one's receiver.
+    /// CLOSE acknowledged) or the flow failed, or the new flow's first
+    /// packets would land in the old one's receiver.
     pub fn open(&self, route: Route, peer: Peer) -> Result<Arc<Flow>> {
         let mut out = self.out.lock();
         if let Some(f) = out.get(&route) {
