@@ -824,8 +824,7 @@ impl Runtime {
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
             crate::kmark!("link: made in the background");
-            let link = rt.receive_side().and_then(|_| rt.svc.optional_link(&peer, index, path, connect_timeout()));
-            match link {
+            match rt.make_link(&peer, index, path, true) {
                 // VQPs with nothing on the tier take it now (the others at
                 // their next post once drained): an idle VQP learns of its
                 // peer's death from the link's probes.
@@ -1167,6 +1166,18 @@ impl Runtime {
             crate::kmark!("runtime: the links' receives posted");
             Ok(bufs)
         })
+    }
+
+    /// Link `index` to `peer` over `path`, made (or the one that serves),
+    /// within the connect timeout, our receives posted first; `optional`:
+    /// a peer at its link limit may refuse it.
+    pub fn make_link(&self, peer: &crate::meta::Endpoint, index: u16, path: service::Path, optional: bool) -> Result<Arc<service::Link>> {
+        self.receive_side()?;
+        if optional {
+            self.svc.optional_link(peer, index, path, connect_timeout())
+        } else {
+            self.svc.link(peer, index, path, connect_timeout())
+        }
     }
 
     fn post_recv_buf(&self, bufs: &Region, buf: u32) -> Result<()> {

@@ -375,10 +375,10 @@ impl Port {
                 Err(_) => return dropped(),
             };
             inbound = self.inbound.lock();
-            if !inbound.contains_key(&route) {
+            if let std::collections::hash_map::Entry::Vacant(e) = inbound.entry(route) {
                 stats::inc(Stat::KRCORE_STAT_DGRAM_FLOWS);
+                e.insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_READ) });
             }
-            inbound.entry(route).or_insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_READ) });
         }
         let Some(f) = inbound.get_mut(&route) else { return };
         if !f.peer.sent(from) {

@@ -90,7 +90,7 @@ impl Vqp {
                 }
                 return Ok(());
             }
-            match rt.receive_side().and_then(|_| rt.svc.link(&ep, index, path, crate::vqp::runtime::connect_timeout())) {
+            match rt.make_link(&ep, index, path, false) {
                 Ok(link) => {
                     self.attach(rt, link, ep, ep.vqpn);
                     return Ok(());

@@ -123,8 +123,7 @@ impl Vqp {
                 self.wait_a_little(rt, deadline)?;
                 continue;
             }
-            rt.receive_side()?;
-            let new = rt.svc.link(&peer, index, path, crate::vqp::runtime::connect_timeout())?;
+            let new = rt.make_link(&peer, index, path, false)?;
             self.take_link(old.as_ref(), new);
         }
     }
