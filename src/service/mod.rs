@@ -368,6 +368,13 @@ impl Service {
         self.shared.send_datagram(path, qpn, qkey, bytes)
     }
 
+    /// Make `path`'s address handle now, so that a later send on it (an
+    /// ACK that must go out before what it acknowledges is seen) does not
+    /// wait for its creation.
+    pub fn prepare_path(&self, path: Path) -> Result<()> {
+        self.shared.ah(path).map(drop)
+    }
+
     /// The index of our GID `gid`.
     pub fn gid_index_of(&self, gid: &Gid) -> Result<u32> {
         self.shared.our_gid_index(gid)

@@ -69,10 +69,22 @@ pub trait Host: Send + Sync {
     /// to; None to refuse (no such VQP, or one that takes nothing from
     /// that sender).
     fn admit(&self, route: &Route, from: &Source) -> Option<(usize, Peer)>;
-    /// A message of an admitted flow, in the flow's order.
-    fn message(&self, route: &Route, from: &Peer, opcode: SendOp, imm: u32, data: Vec<u8>);
+    /// Messages of an admitted flow, in the flow's order. `ack`, the flow's
+    /// ACK of them when one is due, is sent first, under what keeps the
+    /// VQP's arrivals in order: as an RC responder's NIC acknowledges
+    /// before the application can act, a receiver that exits as soon as it
+    /// saw a message leaves its sender a success; and nothing the sender
+    /// sends once it has the ACK (on a link) can land before them.
+    fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, ack: Option<&[u8]>);
     /// A work request of our flow `route` finished (in post order).
     fn completed(&self, route: &Route, c: Completion);
+}
+
+/// A whole two-sided message of a peer's flow.
+pub struct Arrived {
+    pub opcode: SendOp,
+    pub imm: u32,
+    pub data: Vec<u8>,
 }
 
 /// A work request on the datagram tier (the caller's `id` comes back in
@@ -399,7 +411,7 @@ impl Port {
             Received::Taken => {
                 while let Some(d) = f.receiver.pop() {
                     match d {
-                        Delivery::Message { opcode, imm, data } => messages.push((opcode, imm, data)),
+                        Delivery::Message { opcode, imm, data } => messages.push(Arrived { opcode, imm, data }),
                         Delivery::Request(_) => {
                             let Some(req) = d.request() else { continue };
                             let served = crate::vqp::mrs::with(pd, |mrs| f.responder.serve(&req, &Registered(mrs), &mut ProcessMemory));
@@ -417,34 +429,43 @@ impl Port {
                 }
             }
         }
+        // A CLOSE is its flow's last message (the number's next flow waits
+        // for its ACK: `open`).
+        if let Some(i) = messages.iter().position(|m| m.opcode == SendOp::Close) {
+            messages.truncate(i + 1);
+        }
+        let closed = messages.last().is_some_and(|m| m.opcode == SendOp::Close);
+        // The ACK of what is delivered now goes with it (Host::messages); a
+        // CLOSE is acknowledged once its flow is gone, below.
+        let ack = if messages.is_empty() || closed { None } else { f.receiver.poll_ack(now) };
         drop(inbound);
         crate::kmark!("dgram: a packet received, {} answers", answers.len());
         for a in &answers {
             stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
             host.send(&peer, a);
         }
-        // Delivered before they are acknowledged: once the sender learns
-        // they arrived, what it sends next (on the tier or on a link) lands
-        // behind them.
-        let closed = messages.iter().any(|(opcode, ..)| *opcode == SendOp::Close);
-        for (opcode, imm, mut data) in messages {
-            if opcode == SendOp::Close {
-                // Its final ACKs first, so that what we sent the closing
-                // VQP completes before it is reported gone; only ACKs of
-                // flows to that VQP are taken.
-                for a in data.chunks_exact(wire::ACK_LEN) {
-                    match Message::decode(a) {
-                        Ok(m @ Message::Ack(_))
-                            if m.route().src_vqpn == route.src_vqpn && m.route().src_incarnation == route.src_incarnation =>
-                        {
-                            self.on_answer(host, &m, from)
-                        }
-                        _ => dropped(),
+        if closed {
+            // Its final ACKs first, so that what we sent the closing VQP
+            // completes before it is reported gone; only ACKs of flows to
+            // that VQP are taken.
+            let close = messages.last_mut().expect("closed");
+            for a in close.data.chunks_exact(wire::ACK_LEN) {
+                match Message::decode(a) {
+                    Ok(m @ Message::Ack(_))
+                        if m.route().src_vqpn == route.src_vqpn && m.route().src_incarnation == route.src_incarnation =>
+                    {
+                        self.on_answer(host, &m, from)
                     }
+                    _ => dropped(),
                 }
-                data = Vec::new();
             }
-            host.message(&route, &peer, opcode, imm, data);
+            close.data = Vec::new();
+        }
+        if !messages.is_empty() {
+            if ack.is_some() {
+                stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+            }
+            host.messages(&route, &peer, messages, ack.as_deref());
         }
         if closed {
             // The sender's VQP is gone: its CLOSE is acknowledged now and
@@ -572,3 +593,7 @@ impl Memory for ProcessMemory {
         Some(a.fetch_add(add, Ordering::SeqCst))
     }
 }
+
+#[cfg(test)]
+#[path = "port_tests.rs"]
+mod tests;

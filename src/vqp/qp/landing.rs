@@ -62,13 +62,24 @@ impl Vqp {
 
     /// A message for this VQP, arrived on `link` (progress).
     pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>) {
-        self.on_message_from(h, payload, Origin::of(link));
+        let mut st = self.st.lock();
+        self.take_message(&mut st, h, payload, Origin::of(link));
     }
 
-    /// A message for this VQP from `origin` (progress).
-    pub(super) fn on_message_from(&self, h: &Header, payload: &[u8], origin: Origin) {
-        klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
+    /// Messages of one datagram-tier flow, in its order (progress).
+    /// `before` runs first under the VQP's lock, so that what it does (send
+    /// the flow's ACK of them) happens before the application can see any
+    /// of them and before anything the sender sends after it can land.
+    pub(super) fn on_messages_from(&self, batch: Vec<(Header, Vec<u8>)>, origin: &Origin, before: impl FnOnce()) {
         let mut st = self.st.lock();
+        before();
+        for (h, payload) in batch {
+            self.take_message(&mut st, &h, &payload, origin.clone());
+        }
+    }
+
+    fn take_message(&self, st: &mut State, h: &Header, payload: &[u8], origin: Origin) {
+        klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
         if h.flags.contains(Flags::CLOSE) {
             if st.bound.is_none() {
                 // A connected VQP keeps its own state; peer death is reported
@@ -83,11 +94,11 @@ impl Vqp {
             return;
         }
         // Behind held messages or a large one being READ: RC order.
-        if !st.held.is_empty() || st.reading.is_some() || self.rq_is_empty(&st) {
+        if !st.held.is_empty() || st.reading.is_some() || self.rq_is_empty(st) {
             st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin });
             return;
         }
-        self.land(&mut st, h, payload, &origin);
+        self.land(st, h, payload, &origin);
     }
 
     /// Land held messages while there are receive buffers (and no large

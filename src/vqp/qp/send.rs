@@ -40,7 +40,7 @@ impl Vqp {
         let is_send = matches!(w.opcode, ibv_wr_opcode::IBV_WR_SEND | ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
         let wc_opcode = wc_opcode_of(w.opcode);
         let mut staged = None;
-        let mut fetched = false;
+        let mut fetches = 0;
         // One pass under the VQP's lock when nothing is missing; what must
         // wait (the peer's MR table, staging, room on the link) is done
         // without it, and the pass starts over.
@@ -80,7 +80,7 @@ impl Vqp {
                 }
                 continue;
             }
-            let Some(mut guard) = self.precheck_fetching(rt, guard, &sw, &mut fetched)? else { continue };
+            let Some(mut guard) = self.precheck_fetching(rt, guard, &sw, &mut fetches)? else { continue };
             let st = &mut *guard;
             let Some(conn) = &st.conn else { return Err(Errno::EINVAL) };
             let Some(link) = conn.link.as_ref() else { continue };
@@ -142,14 +142,16 @@ impl Vqp {
     /// Pre-check `sw` under the VQP's lock (`guard`), given back when it
     /// passes. An rkey neither the memo nor the peer's table as last read
     /// knows makes one READ of that table, without the lock: `Ok(None)`,
-    /// check again; still unknown after it (`fetched`), the peer has no
-    /// such MR: EINVAL.
+    /// check again (`fetches` counts the READs that found it); not in the
+    /// table, the peer has no such MR: EINVAL. A READ slower than the MR
+    /// lease finds an entry already expired (the lease counts from its
+    /// post): READ again, up to [`MAX_FETCHES`] times.
     pub(super) fn precheck_fetching<'g>(
         &self,
         rt: &Runtime,
         guard: parking_lot::MutexGuard<'g, State>,
         sw: &SendWr<'_>,
-        fetched: &mut bool,
+        fetches: &mut u32,
     ) -> Result<Option<parking_lot::MutexGuard<'g, State>>> {
         let Some(conn) = &guard.conn else { return Err(Errno::EINVAL) };
         match self.precheck(&guard.memo, sw) {
@@ -163,10 +165,10 @@ impl Vqp {
                 // connection has an open one.
                 let Some(link) = conn.open_link().cloned() else { return Ok(None) };
                 drop(guard);
-                let known = if *fetched { Ok(false) } else { self.fetch_remote(rt, &link, rkey) };
+                let known = if *fetches >= MAX_FETCHES { Err(Errno(libc::ETIMEDOUT)) } else { self.fetch_remote(rt, &link, rkey) };
                 match known {
                     Ok(true) => {
-                        *fetched = true;
+                        *fetches += 1;
                         Ok(None)
                     }
                     Ok(false) => {
@@ -179,8 +181,9 @@ impl Vqp {
                     // state: the post is flushed), or the peer's table was
                     // being rewritten: look again.
                     Err(e) if matches!(e.0, libc::ENOTCONN | libc::EIO | libc::EAGAIN) => Ok(None),
-                    // No answer within the transport's retries: as an RC
-                    // QP whose retries ran out.
+                    // No answer within the transport's retries (or no
+                    // READ as fast as the lease): as an RC QP whose
+                    // retries ran out.
                     Err(e) => {
                         self.fail_unreachable(e);
                         Ok(None)
@@ -280,8 +283,8 @@ impl Vqp {
             let w = unsafe { &*wr };
             // SAFETY: as above.
             let sw = unsafe { self.send_wr(w) }?;
-            let mut fetched = false;
-            while self.precheck_fetching(rt, self.st.lock(), &sw, &mut fetched)?.is_none() {
+            let mut fetches = 0;
+            while self.precheck_fetching(rt, self.st.lock(), &sw, &mut fetches)?.is_none() {
                 match self.ensure_tier(rt, true) {
                     Ok(Tier::Link) => {}
                     // The target checks the remote side (the local one is
@@ -622,6 +625,11 @@ impl Vqp {
         accounted
     }
 }
+
+/// READs of the peer's MR table for one post whose entry expired before
+/// it could be used; then the peer counts as unreachable (as an RC QP
+/// whose retries ran out).
+const MAX_FETCHES: u32 = 8;
 
 // The registries behind a VQP's memo, out of line: inlined, their hashing
 // was set up on every post, memo hit or not.

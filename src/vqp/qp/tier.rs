@@ -19,7 +19,7 @@
 //! above [`port::MAX_READ`] wait for the link.
 
 use super::*;
-use crate::transport::dgram::port::{self, Flow, Host, Op, Peer, Source};
+use crate::transport::dgram::port::{self, Arrived, Flow, Host, Op, Peer, Source};
 use crate::transport::dgram::reliable::{self, Atomic, Outcome};
 use crate::transport::dgram::wire::{Route, SendOp};
 
@@ -444,23 +444,37 @@ impl Host for Runtime {
             }
         }
         let sgid_index = self.svc.gid_index_of(&from.to_gid).ok()?;
+        // The flow's ACKs go out under the VQP's lock (Host::messages): its
+        // address handle is made here, before anything was delivered.
+        self.svc.prepare_path(Path { sgid_index, dgid: from.gid }).ok()?;
         Some((v.app.real_pd as usize, Peer { sgid_index, dgid: from.gid, qpn: from.qpn, qkey: crate::rdma::QKEY }))
     }
 
-    fn message(&self, route: &Route, from: &Peer, opcode: SendOp, imm: u32, data: Vec<u8>) {
-        let Some(v) = by_vqpn(route.dst_vqpn) else { return };
-        let mut h = Header { src_vqpn: route.src_vqpn, dst: route.dst_vqpn, len: data.len() as u32, ..Header::default() };
-        match opcode {
-            SendOp::Send => {}
-            SendOp::SendImm => {
-                h.flags |= Flags::HAS_IMM;
-                h.imm = imm;
+    fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, ack: Option<&[u8]>) {
+        let send_ack = || {
+            if let Some(a) = ack {
+                self.send(from, a);
             }
-            SendOp::Close => h.flags |= Flags::CLOSE,
-        }
+        };
+        let Some(v) = by_vqpn(route.dst_vqpn) else { return send_ack() };
+        let batch = batch
+            .into_iter()
+            .map(|m| {
+                let mut h = Header { src_vqpn: route.src_vqpn, dst: route.dst_vqpn, len: m.data.len() as u32, ..Header::default() };
+                match m.opcode {
+                    SendOp::Send => {}
+                    SendOp::SendImm => {
+                        h.flags |= Flags::HAS_IMM;
+                        h.imm = m.imm;
+                    }
+                    SendOp::Close => h.flags |= Flags::CLOSE,
+                }
+                (h, m.data)
+            })
+            .collect();
         let peer = Endpoint { gid: from.dgid, qpn: from.qpn, qkey: from.qkey, incarnation: route.src_incarnation, vqpn: 0 };
         let path = Path { sgid_index: from.sgid_index, dgid: from.dgid };
-        v.on_message_from(&h, &data, Origin { peer, index: 0, path, link: None });
+        v.on_messages_from(batch, &Origin { peer, index: 0, path, link: None }, send_ack);
     }
 
     fn completed(&self, route: &Route, c: reliable::Completion) {

@@ -1,0 +1,111 @@
+//! The port between two endpoints wired by hand: what it hands its host,
+//! and in which order.
+
+use super::*;
+use crate::transport::dgram::reliable::Outcome;
+
+/// One `messages` call: the payloads, and the ACK that came with them.
+type Delivered = (Vec<Vec<u8>>, Option<Vec<u8>>);
+
+/// A host that records what the port does.
+#[derive(Default)]
+struct Recorder {
+    sent: Mutex<Vec<Vec<u8>>>,
+    delivered: Mutex<Vec<Delivered>>,
+    completed: Mutex<Vec<Completion>>,
+}
+
+impl Host for Recorder {
+    fn send(&self, _to: &Peer, bytes: &[u8]) {
+        self.sent.lock().push(bytes.to_vec());
+    }
+    fn wake_at(&self, _at: Instant) {}
+    fn admit(&self, _route: &Route, from: &Source) -> Option<(usize, Peer)> {
+        Some((0, Peer { sgid_index: 0, dgid: from.gid, qpn: from.qpn, qkey: 1 }))
+    }
+    fn messages(&self, _route: &Route, _from: &Peer, batch: Vec<Arrived>, ack: Option<&[u8]>) {
+        self.delivered.lock().push((batch.into_iter().map(|m| m.data).collect(), ack.map(<[u8]>::to_vec)));
+    }
+    fn completed(&self, _route: &Route, c: Completion) {
+        self.completed.lock().push(c);
+    }
+}
+
+const A: Source = Source { gid: [1; 16], to_gid: [2; 16], qpn: 100 };
+const B: Source = Source { gid: [2; 16], to_gid: [1; 16], qpn: 200 };
+const ROUTE: Route = Route { src_incarnation: 1, dst_incarnation: 2, src_vqpn: 10, dst_vqpn: 20 };
+
+fn port() -> Port {
+    Port::new(1024, 1000, 2_000_000).expect("port")
+}
+
+/// A's flow to B, with `n` SENDs posted; their datagrams.
+fn sends(a: &Port, ha: &Recorder, n: u64) -> (Arc<Flow>, Vec<Vec<u8>>) {
+    let flow = a.open(ROUTE, Peer { sgid_index: 0, dgid: B.gid, qpn: B.qpn, qkey: 1 }).expect("open");
+    for id in 0..n {
+        let data = [id as u8; 16];
+        a.post(ha, &flow, Op::Send { id, opcode: SendOp::Send, imm: 0, data: &data }).expect("post");
+    }
+    (flow, std::mem::take(&mut *ha.sent.lock()))
+}
+
+#[test]
+fn a_delivered_message_carries_its_ack() {
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder::default());
+    let (_flow, packets) = sends(&a, &ha, 1);
+    assert_eq!(packets.len(), 1);
+    b.on_datagram(&hb, &packets[0], &A);
+    let delivered = std::mem::take(&mut *hb.delivered.lock());
+    assert_eq!(delivered.len(), 1);
+    let (data, ack) = &delivered[0];
+    assert_eq!(data, &vec![vec![0u8; 16]]);
+    // Handed over with the message, not sent after it.
+    let ack = ack.clone().expect("the ACK goes with the delivery");
+    assert!(hb.sent.lock().is_empty(), "nothing sent behind the delivery");
+    a.on_datagram(&ha, &ack, &B);
+    let done = std::mem::take(&mut *ha.completed.lock());
+    assert_eq!(done.len(), 1);
+    assert_eq!((done[0].id, &done[0].outcome), (0, &Outcome::Done));
+}
+
+#[test]
+fn a_filled_gap_delivers_in_one_batch_with_one_ack() {
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder::default());
+    let (_flow, packets) = sends(&a, &ha, 3);
+    assert_eq!(packets.len(), 3);
+    // The first is lost for a while: the others wait behind the gap.
+    b.on_datagram(&hb, &packets[1], &A);
+    b.on_datagram(&hb, &packets[2], &A);
+    assert!(hb.delivered.lock().is_empty());
+    hb.sent.lock().clear(); // the ACKs that report the gap
+    b.on_datagram(&hb, &packets[0], &A);
+    let delivered = std::mem::take(&mut *hb.delivered.lock());
+    assert_eq!(delivered.len(), 1, "one batch");
+    let (data, ack) = &delivered[0];
+    assert_eq!(data, &vec![vec![0u8; 16], vec![1u8; 16], vec![2u8; 16]]);
+    a.on_datagram(&ha, ack.as_ref().expect("ACK"), &B);
+    let ids: Vec<u64> = ha.completed.lock().iter().map(|c| c.id).collect();
+    assert_eq!(ids, vec![0, 1, 2], "one ACK for the three");
+}
+
+#[test]
+fn a_close_is_delivered_then_acknowledged_and_its_flow_goes() {
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder::default());
+    let (flow, packets) = sends(&a, &ha, 1);
+    b.on_datagram(&hb, &packets[0], &A);
+    let (_, ack) = hb.delivered.lock().pop().expect("delivered");
+    a.on_datagram(&ha, &ack.expect("ACK"), &B);
+    a.post(&ha, &flow, Op::Send { id: 9, opcode: SendOp::Close, imm: 0, data: &[] }).expect("CLOSE");
+    let close = ha.sent.lock().pop().expect("CLOSE sent");
+    let flows = b.inbound.lock().len();
+    b.on_datagram(&hb, &close, &A);
+    let (data, ack) = hb.delivered.lock().pop().expect("the CLOSE delivered");
+    assert_eq!((data, ack), (vec![Vec::new()], None));
+    assert_eq!(b.inbound.lock().len(), flows - 1, "the flow went");
+    let final_ack = hb.sent.lock().pop().expect("the final ACK, after");
+    a.on_datagram(&ha, &final_ack, &B);
+    assert!(ha.completed.lock().iter().any(|c| c.id == 9 && c.outcome == Outcome::Done));
+}
