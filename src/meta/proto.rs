@@ -8,7 +8,7 @@
 //! | --- | --- | --- | --- |
 //! | boot | TCP, process <-> `krcore-meta` | [`Hello`] (client), [`Welcome`] (server) | [`BOOT_LEN`] |
 //! | meta | RC SEND, process <-> `krcore-meta` | [`Request`], [`Response`] | [`META_LEN`] |
-//! | link | UD, service endpoint <-> service endpoint | [`LinkRequest`], [`LinkReply`] | [`LINK_LEN`] |
+//! | link | UD, service endpoint <-> service endpoint | [`LinkRequest`], [`LinkReply`], [`LinkReady`] | [`LINK_LEN`] |
 //!
 //! Every message starts with magic [`MAGIC`] (u16), [`VERSION`] (u8) and a
 //! kind byte that is unique across families, so a message that reaches the
@@ -52,6 +52,7 @@ const KIND_REQUEST: u8 = 3;
 const KIND_RESPONSE: u8 = 4;
 const KIND_LINK_REQUEST: u8 = 5;
 const KIND_LINK_REPLY: u8 = 6;
+const KIND_LINK_READY: u8 = 7;
 
 const KEY_PORT: u8 = 1;
 const KEY_VQPN: u8 = 2;
@@ -190,11 +191,21 @@ pub struct LinkReply {
     pub info: LinkInfo,
 }
 
-/// Either link message, as received on a service endpoint's UD QP.
+/// The requester's end of the link of request `req_id` is in RTS (and so
+/// receives): the responder may use it. Same layout as the request, whose
+/// `info` it repeats; status 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkReady {
+    pub req_id: u32,
+    pub info: LinkInfo,
+}
+
+/// A link message, as received on a service endpoint's UD QP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinkMessage {
     Request(LinkRequest),
     Reply(LinkReply),
+    Ready(LinkReady),
 }
 
 impl Hello {
@@ -316,9 +327,15 @@ impl LinkReply {
     }
 }
 
+impl LinkReady {
+    pub fn encode(&self, out: &mut [u8; LINK_LEN]) {
+        encode_link(out, KIND_LINK_READY, self.req_id, 0, &self.info);
+    }
+}
+
 impl LinkMessage {
     pub fn decode(buf: &[u8]) -> Result<LinkMessage> {
-        let (mut r, kind) = open(buf, LINK_LEN, &[KIND_LINK_REQUEST, KIND_LINK_REPLY])?;
+        let (mut r, kind) = open(buf, LINK_LEN, &[KIND_LINK_REQUEST, KIND_LINK_REPLY, KIND_LINK_READY])?;
         let link = r.u16()?;
         r.reserved(2)?;
         let req_id = r.u32()?;
@@ -340,6 +357,7 @@ impl LinkMessage {
                 Ok(LinkMessage::Request(LinkRequest { req_id, info, optional: status == LINK_OPTIONAL }))
             }
             KIND_LINK_REPLY => Ok(LinkMessage::Reply(LinkReply { req_id, status, info })),
+            KIND_LINK_READY if status == 0 => Ok(LinkMessage::Ready(LinkReady { req_id, info })),
             _ => Err(EBADMSG),
         }
     }
@@ -570,6 +588,7 @@ mod tests {
         match m {
             LinkMessage::Request(r) => r.encode(&mut b),
             LinkMessage::Reply(r) => r.encode(&mut b),
+            LinkMessage::Ready(r) => r.encode(&mut b),
         }
         b.to_vec()
     }
@@ -676,6 +695,14 @@ mod tests {
         as_request[12] = 1;
         assert_eq!(link(&LinkMessage::Request(LinkRequest { req_id, info, optional: true })), as_request);
         assert_eq!(LinkMessage::decode(&as_request), Ok(LinkMessage::Request(LinkRequest { req_id, info, optional: true })));
+        // LINK_READY: the request's layout, its own kind, status 0 only.
+        let mut as_ready = as_request.clone();
+        as_ready[3] = 7;
+        as_ready[12] = 0;
+        assert_eq!(link(&LinkMessage::Ready(LinkReady { req_id, info })), as_ready);
+        assert_eq!(LinkMessage::decode(&as_ready), Ok(LinkMessage::Ready(LinkReady { req_id, info })));
+        as_ready[12] = 1;
+        assert_eq!(LinkMessage::decode(&as_ready), Err(EBADMSG));
     }
 
     /// Decodes and re-encodes: `Ok(b)` iff `b` is a valid message.
@@ -744,6 +771,7 @@ mod tests {
         for i in [info_zero(), info_max(), info(endpoint(1))] {
             for req_id in [0, u32::MAX] {
                 all.push((link(&LinkMessage::Request(LinkRequest { req_id, info: i, optional: req_id % 2 == 1 })), re_link));
+                all.push((link(&LinkMessage::Ready(LinkReady { req_id, info: i })), re_link));
                 for status in [0, 1, ERRNO_MAX] {
                     let reply = LinkReply { req_id, status, info: i };
                     all.push((link(&LinkMessage::Reply(reply)), re_link));
@@ -756,7 +784,7 @@ mod tests {
     #[test]
     fn round_trips_every_message_at_its_boundaries() {
         let all = all_messages();
-        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 3 * 2 * 4);
+        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 3 * 2 * 5);
         for (bytes, re) in &all {
             assert_eq!(re(bytes).as_ref(), Ok(bytes));
         }
@@ -801,9 +829,12 @@ mod tests {
             }
             let kind = bytes[3];
             for k in (0..=u8::MAX).filter(|&k| k != kind) {
-                // The two link kinds share a decoder; a request with status
-                // 0 read as a reply is still a valid message.
-                let same_family = matches!((kind, k), (5, 6) | (6, 5));
+                // The link kinds share a decoder: a request read as a reply
+                // (and back) is still a valid message, and so is any of
+                // them with status 0 read as a ready.
+                let link = |k: u8| (5..=7).contains(&k);
+                let same_family =
+                    matches!((kind, k), (5, 6) | (6, 5)) || (link(kind) && link(k) && (kind == 7 || k == 7) && bytes[12..16] == [0; 4]);
                 if !same_family {
                     assert_eq!(with(3, k), Err(EBADMSG), "kind {kind} as {k}");
                 }
@@ -858,7 +889,7 @@ mod tests {
     #[test]
     fn every_bit_flip_is_refused_or_canonical() {
         // (kind, [start, end) of each reserved run)
-        let reserved: [(u8, &[(usize, usize)]); 6] = [
+        let reserved: [(u8, &[(usize, usize)]); 7] = [
             (KIND_HELLO, &[(12, 16), (32, BOOT_LEN)]),
             (KIND_WELCOME, &[(56, BOOT_LEN)]),
             (KIND_REQUEST, &[(6, 8), (36, 40), (76, META_LEN)]),
@@ -866,6 +897,8 @@ mod tests {
             // Byte 12 of a request holds its flag (bit 0).
             (KIND_LINK_REQUEST, &[(6, 8), (13, 16), (76, 80), (112, LINK_LEN)]),
             (KIND_LINK_REPLY, &[(6, 8), (76, 80), (112, LINK_LEN)]),
+            // A ready's status word is 0.
+            (KIND_LINK_READY, &[(6, 8), (12, 16), (76, 80), (112, LINK_LEN)]),
         ];
         let mut refused = 0;
         for (bytes, re) in all_messages() {

@@ -32,6 +32,15 @@ pub struct Link {
     pub peer_mr_table: (u64, u32, u32),
     /// We sent the request (else the peer did).
     pub initiated: bool,
+    /// The peer's end can receive: ours was made by our request (the
+    /// peer's end was in RTR before it replied), or the peer said so
+    /// (LINK_READY, or anything it sent on the link). A packet reaching the
+    /// peer's QP before its RTR is dropped and costs an RC retransmission
+    /// timeout (half a second), so an accepted link is handed out only
+    /// once ready, or after `ready_after_ms` (`coarse_ms`) should the
+    /// peer's word be lost.
+    pub(super) ready: AtomicBool,
+    pub(super) ready_after_ms: u64,
     /// The PSN our side starts sending with (told to the peer).
     pub(super) psn: u32,
     /// Overflow accounting of the send queue; held while posting, so that
@@ -76,6 +85,8 @@ impl Link {
             path,
             peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
             initiated,
+            ready: AtomicBool::new(initiated),
+            ready_after_ms: crate::vqp::runtime::coarse_ms() + READY_WAIT_MS,
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
             failed: AtomicBool::new(false),
@@ -95,6 +106,11 @@ impl Link {
 
     pub fn is_closing(&self) -> bool {
         self.closing.load(Ordering::Acquire)
+    }
+
+    /// Whether the peer's end can receive (see `ready`).
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire) || crate::vqp::runtime::coarse_ms() >= self.ready_after_ms
     }
 
     /// Whether a VQP may start new work on it.
@@ -124,6 +140,10 @@ impl Link {
         initiator(self) < initiator(other)
     }
 }
+
+/// How long an accepted link waits for its requester's word that its end
+/// is in RTR before it is used anyway (RC retransmits what was too early).
+pub(super) const READY_WAIT_MS: u64 = 200;
 
 /// Links are found by the peer's endpoint, the link's index and path.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]

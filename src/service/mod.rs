@@ -36,7 +36,7 @@ use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
 use crate::meta::mrtable::MrTable;
-use crate::meta::proto::{LinkInfo, LinkMessage, LinkReply, LinkRequest, LINK_LEN};
+use crate::meta::proto::{LinkInfo, LinkMessage, LinkReady, LinkReply, LinkRequest, LINK_LEN};
 use crate::meta::Endpoint;
 use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region, Srq};
 use crate::sys::*;
@@ -143,6 +143,8 @@ struct Shared {
     /// retransmission) is dropped, not kept.
     replies: Mutex<HashMap<u32, Option<LinkReply>>>,
     reply_ready: Condvar,
+    /// Signalled (under `links`) when an accepted link becomes ready.
+    link_ready: Condvar,
     next_req: AtomicU32,
     /// Cold connects one at a time per link key (a second connect to the
     /// same key waits and takes the link the first made); connects to
@@ -317,6 +319,7 @@ impl Service {
             links: Mutex::new(Links::default()),
             replies: Mutex::new(HashMap::new()),
             reply_ready: Condvar::new(),
+            link_ready: Condvar::new(),
             next_req: AtomicU32::new(1),
             connecting: gate::Gate::new(),
             connects: AtomicU32::new(0),
@@ -397,18 +400,21 @@ impl Service {
 
     fn link_as(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration, optional: bool) -> Result<Arc<Link>> {
         let key = LinkKey::of(peer, index, path);
-        if let Some(l) = self.shared.links.lock().by_key.get(&key) {
-            return Ok(Arc::clone(l));
+        let found = self.shared.links.lock().by_key.get(&key).cloned();
+        if let Some(l) = found {
+            return Ok(self.shared.when_ready(l));
         }
         crate::kmark!("link: connecting");
         // A connect that waited for another to the same key is bounded by
         // `timeout` twice at most (the wait, then its own handshake).
         let _one = self.shared.connecting.enter(key, timeout)?;
         crate::kmark!("link: the connecting lock taken");
-        if let Some(l) = self.shared.links.lock().by_key.get(&key) {
-            return Ok(Arc::clone(l));
-        }
-        self.shared.connect(peer, index, path, timeout, optional)
+        let found = self.shared.links.lock().by_key.get(&key).cloned();
+        let link = match found {
+            Some(l) => l,
+            None => self.shared.connect(peer, index, path, timeout, optional)?,
+        };
+        Ok(self.shared.when_ready(link))
     }
 
     /// The path of a link to `peer` when the application names no GIDs:
@@ -422,7 +428,14 @@ impl Service {
     /// sender's process, not its home GID).
     pub fn link_to(&self, incarnation: u64, index: u16, path: Path) -> Option<Arc<Link>> {
         let links = self.shared.links.lock();
-        links.by_key.values().find(|l| l.peer.incarnation == incarnation && l.index == index && l.path == path).cloned()
+        links.by_key.values().find(|l| l.peer.incarnation == incarnation && l.index == index && l.path == path && l.is_ready()).cloned()
+    }
+
+    /// Something came from the peer on `link`: its end receives.
+    pub fn heard_on(&self, link: &Link) {
+        if !link.ready.load(Ordering::Acquire) {
+            self.shared.mark_ready(link);
+        }
     }
 
     /// Links currently up (made by either side).
@@ -803,8 +816,49 @@ impl Shared {
             serving
         };
         crate::kmark!("link: RTR + RTS");
+        // The peer uses its end once it knows ours receives (a loss costs
+        // it READY_WAIT_MS at most: see `Link::ready`).
+        let mut ready = [0u8; LINK_LEN];
+        LinkReady { req_id, info: req.info }.encode(&mut ready);
+        if let Err(e) = self.send_ud(path, peer.qpn, peer.qkey, &ready) {
+            klog!(Level::Debug, "service: LINK_READY not sent: {e:?}");
+        }
         self.new_link_made(&link);
         Ok(serving)
+    }
+
+    /// `link` once ready to be handed out: an accepted link whose
+    /// requester has not said its end receives is waited for, at most
+    /// until its `ready_after_ms`.
+    fn when_ready(&self, link: Arc<Link>) -> Arc<Link> {
+        if link.is_ready() {
+            return link;
+        }
+        crate::kmark!("link: waiting for the peer's end");
+        let until = Instant::now() + Duration::from_millis(link.ready_after_ms.saturating_sub(crate::vqp::runtime::coarse_ms()));
+        let mut links = self.links.lock();
+        while !link.is_ready() && Instant::now() < until {
+            self.link_ready.wait_until(&mut links, until);
+        }
+        crate::kmark!("link: the peer's end ready");
+        drop(links);
+        link
+    }
+
+    fn mark_ready(&self, link: &Link) {
+        let _links = self.links.lock();
+        link.ready.store(true, Ordering::Release);
+        self.link_ready.notify_all();
+    }
+
+    /// The requester of one of our accepted links says its end receives.
+    fn on_ready(&self, r: &LinkReady) {
+        let id = (r.info.from.incarnation, r.info.rc_qpn, r.info.psn);
+        let link = self.links.lock().accepted.get(&id).cloned();
+        match link {
+            Some(l) => self.mark_ready(&l),
+            None => klog!(Level::Debug, "service: LINK_READY for no link of ours (QP {})", r.info.rc_qpn),
+        }
     }
 
     /// A link was made: the owner of the links may have some to close.
@@ -1116,6 +1170,10 @@ impl Shared {
                 Ok(LinkMessage::Request(r)) => {
                     crate::kmark!("link: request {} received", r.req_id);
                     self.on_request(&r)
+                }
+                Ok(LinkMessage::Ready(r)) => {
+                    crate::kmark!("link: ready {} received", r.req_id);
+                    self.on_ready(&r)
                 }
                 Ok(LinkMessage::Reply(r)) => {
                     crate::kmark!("link: reply {} received", r.req_id);

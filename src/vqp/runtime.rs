@@ -1370,6 +1370,9 @@ impl Runtime {
         // once the message is copied out.
         let bytes = unsafe { bufs.bytes(off, RECV_BUF) };
         let link = self.svc.link_by_qpn(wc.qp_num);
+        if let Some(l) = &link {
+            self.svc.heard_on(l);
+        }
         match Header::received(bytes, wc.byte_len, MAX_MSG) {
             Ok(h) if h.flags.contains(Flags::LINK_CLOSE) => match link {
                 Some(link) => {
