@@ -86,7 +86,9 @@
  *      +1.0 MiB. A steady leak of 2 KiB per client VQP (less than half a
  *      src_qp) would still exceed it; smaller leaks are the heap bound's.
  *    - mappings (/proc/self/maps lines, but the device's: the rxe queues
- *      of the links alive at that moment, which the links bound covers):
+ *      of the links alive at that moment, which the links bound covers;
+ *      and ASan's allocator's, whose size-class regions are mapped as
+ *      each size is first used, which the heap bound covers):
  *      fewer than MAPS_GROWTH (8) more: a mapping left behind per client
  *      process (a link's registered buffers, a thread's stack), whatever
  *      its size, adds 16.
@@ -187,6 +189,15 @@ static int maps_snapshot(struct map_anon *out)
 
 /* Notes the mappings whose anonymous memory grew by more than 64 KiB
  * from a to b (new ones included), largest first, at most 10. */
+/* AddressSanitizer's allocator space on x86_64 (asan_allocator.h): its
+ * size-class regions, each mapped as it is first used (a size first
+ * allocated after the warm-up adds about four lines while the heap stays
+ * flat). What is allocated there is the heap bound's business. */
+static int in_asan_heap(unsigned long addr)
+{
+	return addr >= 0x600000000000ul && addr < 0x640000000000ul;
+}
+
 static void maps_diff(const struct map_anon *a, int na, const struct map_anon *b, int nb)
 {
 	static long grew[MAX_MAPS];
@@ -214,6 +225,18 @@ static void maps_diff(const struct map_anon *a, int na, const struct map_anon *b
 		ct_note("  %lx-%lx (%lu kB) %s: anonymous +%ld kB", b[best].lo, b[best].hi,
 			(b[best].hi - b[best].lo) >> 10, b[best].name, grew[best]);
 		grew[best] = 0;
+	}
+	/* Mappings that are new, of those the mappings bound counts. */
+	for (int j = 0, shown = 0; j < nb && shown < 16; j++) {
+		int seen = 0;
+
+		for (int i = 0; i < na && !seen; i++)
+			seen = a[i].lo == b[j].lo && a[i].hi == b[j].hi;
+		if (!seen && !strstr(b[j].name, "/dev/infiniband/") && !in_asan_heap(b[j].lo)) {
+			ct_note("  new: %lx-%lx (%lu kB) %s, anonymous %ld kB", b[j].lo, b[j].hi,
+				(b[j].hi - b[j].lo) >> 10, b[j].name, b[j].anon_kb);
+			shown++;
+		}
 	}
 }
 
@@ -246,14 +269,18 @@ static struct mem mem_now(void)
 	m.asan_mapped = (int64_t)__sanitizer_get_heap_size();
 	{
 		/* Not the device's mappings (the rxe queues of the links, which
-		 * come and go with them: the links bound's business). */
+		 * come and go with them: the links bound's business), nor the
+		 * allocator's. */
 		FILE *mf = fopen("/proc/self/maps", "r");
 		char line[512];
 
 		m.maps = 0;
 		CT_CHECK(mf != NULL, "maps");
-		while (fgets(line, sizeof(line), mf))
-			m.maps += strstr(line, "/dev/infiniband/") == NULL;
+		while (fgets(line, sizeof(line), mf)) {
+			unsigned long lo = strtoul(line, NULL, 16);
+
+			m.maps += strstr(line, "/dev/infiniband/") == NULL && !in_asan_heap(lo);
+		}
 		fclose(mf);
 	}
 	return m;
