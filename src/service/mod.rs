@@ -1038,7 +1038,6 @@ impl Shared {
                 fds[2].revents,
                 fds[3].revents
             );
-            self.run_due();
             let due = recheck.is_some_and(|at| at <= Instant::now());
             if fds[3].revents != 0 || due {
                 if fds[3].revents != 0 {
@@ -1078,6 +1077,10 @@ impl Shared {
                 }
             }
             self.drain_ud();
+            // Timers after what arrived: a retransmission timer that went
+            // off while this thread was starved must not fail a flow whose
+            // answers wait in the UD queue.
+            self.run_due();
             if self.refill_one() {
                 // More to make: look at the UD queue first, without sleeping.
                 self.kick();
