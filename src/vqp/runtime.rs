@@ -1602,8 +1602,34 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
     for cq in rt.cqs.lock().iter().filter_map(Weak::upgrade) {
         cq.notifier.lock().take();
     }
-    drop(rt);
-    Ok(())
+    // The runtime's objects must be gone when the real verb runs, so the
+    // last reference is dropped here: a thread that upgraded its weak
+    // reference since the count above (the progress thread's deferred work
+    // or a timer, a background link) would otherwise drop it after the
+    // real `ibv_dealloc_pd`, which then fails with EBUSY. Once unwrapped
+    // no weak reference upgrades any more.
+    let mut rt = rt;
+    loop {
+        match Arc::try_unwrap(rt) {
+            Ok(last) => {
+                drop(last);
+                return Ok(());
+            }
+            Err(held) if Instant::now() > deadline => {
+                klog!(
+                    Level::Warn,
+                    "vqp: ibv_dealloc_pd: the PD's runtime is still held at its teardown ({} references)",
+                    Arc::strong_count(&held)
+                );
+                RUNTIMES.lock().get_or_insert_with(HashMap::default).insert(pd as usize, held);
+                return Err(Errno(libc::EBUSY));
+            }
+            Err(held) => {
+                rt = held;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
 }
 
 /// Before `ibv_close_device` of real `ctx`: tear down the runtimes of its
