@@ -161,6 +161,8 @@ class Case:
     # Virtualized run: the links must run between the GIDs the programs
     # chose (-x/-g), not the library's home GIDs (check_paths).
     check_path: bool = False
+    # Variables of the library set for every process of the case's runs.
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def argv(self, t: Topo, port: int) -> tuple[list[str] | None, list[str]]:
         raise NotImplementedError
@@ -378,6 +380,10 @@ def all_cases(ctest_dir: Path, rust_test_dir: Path) -> list[Case]:
             if p.is_file() and os.access(p, os.X_OK) and not p.name.endswith((".so", ".o", ".d")):
                 cases.append(CTest(f"ctest_{p.name}", "c-tests", path=str(p), data=None,
                                    ready="none", preload=False))
+    # The datagram tier is on by default: the VQP tests that pass through
+    # every path again with it off (every VQP waits for its link).
+    cases += [dataclasses.replace(c, name=f"{c.name}_nodgram", env={"KRCORE_DGRAM": "0"})
+              for c in cases if c.name in ("ctest_vqp_echo", "ctest_vqp_transparent")]
     if rust_test_dir.is_dir():
         for p in sorted(rust_test_dir.iterdir()):
             if p.is_file() and os.access(p, os.X_OK):
@@ -556,6 +562,7 @@ class Runner:
                 old.unlink()
         if mode in ("preloaded", "virtualized"):
             env["LD_PRELOAD"] = str(self.lib)
+        env.update(case.env)
         role_env = {"server": {}, "client": {}}
         if mode == "virtualized":
             env.update(KRCORE_VIRTUALIZE="auto" if case.virt == "auto" else "1",

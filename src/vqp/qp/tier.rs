@@ -3,7 +3,7 @@
 //!
 //! A connection whose peer has no open link (first contact, or its link
 //! was closed by reclaim) posts on its flow of the datagram tier at once
-//! (`KRCORE_DGRAM=1`), and asks for the link in the background
+//! (`KRCORE_DGRAM`, on by default), and asks for the link in the background
 //! (`KRCORE_LINK_AFTER`). The move: once the link serves that peer and
 //! everything the VQP posted on the tier has completed (acknowledged or
 //! answered by the peer), the connection takes the link; a post that
