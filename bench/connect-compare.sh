@@ -21,7 +21,9 @@
 #     (bench/connect -c) from GID index 2: ROUNDS connections, each create
 #     QP + INIT + (QPN, PSN, GID, addr, rkey) exchange over TCP, the server
 #     creating and connecting its own QP, + RTR + RTS + first READ, then
-#     READS steady READs on one established QP.
+#     READS steady READs on one established QP; then COLD_ROUNDS fresh
+#     client processes (connect -m fresh), each timed from its spawn to
+#     its first READ's completion (device, PD, CQ, MR, TCP, connection).
 #   krcore: starts krcore-meta --listen <GID 1's IPv4>:META_PORT (waits for
 #     "serving on"), the qbind server (connect-krcore -s, GID index 1,
 #     KRCORE_GID_INDEX=1), then from GID index 2 (KRCORE_GID_INDEX=2) the
@@ -29,7 +31,7 @@
 #     link, READS steady READs on a VQP) and the cold client (COLD_ROUNDS
 #     fresh processes of each kind, see bench/connect.c), then stops both
 #     servers.
-# Results in target/bench/connect: raw-N.txt, server-N.txt, krcore-warm-N.txt,
+# Results in target/bench/connect: raw-N.txt, raw-fresh-N.txt, server-N.txt, krcore-warm-N.txt,
 # krcore-cold-N.txt, krcore-server-N.txt, meta-N.txt, and table.md (by
 # bench/connect_report.py): medians and min-max over the repeats of each
 # run's medians, the ratios raw/krcore per repeat (connect cost) and
@@ -79,18 +81,26 @@ wait_listening() {
     wait_ready "$1" "$2" 's/^connect: server listening on \([0-9.]*\):.*/\1/p'
 }
 
-# Raw verbs: one server, one client, repeat $1.
+# Raw verbs, repeat $1: one server; the client's rounds in one process,
+# then COLD_ROUNDS fresh client processes (-m fresh), one after the other.
 run_raw() {
-    local i="$1" spid addr crc=0 src=0
-    "$bin" -s -g "$server_gid" -p "$port" >"$out/server-$i.txt" 2>&1 &
+    local i="$1" spid addr crc=0 frc=0 src=0
+    "$bin" -s -g "$server_gid" -p "$port" -k $((1 + cold_rounds)) >"$out/server-$i.txt" 2>&1 &
     spid=$!
     addr="$(wait_listening "$out/server-$i.txt" "$spid")" || return 1
     "$bin" -c "$addr" -g "$client_gid" -p "$port" -n "$rounds" -r "$reads" \
         >"$out/raw-$i.txt" || crc=$?
+    if ((!crc)); then
+        "$bin" -c "$addr" -m fresh -g "$client_gid" -p "$port" -n "$cold_rounds" \
+            >"$out/raw-fresh-$i.txt" || frc=$?
+    else
+        kill -TERM "$spid" 2>/dev/null || true
+    fi
     wait "$spid" || src=$?
     cat "$out/raw-$i.txt"
-    if ((crc || src)); then
-        echo "connect-compare: repeat $i failed (client exit $crc, server exit $src); server output:" >&2
+    grep -v '^fresh [0-9]' "$out/raw-fresh-$i.txt" 2>/dev/null || true
+    if ((crc || frc || src)); then
+        echo "connect-compare: repeat $i failed (client exit $crc, fresh clients exit $frc, server exit $src); server output:" >&2
         cat "$out/server-$i.txt" >&2
         return 1
     fi

@@ -4,9 +4,9 @@
  * (qbind / qconnect, issue 7). The raw mode is described first; the krcore
  * mode ("connect-krcore") after it.
  *
- *   connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT]
- *   connect -c SERVER_IP [-d DEV] [-g GID_INDEX] [-p TCP_PORT] [-n ROUNDS]
- *           [-r READS] [-t tsc|clock]
+ *   connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT] [-k CLIENTS]
+ *   connect -c SERVER_IP [-m steady|fresh] [-d DEV] [-g GID_INDEX]
+ *           [-p TCP_PORT] [-n ROUNDS] [-r READS] [-t tsc|clock]
  *
  * Server (-s): opens DEV (default $CT_DEVICE, else rxe0), allocates a PD, a
  * CQ and a 4 KiB buffer filled with a known pattern, registered with remote
@@ -16,12 +16,13 @@
  *
  *   connect: server listening on A.B.C.D:PORT ...
  *
- * It accepts one client and serves its rounds one after the other; for
+ * It accepts CLIENTS (default 1) clients, one after the other, and serves
+ * each one's rounds one after the other; for
  * each round, as a real server accepting a new client must, it creates an
  * RC QP, moves it to INIT, RTR (towards the client's QP) and RTS, then
  * answers with its QPN, PSN, GID, buffer address and rkey (and the time
  * its own phases took). When the client says the round is over it destroys
- * that QP and acknowledges. It exits 0 when the client closes the
+ * that QP and acknowledges. It exits 0 when the last client closes the
  * connection between rounds.
  *
  * Client (-c): opens DEV, PD, one CQ (shared by every round, as a real
@@ -68,6 +69,14 @@
  *     total_us - read2_us)
  *     create_us=.. init_us=.. exchange_us=.. rtr_us=.. rts_us=..
  *     first_read_us=.. srv_create_us=.. ... wire_us=.. rounds=..
+ *
+ * -m fresh: ROUNDS new processes, spawned one after the other (the
+ * server needs -k ROUNDS): each opens the device, PD, CQ, MR, connects
+ * over TCP and makes one RC connection as above, and its round is timed
+ * on CLOCK_MONOTONIC from the parent's posix_spawn to its first READ's
+ * completion (what a user sees of a new program). Lines "fresh N
+ * exec_us=..", then "fresh_process exec_to_read_us=MEDIAN rounds=N".
+ * The krcore cold mode prints the same line for its kind=first processes.
  *
  * Every verbs and socket call is checked; any failure prints what failed
  * on stderr and exits 1 (2 for a usage error). bench/connect-compare.sh
@@ -153,13 +162,13 @@
 #include <time.h>
 #include <unistd.h>
 #include "timer.h"
-#ifdef KRCORE
 #include <fcntl.h>
-#include <krcore.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
+#ifdef KRCORE
+#include <krcore.h>
 #endif
 
 #define BUF_SIZE 4096
@@ -292,6 +301,7 @@ struct client {
 	int fd;
 	uint64_t raddr;
 	uint32_t rkey;
+	double read_mono;	/* CLOCK_MONOTONIC (us) when the first READ completed */
 #ifdef KRCORE
 	struct ibv_cq *rcq;	/* receive CQ of the VQPs (the MR answer) */
 	struct ibv_qp *ctl;	/* the control VQP: MR request, steady READs */
@@ -445,6 +455,88 @@ static double print_steady(const double *steady, int reads)
 	return s_med;
 }
 
+/* ---- fresh processes (both modes) --------------------------------------- */
+
+#define CHILD_TIMEOUT_MS 60000
+extern char **environ;
+
+/* This program's own path, for spawning fresh copies of it. */
+static void self_path(char *self, size_t cap)
+{
+	ssize_t k = readlink("/proc/self/exe", self, cap - 1);
+
+	if (k <= 0)
+		die("readlink(/proc/self/exe): %s", strerror(errno));
+	self[k] = 0;
+}
+
+/* Spawns argv[0] with argv, its stdout into out (NUL-terminated), and
+ * waits (bounded) until it exits 0. *exec0 is CLOCK_MONOTONIC (us) right
+ * before the spawn: the child's "exec" instant. */
+static void spawn_capture(char **argv, char *out, size_t cap,
+			  const char *what, double *exec0)
+{
+	posix_spawn_file_actions_t fa;
+	struct pollfd pfd;
+	size_t used = 0;
+	pid_t pid;
+	int p[2], st, rc;
+
+	if (pipe2(p, O_CLOEXEC))
+		die("pipe2: %s", strerror(errno));
+	if ((rc = posix_spawn_file_actions_init(&fa)) ||
+	    (rc = posix_spawn_file_actions_adddup2(&fa, p[1], 1)))
+		die("posix_spawn_file_actions: %s", strerror(rc));
+	*exec0 = mono_us();
+	if ((rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ)))
+		die("posix_spawn(%s): %s", argv[0], strerror(rc));
+	posix_spawn_file_actions_destroy(&fa);
+	close(p[1]);
+	pfd.fd = p[0];
+	pfd.events = POLLIN;
+	for (;;) {
+		ssize_t n;
+
+		rc = poll(&pfd, 1, CHILD_TIMEOUT_MS);
+		if (rc < 0 && errno == EINTR)
+			continue;
+		if (rc == 0) {
+			kill(pid, SIGKILL);
+			die("%s: the child did not finish within %d s", what,
+			    CHILD_TIMEOUT_MS / 1000);
+		}
+		n = read(p[0], out + used, cap - 1 - used);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			die("reading the child's output: %s", strerror(errno));
+		if (n == 0)
+			break;
+		used += (size_t)n;
+		if (used == cap - 1)
+			die("the child's output is too long");
+	}
+	out[used] = 0;
+	close(p[0]);
+	if (waitpid(pid, &st, 0) != pid)
+		die("waitpid: %s", strerror(errno));
+	if (!WIFEXITED(st) || WEXITSTATUS(st))
+		die("%s: the child failed (status %#x; its error is above)",
+		    what, st);
+}
+
+/* The child's "read_mono_us=": CLOCK_MONOTONIC (us, shared by every
+ * process) when its first READ completed. */
+static double read_mono_of(const char *out, const char *what)
+{
+	const char *k = strstr(out, "read_mono_us=");
+	double v;
+
+	if (!k || sscanf(k, "read_mono_us=%lf", &v) != 1)
+		die("%s: the child printed no read_mono_us: %s", what, out);
+	return v;
+}
+
 #ifndef KRCORE
 
 /* ---- raw verbs -------------------------------------------------------- */
@@ -568,7 +660,8 @@ static void set_nodelay(int fd)
 
 /* ---- server ---------------------------------------------------------- */
 
-static int run_server(const char *devname, int gid_idx, int port)
+static int run_server(const char *devname, int gid_idx, int port,
+		      int clients)
 {
 	struct sockaddr_in sa;
 	struct in_addr ip;
@@ -606,10 +699,10 @@ static int run_server(const char *devname, int gid_idx, int port)
 	       BUF_SIZE, QP_DEPTH);
 	fflush(stdout);
 
+next_client:
 	fd = accept(lfd, NULL, NULL);
 	if (fd < 0)
 		die("accept: %s", strerror(errno));
-	close(lfd);
 	set_nodelay(fd);
 
 	for (;;) {
@@ -664,6 +757,9 @@ static int run_server(const char *devname, int gid_idx, int port)
 		send_msg(fd, &out, "the end-of-round ack");
 	}
 	close(fd);
+	if (--clients > 0)
+		goto next_client;
+	close(lfd);
 	close_dev(&d);
 	printf("connect: server done, %d connections served\n", rounds);
 	return 0;
@@ -723,6 +819,7 @@ static struct ibv_qp *connect_once(struct client *c, int round, double *ph)
 	post_read(c, qp, (uint64_t)round, off, what);
 	poll_read(c, (uint64_t)round, what);
 	t[6] = ticks();
+	c->read_mono = mono_us();
 	check_read(c, off, what);
 	second_read(c, qp, round, off, ph ? &ph[P_READ2] : NULL, what);
 
@@ -762,12 +859,40 @@ static double end_round(struct client *c, struct ibv_qp *qp, int round)
 	return us_of(t0, t1);
 }
 
+/* The client's TCP connection to the server, from the IPv4 address of its
+ * own GID (its emulated node); mestr gets that address. */
+static void tcp_connect(struct client *c, int gid_idx, const char *server,
+			int port, char *mestr)
+{
+	struct sockaddr_in sa;
+	struct in_addr me;
+
+	c->fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (c->fd < 0)
+		die("socket: %s", strerror(errno));
+	if (!gid_ipv4(&c->d.gid, &me)) {
+		memset(&sa, 0, sizeof(sa));
+		sa.sin_family = AF_INET;
+		sa.sin_addr = me;
+		if (bind(c->fd, (struct sockaddr *)&sa, sizeof(sa)))
+			die("bind to %s (GID index %d): %s",
+			    inet_ntoa(me), gid_idx, strerror(errno));
+		inet_ntop(AF_INET, &me, mestr, INET_ADDRSTRLEN);
+	}
+	memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_port = htons((uint16_t)port);
+	if (inet_pton(AF_INET, server, &sa.sin_addr) != 1)
+		die("%s is not an IPv4 address", server);
+	if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)))
+		die("connect to %s:%d: %s", server, port, strerror(errno));
+	set_nodelay(c->fd);
+}
+
 static int run_client(const char *devname, int gid_idx, const char *server,
 		      int port, int rounds, int reads)
 {
 	struct client c;
-	struct sockaddr_in sa;
-	struct in_addr me;
 	char mestr[INET_ADDRSTRLEN] = "any";
 	double (*ph)[NPHASE], *steady, med[NPHASE], clock_us, timer_us;
 	struct ibv_qp *qp;
@@ -782,28 +907,7 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 	open_dev(&c.d, devname, gid_idx, IBV_ACCESS_LOCAL_WRITE);
 
 	timer_setup(&clock_us, &timer_us);
-
-	c.fd = socket(AF_INET, SOCK_STREAM, 0);
-	if (c.fd < 0)
-		die("socket: %s", strerror(errno));
-	if (!gid_ipv4(&c.d.gid, &me)) {
-		/* Speak TCP from this emulated node's own address. */
-		memset(&sa, 0, sizeof(sa));
-		sa.sin_family = AF_INET;
-		sa.sin_addr = me;
-		if (bind(c.fd, (struct sockaddr *)&sa, sizeof(sa)))
-			die("bind to %s (GID index %d): %s",
-			    inet_ntoa(me), gid_idx, strerror(errno));
-		inet_ntop(AF_INET, &me, mestr, sizeof(mestr));
-	}
-	memset(&sa, 0, sizeof(sa));
-	sa.sin_family = AF_INET;
-	sa.sin_port = htons((uint16_t)port);
-	if (inet_pton(AF_INET, server, &sa.sin_addr) != 1)
-		die("%s is not an IPv4 address", server);
-	if (connect(c.fd, (struct sockaddr *)&sa, sizeof(sa)))
-		die("connect to %s:%d: %s", server, port, strerror(errno));
-	set_nodelay(c.fd);
+	tcp_connect(&c, gid_idx, server, port, mestr);
 
 	printf("# connect role=client device=%s gid_index=%d local=%s "
 	       "server=%s:%d rounds=%d reads=%d read_len=%d qp_depth=%d "
@@ -863,6 +967,66 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 	return 0;
 }
 
+/* A fresh raw process (-X fresh): what a new program does before its first
+ * READ (open the device, PD, CQ, MR, TCP connection, one RC connection),
+ * then it prints when that READ completed (read_mono_us) and exits. */
+static int raw_fresh_child(const char *devname, int gid_idx,
+			   const char *server, int port)
+{
+	char mestr[INET_ADDRSTRLEN] = "any";
+	double ph[NPHASE];
+	struct client c;
+	struct ibv_qp *qp;
+
+	role = "fresh child";
+	memset(&c, 0, sizeof(c));
+	open_dev(&c.d, devname, gid_idx, IBV_ACCESS_LOCAL_WRITE);
+	tcp_connect(&c, gid_idx, server, port, mestr);
+	qp = connect_once(&c, 1, ph);
+	printf("child total_us=%.1f read_mono_us=%.1f\n", ph[P_TOTAL],
+	       c.read_mono);
+	(void)end_round(&c, qp, 1);
+	if (close(c.fd))
+		die("close: %s", strerror(errno));
+	close_dev(&c.d);
+	return 0;
+}
+
+/* -m fresh: ROUNDS fresh processes one after the other (the server serves
+ * each with -k), each timed from its spawn to its first READ's completion:
+ * what a user sees of a new process. */
+static int run_client_fresh(const char *devname, int gid_idx,
+			    const char *server, int port, int rounds)
+{
+	char self[4096], gs[16], ps[16], out[4096], what[32];
+	char *argv[] = { self, "-c", (char *)server, "-d", (char *)devname,
+			 "-g", gs, "-p", ps, "-X", "fresh", NULL };
+	double *exec = calloc((size_t)rounds, sizeof(*exec));
+
+	role = "client";
+	if (!exec)
+		die("calloc");
+	self_path(self, sizeof(self));
+	snprintf(gs, sizeof(gs), "%d", gid_idx);
+	snprintf(ps, sizeof(ps), "%d", port);
+	printf("# connect role=client mode=fresh device=%s gid_index=%d "
+	       "server=%s:%d rounds=%d (each round a new process: spawn to "
+	       "its first READ completed)\n", devname, gid_idx, server, port,
+	       rounds);
+	for (int i = 0; i < rounds; i++) {
+		double exec0;
+
+		snprintf(what, sizeof(what), "fresh round %d", i + 1);
+		spawn_capture(argv, out, sizeof(out), what, &exec0);
+		exec[i] = read_mono_of(out, what) - exec0;
+		printf("fresh %d exec_us=%.1f\n", i + 1, exec[i]);
+	}
+	printf("fresh_process exec_to_read_us=%.1f rounds=%d\n",
+	       median(exec, rounds), rounds);
+	free(exec);
+	return 0;
+}
+
 #else /* KRCORE */
 
 /* ---- krcore: VQPs, qbind / qconnect ------------------------------------ */
@@ -873,10 +1037,7 @@ static int run_client(const char *devname, int gid_idx, const char *server,
 #define KR_OFF_RECV 2048	/* client, in d.buf: the server's answer */
 #define KR_MR_REQUEST 'M'
 #define KR_ANSWER_LEN 12	/* address (8 bytes), rkey (4) */
-#define KR_CHILD_TIMEOUT_MS 60000
 #define KR_SETTLE_MS 20
-
-extern char **environ;
 
 static volatile sig_atomic_t stop_flag;
 
@@ -1168,6 +1329,7 @@ static void kr_connect_once(struct client *c, int round, double *ph)
 	t[3] = ticks();
 	poll_read(c, (uint64_t)round, what);
 	t[4] = ticks();
+	c->read_mono = mono_us();
 	check_read(c, off, what);
 	second_read(c, qp, round, off, &ph[K_READ2], what);
 	t[5] = ticks();
@@ -1285,67 +1447,25 @@ static int kr_client_warm(const char *devname, int gid_idx,
 }
 
 /* Runs one cold child (a fresh process: DCCache empty, no link), returns
- * its phases and prewarm time. */
+ * its phases, prewarm time and exec time (spawn to first READ). */
 static void kr_spawn_child(struct client *c, const char *self,
 			   const char *devname, int gid_idx,
 			   const char *server, int first, int round,
-			   double *ph, double *prewarm)
+			   double *ph, double *prewarm, double *exec)
 {
-	char spec[160], gs[16], ps[16], out[4096], *line;
+	char spec[160], gs[16], ps[16], out[4096], what[32], *line;
 	char *argv[] = { (char *)self, "-c", (char *)server, "-d",
 			 (char *)devname, "-g", gs, "-p", ps, "-X", spec, NULL };
-	posix_spawn_file_actions_t fa;
-	struct pollfd pfd;
-	size_t used = 0;
-	pid_t pid;
-	int p[2], st, rc;
+	double exec0;
 
 	snprintf(gs, sizeof(gs), "%d", gid_idx);
 	snprintf(ps, sizeof(ps), "%d", c->sport);
+	snprintf(what, sizeof(what), "cold round %d", round);
 	snprintf(spec, sizeof(spec), "%s,%d,%llu,%u,%d,%.9g",
 		 first ? "first" : "cold", round,
 		 (unsigned long long)c->raddr, c->rkey, use_counter,
 		 ticks_per_us);
-	if (pipe2(p, O_CLOEXEC))
-		die("pipe2: %s", strerror(errno));
-	if ((rc = posix_spawn_file_actions_init(&fa)) ||
-	    (rc = posix_spawn_file_actions_adddup2(&fa, p[1], 1)))
-		die("posix_spawn_file_actions: %s", strerror(rc));
-	if ((rc = posix_spawn(&pid, self, &fa, NULL, argv, environ)))
-		die("posix_spawn(%s): %s", self, strerror(rc));
-	posix_spawn_file_actions_destroy(&fa);
-	close(p[1]);
-	pfd.fd = p[0];
-	pfd.events = POLLIN;
-	for (;;) {
-		ssize_t n;
-
-		rc = poll(&pfd, 1, KR_CHILD_TIMEOUT_MS);
-		if (rc < 0 && errno == EINTR)
-			continue;
-		if (rc == 0) {
-			kill(pid, SIGKILL);
-			die("cold round %d: the child did not finish within %d s",
-			    round, KR_CHILD_TIMEOUT_MS / 1000);
-		}
-		n = read(p[0], out + used, sizeof(out) - 1 - used);
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n < 0)
-			die("reading the child's output: %s", strerror(errno));
-		if (n == 0)
-			break;
-		used += (size_t)n;
-		if (used == sizeof(out) - 1)
-			die("the child's output is too long");
-	}
-	out[used] = 0;
-	close(p[0]);
-	if (waitpid(pid, &st, 0) != pid)
-		die("waitpid: %s", strerror(errno));
-	if (!WIFEXITED(st) || WEXITSTATUS(st))
-		die("cold round %d: the child failed (status %#x; its error "
-		    "is above)", round, st);
+	spawn_capture(argv, out, sizeof(out), what, &exec0);
 	line = strstr(out, "child ");
 	if (!line || sscanf(line, "child create_us=%lf qconnect_us=%lf "
 				  "post_us=%lf poll_us=%lf read_us=%lf "
@@ -1356,8 +1476,8 @@ static void kr_spawn_child(struct client *c, const char *self,
 			    &ph[K_POLL], &ph[K_READ], &ph[K_TOTAL],
 			    &ph[K_FROMQC], &ph[K_DESTROY], &ph[K_READ2],
 			    &ph[K_COST], prewarm) != 11)
-		die("cold round %d: the child printed no result: %s", round,
-		    out);
+		die("%s: the child printed no result: %s", what, out);
+	*exec = read_mono_of(out, what) - exec0;
 }
 
 /* Cold: each round is a fresh process (spawned here) that has never
@@ -1372,20 +1492,17 @@ static int kr_client_cold(const char *devname, int gid_idx,
 			  const char *server, int port, int rounds, int reads)
 {
 	struct client c;
-	double (*ph[2])[KPHASE], *pre[2], *steady, clock_us, timer_us,
-		first_us, s_med;
+	double (*ph[2])[KPHASE], *pre[2], *exec[2], *steady, clock_us,
+		timer_us, first_us, s_med;
 	char self[4096], line[48], extra[64];
-	ssize_t k;
 
 	role = "client";
-	k = readlink("/proc/self/exe", self, sizeof(self) - 1);
-	if (k <= 0)
-		die("readlink(/proc/self/exe): %s", strerror(errno));
-	self[k] = 0;
+	self_path(self, sizeof(self));
 	for (int f = 0; f < 2; f++) {
 		ph[f] = calloc((size_t)rounds, sizeof(*ph[f]));
 		pre[f] = calloc((size_t)rounds, sizeof(*pre[f]));
-		if (!ph[f] || !pre[f])
+		exec[f] = calloc((size_t)rounds, sizeof(*exec[f]));
+		if (!ph[f] || !pre[f] || !exec[f])
 			die("calloc");
 	}
 	steady = calloc((size_t)reads, sizeof(*steady));
@@ -1400,11 +1517,12 @@ static int kr_client_cold(const char *devname, int gid_idx,
 		int f = i % 2, r = i / 2;
 
 		kr_spawn_child(&c, self, devname, gid_idx, server, f, i + 1,
-			       ph[f][r], &pre[f][r]);
+			       ph[f][r], &pre[f][r], &exec[f][r]);
 		snprintf(line, sizeof(line), "cold %d kind=%s", r + 1,
 			 f ? "first" : "cold");
 		print_phases(line, ph[f][r]);
-		printf(" prewarm_us=%.1f\n", pre[f][r]);
+		printf(" prewarm_us=%.1f exec_us=%.1f\n", pre[f][r],
+		       exec[f][r]);
 	}
 	steady_reads(&c, c.ctl, reads, steady);
 	kr_close(&c);
@@ -1413,9 +1531,14 @@ static int kr_client_cold(const char *devname, int gid_idx,
 		 median(pre[0], rounds));
 	print_summary("", ph[0], rounds, s_med, extra);
 	print_summary("first_verb ", ph[1], rounds, s_med, "");
+	/* What a user sees: a new process, from its spawn (the library
+	 * loaded, device opened, PD, CQ, MR, all of it) to its first READ. */
+	printf("fresh_process exec_to_read_us=%.1f rounds=%d\n",
+	       median(exec[1], rounds), rounds);
 	for (int f = 0; f < 2; f++) {
 		free(ph[f]);
 		free(pre[f]);
+		free(exec[f]);
 	}
 	free(steady);
 	return 0;
@@ -1465,7 +1588,7 @@ static int kr_cold_child(const char *devname, int gid_idx,
 	}
 	kr_connect_once(&c, round, ph);
 	print_phases("child", ph);
-	printf(" prewarm_us=%.1f\n", prewarm);
+	printf(" prewarm_us=%.1f read_mono_us=%.1f\n", prewarm, c.read_mono);
 	fflush(stdout);
 	kr_close(&c);
 	return 0;
@@ -1477,9 +1600,11 @@ static void usage(void)
 {
 #ifndef KRCORE
 	fprintf(stderr,
-		"usage: connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT]\n"
-		"       connect -c SERVER_IP [-d DEV] [-g GID_INDEX] "
-		"[-p TCP_PORT] [-n ROUNDS] [-r READS] [-t tsc|clock]\n");
+		"usage: connect -s [-d DEV] [-g GID_INDEX] [-p TCP_PORT] "
+		"[-k CLIENTS]\n"
+		"       connect -c SERVER_IP [-m steady|fresh] [-d DEV] "
+		"[-g GID_INDEX] [-p TCP_PORT] [-n ROUNDS] [-r READS] "
+		"[-t tsc|clock]\n");
 #else
 	fprintf(stderr,
 		"usage: connect-krcore -s [-d DEV] [-g GID_INDEX] [-p PORT]\n"
@@ -1514,16 +1639,17 @@ int main(int argc, char **argv)
 	int is_server = 0, gid_idx = -1, port = 18777, rounds = 50,
 	    reads = 1000, opt;
 #ifdef KRCORE
-	const char *mode = "warm", *child = NULL;
-#define MODE_OPTS "m:X:"
+	const char *mode = "warm";
 #else
-#define MODE_OPTS ""
+	const char *mode = "steady";
+	int clients = 1;
 #endif
+	const char *child = NULL;
 
 #if defined(__x86_64__) || defined(__aarch64__)
 	use_counter = 1;
 #endif
-	while ((opt = getopt(argc, argv, "sc:d:g:p:n:r:t:" MODE_OPTS)) != -1) {
+	while ((opt = getopt(argc, argv, "sc:d:g:p:n:r:t:m:X:k:")) != -1) {
 		switch (opt) {
 		case 's': is_server = 1; break;
 		case 'c': server = optarg; break;
@@ -1538,13 +1664,18 @@ int main(int argc, char **argv)
 			else if (strcmp(optarg, "tsc"))
 				usage();
 			break;
-#ifdef KRCORE
 		case 'm':
+#ifdef KRCORE
 			if (strcmp(optarg, "warm") && strcmp(optarg, "cold"))
+#else
+			if (strcmp(optarg, "steady") && strcmp(optarg, "fresh"))
+#endif
 				usage();
 			mode = optarg;
 			break;
 		case 'X': child = optarg; break;
+#ifndef KRCORE
+		case 'k': clients = parse_int(optarg, 1, 100000, "-k"); break;
 #endif
 		default: usage();
 		}
@@ -1557,9 +1688,19 @@ int main(int argc, char **argv)
 	if (!rng_state)
 		rng_state = 1;
 	if (is_server)
-		return run_server(devname, gid_idx < 0 ? 1 : gid_idx, port);
-	return run_client(devname, gid_idx < 0 ? 2 : gid_idx, server, port,
-			  rounds, reads);
+		return run_server(devname, gid_idx < 0 ? 1 : gid_idx, port,
+				  clients);
+	if (gid_idx < 0)
+		gid_idx = 2;
+	if (child) {
+		if (strcmp(child, "fresh"))
+			usage();
+		return raw_fresh_child(devname, gid_idx, server, port);
+	}
+	if (!strcmp(mode, "fresh"))
+		return run_client_fresh(devname, gid_idx, server, port,
+					rounds);
+	return run_client(devname, gid_idx, server, port, rounds, reads);
 #else
 	if (is_server)
 		return kr_server(devname, gid_idx < 0 ? 1 : gid_idx, port);
