@@ -44,13 +44,15 @@ SPANS = [
     ("runtime start", 2, ("c", r"^runtime: start$"), ("c", r"^runtime: started")),
     ("device borrowed (query device/port/GIDs)", 3, ("c", r"^runtime: start$"), ("c", r"^runtime: device borrowed")),
     ("service: UD CQ + QP to RTS", 3, ("c", r"^runtime: device borrowed"), ("c", r"^service: UD CQ and QP")),
-    ("service: UD buffers, link CQs, SRQ, MR table registered", 3, ("c", r"^service: UD CQ and QP"), ("c", r"^service: UD buffers")),
+    ("service: UD buffers registered (before: with the link CQs, SRQ, MR table)", 3, ("c", r"^service: UD CQ and QP"), ("c", r"^service: UD buffers")),
+    ("service: link CQs and SRQ made", 3, ("c", r"^service: UD buffers registered"), ("c", r"^service: link CQs and SRQ made")),
+    ("service: MR table registered", 3, ("c", r"^service: link CQs and SRQ made"), ("c", r"^service: MR table registered")),
     ("service: warm pool (4 x create + INIT)", 3, ("c", r"^service: UD buffers"), ("c", r"^service: warm pool filled")),
     ("runtime: receive buffers, header arena, scratch, probe registered", 3, ("c", r"^service: warm pool filled"), ("c", r"^runtime: receive buffers")),
     # Since the lazy start the pool fills on the progress thread: no
     # "warm pool filled" mark, the buffers follow the service at once.
     ("service ready -> receive buffers registered (before the lazy start: with the warm pool)", 3,
-     ("c", r"^service: UD buffers"), ("c", r"^runtime: receive buffers")),
+     ("c", r"^service: (MR table registered|UD buffers, link)"), ("c", r"^runtime: receive buffers")),
     ("runtime: SRQ receives posted, handlers", 3, ("c", r"^runtime: receive buffers"), ("c", r"^runtime: started")),
     ("meta-server bootstrap", 2, ("c", r"^meta: connecting"), ("c", r"^meta: connected")),
     ("TCP connect", 3, ("c", r"^meta: connecting"), ("c", r"^meta: TCP connected")),

@@ -64,7 +64,8 @@ fn read(svc: &Service, link: &krcore::service::Link, dst: &Region, addr: u64, rk
     // SAFETY: plain C data.
     let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
     let t0 = Instant::now();
-    while svc.link_cq().poll(&mut wc).unwrap() == 0 {
+    let (sends, _) = svc.link_cqs().expect("a link made the link side");
+    while sends.poll(&mut wc).unwrap() == 0 {
         assert!(t0.elapsed() < Duration::from_secs(5), "READ did not complete");
     }
     assert_eq!(wc[0].status, ibv_wc_status::IBV_WC_SUCCESS, "READ status");

@@ -36,7 +36,12 @@ fn wrap_context(real: *mut ibv_context) -> *mut ibv_context {
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut ibv_device {
-    boundary::ptr("ibv_get_device_list", || call_real!(ibv_get_device_list(num_devices)))
+    boundary::ptr("ibv_get_device_list", || {
+        crate::kmark!("ibv_get_device_list: called");
+        let r = call_real!(ibv_get_device_list(num_devices));
+        crate::kmark!("ibv_get_device_list: returns");
+        r
+    })
 }
 
 #[no_mangle]

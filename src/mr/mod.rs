@@ -99,6 +99,7 @@ fn default_limits() -> Limits {
 }
 
 static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
+    crate::kmark!("MR cache: starting");
     let cfg = crate::config::get();
     if !cfg.mr_cache {
         stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, Mode::Off as u64);
@@ -120,6 +121,7 @@ static CACHE: Lazy<Option<Cache>> = Lazy::new(|| {
         cache = cache.with_dereg_thread(cfg.mr_dereg_batch);
     }
     stats::set(Stat::KRCORE_STAT_MR_CACHE_MODE, mode as u64);
+    crate::kmark!("MR cache: started");
     Some(cache)
 });
 

@@ -136,17 +136,20 @@ fn lookup(handle: *mut c_void, name: &str, version: Option<&str>) -> *mut c_void
 
 fn load() -> std::result::Result<RealVerbs, String> {
     let path = &crate::config::get().ibverbs_lib;
+    crate::kmark!("real: loading {path}");
     // RTLD_NOW: fail here rather than at a first call deep in a data path.
     // SAFETY: loading libibverbs runs its constructors, which have no
     // preconditions on us.
     let lib = unsafe { libloading::os::unix::Library::open(Some(path), libc::RTLD_NOW | libc::RTLD_LOCAL) }
         .map_err(|e| format!("cannot load {path}: {e}"))?;
+    crate::kmark!("real: loaded");
     // Never unloaded: real objects and provider code outlive any handle.
     let handle = lib.into_raw();
     let table = RealVerbs::resolve(handle);
     if table.ibv_open_device.is_none() || table.ibv_create_qp.is_none() {
         return Err(format!("{path} is not libibverbs (no ibv_open_device@IBVERBS_1.1)"));
     }
+    crate::kmark!("real: functions resolved");
     klog!(Level::Info, "loaded real libibverbs from {path}");
     Ok(table)
 }

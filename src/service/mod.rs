@@ -28,14 +28,15 @@
 
 mod gate;
 mod link;
+mod link_side;
 
 pub use link::{Link, Path};
 use link::{LinkKey, Links};
+use link_side::LinkSide;
 
 use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
-use crate::meta::mrtable::MrTable;
 use crate::meta::proto::{LinkInfo, LinkMessage, LinkReady, LinkReply, LinkRequest, LINK_LEN};
 use crate::meta::Endpoint;
 use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region, Srq};
@@ -127,14 +128,16 @@ struct Shared {
     ahs: Mutex<HashMap<Path, Arc<Ah>>>,
     /// Indexes of our GIDs that link requests were sent to.
     gid_indexes: Mutex<HashMap<Gid, u32>>,
-    /// The links' send completions.
-    link_cq: Arc<Cq>,
-    /// The links' receive completions (messages, in the SRQ's buffers):
-    /// always armed, so that messages reach their VQPs, and the buffers
-    /// are reposted, while the application is not polling (a real QP's
-    /// NIC places data without the application's help).
-    recv_cq: Arc<Cq>,
-    srq: Arc<Srq>,
+    /// The links' CQs, SRQ and MR table, made with the first link (or in
+    /// the background after the start): see [`Shared::link_side`].
+    link_side: once_cell::sync::OnceCell<LinkSide>,
+    /// Held while the link side is made and published; `link_side_ready`
+    /// once the MR table holds the PD's MRs (no link goes out before).
+    link_side_init: Mutex<()>,
+    link_side_ready: AtomicBool,
+    /// Called once the link side is made, before any link uses it (the
+    /// runtime publishes the PD's MRs in the table).
+    on_link_side: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     warm: Mutex<Vec<Qp>>,
     links: Mutex<Links>,
     /// Replies to our requests, by request id, until their waiter takes them.
@@ -161,11 +164,6 @@ struct Shared {
     /// (rxe posts through the same kernel device) in a process that may
     /// never need a link.
     pool_wanted: AtomicBool,
-    /// Declared before `mr_table_mem`, whose memory it points into, so
-    /// that it is dropped first.
-    mr_table: Mutex<MrTable<'static>>,
-    mr_table_mem: Region,
-    mr_table_slots: u32,
     /// Wakes the progress thread (refill, stop).
     event_fd: libc::c_int,
     /// Called by the progress thread when the links have completions;
@@ -278,20 +276,8 @@ impl Service {
         let ud_slot = GRH + mtu.max(LINK_LEN);
         let ud_bufs = Region::new(dev, UD_RECVS * ud_slot, rdma::LOCAL_WRITE)?;
         let tx = Tx { cq: tx_cq, bufs: Region::new(dev, UD_SENDS * mtu, rdma::LOCAL_WRITE)?, free: (0..UD_SENDS as u32).collect() };
-        let link_cq = Arc::new(Cq::new(dev, 4096)?);
-        let recv_cq = Arc::new(Cq::new(dev, opts.srq_wr.max(64))?);
-        recv_cq.arm()?;
-        let srq = Arc::new(Srq::new(dev, opts.srq_wr, 1)?);
-        let slots = opts.mr_table_slots;
-        let mr_table_mem = Region::new(dev, MrTable::bytes_for(slots), rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
+        crate::kmark!("service: UD buffers registered");
         let incarnation = rdma::random_u64();
-        let len = mr_table_mem.len();
-        // SAFETY: the slice covers `mr_table_mem`'s heap allocation, which
-        // never moves and outlives `mr_table` (dropped first); only
-        // `mr_table` writes it, the NIC reads it.
-        let mem = unsafe { std::slice::from_raw_parts_mut(mr_table_mem.ptr(), len) };
-        let mr_table = Mutex::new(MrTable::init(mem, slots, incarnation)?);
-        crate::kmark!("service: UD buffers, link CQs, SRQ, MR table registered");
         // SAFETY: plain syscall.
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
@@ -312,9 +298,10 @@ impl Service {
             on_datagram: Mutex::new(None),
             ahs: Mutex::new(HashMap::new()),
             gid_indexes: Mutex::new(HashMap::new()),
-            link_cq,
-            recv_cq,
-            srq,
+            link_side: once_cell::sync::OnceCell::new(),
+            link_side_init: Mutex::new(()),
+            link_side_ready: AtomicBool::new(false),
+            on_link_side: Mutex::new(None),
             warm: Mutex::new(Vec::new()),
             links: Mutex::new(Links::default()),
             replies: Mutex::new(HashMap::new()),
@@ -324,9 +311,6 @@ impl Service {
             connecting: gate::Gate::new(),
             connects: AtomicU32::new(0),
             pool_wanted: AtomicBool::new(!crate::config::get().dgram),
-            mr_table,
-            mr_table_mem,
-            mr_table_slots: slots,
             event_fd,
             on_link_event: Mutex::new(None),
             on_link_recv: Mutex::new(None),
@@ -452,14 +436,26 @@ impl Service {
         &self.shared.dev
     }
 
-    /// The completion queue of every link's sends.
-    pub fn link_cq(&self) -> &Arc<Cq> {
-        &self.shared.link_cq
+    /// The completion queues of every link's sends and receives; None
+    /// before the first link (nothing completes on them).
+    pub fn link_cqs(&self) -> Option<(&Arc<Cq>, &Arc<Cq>)> {
+        self.shared.link_side.get().map(|s| (&s.link_cq, &s.recv_cq))
     }
 
-    /// The completion queue of every link's receives.
-    pub fn recv_cq(&self) -> &Arc<Cq> {
-        &self.shared.recv_cq
+    /// Make the links' CQs, SRQ and MR table now (the runtime does it in
+    /// the background after its start; a link makes them at the latest).
+    pub fn prepare_links(&self) -> Result<()> {
+        self.shared.link_side().map(|_| ())
+    }
+
+    /// Run `f` once the links' MR table is made, before any link uses it
+    /// (at once if it is made already).
+    pub fn on_link_side(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _init = self.shared.link_side_init.lock();
+        if self.shared.link_side_ready.load(Ordering::Acquire) {
+            f();
+        }
+        *self.shared.on_link_side.lock() = Some(f);
     }
 
     /// Run `f` on the progress thread when messages arrived while the
@@ -469,8 +465,8 @@ impl Service {
     }
 
     /// The receive queue every link takes its receives from.
-    pub fn srq(&self) -> &Arc<Srq> {
-        &self.shared.srq
+    pub fn srq(&self) -> Result<&Arc<Srq>> {
+        Ok(&self.shared.link_side()?.srq)
     }
 
     /// Run `f` on the progress thread when the links' CQ has completions
@@ -498,14 +494,15 @@ impl Service {
     /// Wake the progress thread at the next link completion (one event;
     /// the handler decides whether to go on).
     pub fn want_link_events(&self) -> Result<()> {
-        self.shared.link_cq.arm()
+        // No link side yet: it is armed when made.
+        self.shared.link_side.get().map_or(Ok(()), |s| s.link_cq.arm())
     }
 
     /// Wake the progress thread at the next message: an application that
     /// armed a CQ which receives waits for its event, and must not wait
     /// for the thread's next look (up to 64 ms while it seemed to poll).
     pub fn want_message_events(&self) -> Result<()> {
-        self.shared.recv_cq.arm()
+        self.shared.link_side.get().map_or(Ok(()), |s| s.recv_cq.arm())
     }
 
     /// Whether any peer has a link to us (and so may hold our MRs' keys).
@@ -616,14 +613,11 @@ impl Service {
         self.shared.links.lock().by_qpn.values().filter(|l| l.is_closing() && !l.is_failed()).cloned().collect()
     }
 
-    /// Our MR table: (address, rkey, slots).
-    pub fn mr_table(&self) -> (u64, u32, u32) {
-        self.shared.mr_table_info()
-    }
-
-    /// Publish a change of the PD's MRs to the peers that READ our table.
+    /// Publish a change of the PD's MRs to the peers that READ our table
+    /// (none before the table is made: `on_link_side` fills it then).
     pub fn update_mr_table(&self, change: &crate::vqp::mrs::Change) {
-        let mut t = self.shared.mr_table.lock();
+        let Some(side) = self.shared.link_side.get() else { return };
+        let mut t = side.mr_table.lock();
         match *change {
             crate::vqp::mrs::Change::Added { rkey, info } => {
                 if let Err(e) = t.insert(rkey, info) {
@@ -665,12 +659,32 @@ impl Drop for Shared {
 }
 
 impl Shared {
-    fn mr_table_info(&self) -> (u64, u32, u32) {
-        (self.mr_table_mem.addr(), self.mr_table_mem.rkey(), self.mr_table_slots)
+    /// The links' CQs, SRQ and MR table, made at the first call; returned
+    /// once the MR table holds the PD's MRs (`on_link_side`), so that no
+    /// link reaches a peer before the table it READs is filled.
+    fn link_side(&self) -> Result<&LinkSide> {
+        if self.link_side_ready.load(Ordering::Acquire) {
+            if let Some(s) = self.link_side.get() {
+                return Ok(s);
+            }
+        }
+        let _init = self.link_side_init.lock();
+        let side =
+            self.link_side.get_or_try_init(|| LinkSide::new(&self.dev, self.opts.srq_wr, self.opts.mr_table_slots, self.me.incarnation))?;
+        if !self.link_side_ready.load(Ordering::Acquire) {
+            if let Some(f) = self.on_link_side.lock().as_ref() {
+                f();
+            }
+            self.link_side_ready.store(true, Ordering::Release);
+            // The progress thread sleeps on the new channels from its next pass.
+            self.kick();
+        }
+        Ok(side)
     }
 
     fn info(&self, rc_qpn: u32, psn: u32, index: u16, src_gid: Gid, dst_gid: Gid) -> LinkInfo {
-        let (addr, rkey, slots) = self.mr_table_info();
+        // Made with the link's QP (a refusal carries no table).
+        let (addr, rkey, slots) = self.link_side.get().map_or((0, 0, 0), LinkSide::mr_table_info);
         LinkInfo {
             from: self.me,
             rc_qpn,
@@ -710,7 +724,8 @@ impl Shared {
 
     fn new_link_qp(&self) -> Result<Qp> {
         let caps = Caps { send_wr: self.opts.link_send_wr, recv_wr: 0, send_sge: LINK_SEND_SGE, recv_sge: 1, inline: LINK_INLINE };
-        let qp = Qp::with_srq(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.link_cq, &self.recv_cq, Some(&self.srq), caps)?;
+        let side = self.link_side()?;
+        let qp = Qp::with_srq(&self.dev, ibv_qp_type::IBV_QPT_RC, &side.link_cq, &side.recv_cq, Some(&side.srq), caps)?;
         qp.to_init()?;
         Ok(qp)
     }
@@ -970,10 +985,10 @@ impl Shared {
     /// panics is logged and fails this endpoint's links (their state can
     /// no longer be trusted); the thread goes on serving.
     fn progress(&self) {
-        // SAFETY: live channels.
-        let fds = unsafe { ((*self.ud_cq.channel).fd, (*self.link_cq.channel).fd, (*self.recv_cq.channel).fd) };
+        // SAFETY: a live channel.
+        let ud_fd = unsafe { (*self.ud_cq.channel).fd };
         while !self.stop.load(Ordering::SeqCst) {
-            let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.progress_pass(fds)));
+            let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.progress_pass(ud_fd)));
             if let Err(payload) = pass {
                 self.after_panic(&*payload);
             }
@@ -1012,8 +1027,11 @@ impl Shared {
 
     /// One pass: wait for something to do (bounded by the next deferred
     /// work or recheck), then do it.
-    fn progress_pass(&self, (cq_fd, link_fd, recv_fd): (libc::c_int, libc::c_int, libc::c_int)) {
+    fn progress_pass(&self, cq_fd: libc::c_int) {
         {
+            // Before the link side is made, no link fds (poll skips -1).
+            let side = self.link_side.get();
+            let (link_fd, recv_fd) = side.map_or((-1, -1), LinkSide::fds);
             let mut fds = [
                 libc::pollfd { fd: cq_fd, events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: self.event_fd, events: libc::POLLIN, revents: 0 },
@@ -1040,23 +1058,23 @@ impl Shared {
             );
             let due = recheck.is_some_and(|at| at <= Instant::now());
             if fds[3].revents != 0 || due {
-                if fds[3].revents != 0 {
-                    if let Err(e) = self.recv_cq.consume_event() {
+                if let Some(side) = side.filter(|_| fds[3].revents != 0) {
+                    if let Err(e) = side.recv_cq.consume_event() {
                         klog!(Level::Warn, "service: link receive channel: {e:?}");
                     }
                 }
                 self.on_messages();
             }
-            if fds[2].revents != 0 {
+            if let Some(side) = side.filter(|_| fds[2].revents != 0) {
                 // Not re-armed unless the handler wants more: an armed link
                 // CQ would wake this thread at every completion and race
                 // the application's own polling.
-                if let Err(e) = self.link_cq.consume_event() {
+                if let Err(e) = side.link_cq.consume_event() {
                     klog!(Level::Warn, "service: link completion channel: {e:?}");
                 }
                 let more = self.on_link_event.lock().as_ref().is_some_and(|f| f());
                 if more {
-                    if let Err(e) = self.link_cq.arm() {
+                    if let Err(e) = side.link_cq.arm() {
                         klog!(Level::Warn, "service: arming the links' CQ: {e:?}");
                     }
                     // Completions between the handler's poll and the arm
@@ -1102,7 +1120,7 @@ impl Shared {
         }
         *r = None;
         drop(r);
-        if let Err(e) = self.recv_cq.arm() {
+        if let Some(Err(e)) = self.link_side.get().map(|s| s.recv_cq.arm()) {
             klog!(Level::Warn, "service: arming the links' receive CQ: {e:?}");
         }
         if let Some(f) = self.on_link_recv.lock().as_ref() {

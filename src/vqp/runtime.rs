@@ -694,8 +694,16 @@ impl Runtime {
                 rt.dgram.on_datagram(&*rt, bytes, from);
             }
         }));
-        // The links' receive side, off the caller's path (the first
-        // operation goes on the datagram tier).
+        // Our MR table is made with the first link (or by the work deferred
+        // below): the PD's MRs go in it then, before any peer READs it.
+        let weak = Arc::downgrade(&rt);
+        rt.svc.on_link_side(Box::new(move || {
+            if let Some(rt) = weak.upgrade() {
+                rt.publish_mrs();
+            }
+        }));
+        // The links' CQs, SRQ, MR table and receive buffers, off the
+        // caller's path (the first operation goes on the datagram tier).
         let weak = Arc::downgrade(&rt);
         rt.svc.defer(
             Instant::now(),
@@ -707,7 +715,6 @@ impl Runtime {
                 }
             }),
         );
-        rt.publish_mrs();
         // While the application sleeps on a completion channel, the
         // service thread makes progress when the links have completions.
         let weak = Arc::downgrade(&rt);
@@ -836,6 +843,7 @@ impl Runtime {
             }
             rt.linking.lock().remove(&key);
         };
+        crate::kmark!("link: starting its thread");
         if std::thread::Builder::new().name("krcore-link".into()).spawn(body).is_err() {
             rt.linking.lock().remove(&key);
         }
@@ -1188,7 +1196,7 @@ impl Runtime {
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
         // SAFETY: one WR over our own registered buffer.
-        unsafe { self.svc.srq().post_recv(&mut wr) }
+        unsafe { self.svc.srq()?.post_recv(&mut wr) }
     }
 
     /// Poll the links' completions and deliver them. Returns at once when
@@ -1254,8 +1262,9 @@ impl Runtime {
     fn drain(&self, last: &mut LastVqp, messages: bool, mut sink: Option<&mut Sink<'_>>) {
         const BATCH: usize = 32;
         let mut wcs = [const { std::mem::MaybeUninit::<ibv_wc>::uninit() }; BATCH];
-        let cqs = [self.svc.link_cq(), self.svc.recv_cq()];
-        for cq in &cqs[..if messages { 2 } else { 1 }] {
+        // No link side yet: no link, nothing to poll.
+        let both = self.svc.link_cqs();
+        for cq in [both.map(|b| b.0), both.filter(|_| messages).map(|b| b.1)].into_iter().flatten() {
             loop {
                 let got = match cq.poll_uninit(&mut wcs) {
                     Ok(got) => got,

@@ -85,6 +85,7 @@ impl Vqp {
                 // No handshake: the first posts go on the datagram tier
                 // while the link is made (tier.rs).
                 self.attach_at(rt, None, ep, index, path, ep.vqpn);
+                crate::kmark!("qconnect: on the datagram tier");
                 if crate::config::get().link_after == 0 && self.asks_first(rt, &ep) {
                     Runtime::want_link(rt, ep, index, path);
                 }
