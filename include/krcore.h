@@ -161,6 +161,9 @@ enum krcore_stat {
   // ours (a gauge; a flow goes with its VQP, the peer VQP's CLOSE or
   // its process's death).
   KRCORE_STAT_DGRAM_FLOWS,
+  // Runtimes started in the background at a process's first
+  // `ibv_alloc_pd` (`KRCORE_PRESTART`), counted once started.
+  KRCORE_STAT_RUNTIMES_PRESTARTED,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

@@ -148,6 +148,9 @@ pub enum krcore_stat {
     /// ours (a gauge; a flow goes with its VQP, the peer VQP's CLOSE or
     /// its process's death).
     KRCORE_STAT_DGRAM_FLOWS,
+    /// Runtimes started in the background at a process's first
+    /// `ibv_alloc_pd` (`KRCORE_PRESTART`), counted once started.
+    KRCORE_STAT_RUNTIMES_PRESTARTED,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -214,6 +217,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "dgram_refused\0",
     "dgram_moves\0",
     "dgram_flows\0",
+    "runtimes_prestarted\0",
 ];
 
 /// A counter's name ("post_send").

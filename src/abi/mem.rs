@@ -42,7 +42,6 @@ next!(SHMDT, c"shmdt");
 /// Resolve everything at load time rather than inside a first hook call.
 #[ctor::ctor]
 fn resolve_libc() {
-    crate::kmark!("library: loaded");
     for n in [&MUNMAP, &MREMAP, &MADVISE, &MMAP, &MMAP64, &BRK, &SBRK, &SHMDT] {
         n.get();
     }

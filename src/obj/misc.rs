@@ -31,6 +31,7 @@ real_of!(Pd, ibv_pd);
 impl Pd {
     pub fn alloc(ctx: &mut Context) -> Result<*mut ibv_pd> {
         let real = non_null(call_real!(ibv_alloc_pd(ctx.real))?)?;
+        crate::vqp::registry::prestart(ctx.real, real);
         Ok(Pd::wrap(ctx, real))
     }
 

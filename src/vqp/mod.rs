@@ -16,6 +16,7 @@ pub mod precheck;
 pub mod qp;
 pub mod queue;
 pub mod rc;
+pub mod registry;
 pub mod runtime;
 pub mod srq;
 pub mod wire;

@@ -25,7 +25,6 @@ use crate::sys::*;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -603,7 +602,7 @@ fn control_read_wr(tag: u32, sge: &mut ibv_sge, addr: u64, rkey: u32) -> ibv_sen
     wr
 }
 
-static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
+pub use super::registry::{release_context, release_pd};
 
 type MetaStart = std::thread::JoinHandle<Result<Arc<MetaClient>>>;
 
@@ -633,17 +632,12 @@ pub fn connect_timeout() -> Duration {
 }
 
 impl Runtime {
-    /// The runtime of the application's real `pd` on real `ctx`, started
-    /// at the first need with our GID at `gid_index`.
+    /// Build the runtime of the application's real `pd` on real `ctx` with
+    /// our GID at `gid_index` (`registry::get_or_start` makes one per PD).
     ///
     /// # Safety
     /// `ctx` and `pd` are live real objects that outlive the runtime.
-    pub unsafe fn get_or_start(ctx: *mut ibv_context, pd: *mut ibv_pd, gid_index: Option<u32>) -> Result<Arc<Runtime>> {
-        let mut g = RUNTIMES.lock();
-        let map = g.get_or_insert_with(HashMap::new);
-        if let Some(rt) = map.get(&(pd as usize)) {
-            return Ok(Arc::clone(rt));
-        }
+    pub(super) unsafe fn start(ctx: *mut ibv_context, pd: *mut ibv_pd, gid_index: Option<u32>) -> Result<Arc<Runtime>> {
         crate::kmark!("runtime: start");
         // SAFETY: caller contract.
         let dev = unsafe { Device::borrow(ctx, pd) }?;
@@ -758,9 +752,28 @@ impl Runtime {
             }
         }));
         Runtime::schedule_maintenance(&rt);
-        map.insert(pd as usize, Arc::clone(&rt));
         crate::kmark!("runtime: started");
         Ok(rt)
+    }
+
+    /// Before the PD goes (`registry::release_pd`, the last reference
+    /// held): what holds objects on it besides the runtime's own fields.
+    pub(super) fn teardown(self: &Arc<Self>) {
+        // Delayed deregistrations hold the PD: they go now.
+        self.probing.store(false, Ordering::Release);
+        self.wire.force(self);
+        self.svc.run_deferred_now();
+        mrs::unobserve(self.pd);
+        // A connection still being made holds objects on the PD too.
+        let started = self.meta_start.lock().take().and_then(|h| h.join().ok()).and_then(|r| r.ok());
+        for meta in self.meta.get().into_iter().chain(started.as_ref()) {
+            meta.shutdown();
+        }
+        // Notifiers are QPs on this PD; a CQ that needs one again makes it
+        // again (with the next runtime).
+        for cq in self.cqs.lock().iter().filter_map(Weak::upgrade) {
+            cq.notifier.lock().take();
+        }
     }
 
     /// Whether process `incarnation` is taken for gone (a link to it
@@ -1491,8 +1504,7 @@ pub fn mr_lease_end(pd: usize) -> Option<std::time::Instant> {
     if lease == 0 {
         return None;
     }
-    let g = RUNTIMES.lock();
-    let rt = g.as_ref()?.get(&pd)?;
+    let rt = super::registry::of(pd)?;
     if !rt.svc.has_links() {
         return None;
     }
@@ -1515,7 +1527,7 @@ pub fn mr_lease_hold(lease_ms: u64) -> Duration {
 /// `lease_end` is given, until that time too (peers may hold its rkey).
 /// `f` comes back (`Err`) when it may run at once (nothing to wait for).
 pub fn defer_dereg(pd: usize, lease_end: Option<Instant>, f: service::Deferred) -> std::result::Result<(), service::Deferred> {
-    let rt = RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned());
+    let rt = super::registry::of(pd);
     let Some(rt) = rt else { return Err(f) };
     let marks: Vec<(Weak<service::Link>, u64)> = rt.link_marks().iter().map(|(l, m)| (Arc::downgrade(l), *m)).collect();
     if marks.is_empty() {
@@ -1546,112 +1558,17 @@ pub fn defer_dereg(pd: usize, lease_end: Option<Instant>, f: service::Deferred) 
 /// Whether a link of real `pd` has WQEs not yet completed (one of them
 /// may use an MR about to change).
 pub fn links_busy(pd: usize) -> bool {
-    let rt = RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned());
+    let rt = super::registry::of(pd);
     rt.is_some_and(|rt| !rt.link_marks().is_empty())
 }
 
 /// Run `f` at `at` on the service thread of real `pd`'s runtime (at once
 /// when it has none).
 pub fn defer(pd: usize, at: std::time::Instant, f: service::Deferred) {
-    let rt = RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned());
+    let rt = super::registry::of(pd);
     match rt {
         Some(rt) => rt.svc.defer(at, f),
         None => f(),
-    }
-}
-
-/// Before `ibv_dealloc_pd` of real `pd`: tear its runtime down (service
-/// endpoint, links, receive buffers, meta client), which holds objects on
-/// the PD. EBUSY while a VQP of the PD is alive, as the real verb with
-/// QPs on the PD.
-pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
-    // The map's reference is the only one when no VQP holds the runtime;
-    // the service thread and CQ polls hold it while they work, which is
-    // waited out (without the map's lock, which they may take), as long
-    // as a link's work may take (a link failing under that work), and a
-    // background link's handshake in flight (bounded by the connect
-    // timeout from its own start) after it.
-    let deadline = Instant::now() + 2 * connect_timeout().max(TRANSPORT_WAIT);
-    let rt = loop {
-        let mut g = RUNTIMES.lock();
-        let Some(map) = g.as_mut() else { return Ok(()) };
-        let Some(rt) = map.get(&(pd as usize)) else { return Ok(()) };
-        if Arc::strong_count(rt) == 1 {
-            break map.remove(&(pd as usize)).expect("present");
-        }
-        let rt = Arc::clone(rt);
-        drop(g);
-        let used = vqp::live().iter().any(|v| v.runtime_is(&rt));
-        if used || Instant::now() > deadline {
-            if !used {
-                // Not expected: something held the runtime for the whole wait.
-                klog!(
-                    Level::Warn,
-                    "vqp: ibv_dealloc_pd: the PD's runtime is still held ({} references, no VQP among them)",
-                    Arc::strong_count(&rt)
-                );
-            }
-            return Err(Errno(libc::EBUSY));
-        }
-        drop(rt);
-        std::thread::sleep(Duration::from_millis(1));
-    };
-    // Delayed deregistrations hold the PD: they go now.
-    rt.probing.store(false, Ordering::Release);
-    rt.wire.force(&rt);
-    rt.svc.run_deferred_now();
-    mrs::unobserve(pd as usize);
-    // A connection still being made holds objects on the PD too.
-    let started = rt.meta_start.lock().take().and_then(|h| h.join().ok()).and_then(|r| r.ok());
-    for meta in rt.meta.get().into_iter().chain(started.as_ref()) {
-        meta.shutdown();
-    }
-    // Notifiers are QPs on this PD; a CQ that needs one again makes it
-    // again (with the next runtime).
-    for cq in rt.cqs.lock().iter().filter_map(Weak::upgrade) {
-        cq.notifier.lock().take();
-    }
-    // The runtime's objects must be gone when the real verb runs, so the
-    // last reference is dropped here: a thread that upgraded its weak
-    // reference since the count above (the progress thread's deferred work
-    // or a timer, a background link) would otherwise drop it after the
-    // real `ibv_dealloc_pd`, which then fails with EBUSY. Once unwrapped
-    // no weak reference upgrades any more.
-    let mut rt = rt;
-    loop {
-        match Arc::try_unwrap(rt) {
-            Ok(last) => {
-                drop(last);
-                return Ok(());
-            }
-            Err(held) if Instant::now() > deadline => {
-                klog!(
-                    Level::Warn,
-                    "vqp: ibv_dealloc_pd: the PD's runtime is still held at its teardown ({} references)",
-                    Arc::strong_count(&held)
-                );
-                RUNTIMES.lock().get_or_insert_with(HashMap::default).insert(pd as usize, held);
-                return Err(Errno(libc::EBUSY));
-            }
-            Err(held) => {
-                rt = held;
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-    }
-}
-
-/// Before `ibv_close_device` of real `ctx`: tear down the runtimes of its
-/// PDs that no VQP uses any more (closing the device frees the rest in the
-/// kernel).
-pub fn release_context(ctx: *mut ibv_context) {
-    let pds: Vec<usize> = RUNTIMES
-        .lock()
-        .as_ref()
-        .map(|m| m.iter().filter(|(_, rt)| rt.svc.device().ctx == ctx).map(|(pd, _)| *pd).collect())
-        .unwrap_or_default();
-    for pd in pds {
-        let _ = release_pd(pd as *mut ibv_pd);
     }
 }
 
