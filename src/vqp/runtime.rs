@@ -645,6 +645,12 @@ impl Runtime {
             Some(i) => i,
             None => Runtime::home_gid_index(&dev)?,
         };
+        if dev.gid(gi)? == [0; 16] {
+            // An empty slot of the GID table (rxe answers for any index
+            // below its table's length): nothing could reach us there.
+            klog!(Level::Error, "vqp: GID index {gi} of {} holds no GID (KRCORE_GID_INDEX, or qbind's GID)", dev.name);
+            return Err(Errno(libc::EADDRNOTAVAIL));
+        }
         crate::kmark!("runtime: device borrowed, GID index {gi}");
         let meta_start = start_meta(&dev, gi);
         let svc = Service::start(&dev, gi, service::Options::default())?;
