@@ -138,6 +138,9 @@ struct Shared {
     /// Called once the link side is made, before any link uses it (the
     /// runtime publishes the PD's MRs in the table).
     on_link_side: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
+    /// Whether a peer's link may be accepted now (the runtime's receive
+    /// side is ready; if not, it has it made): see `on_accepting`.
+    accepting: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
     warm: Mutex<Vec<Qp>>,
     links: Mutex<Links>,
     /// Replies to our requests, by request id, until their waiter takes them.
@@ -302,6 +305,7 @@ impl Service {
             link_side_init: Mutex::new(()),
             link_side_ready: AtomicBool::new(false),
             on_link_side: Mutex::new(None),
+            accepting: Mutex::new(None),
             warm: Mutex::new(Vec::new()),
             links: Mutex::new(Links::default()),
             replies: Mutex::new(HashMap::new()),
@@ -446,6 +450,17 @@ impl Service {
     /// the background after its start; a link makes them at the latest).
     pub fn prepare_links(&self) -> Result<()> {
         self.shared.link_side().map(|_| ())
+    }
+
+    /// Accept a peer's link only when `f` says so (the progress thread
+    /// never makes the links' side itself); the link side must be made too.
+    pub fn on_accepting(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
+        *self.shared.accepting.lock() = Some(f);
+    }
+
+    /// Whether the links' CQs, SRQ and MR table are made and published.
+    pub fn links_prepared(&self) -> bool {
+        self.shared.link_side_ready.load(Ordering::Acquire)
     }
 
     /// Run `f` once the links' MR table is made, before any link uses it
@@ -735,6 +750,7 @@ impl Shared {
     /// between two creations (each costs milliseconds in the kernel).
     fn refill_one(&self) -> bool {
         if self.connects.load(Ordering::Acquire) > 0
+            || !self.link_side_ready.load(Ordering::Acquire)
             || !self.pool_wanted.load(Ordering::Acquire)
             || self.warm.lock().len() >= self.opts.warm_qps
         {
@@ -1238,6 +1254,16 @@ impl Shared {
                 klog!(Level::Debug, "service: at KRCORE_MAX_LINKS: refused an optional link from QP {}", peer.qpn);
                 self.answer(r, path, Err(Errno(libc::ECONNREFUSED)));
             }
+            // The links' side is made on a thread of its own, never on
+            // this one (it answers the datagram tier meanwhile): until it
+            // is ready the request waits for its next copy.
+            None if !self.links_may_be_accepted() => {
+                klog!(
+                    Level::Debug,
+                    "service: a link request from QP {} before our links' side is ready: answered at a later copy",
+                    peer.qpn
+                );
+            }
             None => {
                 if let Err(e) = self.accept(r, path) {
                     klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
@@ -1245,6 +1271,10 @@ impl Shared {
                 }
             }
         }
+    }
+
+    fn links_may_be_accepted(&self) -> bool {
+        self.link_side_ready.load(Ordering::Acquire) && self.accepting.lock().as_ref().is_none_or(|f| f())
     }
 
     /// Whether we hold `KRCORE_MAX_LINKS` links (open, closing or failed).

@@ -541,6 +541,8 @@ pub struct Runtime {
     /// before that ([`Self::receive_side`]); a VQP on the datagram tier
     /// needs none.
     recv_bufs: OnceCell<Region>,
+    /// A thread is making the links' side and receive buffers.
+    preparing: AtomicBool,
     /// Held by the one thread making progress (see the module doc).
     progress: Mutex<LastVqp>,
     /// A thread found `progress` held: its holder drains once more after
@@ -669,6 +671,7 @@ impl Runtime {
             meta: OnceCell::new(),
             meta_start: Mutex::new(meta_start),
             recv_bufs: OnceCell::new(),
+            preparing: AtomicBool::new(false),
             progress: Mutex::new(LastVqp::default()),
             progress_again: AtomicBool::new(false),
             cqs: Mutex::new(Vec::new()),
@@ -703,18 +706,19 @@ impl Runtime {
             }
         }));
         // The links' CQs, SRQ, MR table and receive buffers, off the
-        // caller's path (the first operation goes on the datagram tier).
+        // caller's path (the first operation goes on the datagram tier)
+        // and off the progress thread's (it answers the tier meanwhile;
+        // a peer's link request waits for its next copy until they are
+        // made).
+        rt.prepare_links();
         let weak = Arc::downgrade(&rt);
-        rt.svc.defer(
-            Instant::now(),
-            Box::new(move || {
-                if let Some(rt) = weak.upgrade() {
-                    if let Err(e) = rt.receive_side() {
-                        klog!(Level::Warn, "vqp: the links' receive buffers: {e:?} (retried by the next link)");
-                    }
-                }
-            }),
-        );
+        rt.svc.on_accepting(Box::new(move || {
+            let Some(rt) = weak.upgrade() else { return false };
+            rt.recv_bufs.get().is_some() || {
+                rt.prepare_links();
+                false
+            }
+        }));
         // While the application sleeps on a completion channel, the
         // service thread makes progress when the links have completions.
         let weak = Arc::downgrade(&rt);
@@ -1183,6 +1187,27 @@ impl Runtime {
     /// The links' receive buffers, registered and posted on the SRQ the
     /// first time (a link needs them before its peer's first message:
     /// until then the peer's RC retries on RNR).
+    /// Make the links' side and receive buffers on a thread of their own,
+    /// unless made or being made (a failure is logged; the next link, or
+    /// the next link request, tries again).
+    pub fn prepare_links(self: &Arc<Self>) {
+        if self.recv_bufs.get().is_some() || self.preparing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        let body = move || {
+            let Some(rt) = weak.upgrade() else { return };
+            if let Err(e) = rt.receive_side() {
+                klog!(Level::Warn, "vqp: the links' side and receive buffers: {e:?} (tried again by the next link)");
+            }
+            rt.preparing.store(false, Ordering::Release);
+        };
+        if let Err(e) = std::thread::Builder::new().name("krcore-prepare".into()).spawn(body) {
+            klog!(Level::Warn, "vqp: no thread to prepare the links ({e}): the first link does it");
+            self.preparing.store(false, Ordering::Release);
+        }
+    }
+
     pub fn receive_side(&self) -> Result<&Region> {
         self.recv_bufs.get_or_try_init(|| {
             let n = service::Options::default().srq_wr;
