@@ -112,7 +112,7 @@ run_raw() {
 # (SIGTERM). Output: krcore-warm-$1.txt, krcore-cold-$1.txt,
 # krcore-server-$1.txt, meta-$1.txt.
 run_krcore() {
-    local i="$1" mpid spid mip addr wrc=0 crc=0 src=0 mrc=0
+    local i="$1" mpid spid spid2 mip addr addr2 wrc=0 crc=0 src=0 mrc=0
     mip="$(gid_ipv4 "$server_gid")" || return 1
     "$klib/krcore-meta" --listen "$mip:$meta_port" >"$out/meta-$i.txt" 2>&1 &
     mpid=$!
@@ -123,13 +123,20 @@ run_krcore() {
     spid=$!
     addr="$(wait_ready "$out/krcore-server-$i.txt" "$spid" 's/^connect: server bound on \([0-9.]*\) .*/\1/p')" \
         || { kill "$mpid"; wait "$mpid" || true; return 1; }
+    # A second qbind server (GID index 3, PORT + 2): the process a cold
+    # client of kind "peer" has used before its round's first contact.
+    KRCORE_GID_INDEX=3 "$kbin" -s -g 3 -p $((port + 2)) >"$out/krcore-server2-$i.txt" 2>&1 &
+    spid2=$!
+    addr2="$(wait_ready "$out/krcore-server2-$i.txt" "$spid2" 's/^connect: server bound on \([0-9.]*\) .*/\1/p')" \
+        || { kill "$spid" "$mpid"; wait "$spid" "$mpid" || true; return 1; }
     KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m warm -g "$client_gid" \
         -p "$port" -n "$rounds" -r "$reads" >"$out/krcore-warm-$i.txt" || wrc=$?
     if ((!wrc)); then
-        env ${dgram:+KRCORE_DGRAM="$dgram"} ${link_after:+KRCORE_LINK_AFTER="$link_after"} KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
+        env ${dgram:+KRCORE_DGRAM="$dgram"} ${link_after:+KRCORE_LINK_AFTER="$link_after"} KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -b "$addr2" -g "$client_gid" \
             -p "$port" -n "$cold_rounds" -r "$reads" >"$out/krcore-cold-$i.txt" || crc=$?
     fi
-    kill -TERM "$spid" 2>/dev/null || true
+    kill -TERM "$spid" "$spid2" 2>/dev/null || true
+    wait "$spid2" || true
     wait "$spid" || src=$?
     kill -TERM "$mpid" 2>/dev/null || true
     wait "$mpid" || mrc=$?

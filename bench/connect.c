@@ -128,7 +128,11 @@
  *      the round pays the lookup, the link handshake and the peer's MR
  *      table; kind=first: the round's qconnect is the process's first
  *      extended verb and pays the runtime's start and the meta-server
- *      bootstrap too.
+ *      bootstrap too; with -b SERVER2_IP (a second qbind server on PORT +
+ *      2), kind=peer: the process has made a whole first contact with
+ *      that server first (untimed: qconnect, a message, a READ), so its
+ *      library and the code of that path are warm, and the round is its
+ *      first contact with a new peer (summary line "new_peer ...").
  * Then READS steady 8-byte READs on the control VQP (after 100 warm-up
  * READs). Output: round lines ("round N" warm, "cold N kind=..." cold),
  * the "steady" line, and the summary of medians
@@ -1039,6 +1043,10 @@ static int run_client_fresh(const char *devname, int gid_idx,
 #define KR_ANSWER_LEN 12	/* address (8 bytes), rkey (4) */
 #define KR_SETTLE_MS 20
 
+/* -b: a second qbind server (its port is PORT + 2), for kind=peer. */
+static const char *other_server;
+static const char *const kind_name[3] = { "cold", "first", "peer" };
+
 static volatile sig_atomic_t stop_flag;
 
 static void on_stop(int sig)
@@ -1450,19 +1458,20 @@ static int kr_client_warm(const char *devname, int gid_idx,
  * its phases, prewarm time and exec time (spawn to first READ). */
 static void kr_spawn_child(struct client *c, const char *self,
 			   const char *devname, int gid_idx,
-			   const char *server, int first, int round,
+			   const char *server, int kind, int round,
 			   double *ph, double *prewarm, double *exec)
 {
 	char spec[160], gs[16], ps[16], out[4096], what[32], *line;
 	char *argv[] = { (char *)self, "-c", (char *)server, "-d",
-			 (char *)devname, "-g", gs, "-p", ps, "-X", spec, NULL };
+			 (char *)devname, "-g", gs, "-p", ps, "-X", spec,
+			 other_server ? "-b" : NULL, (char *)other_server, NULL };
 	double exec0;
 
 	snprintf(gs, sizeof(gs), "%d", gid_idx);
 	snprintf(ps, sizeof(ps), "%d", c->sport);
 	snprintf(what, sizeof(what), "cold round %d", round);
 	snprintf(spec, sizeof(spec), "%s,%d,%llu,%u,%d,%.9g",
-		 first ? "first" : "cold", round,
+		 kind_name[kind], round,
 		 (unsigned long long)c->raddr, c->rkey, use_counter,
 		 ticks_per_us);
 	spawn_capture(argv, out, sizeof(out), what, &exec0);
@@ -1492,13 +1501,15 @@ static int kr_client_cold(const char *devname, int gid_idx,
 			  const char *server, int port, int rounds, int reads)
 {
 	struct client c;
-	double (*ph[2])[KPHASE], *pre[2], *exec[2], *steady, clock_us,
+	double (*ph[3])[KPHASE], *pre[3], *exec[3], *steady, clock_us,
 		timer_us, first_us, s_med;
 	char self[4096], line[48], extra[64];
 
 	role = "client";
 	self_path(self, sizeof(self));
-	for (int f = 0; f < 2; f++) {
+	int kinds = other_server ? 3 : 2;
+
+	for (int f = 0; f < kinds; f++) {
 		ph[f] = calloc((size_t)rounds, sizeof(*ph[f]));
 		pre[f] = calloc((size_t)rounds, sizeof(*pre[f]));
 		exec[f] = calloc((size_t)rounds, sizeof(*exec[f]));
@@ -1513,13 +1524,13 @@ static int kr_client_cold(const char *devname, int gid_idx,
 	first_us = kr_control(&c);
 	kr_header(&c, "krcore-cold", devname, gid_idx, server, rounds, reads,
 		  first_us, clock_us, timer_us);
-	for (int i = 0; i < 2 * rounds; i++) {
-		int f = i % 2, r = i / 2;
+	for (int i = 0; i < kinds * rounds; i++) {
+		int f = i % kinds, r = i / kinds;
 
 		kr_spawn_child(&c, self, devname, gid_idx, server, f, i + 1,
 			       ph[f][r], &pre[f][r], &exec[f][r]);
 		snprintf(line, sizeof(line), "cold %d kind=%s", r + 1,
-			 f ? "first" : "cold");
+			 kind_name[f]);
 		print_phases(line, ph[f][r]);
 		printf(" prewarm_us=%.1f exec_us=%.1f\n", pre[f][r],
 		       exec[f][r]);
@@ -1535,7 +1546,12 @@ static int kr_client_cold(const char *devname, int gid_idx,
 	 * loaded, device opened, PD, CQ, MR, all of it) to its first READ. */
 	printf("fresh_process exec_to_read_us=%.1f rounds=%d\n",
 	       median(exec[1], rounds), rounds);
-	for (int f = 0; f < 2; f++) {
+	if (other_server) {
+		snprintf(extra, sizeof(extra), " prewarm_us=%.1f",
+			 median(pre[2], rounds));
+		print_summary("new_peer ", ph[2], rounds, s_med, extra);
+	}
+	for (int f = 0; f < kinds; f++) {
 		free(ph[f]);
 		free(pre[f]);
 		free(exec[f]);
@@ -1560,7 +1576,8 @@ static int kr_cold_child(const char *devname, int gid_idx,
 	role = "cold child";
 	if (sscanf(spec, "%7[a-z],%d,%llu,%u,%d,%lf", kind, &round, &raddr,
 		   &rkey, &counter, &ticks_per_us) != 6 ||
-	    (strcmp(kind, "cold") && strcmp(kind, "first")) ||
+	    (strcmp(kind, "cold") && strcmp(kind, "first") &&
+	     (strcmp(kind, "peer") || !other_server)) ||
 	    !(ticks_per_us > 0))
 		die("bad -X %s", spec);
 	use_counter = counter;
@@ -1585,6 +1602,21 @@ static int kr_cold_child(const char *devname, int gid_idx,
 			die("ibv_destroy_qp (probe): %s", strerror(rc));
 		prewarm = us_of(t0, t1);
 		nanosleep(&nap, NULL);
+	} else if (!strcmp(kind, "peer")) {
+		/* The library up and its code warm: a whole first contact
+		 * with another server (qconnect, a message, a READ), then
+		 * the round's first contact with this one. */
+		struct timespec nap = { 0, KR_SETTLE_MS * 1000 * 1000 };
+		union ibv_gid gid_a = c.sgid;
+
+		c.sgid = gid_of_ipv4(other_server);
+		c.sport = port + 2;
+		prewarm = kr_control(&c);
+		c.sgid = gid_a;
+		c.sport = port;
+		c.raddr = raddr;
+		c.rkey = rkey;
+		nanosleep(&nap, NULL);
 	}
 	kr_connect_once(&c, round, ph);
 	print_phases("child", ph);
@@ -1608,7 +1640,7 @@ static void usage(void)
 #else
 	fprintf(stderr,
 		"usage: connect-krcore -s [-d DEV] [-g GID_INDEX] [-p PORT]\n"
-		"       connect-krcore -c SERVER_IP [-m warm|cold] [-d DEV] "
+		"       connect-krcore -c SERVER_IP [-m warm|cold] [-b SERVER2_IP] [-d DEV] "
 		"[-g GID_INDEX] [-p PORT] [-n ROUNDS] [-r READS] "
 		"[-t tsc|clock]\n"
 		"(KRCORE_META and KRCORE_GID_INDEX=GID_INDEX must be set)\n");
@@ -1649,7 +1681,7 @@ int main(int argc, char **argv)
 #if defined(__x86_64__) || defined(__aarch64__)
 	use_counter = 1;
 #endif
-	while ((opt = getopt(argc, argv, "sc:d:g:p:n:r:t:m:X:k:")) != -1) {
+	while ((opt = getopt(argc, argv, "sc:d:g:p:n:r:t:m:X:k:b:")) != -1) {
 		switch (opt) {
 		case 's': is_server = 1; break;
 		case 'c': server = optarg; break;
@@ -1674,7 +1706,9 @@ int main(int argc, char **argv)
 			mode = optarg;
 			break;
 		case 'X': child = optarg; break;
-#ifndef KRCORE
+#ifdef KRCORE
+		case 'b': other_server = optarg; break;
+#else
 		case 'k': clients = parse_int(optarg, 1, 100000, "-k"); break;
 #endif
 		default: usage();
