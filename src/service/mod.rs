@@ -446,21 +446,10 @@ impl Service {
         self.shared.link_side.get().map(|s| (&s.link_cq, &s.recv_cq))
     }
 
-    /// Make the links' CQs, SRQ and MR table now (the runtime does it in
-    /// the background after its start; a link makes them at the latest).
-    pub fn prepare_links(&self) -> Result<()> {
-        self.shared.link_side().map(|_| ())
-    }
-
     /// Accept a peer's link only when `f` says so (the progress thread
     /// never makes the links' side itself); the link side must be made too.
     pub fn on_accepting(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
         *self.shared.accepting.lock() = Some(f);
-    }
-
-    /// Whether the links' CQs, SRQ and MR table are made and published.
-    pub fn links_prepared(&self) -> bool {
-        self.shared.link_side_ready.load(Ordering::Acquire)
     }
 
     /// Run `f` once the links' MR table is made, before any link uses it
