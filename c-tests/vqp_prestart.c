@@ -11,6 +11,9 @@
  * - a PD freed right after its allocation, its runtime still starting, is
  *   freed cleanly (ibv_dealloc_pd and ibv_close_device return 0), in 5
  *   processes;
+ * - a meta server that comes up after the early start's connection to it
+ *   failed: the first qbind connects anew and succeeds (the early failure
+ *   is not its answer);
  * - a start that fails in the background (KRCORE_GID_INDEX names an empty
  *   slot of the GID table) is not counted, and the first qconnect reports
  *   EADDRNOTAVAIL, as in a process with KRCORE_PRESTART=0; the PD still
@@ -21,6 +24,7 @@
 
 #include <errno.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -139,6 +143,35 @@ static int freed_while_starting(void)
 	return 0;
 }
 
+/* The child of "late meta": its meta server is not up at its first
+ * ibv_alloc_pd; it says so once the early attempt failed, and binds once
+ * the parent started that server. */
+static char late_addr[64];
+static int late_pipe[2], go_pipe[2];
+
+static int late_meta(void)
+{
+	struct ct_node n;
+	struct ibv_qp *q;
+	char c = 0;
+
+	ct_begin("vqp_prestart: a meta server that comes up after the early start");
+	setenv("KRCORE_META", late_addr, 1);
+	ct_node_open(&n, CLIENT_NODE, 4096, 16);
+	for (int i = 0; i < 2000 && krcore_stat_get(KRCORE_STAT_META_CONNECT_FAILURES) == 0; i++)
+		usleep(5000);
+	CT_CHECK(krcore_stat_get(KRCORE_STAT_META_CONNECT_FAILURES) == 1,
+		 "the early connection to a meta server not running did not fail within 10 s");
+	ct_oob_write(late_pipe[1], "f", 1);
+	ct_oob_read(go_pipe[0], &c, 1);
+	q = ct_node_vqp(&n, 4, 4);
+	CT_OK(qbind(q, ct_node_gid(CLIENT_NODE), PORT + 1));
+	CT_CHECK(krcore_stat_get(KRCORE_STAT_META_CONNECT_FAILURES) == 1, "the retry failed too");
+	CT_OK(ibv_destroy_qp(q));
+	ct_pass();
+	return 0;
+}
+
 /* qconnect's result in a process whose KRCORE_GID_INDEX names no GID of
  * the port (its runtime cannot start), with the early start on or off;
  * written to rc_pipe. */
@@ -207,6 +240,23 @@ int main(void)
 		ct_oob_read(rc_pipe[0], &rc_early, sizeof(rc_early));
 		CT_CHECK(rc_early == rc_late, "qconnect: %d (%s) after a failed early start, %d (%s) without one",
 			 rc_early, strerror(rc_early), rc_late, strerror(rc_late));
+	}
+	{
+		pid_t child, meta2;
+		char c;
+
+		snprintf(late_addr, sizeof(late_addr), "10.77.0.1:%d", 20000 + (getpid() + 7) % 20000);
+		CT_CHECK(pipe(late_pipe) == 0 && pipe(go_pipe) == 0, "pipe");
+		child = fork();
+		CT_CHECK(child >= 0, "fork");
+		if (child == 0)
+			_exit(late_meta());
+		ct_oob_read(late_pipe[0], &c, 1);
+		meta2 = ct_start_meta_at(late_addr, 1024);
+		ct_oob_write(go_pipe[1], "g", 1);
+		fails += ct_wait_child(child, "late meta");
+		kill(meta2, SIGTERM);
+		waitpid(meta2, NULL, 0);
 	}
 	kill(srv, SIGKILL);
 	waitpid(srv, NULL, 0);

@@ -69,11 +69,14 @@
  *      plus the retries; 8 s as in vqp_faults, with margin for load): a
  *      link that is never reclaimed breaks it within 8 s; the maximum
  *      seen is reported.
- *    - heap in use after the 10,000 vs after the warm-up: below
- *      HEAP_GROWTH (64 KiB): 8,000 clients and 16 processes later, one
- *      leaked 8-byte object per client VQP or one 4 KiB object per
- *      process would exceed it; the test's own state is allocated up
- *      front.
+ *    - heap in use once the 10,000 are gone (the measurement after the
+ *      wait above: links reclaimed, no datagram-tier flow left) vs after
+ *      the warm-up: below HEAP_GROWTH (64 KiB): 8,000 clients and 16
+ *      processes later, one leaked 8-byte object per client VQP or one
+ *      4 KiB object per process would exceed it; the test's own state is
+ *      allocated up front. Not at the 10,000th close: the last clients'
+ *      flows and links are still held then (+14 to +107 KiB over runs
+ *      with the datagram tier on, the same state gone once reclaimed).
  *    - VmRSS and RssAnon after the 10,000 vs after the warm-up: below
  *      RSS_GROWTH (16 MiB). Much looser than the heap: resident memory is
  *      the allocators' high-water mark (ASan's allocator returns free
@@ -1007,8 +1010,9 @@ static int churn(void)
 	ct_note("figure part2_seconds=%.1f", ms_since(t0) / 1000.0);
 	CT_CHECK(r.links_opened_end == (uint64_t)nprocs * links_per_peer() || r.links_opened_end == (uint64_t)nprocs,
 		 "the server opened %llu links for %d processes", (unsigned long long)r.links_opened_end, nprocs);
-	CT_CHECK(r.end.heap - r.warm.heap < HEAP_GROWTH, "server heap grew by %lld bytes after the warm-up",
-		 (long long)(r.end.heap - r.warm.heap));
+	CT_CHECK(r.reclaimed.heap - r.warm.heap < HEAP_GROWTH,
+		 "server heap grew by %lld bytes after the warm-up, once every client was gone",
+		 (long long)(r.reclaimed.heap - r.warm.heap));
 	CT_CHECK(r.end.rss - r.warm.rss < RSS_GROWTH && r.end.anon - r.warm.anon < RSS_GROWTH,
 		 "server RSS grew by %lld bytes (anon %lld) after the warm-up", (long long)(r.end.rss - r.warm.rss),
 		 (long long)(r.end.anon - r.warm.anon));

@@ -151,6 +151,10 @@ pub enum krcore_stat {
     /// Runtimes started in the background at a process's first
     /// `ibv_alloc_pd` (`KRCORE_PRESTART`), counted once started.
     KRCORE_STAT_RUNTIMES_PRESTARTED,
+    /// Connections to the meta server that failed (the runtime's own at
+    /// its start, a verb's): a verb after a failed one at the start tries
+    /// again.
+    KRCORE_STAT_META_CONNECT_FAILURES,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -218,6 +222,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "dgram_moves\0",
     "dgram_flows\0",
     "runtimes_prestarted\0",
+    "meta_connect_failures\0",
 ];
 
 /// A counter's name ("post_send").

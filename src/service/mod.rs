@@ -1263,7 +1263,11 @@ impl Shared {
     }
 
     fn links_may_be_accepted(&self) -> bool {
-        self.link_side_ready.load(Ordering::Acquire) && self.accepting.lock().as_ref().is_none_or(|f| f())
+        match self.accepting.lock().as_ref() {
+            Some(f) => self.link_side_ready.load(Ordering::Acquire) && f(),
+            // A service without a runtime (its own tests): made here.
+            None => self.link_side().is_ok(),
+        }
     }
 
     /// Whether we hold `KRCORE_MAX_LINKS` links (open, closing or failed).

@@ -624,6 +624,9 @@ fn connect_meta(dev: &Arc<Device>, gid_index: u32, addrs: &[std::net::SocketAddr
     crate::kmark!("meta: connecting");
     let c = MetaClient::connect(dev, gid_index, addrs, opts);
     crate::kmark!("meta: connected");
+    if c.is_err() {
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_CONNECT_FAILURES);
+    }
     c
 }
 
@@ -1144,7 +1147,17 @@ impl Runtime {
         self.meta
             .get_or_try_init(|| {
                 if let Some(h) = started {
-                    return h.join().unwrap_or(Err(Errno(libc::EIO)));
+                    // An attempt that had failed before this call (made at
+                    // the runtime's start, maybe at `ibv_alloc_pd`, before
+                    // the meta server was up) is not this call's answer: it
+                    // tries once more itself. One still running is.
+                    let stale = h.is_finished();
+                    match h.join().unwrap_or(Err(Errno(libc::EIO))) {
+                        Err(e) if stale => {
+                            klog!(Level::Info, "vqp: the meta-server connection made at the start failed ({e:?}): trying again")
+                        }
+                        r => return r,
+                    }
                 }
                 let cfg = crate::config::get();
                 let Some(spec) = cfg.meta.as_deref() else {
