@@ -58,6 +58,9 @@
 #   KRCORE_BENCH_PORT         first TCP / qbind port (default 18800)
 #   KRCORE_BENCH_META_PORT    krcore-meta's TCP port (default 18790)
 #   KRCORE_BENCH_READY_S      wait for a server's ready line (default 60)
+#   KRCORE_BENCH_DGRAM        KRCORE_DGRAM of the krcore processes (default:
+#                             the library's): 0 makes every VQP wait for its
+#                             link, as before the datagram tier
 #   KRCORE_BENCH_RUN_S        bound on each client / coordinator (default 300)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -265,6 +268,8 @@ report_table() {
 }
 
 if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
+    # KRCORE_DGRAM of every krcore process (the library's default when unset).
+    if [[ -n "${KRCORE_BENCH_DGRAM:-}" ]]; then export KRCORE_DGRAM="$KRCORE_BENCH_DGRAM"; fi
     # Inside the VM (or on a host with an RDMA device): the measuring loop.
     if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
         bash scripts/rxe-up.sh 10
@@ -303,6 +308,7 @@ if ((!report_only)); then
             KRCORE_BENCH_RAW_QP_PAIRS="$raw_pairs" \
             KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
             KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_RUN_S="$run_s" \
+            ${KRCORE_BENCH_DGRAM:+KRCORE_BENCH_DGRAM="$KRCORE_BENCH_DGRAM"} \
             bash bench/vqp-compare.sh "$repeats"
     fi
     echo "run time: $((SECONDS - started)) s (build excluded, VM boot included)" >>"$out/krcore-lib.txt"
