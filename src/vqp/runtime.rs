@@ -700,7 +700,7 @@ impl Runtime {
                 rt.dgram.on_datagram(&*rt, bytes, from);
             }
         }));
-        // Our MR table is made with the first link (or by the work deferred
+        // Our MR table is made with the first link (or by `prepare_links`
         // below): the PD's MRs go in it then, before any peer READs it.
         let weak = Arc::downgrade(&rt);
         rt.svc.on_link_side(Box::new(move || {
@@ -1197,9 +1197,6 @@ impl Runtime {
         Arc::clone(self.peer_mrs.lock().entry(incarnation).or_default())
     }
 
-    /// The links' receive buffers, registered and posted on the SRQ the
-    /// first time (a link needs them before its peer's first message:
-    /// until then the peer's RC retries on RNR).
     /// Make the links' side and receive buffers on a thread of their own,
     /// unless made or being made (a failure is logged; the next link, or
     /// the next link request, tries again).
@@ -1221,6 +1218,9 @@ impl Runtime {
         }
     }
 
+    /// The links' receive buffers, registered and posted on the SRQ the
+    /// first time (a link needs them before its peer's first message:
+    /// until then the peer's RC retries on RNR).
     pub fn receive_side(&self) -> Result<&Region> {
         self.recv_bufs.get_or_try_init(|| {
             let n = service::Options::default().srq_wr;
