@@ -124,6 +124,12 @@ struct Shared {
     tx: Mutex<Tx>,
     /// Datagrams of the connectionless tier go here (the runtime's port).
     on_datagram: Mutex<Option<DatagramHandler>>,
+    /// Held by the thread that drains the UD queue: the progress thread,
+    /// or an application thread that polls (`Service::poll_datagrams`).
+    ud_turn: Mutex<()>,
+    /// Link requests and readies an application thread took off the UD
+    /// queue: the progress thread handles them (they make and move QPs).
+    link_msgs: Mutex<Vec<LinkMessage>>,
     /// Address handles to peers' GIDs (from ours), for UD sends.
     ahs: Mutex<HashMap<Path, Arc<Ah>>>,
     /// Indexes of our GIDs that link requests were sent to.
@@ -299,6 +305,8 @@ impl Service {
             mtu,
             tx: Mutex::new(tx),
             on_datagram: Mutex::new(None),
+            ud_turn: Mutex::new(()),
+            link_msgs: Mutex::new(Vec::new()),
             ahs: Mutex::new(HashMap::new()),
             gid_indexes: Mutex::new(HashMap::new()),
             link_side: once_cell::sync::OnceCell::new(),
@@ -350,6 +358,17 @@ impl Service {
     /// thread).
     pub fn on_datagram(&self, f: DatagramHandler) {
         *self.shared.on_datagram.lock() = Some(f);
+    }
+
+    /// Drain the UD queue on the caller's thread, unless another thread is
+    /// doing it: an application that polls for the tier's answers need not
+    /// wait for the progress thread to wake (two wake-ups per round trip
+    /// under emulation cost more than the round trip). Link requests found
+    /// meanwhile go to the progress thread.
+    pub fn poll_datagrams(&self) {
+        if let Some(_turn) = self.shared.ud_turn.try_lock() {
+            self.shared.drain_ud(false);
+        }
     }
 
     /// Send one datagram of the connectionless tier (at most `mtu()`
@@ -1099,7 +1118,13 @@ impl Shared {
                     klog!(Level::Warn, "service: completion channel: {e:?}");
                 }
             }
-            self.drain_ud();
+            {
+                let _turn = self.ud_turn.lock();
+                for m in std::mem::take(&mut *self.link_msgs.lock()) {
+                    self.on_link_message(m);
+                }
+                self.drain_ud(true);
+            }
             // Timers after what arrived: a retransmission timer that went
             // off while this thread was starved must not fail a flow whose
             // answers wait in the UD queue.
@@ -1155,7 +1180,9 @@ impl Shared {
         }
     }
 
-    fn drain_ud(&self) {
+    /// Take what the UD queue holds (`ud_turn` held); `progress`: on the
+    /// progress thread, else link requests and readies wait for it.
+    fn drain_ud(&self, progress: bool) {
         // SAFETY: plain C data.
         let mut wcs: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
         loop {
@@ -1170,7 +1197,7 @@ impl Shared {
                 crate::kmark!("UD: {n} received");
             }
             for wc in &wcs[..n] {
-                self.on_recv(wc);
+                self.on_recv(wc, progress);
             }
             if n < wcs.len() {
                 return;
@@ -1178,7 +1205,7 @@ impl Shared {
         }
     }
 
-    fn on_recv(&self, wc: &ibv_wc) {
+    fn on_recv(&self, wc: &ibv_wc, progress: bool) {
         let slot = wc.wr_id as usize;
         let len = (wc.byte_len as usize).clamp(GRH, self.ud_slot);
         // SAFETY: this slot's receive completed; it is reposted below.
@@ -1193,26 +1220,42 @@ impl Shared {
             // SAFETY: as above (the slot holds at least a link message).
             let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * self.ud_slot + GRH, LINK_LEN) });
             match msg {
-                Ok(LinkMessage::Request(r)) => {
-                    crate::kmark!("link: request {} received", r.req_id);
-                    self.on_request(&r)
-                }
-                Ok(LinkMessage::Ready(r)) => {
-                    crate::kmark!("link: ready {} received", r.req_id);
-                    self.on_ready(&r)
-                }
-                Ok(LinkMessage::Reply(r)) => {
-                    crate::kmark!("link: reply {} received", r.req_id);
-                    if let Some(slot) = self.replies.lock().get_mut(&r.req_id) {
-                        *slot = Some(r);
+                Ok(m @ (LinkMessage::Request(_) | LinkMessage::Ready(_))) if !progress => {
+                    // Bounded as the UD queue is: a peer repeats its
+                    // request until answered.
+                    let mut q = self.link_msgs.lock();
+                    if q.len() < UD_RECVS {
+                        q.push(m);
                     }
-                    self.reply_ready.notify_all();
+                    drop(q);
+                    self.kick();
                 }
+                Ok(m) => self.on_link_message(m),
                 Err(e) => klog!(Level::Warn, "service: dropped a malformed link message: {e:?}"),
             }
         }
         if let Err(e) = self.post_ud_recv(slot) {
             klog!(Level::Warn, "service: cannot repost a UD receive: {e:?}");
+        }
+    }
+
+    fn on_link_message(&self, msg: LinkMessage) {
+        match msg {
+            LinkMessage::Request(r) => {
+                crate::kmark!("link: request {} received", r.req_id);
+                self.on_request(&r)
+            }
+            LinkMessage::Ready(r) => {
+                crate::kmark!("link: ready {} received", r.req_id);
+                self.on_ready(&r)
+            }
+            LinkMessage::Reply(r) => {
+                crate::kmark!("link: reply {} received", r.req_id);
+                if let Some(slot) = self.replies.lock().get_mut(&r.req_id) {
+                    *slot = Some(r);
+                }
+                self.reply_ready.notify_all();
+            }
         }
     }
 

@@ -1269,6 +1269,9 @@ impl Runtime {
     /// them (`polls` tells it).
     /// Completions for the CQ behind `sink` go into it (see [`Sink`]).
     pub fn progress_for(&self, receives: bool, mut sink: Option<&mut Sink<'_>>) {
+        if self.dgram.has_flows() {
+            self.svc.poll_datagrams();
+        }
         let mut messages = receives || self.large.awaits_done();
         if messages {
             // A plain store, not a locked increment: the service thread

@@ -6,9 +6,12 @@
 //! (pure logic) and the world, which it reaches through [`Host`]: sending a
 //! datagram, waking at a time, and the VQPs (who takes a flow, where a
 //! message or a completion goes). Threads: a VQP posts from the
-//! application's thread; everything that arrives, and every timer, is
-//! handled on the endpoint's progress thread, the only one that takes
-//! completions out of a flow (so they reach the VQP in order).
+//! application's thread; what arrives is handled by whichever thread
+//! drains the UD queue (the endpoint's progress thread, or an application
+//! thread polling while the port has flows), and every timer on the
+//! progress thread. Arrivals and timers take turns ([`Port::on_datagram`],
+//! [`Port::on_timer`]): one thread at a time takes completions out of a
+//! flow, so they reach the VQP in order.
 //!
 //! Trust: a flow is bound to the network address (GRH source GID and
 //! `src_qp`) it was opened with or first came from; a datagram of that
@@ -27,7 +30,7 @@ use crate::rdma::Gid;
 use crate::stats::{self, Stat};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -138,6 +141,11 @@ pub struct Port {
     /// The earliest wake-up asked of the host and not run yet (µs since
     /// `epoch`; u64::MAX: none).
     armed: AtomicU64,
+    /// Flows in `out` and `inbound`: while there are any, an application
+    /// thread that polls drains the UD queue too ([`Port::has_flows`]).
+    flows: AtomicUsize,
+    /// Held while what arrived or a timer is handled (see the module).
+    turn: Mutex<()>,
 }
 
 impl Port {
@@ -167,7 +175,26 @@ impl Port {
             out: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
             armed: AtomicU64::new(u64::MAX),
+            flows: AtomicUsize::new(0),
+            turn: Mutex::new(()),
         })
+    }
+
+    /// Whether any flow, ours or a peer's, is open: the tier may have
+    /// something arriving.
+    pub fn has_flows(&self) -> bool {
+        self.flows.load(Ordering::Relaxed) > 0
+    }
+
+    /// `n` flows more, or fewer (the statistic and the port's count).
+    fn flows_added(&self, n: usize) {
+        self.flows.fetch_add(n, Ordering::Relaxed);
+        stats::add(Stat::KRCORE_STAT_DGRAM_FLOWS, n as u64);
+    }
+
+    fn flows_removed(&self, n: usize) {
+        self.flows.fetch_sub(n, Ordering::Relaxed);
+        stats::sub(Stat::KRCORE_STAT_DGRAM_FLOWS, n as u64);
     }
 
     fn now_us(&self) -> u64 {
@@ -195,7 +222,7 @@ impl Port {
         let sender = Sender::new(cfg, route, reliable::random_seed())?;
         let f = Arc::new(Flow { route, peer, sender: Mutex::new(sender), lingering: AtomicBool::new(false) });
         if out.insert(route, Arc::clone(&f)).is_none() {
-            stats::inc(Stat::KRCORE_STAT_DGRAM_FLOWS);
+            self.flows_added(1);
         }
         Ok(f)
     }
@@ -229,7 +256,7 @@ impl Port {
         let mut out = self.out.lock();
         if out.get(&flow.route).is_some_and(|f| std::ptr::eq(&**f, flow)) {
             out.remove(&flow.route);
-            stats::sub(Stat::KRCORE_STAT_DGRAM_FLOWS, 1);
+            self.flows_removed(1);
             if out.is_empty() {
                 out.shrink_to_fit();
             }
@@ -274,7 +301,7 @@ impl Port {
         let mut inbound = self.inbound.lock();
         let before = inbound.len();
         inbound.retain(|r, _| !which(r));
-        stats::sub(Stat::KRCORE_STAT_DGRAM_FLOWS, (before - inbound.len()) as u64);
+        self.flows_removed(before - inbound.len());
         if inbound.is_empty() {
             // A burst of peers leaves no high-water table behind.
             inbound.shrink_to_fit();
@@ -332,6 +359,7 @@ impl Port {
 
     /// A datagram of this family arrived from `from` (the progress thread).
     pub fn on_datagram(&self, host: &dyn Host, bytes: &[u8], from: &Source) {
+        let _turn = self.turn.lock();
         let m = match Message::decode(bytes) {
             Ok(m) => m,
             Err(_) => return dropped(),
@@ -388,7 +416,7 @@ impl Port {
             };
             inbound = self.inbound.lock();
             if let std::collections::hash_map::Entry::Vacant(e) = inbound.entry(route) {
-                stats::inc(Stat::KRCORE_STAT_DGRAM_FLOWS);
+                self.flows_added(1);
                 e.insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_READ) });
             }
         }
@@ -401,6 +429,7 @@ impl Port {
         let (peer, pd) = (f.peer, f.pd);
         let mut answers = Vec::new();
         let mut messages = Vec::new();
+        let mut answered = None;
         match f.receiver.on_message(now, m) {
             Received::Dropped => dropped(),
             Received::DuplicateRequest => {
@@ -417,6 +446,7 @@ impl Port {
                             let served = crate::vqp::mrs::with(pd, |mrs| f.responder.serve(&req, &Registered(mrs), &mut ProcessMemory));
                             stats::inc(Stat::KRCORE_STAT_DGRAM_SERVED);
                             answers.extend(served.responses);
+                            answered = Some(req.seq);
                             if served.status != super::wire::Status::Ok {
                                 stats::inc(Stat::KRCORE_STAT_DGRAM_REFUSED);
                                 // As an RC responder: nothing more of this flow.
@@ -428,6 +458,11 @@ impl Port {
                     }
                 }
             }
+        }
+        if let Some(seq) = answered {
+            // Its responses acknowledge it: no ACK datagram (and no
+            // delayed-ACK timer) for a READ or an atomic.
+            f.receiver.answered(seq);
         }
         // A CLOSE is its flow's last message (the number's next flow waits
         // for its ACK: `open`).
@@ -472,7 +507,7 @@ impl Port {
             // the flow goes (its number may come back with a new VQP).
             let gone = self.inbound.lock().remove(&route);
             if let Some(mut f) = gone {
-                stats::sub(Stat::KRCORE_STAT_DGRAM_FLOWS, 1);
+                self.flows_removed(1);
                 stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
                 host.send(&peer, &f.receiver.final_ack());
             }
@@ -498,6 +533,7 @@ impl Port {
 
     /// The timer fired: retransmissions, delayed ACKs, failed flows.
     pub fn on_timer(&self, host: &dyn Host) {
+        let _turn = self.turn.lock();
         self.armed.store(u64::MAX, Ordering::Release);
         let now = self.now_us();
         let flows: Vec<Arc<Flow>> = self.out.lock().values().cloned().collect();

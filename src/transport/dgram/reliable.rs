@@ -897,6 +897,18 @@ impl Receiver {
         self.failed
     }
 
+    /// Request `seq` was answered: its RESPONSE tells the sender that
+    /// everything up to it arrived (as an RC READ response does), so no
+    /// ACK is due for what was delivered, unless something came after it
+    /// or a gap waits to be reported.
+    pub fn answered(&mut self, seq: u64) {
+        if seq + 1 == self.next && self.ahead.is_empty() {
+            self.ack_now = false;
+            self.ack_deadline = None;
+            self.unacked = 0;
+        }
+    }
+
     /// When [`Receiver::poll_ack`] must run again (a delayed ACK).
     pub fn next_deadline(&self) -> Option<u64> {
         if self.ack_now {

@@ -608,3 +608,32 @@ fn the_timeout_follows_the_measured_round_trip() {
     assert_eq!(s.next_deadline(), Some(100_000));
     assert!(s.poll(99_999).is_empty(), "no retransmission before the measured timeout");
 }
+
+#[test]
+fn an_answered_request_needs_no_ack_but_what_follows_it_does() {
+    let mut s = Sender::new(cfg(), A_TO_B, 7).unwrap();
+    let mut r = Receiver::new(cfg(), A_TO_B).unwrap();
+    s.post_read(1, RW, BASE, 8).unwrap();
+    let read = s.poll(0);
+    assert_eq!(read.len(), 1);
+    assert_eq!(r.on_message(1, &decode(&read[0])), Received::Taken);
+    assert_eq!(r.next_deadline(), Some(0), "a lone request asks for an ACK");
+    let Some(Delivery::Request(req)) = r.pop() else { panic!("the request is delivered") };
+    let Message::Request(req) = decode(&req) else { panic!() };
+    r.answered(req.seq);
+    assert_eq!(r.next_deadline(), None, "its response is the acknowledgement");
+    assert_eq!(r.poll_ack(1_000), None);
+
+    // A message behind the request is not acknowledged by its response.
+    s.post_read(2, RW, BASE, 8).unwrap();
+    s.post_send(3, SendOp::Send, 0, b"after").unwrap();
+    let two = s.poll(2);
+    for b in &two {
+        assert_eq!(r.on_message(3, &decode(b)), Received::Taken);
+    }
+    r.answered(seq_of(&two[0]));
+    assert!(r.next_deadline().is_some(), "the SEND after the READ still needs its ACK");
+    let ack = r.poll_ack(3 + cfg().ack_delay_us).unwrap();
+    let Message::Ack(a) = decode(&ack) else { panic!() };
+    assert_eq!(a.next, seq_of(&two[1]) + 1);
+}
