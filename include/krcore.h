@@ -168,6 +168,9 @@ enum krcore_stat {
   // its start, a verb's): a verb after a failed one at the start tries
   // again.
   KRCORE_STAT_META_CONNECT_FAILURES,
+  // Lookups answered over TCP (a `Query`) because the meta-server RC
+  // connection was still being made.
+  KRCORE_STAT_META_QUERIES,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

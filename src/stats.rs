@@ -155,6 +155,9 @@ pub enum krcore_stat {
     /// its start, a verb's): a verb after a failed one at the start tries
     /// again.
     KRCORE_STAT_META_CONNECT_FAILURES,
+    /// Lookups answered over TCP (a `Query`) because the meta-server RC
+    /// connection was still being made.
+    KRCORE_STAT_META_QUERIES,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -223,6 +226,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "dgram_flows\0",
     "runtimes_prestarted\0",
     "meta_connect_failures\0",
+    "meta_queries\0",
 ];
 
 /// A counter's name ("post_send").

@@ -208,3 +208,35 @@ fn no_server_is_refused() {
         .expect("nothing listens there");
     assert_eq!(e, Errno(libc::ECONNREFUSED));
 }
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_query_over_tcp_answers_what_a_read_finds() {
+    use krcore::meta::client::query;
+    let meta = Meta::start(30_000);
+    let dev = device();
+    let a = client(&dev, 2, &meta, Duration::from_secs(10));
+    let key = port_key(2, 7000);
+    let ep = endpoint(2, 0x321, 43);
+    let t = Duration::from_secs(5);
+    assert_eq!(query(&[meta.addr], &key, t), Ok(None), "nothing bound yet");
+    a.bind(&key, &ep).unwrap();
+    assert_eq!(query(&[meta.addr], &key, t), Ok(Some(ep)));
+    let vkey = Key::Vqpn { gid: ipv4_gid(Ipv4Addr::new(10, 77, 0, 2)), vqpn: 0x80_1234 };
+    a.bind(&vkey, &ep).unwrap();
+    assert_eq!(query(&[meta.addr], &vkey, t), Ok(Some(ep)));
+    // A replica that is down is skipped; the one that answers decides.
+    let down = SocketAddr::from((SERVER_IP, free_port()));
+    assert_eq!(query(&[down, meta.addr], &key, t), Ok(Some(ep)));
+    assert_eq!(query(&[down], &key, t), Err(Errno(libc::ECONNREFUSED)));
+    // Queries and a client's Hello share the accept path: a client that
+    // connects after a hundred queries is served as before.
+    for _ in 0..100 {
+        assert_eq!(query(&[meta.addr], &key, t), Ok(Some(ep)));
+    }
+    let b = client(&dev, 3, &meta, Duration::from_secs(10));
+    assert_eq!(b.lookup(&key).unwrap(), Some(ep));
+    a.unbind(&key).unwrap();
+    wait_absent(&b, &key, Duration::from_secs(1));
+    assert_eq!(query(&[meta.addr], &key, t), Ok(None), "gone for a query too");
+}

@@ -193,6 +193,41 @@ pub fn parse_addrs(spec: &str) -> Result<Vec<SocketAddr>> {
     Ok(out)
 }
 
+/// Who is bound at `key`, asked over a short TCP connection of its own (a
+/// [`proto::Query`]): one round trip after the connect, no QP, for a
+/// process whose RC connection to the meta server is still being made.
+/// The replicas in order, as [`MetaClient::lookup`]: the first that knows
+/// the key answers; `Ok(None)` when one that answered knows nothing of it
+/// and none knows it.
+pub fn query(addrs: &[SocketAddr], key: &Key, timeout: Duration) -> Result<Option<Endpoint>> {
+    let mut last = Errno(libc::ECONNREFUSED);
+    let mut absent = false;
+    for addr in addrs {
+        match query_one(addr, key, timeout) {
+            Ok(Some(ep)) => return Ok(Some(ep)),
+            Ok(None) => absent = true,
+            Err(e) => last = e,
+        }
+    }
+    if absent {
+        return Ok(None);
+    }
+    Err(last)
+}
+
+fn query_one(addr: &SocketAddr, key: &Key, timeout: Duration) -> Result<Option<Endpoint>> {
+    let mut tcp = TcpStream::connect_timeout(addr, timeout)?;
+    tcp.set_read_timeout(Some(timeout))?;
+    tcp.set_write_timeout(Some(timeout))?;
+    let _ = tcp.set_nodelay(true);
+    let mut out = [0u8; proto::BOOT_LEN];
+    proto::Query { key: *key }.encode(&mut out);
+    tcp.write_all(&out)?;
+    let mut buf = [0u8; proto::BOOT_LEN];
+    tcp.read_exact(&mut buf)?;
+    Ok(proto::Answer::decode(&buf)?.endpoint)
+}
+
 /// Whether a replica that answered a renewal with `held` entries lost some
 /// of the `bound` we registered (`refused` of them it never had).
 fn lost_entries(held: u32, bound: usize, refused: usize) -> bool {

@@ -6,7 +6,7 @@
 //!
 //! | family | channel | messages | length |
 //! | --- | --- | --- | --- |
-//! | boot | TCP, process <-> `krcore-meta` | [`Hello`] (client), [`Welcome`] (server) | [`BOOT_LEN`] |
+//! | boot | TCP, process <-> `krcore-meta` | [`Hello`] (client), [`Welcome`] (server); [`Query`] (client), [`Answer`] (server) | [`BOOT_LEN`] |
 //! | meta | RC SEND, process <-> `krcore-meta` | [`Request`], [`Response`] | [`META_LEN`] |
 //! | link | UD, service endpoint <-> service endpoint | [`LinkRequest`], [`LinkReply`], [`LinkReady`] | [`LINK_LEN`] |
 //!
@@ -53,6 +53,8 @@ const KIND_RESPONSE: u8 = 4;
 const KIND_LINK_REQUEST: u8 = 5;
 const KIND_LINK_REPLY: u8 = 6;
 const KIND_LINK_READY: u8 = 7;
+const KIND_QUERY: u8 = 8;
+const KIND_ANSWER: u8 = 9;
 
 const KEY_PORT: u8 = 1;
 const KEY_VQPN: u8 = 2;
@@ -88,6 +90,26 @@ pub struct Welcome {
     pub table_slots: u32,
     /// Changes when the server restarts: cached lookups are then stale.
     pub incarnation: u64,
+}
+
+/// Client -> meta server over TCP, before (or instead of) a [`Hello`]:
+/// who is bound at `key`? A process whose RC connection to the server is
+/// not up yet looks up with one TCP round trip, no QP on its path.
+///
+/// 4: key kind (u8: 1 port, 2 vqpn), 8: key gid[16], 24: key port or vqpn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Query {
+    pub key: Key,
+}
+
+/// Meta server -> client over TCP: the [`Query`]'s answer, what a READ of
+/// the table would find now.
+///
+/// 4: status (0 found, ENOENT: nothing bound), 8: endpoint (zero unless
+/// found).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answer {
+    pub endpoint: Option<Endpoint>,
 }
 
 /// What a [`Request`] asks of the meta server.
@@ -258,12 +280,89 @@ impl Welcome {
     }
 }
 
+/// The first boot message of a connection, as the server reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BootMessage {
+    Hello(Hello),
+    Query(Query),
+}
+
+impl BootMessage {
+    pub fn decode(buf: &[u8]) -> Result<BootMessage> {
+        let (_, kind) = open(buf, BOOT_LEN, &[KIND_HELLO, KIND_QUERY])?;
+        if kind == KIND_HELLO {
+            Hello::decode(buf).map(BootMessage::Hello)
+        } else {
+            Query::decode(buf).map(BootMessage::Query)
+        }
+    }
+}
+
+impl Query {
+    pub fn encode(&self, out: &mut [u8; BOOT_LEN]) {
+        let (key_kind, gid, value) = split_key(&self.key);
+        let mut w = Writer::new(out, KIND_QUERY);
+        w.u8(key_kind);
+        w.skip(3);
+        w.bytes(&gid);
+        w.u32(value);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Query> {
+        let (mut r, _) = open(buf, BOOT_LEN, &[KIND_QUERY])?;
+        let key_kind = r.u8()?;
+        r.reserved(3)?;
+        let gid = r.bytes()?;
+        let value = r.u32()?;
+        let key = join_key(key_kind, gid, value)?;
+        r.finish_zeroed()?;
+        Ok(Query { key })
+    }
+}
+
+impl Answer {
+    pub fn encode(&self, out: &mut [u8; BOOT_LEN]) {
+        let mut w = Writer::new(out, KIND_ANSWER);
+        match &self.endpoint {
+            Some(e) => {
+                w.status(0);
+                w.endpoint(e);
+            }
+            None => w.status(libc::ENOENT as u32),
+        }
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Answer> {
+        let (mut r, _) = open(buf, BOOT_LEN, &[KIND_ANSWER])?;
+        let endpoint = match r.status()? {
+            0 => Some(r.endpoint()?),
+            s if s == libc::ENOENT as u32 => None,
+            _ => return Err(EBADMSG),
+        };
+        r.finish_zeroed()?;
+        Ok(Answer { endpoint })
+    }
+}
+
+/// A key's kind byte, GID and number, as the messages carry them.
+fn split_key(key: &Key) -> (u8, [u8; 16], u32) {
+    match *key {
+        Key::Port { gid, port } => (KEY_PORT, gid, port),
+        Key::Vqpn { gid, vqpn } => (KEY_VQPN, gid, vqpn),
+    }
+}
+
+fn join_key(kind: u8, gid: [u8; 16], value: u32) -> Result<Key> {
+    match kind {
+        KEY_PORT => Ok(Key::Port { gid, port: value }),
+        KEY_VQPN => Ok(Key::Vqpn { gid, vqpn: value }),
+        _ => Err(EBADMSG),
+    }
+}
+
 impl Request {
     pub fn encode(&self, out: &mut [u8; META_LEN]) {
-        let (key_kind, gid, value) = match self.key {
-            Key::Port { gid, port } => (KEY_PORT, gid, port),
-            Key::Vqpn { gid, vqpn } => (KEY_VQPN, gid, vqpn),
-        };
+        let (key_kind, gid, value) = split_key(&self.key);
         let mut w = Writer::new(out, KIND_REQUEST);
         w.u8(self.op as u8);
         w.u8(key_kind);
@@ -286,11 +385,7 @@ impl Request {
         let lease_ms = r.u32()?;
         let gid = r.bytes()?;
         let value = r.u32()?;
-        let key = match key_kind {
-            KEY_PORT => Key::Port { gid, port: value },
-            KEY_VQPN => Key::Vqpn { gid, vqpn: value },
-            _ => return Err(EBADMSG),
-        };
+        let key = join_key(key_kind, gid, value)?;
         r.reserved(4)?;
         let endpoint = r.endpoint()?;
         r.finish_zeroed()?;
@@ -705,6 +800,27 @@ mod tests {
         assert_eq!(LinkMessage::decode(&as_ready), Err(EBADMSG));
     }
 
+    #[test]
+    fn query_and_answer_layouts_are_exact() {
+        let q = Query { key: Key::Vqpn { gid: GID, vqpn: 0x0a0b_0c0d } };
+        assert_eq!(
+            boot(Query::encode, &q),
+            image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 8]), (4, &[2]), (8, &GID), (24, &[0x0d, 0x0c, 0x0b, 0x0a])])
+        );
+        let a = Answer { endpoint: Some(endpoint(0x66)) };
+        let ep: &[u8] = &[0x56, 0x34, 0x12, 0, 0x11, 0x11, 0x11, 0x11, 8, 7, 6, 5, 4, 3, 2, 1, 0x55, 0x44, 0x33, 0x22];
+        assert_eq!(boot(Answer::encode, &a), image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 9]), (8, &[0x66; 16]), (24, ep)]));
+        let none = Answer { endpoint: None };
+        assert_eq!(
+            boot(Answer::encode, &none),
+            image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 9]), (4, &(libc::ENOENT as u32).to_le_bytes())])
+        );
+        // Any other status is not an answer.
+        let mut b = boot(Answer::encode, &none);
+        b[4] = libc::EIO as u8;
+        assert_eq!(Answer::decode(&b), Err(EBADMSG));
+    }
+
     /// Decodes and re-encodes: `Ok(b)` iff `b` is a valid message.
     type Recode = fn(&[u8]) -> Result<Vec<u8>>;
 
@@ -726,6 +842,14 @@ mod tests {
 
     fn re_link(b: &[u8]) -> Result<Vec<u8>> {
         LinkMessage::decode(b).map(|m| link(&m))
+    }
+
+    fn re_query(b: &[u8]) -> Result<Vec<u8>> {
+        Query::decode(b).map(|m| boot(Query::encode, &m))
+    }
+
+    fn re_answer(b: &[u8]) -> Result<Vec<u8>> {
+        Answer::decode(b).map(|m| boot(Answer::encode, &m))
     }
 
     /// Every message at its field boundaries (zero, max, both key kinds,
@@ -768,6 +892,12 @@ mod tests {
         for (req_id, status, held) in [(0, 0, 0), (u32::MAX, ERRNO_MAX, u32::MAX), (7, libc::EADDRINUSE as u32, 3)] {
             all.push((meta(Response::encode, &Response { req_id, status, held }), re_response));
         }
+        for key in [Key::Port { gid: [0; 16], port: 0 }, Key::Vqpn { gid: [0xff; 16], vqpn: u32::MAX }] {
+            all.push((boot(Query::encode, &Query { key }), re_query));
+        }
+        for endpoint in [None, Some(endpoint_zero()), Some(endpoint_max())] {
+            all.push((boot(Answer::encode, &Answer { endpoint }), re_answer));
+        }
         for i in [info_zero(), info_max(), info(endpoint(1))] {
             for req_id in [0, u32::MAX] {
                 all.push((link(&LinkMessage::Request(LinkRequest { req_id, info: i, optional: req_id % 2 == 1 })), re_link));
@@ -784,7 +914,7 @@ mod tests {
     #[test]
     fn round_trips_every_message_at_its_boundaries() {
         let all = all_messages();
-        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 3 * 2 * 5);
+        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 2 + 3 + 3 * 2 * 5);
         for (bytes, re) in &all {
             assert_eq!(re(bytes).as_ref(), Ok(bytes));
         }
@@ -795,6 +925,13 @@ mod tests {
         assert_eq!(Welcome::decode(&boot(Welcome::encode, &w)), Ok(w));
         let m = LinkMessage::Request(LinkRequest { req_id: 9, info: info_max(), optional: true });
         assert_eq!(LinkMessage::decode(&link(&m)), Ok(m));
+        let q = Query { key: Key::Port { gid: GID, port: 18515 } };
+        assert_eq!(BootMessage::decode(&boot(Query::encode, &q)), Ok(BootMessage::Query(q)));
+        let h = Hello { gid: GID, qpn: 1, psn: 2 };
+        assert_eq!(BootMessage::decode(&boot(Hello::encode, &h)), Ok(BootMessage::Hello(h)));
+        assert_eq!(BootMessage::decode(&boot(Welcome::encode, &w)), Err(EBADMSG));
+        let a = Answer { endpoint: Some(endpoint(3)) };
+        assert_eq!(Answer::decode(&boot(Answer::encode, &a)), Ok(a));
     }
 
     #[test]
@@ -889,7 +1026,10 @@ mod tests {
     #[test]
     fn every_bit_flip_is_refused_or_canonical() {
         // (kind, [start, end) of each reserved run)
-        let reserved: [(u8, &[(usize, usize)]); 7] = [
+        let reserved: [(u8, &[(usize, usize)]); 9] = [
+            (KIND_QUERY, &[(5, 8), (28, BOOT_LEN)]),
+            // Found: the endpoint's reserved word; absent: all of it.
+            (KIND_ANSWER, &[(52, BOOT_LEN)]),
             (KIND_HELLO, &[(12, 16), (32, BOOT_LEN)]),
             (KIND_WELCOME, &[(56, BOOT_LEN)]),
             (KIND_REQUEST, &[(6, 8), (36, 40), (76, META_LEN)]),
@@ -925,7 +1065,7 @@ mod tests {
     /// decodes re-encodes to the input.
     #[test]
     fn random_garbage_never_panics() {
-        let decoders: [Recode; 5] = [re_hello, re_welcome, re_request, re_response, re_link];
+        let decoders: [Recode; 7] = [re_hello, re_welcome, re_request, re_response, re_link, re_query, re_answer];
         let mut rng = Rng(0xd1b5_4a32_d192_ed03);
         let mut decoded = 0;
         for _ in 0..20_000 {
@@ -947,7 +1087,7 @@ mod tests {
                 })
                 .collect();
             if r & (1 << 40) != 0 && len >= 4 {
-                b[..4].copy_from_slice(&[0x4d, 0x4b, VERSION, 1 + (r >> 41) as u8 % 6]);
+                b[..4].copy_from_slice(&[0x4d, 0x4b, VERSION, 1 + (r >> 41) as u8 % 9]);
             }
             for decode in decoders {
                 if let Ok(again) = decode(&b) {

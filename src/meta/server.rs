@@ -22,7 +22,7 @@
 //! margin (a new client's `Hello` is read when its socket is readable, not
 //! waited for).
 
-use super::proto::{self, Hello, Op, Request, Response, Welcome};
+use super::proto::{self, Answer, BootMessage, Hello, Op, Query, Request, Response, Welcome};
 use super::table::EndpointTable;
 use super::{Endpoint, Key};
 use crate::error::{Errno, Result};
@@ -272,16 +272,25 @@ impl Server {
         self.pending.push((tcp, peer, Instant::now() + HELLO_TIMEOUT));
     }
 
-    /// Hand QPs to the pending clients whose `Hello` came (`ready`, in
-    /// `pending` order; those accepted since are not in it); drop those
-    /// that stayed silent too long.
+    /// Serve the pending connections whose first message came (`ready`,
+    /// in `pending` order; those accepted since are not in it): a `Query`
+    /// is answered and the connection stays pending (more queries, or its
+    /// `Hello`, may follow); a `Hello` gets its QP. Drop those that stayed
+    /// silent too long, or closed.
     fn greet(&mut self, ready: &[bool]) {
         let now = Instant::now();
         let mut keep = Vec::new();
+        let mut hellos = Vec::new();
         for (i, (tcp, peer, until)) in std::mem::take(&mut self.pending).into_iter().enumerate() {
             if ready.get(i).copied().unwrap_or(false) {
-                match self.handshake(tcp) {
-                    Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
+                match read_boot(&tcp) {
+                    Ok(BootMessage::Query(q)) => match self.answer(&tcp, &q) {
+                        Ok(()) => keep.push((tcp, peer, now + HELLO_TIMEOUT)),
+                        Err(e) => crate::klog!(crate::log::Level::Debug, "meta: query from {peer} not answered: {e:?}"),
+                    },
+                    Ok(BootMessage::Hello(hello)) => hellos.push((tcp, peer, hello)),
+                    // A querier that is done closes its connection.
+                    Err(e) if e.0 == libc::ECONNRESET => crate::klog!(crate::log::Level::Debug, "meta: {peer} closed"),
                     Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
                 }
             } else if now < until {
@@ -291,16 +300,29 @@ impl Server {
             }
         }
         self.pending = keep;
+        // The queries first: a handshake makes a QP (milliseconds), a
+        // query only reads the table, and its process waits for it.
+        for (tcp, peer, hello) in hellos {
+            match self.handshake(tcp, &hello) {
+                Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
+                Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
+            }
+        }
     }
 
-    /// Hello -> a QP for the client -> Welcome. The Hello is readable (one
-    /// 64-byte segment): the short timeout only guards a partial one.
-    fn handshake(&mut self, mut tcp: TcpStream) -> Result<u32> {
-        tcp.set_read_timeout(Some(Duration::from_millis(20)))?;
-        let _ = tcp.set_nodelay(true);
-        let mut buf = [0u8; proto::BOOT_LEN];
-        tcp.read_exact(&mut buf)?;
-        let hello = Hello::decode(&buf)?;
+    /// A `Query`: what a READ of the table finds now (the sweep ran first,
+    /// so an entry past its margin is already gone).
+    fn answer(&self, tcp: &TcpStream, q: &Query) -> Result<()> {
+        let endpoint = self.leases.get(&q.key).map(|l| l.endpoint);
+        let mut out = [0u8; proto::BOOT_LEN];
+        Answer { endpoint }.encode(&mut out);
+        let mut tcp = tcp;
+        tcp.write_all(&out)?;
+        Ok(())
+    }
+
+    /// Hello -> a QP for the client -> Welcome.
+    fn handshake(&mut self, tcp: TcpStream, hello: &Hello) -> Result<u32> {
         let caps = Caps { send_wr: CREDITS as u32 * 2, recv_wr: CREDITS as u32, send_sge: 1, recv_sge: 1, inline: 0 };
         let qp = Qp::new(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.cq, &self.cq, caps)?;
         let bufs = Region::new(&self.dev, 2 * CREDITS * proto::META_LEN, rdma::LOCAL_WRITE)?;
@@ -487,6 +509,21 @@ impl Client {
         // SAFETY: one WR over our own registered buffer.
         unsafe { self.qp.post_send(&mut wr) }
     }
+}
+
+/// A connection's next boot message. It is readable (one 64-byte
+/// segment): the short timeout only guards a partial one. ECONNRESET when
+/// the peer closed.
+fn read_boot(tcp: &TcpStream) -> Result<BootMessage> {
+    tcp.set_read_timeout(Some(Duration::from_millis(20)))?;
+    let _ = tcp.set_nodelay(true);
+    let mut buf = [0u8; proto::BOOT_LEN];
+    let mut r = tcp;
+    match r.read_exact(&mut buf) {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(Errno(libc::ECONNRESET)),
+        r => r?,
+    }
+    BootMessage::decode(&buf)
 }
 
 #[cfg(test)]

@@ -1139,6 +1139,33 @@ impl Runtime {
     }
 
     /// The meta-server client (`KRCORE_META`), connected at first use.
+    /// Who is bound at `key`, for a connect (`fresh`: the DCCache bypassed,
+    /// [`MetaClient::lookup_fresh`]). While the meta-server connection made
+    /// at the start is still on its way (its RC QP and handshake take
+    /// milliseconds), the key is asked over TCP instead (one round trip, no
+    /// QP on the connect's path: [`client::query`]); if that fails, the
+    /// lookup waits for the connection as before.
+    pub fn resolve(&self, key: &crate::meta::Key, fresh: bool) -> Result<Option<crate::meta::Endpoint>> {
+        let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|h| !h.is_finished());
+        if let (true, Some(spec)) = (starting, crate::config::get().meta.as_deref()) {
+            crate::kmark!("meta: lookup by query (TCP)");
+            match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, connect_timeout())) {
+                Ok(found) => {
+                    crate::kmark!("meta: query answered");
+                    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_QUERIES);
+                    return Ok(found);
+                }
+                Err(e) => klog!(Level::Debug, "vqp: a lookup by query failed ({e:?}): waiting for the meta-server connection"),
+            }
+        }
+        let meta = self.meta()?;
+        if fresh {
+            meta.lookup_fresh(key)
+        } else {
+            meta.lookup(key)
+        }
+    }
+
     pub fn meta(&self) -> Result<Arc<MetaClient>> {
         if let Some(m) = self.meta.get() {
             return Ok(Arc::clone(m));

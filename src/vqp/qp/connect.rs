@@ -43,7 +43,6 @@ impl Vqp {
     pub(super) fn connect_to(&self, key: &crate::meta::Key, sgid_index: Option<u32>) -> Result<()> {
         let key = *key;
         let rt = self.runtime(None)?;
-        let meta = rt.meta()?;
         // VQPs spread over the process's links to that peer by slot.
         let index = (self.slot % crate::config::get().links_per_peer) as u16;
         // An address (`qconnect`) may have been bound anew since it was
@@ -51,8 +50,7 @@ impl Vqp {
         // server says who holds it now (one READ). A QPN key (RTR of a
         // transparent VQP) names one VQP for its life: cached.
         let fresh = matches!(key, crate::meta::Key::Port { .. });
-        let first = if fresh { meta.lookup_fresh(&key) } else { meta.lookup(&key) };
-        let mut ep = first?.ok_or(Errno(libc::ECONNREFUSED))?;
+        let mut ep = rt.resolve(&key, fresh)?.ok_or(Errno(libc::ECONNREFUSED))?;
         let mut looked_again = false;
         loop {
             if let Some(pm) = self.peer_mrs.get() {
@@ -76,6 +74,7 @@ impl Vqp {
                     rt.forgive(ep.incarnation);
                     continue;
                 }
+                let meta = rt.meta()?;
                 meta.invalidate(&key);
                 looked_again = true;
                 ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
@@ -101,6 +100,7 @@ impl Vqp {
                     // again. Gone: ECONNREFUSED; another process bound
                     // there now: try it (once); the same one, bound but
                     // not answering: ETIMEDOUT.
+                    let meta = rt.meta()?;
                     meta.invalidate(&key);
                     if looked_again {
                         return Err(e);
