@@ -525,10 +525,11 @@ pub struct Runtime {
     /// The application's real PD.
     pub pd: usize,
     /// Header slots of every VQP's in-flight SENDs, in registered arenas
-    /// added as VQPs need them.
+    /// added as VQPs need them (the first, small, with the links' side).
     hdr_arenas: Mutex<Vec<Arc<HdrArena>>>,
-    /// Landing buffer of control READs (rare: one at a time).
-    pub scratch: Mutex<Region>,
+    /// Landing buffer of control READs (rare: one at a time), made with
+    /// the links' side.
+    scratch: OnceCell<Mutex<Region>>,
     /// The MRStore of each peer, by the peer's incarnation.
     peer_mrs: Mutex<FxHashMap<u64, Arc<Mutex<PeerMrs>>>>,
     pub svc: Service,
@@ -566,8 +567,9 @@ pub struct Runtime {
     /// service thread saw last: whether the application polls by itself.
     polls: std::sync::atomic::AtomicU64,
     polls_seen: std::sync::atomic::AtomicU64,
-    /// Where liveness probes land (their bytes are not looked at).
-    probe_buf: Region,
+    /// Where liveness probes land (their bytes are not looked at), made
+    /// with the links' side.
+    probe_buf: OnceCell<Region>,
     /// Probes keep being scheduled until the runtime is released.
     probing: AtomicBool,
     /// What waits for WQEs on the links to complete (teardown, MRs).
@@ -659,16 +661,15 @@ impl Runtime {
         crate::kmark!("runtime: device borrowed, GID index {gi}");
         let meta_start = start_meta(&dev, gi);
         let svc = Service::start(&dev, gi, service::Options::default())?;
-        let hdr_arena = Arc::new(HdrArena::new(&dev, FIRST_HDR_ARENA_SLOTS)?);
-        let scratch = Mutex::new(Region::new(&dev, 4096, rdma::LOCAL_WRITE)?);
-        let probe_buf = Region::new(&dev, PROBE_LEN, rdma::LOCAL_WRITE)?;
+        // What only links use (header arena, scratch, probe buffer) is
+        // made with the links' side, in the background (`prepare_links`):
+        // the first operations go on the datagram tier without them.
         let dgram =
             crate::transport::dgram::port::Port::new(svc.mtu(), crate::config::get().dgram_rto_us, connect_timeout().as_micros() as u64)?;
-        crate::kmark!("runtime: receive buffers, header arena, scratch and probe registered");
         let rt = Arc::new(Runtime {
             pd: pd as usize,
-            hdr_arenas: Mutex::new(vec![hdr_arena]),
-            scratch,
+            hdr_arenas: Mutex::new(Vec::new()),
+            scratch: OnceCell::new(),
             peer_mrs: Mutex::new(FxHashMap::default()),
             svc,
             meta: OnceCell::new(),
@@ -684,7 +685,7 @@ impl Runtime {
             large: Large::default(),
             polls: std::sync::atomic::AtomicU64::new(0),
             polls_seen: std::sync::atomic::AtomicU64::new(0),
-            probe_buf,
+            probe_buf: OnceCell::new(),
             probing: AtomicBool::new(true),
             wire: Default::default(),
             gids: OnceCell::new(),
@@ -1024,10 +1025,11 @@ impl Runtime {
     /// accounting `sq` held): a probe, or a fence behind WQEs a teardown
     /// waits for. Whether it was posted.
     fn post_probe(&self, link: &service::Link, sq: &mut super::queue::PhysSq) -> bool {
+        let Ok(probe_buf) = self.probe_buf() else { return false };
         let Some(d) = sq.try_post(true) else { return false };
         let tag = self.next_tag();
         self.large.track(tag, Control::Probe { retired: d.retired });
-        let mut sge = self.probe_buf.sge(0, PROBE_LEN);
+        let mut sge = probe_buf.sge(0, PROBE_LEN);
         let mut wr = control_read_wr(tag, &mut sge, link.peer_mr_table.0, link.peer_mr_table.1);
         // SAFETY: one READ into our own registered buffer from the
         // peer's MR table (registered for remote READ by the peer).
@@ -1213,7 +1215,9 @@ impl Runtime {
                 return Ok(Some((Arc::clone(a), start)));
             }
         }
-        let a = Arc::new(HdrArena::new(self.svc.device(), HDR_ARENA_SLOTS)?);
+        // A small first arena: most processes need no more.
+        let slots = if arenas.is_empty() && n <= FIRST_HDR_ARENA_SLOTS { FIRST_HDR_ARENA_SLOTS } else { HDR_ARENA_SLOTS };
+        let a = Arc::new(HdrArena::new(self.svc.device(), slots)?);
         let start = a.free.lock().alloc(n);
         arenas.push(Arc::clone(&a));
         Ok(start.map(|s| (a, s)))
@@ -1250,6 +1254,17 @@ impl Runtime {
     /// until then the peer's RC retries on RNR).
     pub fn receive_side(&self) -> Result<&Region> {
         self.recv_bufs.get_or_try_init(|| {
+            // The links' own buffers first (a link's first post finds them).
+            self.scratch()?;
+            self.probe_buf()?;
+            if self.hdr_arenas.lock().is_empty() {
+                let first = Arc::new(HdrArena::new(self.svc.device(), FIRST_HDR_ARENA_SLOTS)?);
+                let mut arenas = self.hdr_arenas.lock();
+                if arenas.is_empty() {
+                    arenas.push(first);
+                }
+            }
+            crate::kmark!("runtime: header arena, scratch and probe registered");
             let n = service::Options::default().srq_wr;
             let bufs = Region::new(self.svc.device(), n as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
             for buf in 0..n {
@@ -1258,6 +1273,15 @@ impl Runtime {
             crate::kmark!("runtime: the links' receives posted");
             Ok(bufs)
         })
+    }
+
+    /// The landing buffer of control READs.
+    pub fn scratch(&self) -> Result<&Mutex<Region>> {
+        self.scratch.get_or_try_init(|| Region::new(self.svc.device(), 4096, rdma::LOCAL_WRITE).map(Mutex::new))
+    }
+
+    fn probe_buf(&self) -> Result<&Region> {
+        self.probe_buf.get_or_try_init(|| Region::new(self.svc.device(), PROBE_LEN, rdma::LOCAL_WRITE))
     }
 
     /// Link `index` to `peer` over `path`, made (or the one that serves),

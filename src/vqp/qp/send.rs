@@ -572,7 +572,7 @@ impl Vqp {
     /// the peer has it.
     pub(super) fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32) -> Result<bool> {
         let pm = self.peer_mrs.get().ok_or(Errno::EINVAL)?;
-        let scratch = rt.scratch.lock();
+        let scratch = rt.scratch()?.lock();
         let (addr, trkey, slots) = link.peer_mr_table;
         let cached = pm.lock().table;
         let table = match cached {
