@@ -385,6 +385,25 @@ impl Service {
         self.shared.ah(path).map(drop)
     }
 
+    /// Make `path`'s address handle on the progress thread, unless made:
+    /// a connect that knows its peer's GID before the lookup that names
+    /// the peer does not create it on its own path afterwards (on rxe,
+    /// `ibv_create_ah` resolves the address through a kernel work queue).
+    pub fn prepare_path_soon(&self, path: Path) {
+        if self.shared.ahs.lock().contains_key(&path) {
+            return;
+        }
+        let shared = Arc::clone(&self.shared);
+        self.defer(
+            Instant::now(),
+            Box::new(move || {
+                if let Err(e) = shared.ah(path) {
+                    klog!(Level::Debug, "service: an address handle made ahead: {e:?}");
+                }
+            }),
+        );
+    }
+
     /// The index of our GID `gid`.
     pub fn gid_index_of(&self, gid: &Gid) -> Result<u32> {
         self.shared.our_gid_index(gid)

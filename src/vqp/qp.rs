@@ -252,6 +252,8 @@ struct State {
     tier_dst: VecDeque<(u16, Vec<ibv_sge>)>,
     /// Work requests posted on the datagram tier (`KRCORE_LINK_AFTER`).
     tier_posts: u64,
+    /// The link was asked for at this flow's first completion.
+    link_asked: bool,
 }
 
 /// An entry of a bound VQP's inbox.
@@ -343,6 +345,7 @@ impl Vqp {
             torn_down: false,
             tier_dst: VecDeque::new(),
             tier_posts: 0,
+            link_asked: false,
         };
         let mut slots = SLOTS.lock();
         let slot = match slots.free.pop() {

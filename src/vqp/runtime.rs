@@ -876,6 +876,20 @@ impl Runtime {
         }
     }
 
+    /// [`Runtime::want_link`] at `at`, from the progress thread: the
+    /// link's thread is not started on the application's path.
+    pub fn want_link_at(&self, at: Instant, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
+        let weak = self.weak_self();
+        self.svc.defer(
+            at,
+            Box::new(move || {
+                if let Some(rt) = weak.upgrade() {
+                    Runtime::want_link(&rt, peer, index, path);
+                }
+            }),
+        );
+    }
+
     /// Our GID when neither qbind nor `KRCORE_GID_INDEX` names one: the
     /// one the kernel routes to the (first reachable) meta server from,
     /// so that the meta server and the peers that reach it reach us; else

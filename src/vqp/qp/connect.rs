@@ -50,6 +50,12 @@ impl Vqp {
         // server says who holds it now (one READ). A QPN key (RTR of a
         // transparent VQP) names one VQP for its life: cached.
         let fresh = matches!(key, crate::meta::Key::Port { .. });
+        if crate::config::get().dgram {
+            // The peer's endpoint is on the key's GID, most likely: its
+            // address handle is made meanwhile, for the first post.
+            let (crate::meta::Key::Port { gid, .. } | crate::meta::Key::Vqpn { gid, .. }) = key;
+            rt.svc.prepare_path_soon(Path { sgid_index: sgid_index.unwrap_or(rt.svc.gid_index()), dgid: gid });
+        }
         let mut ep = rt.resolve(&key, fresh)?.ok_or(Errno(libc::ECONNREFUSED))?;
         let mut looked_again = false;
         loop {
@@ -85,8 +91,10 @@ impl Vqp {
                 // while the link is made (tier.rs).
                 self.attach_at(rt, None, ep, index, path, ep.vqpn);
                 crate::kmark!("qconnect: on the datagram tier");
+                // Asked for at the first completion on the tier (tier.rs),
+                // or by now + ASK_LATE if nothing is posted meanwhile.
                 if crate::config::get().link_after == 0 && self.asks_first(rt, &ep) {
-                    Runtime::want_link(rt, ep, index, path);
+                    rt.want_link_at(std::time::Instant::now() + super::tier::ASK_LATE, ep, index, path);
                 }
                 return Ok(());
             }

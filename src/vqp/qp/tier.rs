@@ -34,9 +34,11 @@ const ASK_AGAIN: u64 = 64;
 
 /// How long the transparent VQP that does not ask first waits for its
 /// peer's link before asking itself (its peer may post nothing: a passive
-/// target of one-sided work asks for no link). Beyond a handshake's time on a busy
-/// host; should both ask, the duplicate is closed.
-const ASK_LATE: std::time::Duration = std::time::Duration::from_millis(200);
+/// target of one-sided work asks for no link), and how long a `qconnect`
+/// waits for a first completion on the tier before asking anyway. Beyond
+/// a handshake's time on a busy host; should both ask, the duplicate is
+/// closed.
+pub(super) const ASK_LATE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Ids of the tier's work that is not the application's (a CLOSE).
 const CONTROL_ID: u64 = 1 << 32;
@@ -186,11 +188,9 @@ impl Vqp {
             Some(c) => return Ok(c.flow.clone().unwrap_or(flow)),
             None => return Err(Errno(libc::EAGAIN)),
         }
-        let index = st.conn.as_ref().map_or(0, |c| c.index);
-        drop(st);
-        if crate::config::get().link_after == 0 && self.asks_first(rt, &peer) {
-            Runtime::want_link(rt, peer, index, path);
-        }
+        // (At first contact the link is asked for once the flow's first
+        // work request completed: `on_tier_completion`.)
+        st.link_asked = false;
         Ok(flow)
     }
 
@@ -283,9 +283,14 @@ impl Vqp {
             // the peer asks first), and every ASK_AGAIN after (a link that
             // could not be made, or was not for KRCORE_MAX_LINKS).
             let asks_first = self.asks_first(rt, &peer);
-            let first = crate::config::get().link_after.max(1) + if asks_first { 0 } else { ASK_AGAIN };
+            let first = match (asks_first, crate::config::get().link_after) {
+                // The first completion asked (on_tier_completion).
+                (true, 0) => 1 + ASK_AGAIN,
+                (true, n) => n,
+                (false, n) => n.max(1) + ASK_AGAIN,
+            };
             if tier_posts >= first && (tier_posts - first) % ASK_AGAIN == 0 {
-                Runtime::want_link(rt, peer, index, path);
+                rt.want_link_at(std::time::Instant::now(), peer, index, path);
             }
             // (A src_qp's sender asked at its first contact: only the other
             // of two transparent VQPs of two processes asks late.)
@@ -329,6 +334,12 @@ impl Vqp {
             (Outcome::Atomic(v), Some(sges)) => scatter(&v.to_le_bytes(), &sges),
             _ => {}
         }
+        // The first completion on the flow: the link can be made now
+        // without competing with that round trip (first contact).
+        let ask = (!st.link_asked && status == ibv_wc_status::IBV_WC_SUCCESS && crate::config::get().link_after == 0)
+            .then(|| st.conn.as_ref().filter(|c| c.link.is_none()).map(|c| (c.peer, c.index, c.path)))
+            .flatten();
+        st.link_asked |= ask.is_some();
         let mut sends = Vec::new();
         let _ = st.sq.complete(seq, status, &mut |c| sends.push(c));
         let mut recvs = Vec::new();
@@ -345,6 +356,9 @@ impl Vqp {
         drop(guard);
         sends.into_iter().for_each(|c| self.deliver(&self.send_soft, c));
         recvs.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+        if let Some((peer, index, path)) = ask.filter(|(peer, ..)| self.asks_first(rt, peer)) {
+            rt.want_link_at(std::time::Instant::now(), peer, index, path);
+        }
     }
 
     /// The send queue was flushed or the connection ends: its flow
