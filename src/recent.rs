@@ -1,8 +1,9 @@
-//! A set that remembers only its most recent members: what a long-lived
-//! process keeps about peers that come and go (retired link requests,
-//! processes taken for gone) stays bounded however many pass.
+//! A set (and a map) that remembers only its most recent members: what a
+//! long-lived process keeps about peers that come and go (retired link
+//! requests, processes taken for gone, flows closed lately) stays bounded
+//! however many pass.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::Hash;
 
 /// At most `cap` members; inserting past it forgets the oldest.
@@ -49,6 +50,51 @@ impl<T: Copy + Eq + Hash> Recent<T> {
     }
 }
 
+/// A map that remembers only its most recently inserted keys.
+#[derive(Debug)]
+pub struct RecentMap<K, V> {
+    cap: usize,
+    map: HashMap<K, V>,
+    order: VecDeque<K>,
+}
+
+impl<K: Copy + Eq + Hash, V> RecentMap<K, V> {
+    pub fn new(cap: usize) -> RecentMap<K, V> {
+        RecentMap { cap: cap.max(1), map: HashMap::new(), order: VecDeque::new() }
+    }
+
+    /// Insert or replace; past `cap` keys the oldest goes.
+    pub fn insert(&mut self, k: K, v: V) {
+        if self.map.insert(k, v).is_some() {
+            return;
+        }
+        if self.order.len() == self.cap {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
+        self.order.push_back(k);
+    }
+
+    pub fn get(&self, k: &K) -> Option<&V> {
+        self.map.get(k)
+    }
+
+    pub fn remove(&mut self, k: &K) -> Option<V> {
+        let v = self.map.remove(k)?;
+        self.order.retain(|x| x != k);
+        Some(v)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Recent;
@@ -84,5 +130,21 @@ mod tests {
         r.insert(3);
         assert!(r.contains(&2) && r.contains(&3));
         assert_eq!(r.len(), 2);
+    }
+
+    #[test]
+    fn the_map_keeps_its_newest_keys_and_replaces_in_place() {
+        let mut m = super::RecentMap::new(2);
+        m.insert(1, "a");
+        m.insert(2, "b");
+        m.insert(1, "c"); // a replacement: 1 keeps its age
+        assert_eq!(m.get(&1), Some(&"c"));
+        m.insert(3, "d");
+        assert_eq!((m.get(&1), m.get(&2), m.get(&3)), (None, Some(&"b"), Some(&"d")));
+        assert_eq!(m.remove(&2), Some("b"));
+        assert_eq!(m.len(), 1);
+        m.insert(4, "e");
+        m.insert(5, "f");
+        assert!(m.get(&3).is_none() && !m.is_empty());
     }
 }

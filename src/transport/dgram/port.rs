@@ -27,6 +27,7 @@ use super::wire::{self, Message, Route, SendOp};
 use crate::error::{Errno, Result};
 use crate::meta::mrtable::MrInfo;
 use crate::rdma::Gid;
+use crate::recent::RecentMap;
 use crate::stats::{self, Stat};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -126,6 +127,30 @@ struct Inbound {
     responder: Responder,
 }
 
+/// A peer's flow that closed: how to tell its late packets, and what to
+/// answer them.
+struct Closed {
+    peer: Peer,
+    /// Its first packet's nonce: a packet with sequence number 0 and
+    /// another nonce starts the route's next flow.
+    first_nonce: Option<u64>,
+    /// Its final ACK's next sequence number and nonce.
+    next: u64,
+    nonce: u64,
+}
+
+/// What [`Port::late_packet`] found.
+enum Late {
+    No,
+    Answer(Peer, Vec<u8>),
+    Drop,
+}
+
+/// Closed flows a port remembers (about 120 bytes each): a late packet
+/// comes within the sender's retries (about 4 s), and it takes a lost
+/// final ACK and more closes than this meanwhile to forget one early.
+const MAX_CLOSED: usize = 128;
+
 /// Most flows from peers a port keeps (each a receiver and a cache of
 /// answers); a flow beyond them is dropped until one goes.
 pub const MAX_INBOUND: usize = 4096;
@@ -141,6 +166,11 @@ pub struct Port {
     /// The earliest wake-up asked of the host and not run yet (µs since
     /// `epoch`; u64::MAX: none).
     armed: AtomicU64,
+    /// Peers' flows closed here lately (their CLOSE delivered), as TCP's
+    /// TIME_WAIT: a late packet of one (the CLOSE again, its final ACK
+    /// lost) gets that ACK again instead of making a new flow whose
+    /// receiver would hold it and later close the route's next flow.
+    closed: Mutex<RecentMap<Route, Closed>>,
     /// Flows in `out` and `inbound`: while there are any, an application
     /// thread that polls drains the UD queue too ([`Port::has_flows`]).
     flows: AtomicUsize,
@@ -175,6 +205,7 @@ impl Port {
             out: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
             armed: AtomicU64::new(u64::MAX),
+            closed: Mutex::new(RecentMap::new(MAX_CLOSED)),
             flows: AtomicUsize::new(0),
             turn: Mutex::new(()),
         })
@@ -405,6 +436,15 @@ impl Port {
         let route = *m.route();
         let mut inbound = self.inbound.lock();
         if !inbound.contains_key(&route) {
+            match self.late_packet(&route, m, from) {
+                Late::No => {}
+                Late::Answer(peer, ack) => {
+                    drop(inbound);
+                    stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+                    return host.send(&peer, &ack);
+                }
+                Late::Drop => return dropped(),
+            }
             if inbound.len() >= MAX_INBOUND {
                 return dropped();
             }
@@ -445,8 +485,12 @@ impl Port {
                             let Some(req) = d.request() else { continue };
                             let served = crate::vqp::mrs::with(pd, |mrs| f.responder.serve(&req, &Registered(mrs), &mut ProcessMemory));
                             stats::inc(Stat::KRCORE_STAT_DGRAM_SERVED);
+                            // (A WRITE's segments before its last are not
+                            // answered: the flow's ACK covers them.)
+                            if !served.responses.is_empty() {
+                                answered = Some(req.seq);
+                            }
                             answers.extend(served.responses);
-                            answered = Some(req.seq);
                             if served.status != super::wire::Status::Ok {
                                 stats::inc(Stat::KRCORE_STAT_DGRAM_REFUSED);
                                 // As an RC responder: nothing more of this flow.
@@ -510,10 +554,31 @@ impl Port {
                 self.flows_removed(1);
                 stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
                 host.send(&peer, &f.receiver.final_ack());
+                let (next, nonce) = f.receiver.position();
+                self.closed.lock().insert(route, Closed { peer, first_nonce: f.receiver.first_nonce(), next, nonce });
             }
             return;
         }
         self.ack(host, &route, now);
+    }
+
+    /// A packet `m` of `route`, which has no flow here: whether that
+    /// route's last flow closed here lately and `m` is one of its packets
+    /// (not the first of a new flow: sequence number 0 with another
+    /// nonce), to be answered with its final ACK again. A new flow forgets
+    /// the closed one; a packet of it from elsewhere is dropped.
+    fn late_packet(&self, route: &Route, m: &Message, from: &Source) -> Late {
+        let mut closed = self.closed.lock();
+        let (Some(c), Some((seq, nonce))) = (closed.get(route), m.seq_nonce()) else { return Late::No };
+        if seq == 0 && c.first_nonce != Some(nonce) {
+            closed.remove(route);
+            return Late::No;
+        }
+        if !c.peer.sent(from) {
+            return Late::Drop;
+        }
+        let ack = Message::Ack(wire::Ack { route: route.reverse(), next: c.next, nonce: c.nonce, sack: 0 }).to_vec();
+        Late::Answer(c.peer, ack)
     }
 
     /// Send flow `route`'s ACK if one is due, else arm its timer.

@@ -10,6 +10,8 @@ type Delivered = (Vec<Vec<u8>>, Option<Vec<u8>>);
 /// A host that records what the port does.
 #[derive(Default)]
 struct Recorder {
+    /// The PD whose MRs serve one-sided requests.
+    pd: usize,
     sent: Mutex<Vec<Vec<u8>>>,
     delivered: Mutex<Vec<Delivered>>,
     completed: Mutex<Vec<Completion>>,
@@ -21,7 +23,7 @@ impl Host for Recorder {
     }
     fn wake_at(&self, _at: Instant) {}
     fn admit(&self, _route: &Route, from: &Source) -> Option<(usize, Peer)> {
-        Some((0, Peer { sgid_index: 0, dgid: from.gid, qpn: from.qpn, qkey: 1 }))
+        Some((self.pd, Peer { sgid_index: 0, dgid: from.gid, qpn: from.qpn, qkey: 1 }))
     }
     fn messages(&self, _route: &Route, _from: &Peer, batch: Vec<Arrived>, ack: Option<&[u8]>) {
         self.delivered.lock().push((batch.into_iter().map(|m| m.data).collect(), ack.map(<[u8]>::to_vec)));
@@ -108,4 +110,80 @@ fn a_close_is_delivered_then_acknowledged_and_its_flow_goes() {
     let final_ack = hb.sent.lock().pop().expect("the final ACK, after");
     a.on_datagram(&ha, &final_ack, &B);
     assert!(ha.completed.lock().iter().any(|c| c.id == 9 && c.outcome == Outcome::Done));
+}
+
+#[test]
+fn a_closed_flow_answers_its_late_packets_and_its_route_starts_afresh() {
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder::default());
+    let (flow, packets) = sends(&a, &ha, 1);
+    b.on_datagram(&hb, &packets[0], &A);
+    let (_, ack) = hb.delivered.lock().pop().expect("delivered");
+    a.on_datagram(&ha, &ack.expect("ACK"), &B);
+    a.post(&ha, &flow, Op::Send { id: 9, opcode: SendOp::Close, imm: 0, data: &[] }).expect("CLOSE");
+    a.linger(&flow);
+    let mut close = ha.sent.lock().pop().expect("CLOSE sent");
+    b.on_datagram(&hb, &close, &A);
+    assert!(hb.delivered.lock().pop().is_some(), "the CLOSE delivered");
+    let flows = b.inbound.lock().len();
+    // Its final ACK is lost: the CLOSE comes again (a retransmission).
+    hb.sent.lock().clear();
+    wire::set_ack_req(&mut close, true);
+    // (The same bytes from another source are nobody's: dropped.)
+    let elsewhere = Source { qpn: 999, ..A };
+    b.on_datagram(&hb, &close, &elsewhere);
+    assert!(hb.sent.lock().is_empty() && b.inbound.lock().len() == flows, "a closed flow answers only its source");
+    b.on_datagram(&hb, &close, &A);
+    assert_eq!(b.inbound.lock().len(), flows, "no flow made for a closed one's packet");
+    assert!(hb.delivered.lock().is_empty(), "nothing delivered twice");
+    let again = hb.sent.lock().pop().expect("the final ACK again");
+    a.on_datagram(&ha, &again, &B);
+    assert!(ha.completed.lock().iter().any(|c| c.id == 9 && c.outcome == Outcome::Done), "the CLOSE completes");
+    assert_eq!(a.out.lock().len(), 0, "the lingering flow went");
+    // A late duplicate of the closed flow's first packet: not delivered.
+    b.on_datagram(&hb, &packets[0], &A);
+    assert!(hb.delivered.lock().is_empty(), "a closed flow's packet is not delivered again");
+    // The route's next flow (a new VQP with the same number) starts
+    // afresh and is delivered.
+    ha.completed.lock().clear();
+    let (_next, fresh) = sends(&a, &ha, 1);
+    b.on_datagram(&hb, &fresh[0], &A);
+    let (data, ack) = hb.delivered.lock().pop().expect("the new flow's message delivered");
+    assert_eq!(data, vec![vec![0u8; 16]]);
+    a.on_datagram(&ha, &ack.expect("ACK"), &B);
+    assert!(ha.completed.lock().iter().any(|c| c.id == 0 && c.outcome == Outcome::Done));
+}
+
+#[test]
+fn a_writes_first_segments_are_acknowledged_though_unanswered() {
+    use crate::sys::ibv_access_flags as Access;
+    // A target MR in a PD of this test's own (the registry is the
+    // process's).
+    let pd = 0x7e57_0001;
+    let mut target = vec![0u8; 4096];
+    let info = MrInfo { addr: target.as_mut_ptr() as u64, len: 4096, access: Access::IBV_ACCESS_REMOTE_WRITE.0 };
+    crate::vqp::mrs::added(pd, 0x11, 0x22, info);
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder { pd, ..Recorder::default() });
+    let flow = a.open(ROUTE, Peer { sgid_index: 0, dgid: B.gid, qpn: B.qpn, qkey: 1 }).expect("open");
+    let data = vec![7u8; 3000];
+    a.post(&ha, &flow, Op::Write { id: 1, rkey: 0x22, addr: info.addr, data: &data }).expect("post");
+    let packets = std::mem::take(&mut *ha.sent.lock());
+    assert!(packets.len() >= 3, "{} segments", packets.len());
+    // The segments before the last get no RESPONSE: what they are owed is
+    // the flow's ACK, delayed as for messages.
+    for p in &packets[..packets.len() - 1] {
+        b.on_datagram(&hb, p, &A);
+    }
+    assert!(hb.sent.lock().is_empty(), "no RESPONSE before the last segment");
+    let due = b.inbound.lock().get(&ROUTE).and_then(|f| f.receiver.next_deadline());
+    assert!(due.is_some(), "an ACK is due for the unanswered segments");
+    // The last one's RESPONSE completes the WRITE; the bytes landed.
+    b.on_datagram(&hb, packets.last().expect("last"), &A);
+    for r in std::mem::take(&mut *hb.sent.lock()) {
+        a.on_datagram(&ha, &r, &B);
+    }
+    assert!(ha.completed.lock().iter().any(|c| c.id == 1 && c.outcome == Outcome::Done));
+    assert_eq!(&target[..3000], &data[..]);
+    crate::vqp::mrs::removed(pd, 0x11);
 }

@@ -733,6 +733,8 @@ pub struct Receiver {
     route: Route,
     next: u64,
     last_nonce: u64,
+    /// The nonce of the flow's first packet (sequence number 0).
+    first_nonce: Option<u64>,
     /// Packets past the gap, encoded.
     ahead: BTreeMap<u64, Vec<u8>>,
     partial: Option<Partial>,
@@ -755,6 +757,7 @@ impl Receiver {
             route,
             next: 0,
             last_nonce: 0,
+            first_nonce: None,
             ahead: BTreeMap::new(),
             partial: None,
             ready: VecDeque::new(),
@@ -817,11 +820,13 @@ impl Receiver {
             Message::Data(d) => {
                 self.next = d.seq + 1;
                 self.last_nonce = d.nonce;
+                self.first_nonce.get_or_insert(d.nonce);
                 self.reassemble(d);
             }
             Message::Request(r) => {
                 self.next = r.seq + 1;
                 self.last_nonce = r.nonce;
+                self.first_nonce.get_or_insert(r.nonce);
                 self.ready.push_back(Delivery::Request(m.to_vec()));
             }
             Message::Ack(_) | Message::Response(_) => return,
@@ -907,6 +912,18 @@ impl Receiver {
             self.ack_deadline = None;
             self.unacked = 0;
         }
+    }
+
+    /// How far the flow was delivered: the next sequence number expected,
+    /// and the nonce an ACK up to it echoes.
+    pub fn position(&self) -> (u64, u64) {
+        (self.next, if self.next == 0 { 0 } else { self.last_nonce })
+    }
+
+    /// The nonce of the flow's first packet, once delivered: a packet with
+    /// sequence number 0 and another nonce starts another flow.
+    pub fn first_nonce(&self) -> Option<u64> {
+        self.first_nonce
     }
 
     /// When [`Receiver::poll_ack`] must run again (a delayed ACK).

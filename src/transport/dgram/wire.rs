@@ -293,6 +293,16 @@ impl Message<'_> {
         }
     }
 
+    /// A flow packet's sequence number and nonce (DATA and REQUEST; the
+    /// answers are not a flow's packets).
+    pub fn seq_nonce(&self) -> Option<(u64, u64)> {
+        match self {
+            Message::Data(m) => Some((m.seq, m.nonce)),
+            Message::Request(m) => Some((m.seq, m.nonce)),
+            Message::Ack(_) | Message::Response(_) => None,
+        }
+    }
+
     /// Appends the encoded message to `out` (cleared first). The values
     /// are the library's own: an inconsistent one is a bug, caught by
     /// debug assertions (and by [`Message::decode`] at the receiver).

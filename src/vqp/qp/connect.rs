@@ -91,10 +91,16 @@ impl Vqp {
                 // while the link is made (tier.rs).
                 self.attach_at(rt, None, ep, index, path, ep.vqpn);
                 crate::kmark!("qconnect: on the datagram tier");
-                // Asked for at the first completion on the tier (tier.rs),
-                // or by now + ASK_LATE if nothing is posted meanwhile.
+                // A `qconnect`: asked for at the first completion on the
+                // tier (tier.rs), or by now + ASK_LATE if nothing is posted
+                // meanwhile. A transparent VQP: now (an unmodified program
+                // may stream at once, and its peer asks ASK_LATE after its
+                // own first post: a link by then keeps the two from making
+                // one each).
                 if crate::config::get().link_after == 0 && self.asks_first(rt, &ep) {
-                    rt.want_link_at(std::time::Instant::now() + super::tier::ASK_LATE, ep, index, path);
+                    let transparent = self.st.lock().rc.is_some();
+                    let after = if transparent { std::time::Duration::ZERO } else { super::tier::ASK_LATE };
+                    rt.want_link_at(std::time::Instant::now() + after, ep, index, path);
                 }
                 return Ok(());
             }
