@@ -21,10 +21,14 @@
  * "simultaneous connects": two processes (nodes 7, 8), each bound at a
  * port, connect 4 VQPs to each other at the same moment with
  * KRCORE_LINKS_PER_PEER=4, so that both make the link of an index at once
- * (each request accepted by the other: two links). Messages flow both
+ * (each request accepted by the other: two links). Twice: with
+ * KRCORE_DGRAM=0 (each qconnect makes its link: the requests cross every
+ * time) and on the datagram tier (each VQP asks at its first completion:
+ * they cross when both ask within a handshake's time). Messages flow both
  * ways, checked; the duplicates are closed (both sides keep the same
- * one), leaving exactly 4 links in each process; more messages flow
- * after the closes, checked.
+ * one), leaving exactly 4 links in each process (within the timeout:
+ * the links are asked for at each VQP's first completion on the datagram
+ * tier); more messages flow after the closes, checked.
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -79,6 +83,18 @@ static unsigned long long links_settle(unsigned long long max, int timeout_ms)
 	uint64_t t0 = ct_now_ns();
 
 	while (kstat(KRCORE_STAT_LINKS) > max && ct_now_ns() - t0 < (uint64_t)timeout_ms * 1000000ull)
+		usleep(2000);
+	return kstat(KRCORE_STAT_LINKS);
+}
+
+/* Wait (bounded) until this process holds exactly `n` links: the
+ * duplicates closed, and the links its VQPs asked for (at their first
+ * completion on the datagram tier, in the background) made. */
+static unsigned long long links_reach(unsigned long long n, int timeout_ms)
+{
+	uint64_t t0 = ct_now_ns();
+
+	while (kstat(KRCORE_STAT_LINKS) != n && ct_now_ns() - t0 < (uint64_t)timeout_ms * 1000000ull)
 		usleep(2000);
 	return kstat(KRCORE_STAT_LINKS);
 }
@@ -377,6 +393,7 @@ static int lru_reclaim(int tier)
 #define PAIR_VQPS 4
 #define PHASE_MSGS 16
 
+static int pair_tier;		/* KRCORE_DGRAM of the pair's run */
 static int go_pipe[2][2];	/* parent -> peer i: go (connect, phase 2, end) */
 static int step_pipe[2];	/* peers -> parent: ready, phase done */
 static int peer_idx;
@@ -450,8 +467,16 @@ static int pair_peer(void)
 	const size_t area = (size_t)PAIR_VQPS * PHASE_MSGS * MSG_LEN;
 	unsigned long long opened, links;
 
-	ct_begin(peer_idx ? "vqp_reclaim: simultaneous connects (peer B)" : "vqp_reclaim: simultaneous connects (peer A)");
+	static const char *const names[2][2] = {
+		{ "vqp_reclaim: simultaneous connects (peer A, KRCORE_DGRAM=0)",
+		  "vqp_reclaim: simultaneous connects (peer B, KRCORE_DGRAM=0)" },
+		{ "vqp_reclaim: simultaneous connects (peer A, datagram tier)",
+		  "vqp_reclaim: simultaneous connects (peer B, datagram tier)" },
+	};
+
+	ct_begin(names[pair_tier][peer_idx]);
 	setenv("KRCORE_LINKS_PER_PEER", "4", 1);
+	setenv("KRCORE_DGRAM", pair_tier ? "1" : "0", 1);
 	/* NBUF receive buffers, then send, answer and answer-receive areas. */
 	ct_node_open(&n, node, NBUF * MSG_LEN + 3 * area, 1024);
 	bound = vqp(&n, 2 * NBUF, NBUF);
@@ -472,15 +497,19 @@ static int pair_peer(void)
 	exchange(&n, bound, qp, sent, answers, &sv, NBUF * MSG_LEN, NBUF * MSG_LEN + area,
 		 NBUF * MSG_LEN + 2 * area);
 	opened = kstat(KRCORE_STAT_LINKS_OPENED);
-	/* The duplicates close (at the next link maintenance, both sides). */
-	links = links_settle(PAIR_VQPS, CT_TIMEOUT_MS);
+	/* The duplicates close (at the next link maintenance, both sides),
+	 * and every index has its link. */
+	links = links_reach(PAIR_VQPS, CT_TIMEOUT_MS);
 	CT_CHECK(links == PAIR_VQPS, "%llu links to the other process (opened %llu), want %d", links, opened,
 		 PAIR_VQPS);
 	step();
 	wait_go();
 	exchange(&n, bound, qp, sent, answers, &sv, NBUF * MSG_LEN, NBUF * MSG_LEN + area,
 		 NBUF * MSG_LEN + 2 * area);
-	CT_CHECK(kstat(KRCORE_STAT_LINKS) == PAIR_VQPS, "%llu links after phase 2", kstat(KRCORE_STAT_LINKS));
+	/* A link both sides asked for at once in phase 1 closes as a duplicate
+	 * at the next maintenance. */
+	links = links_reach(PAIR_VQPS, CT_TIMEOUT_MS);
+	CT_CHECK(links == PAIR_VQPS, "%llu links after phase 2", links);
 	CT_CHECK(kstat(KRCORE_STAT_LINKS_OPENED) - kstat(KRCORE_STAT_LINKS_CLOSED) == PAIR_VQPS,
 		 "opened %llu, closed %llu", kstat(KRCORE_STAT_LINKS_OPENED), kstat(KRCORE_STAT_LINKS_CLOSED));
 	CT_CHECK(kstat(KRCORE_STAT_LINKS_FAILED) == 0, "%llu links failed", kstat(KRCORE_STAT_LINKS_FAILED));
@@ -496,11 +525,12 @@ static int pair_peer(void)
 	return 0;
 }
 
-static int simultaneous(void)
+static int simultaneous(int tier)
 {
 	pid_t p[2];
 	int fails = 0;
 
+	pair_tier = tier;
 	CT_CHECK(pipe(go_pipe[0]) == 0 && pipe(go_pipe[1]) == 0 && pipe(step_pipe) == 0, "pipe");
 	for (int i = 0; i < 2; i++) {
 		peer_idx = i;
@@ -547,7 +577,8 @@ int main(void)
 	fails += lru_reclaim(0);
 	fails += lru_reclaim(1);
 	unsetenv("KRCORE_DGRAM");
-	fails += simultaneous();
+	fails += simultaneous(0);
+	fails += simultaneous(1);
 	kill(meta_pid, SIGTERM);
 	waitpid(meta_pid, NULL, 0);
 	CT_CHECK(fails == 0, "%d process(es) failed", fails);
