@@ -1334,7 +1334,7 @@ impl Runtime {
     /// them (`polls` tells it).
     /// Completions for the CQ behind `sink` go into it (see [`Sink`]).
     pub fn progress_for(&self, receives: bool, mut sink: Option<&mut Sink<'_>>) {
-        if self.dgram.has_flows() {
+        if self.dgram.busy() {
             self.svc.poll_datagrams();
         }
         let mut messages = receives || self.large.awaits_done();

@@ -8,7 +8,7 @@
 //! message or a completion goes). Threads: a VQP posts from the
 //! application's thread; what arrives is handled by whichever thread
 //! drains the UD queue (the endpoint's progress thread, or an application
-//! thread polling while the port has flows), and every timer on the
+//! thread polling while the tier is in use), and every timer on the
 //! progress thread. Arrivals and timers take turns ([`Port::on_datagram`],
 //! [`Port::on_timer`]): one thread at a time takes completions out of a
 //! flow, so they reach the VQP in order.
@@ -29,6 +29,7 @@ use crate::meta::mrtable::MrInfo;
 use crate::rdma::Gid;
 use crate::recent::RecentMap;
 use crate::stats::{self, Stat};
+use crate::vqp::runtime::coarse_ms;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -171,9 +172,13 @@ pub struct Port {
     /// lost) gets that ACK again instead of making a new flow whose
     /// receiver would hold it and later close the route's next flow.
     closed: Mutex<RecentMap<Route, Closed>>,
-    /// Flows in `out` and `inbound`: while there are any, an application
-    /// thread that polls drains the UD queue too ([`Port::has_flows`]).
+    /// Flows in `out` and `inbound`, and when the tier was last used
+    /// (a post, a datagram; CLOCK_MONOTONIC_COARSE ms): while it is in
+    /// use, an application thread that polls drains the UD queue too
+    /// ([`Port::busy`]); a connection that moved onto its link leaves its
+    /// flows behind, and its polls should not pay for them.
     flows: AtomicUsize,
+    used_ms: AtomicU64,
     /// Held while what arrived or a timer is handled (see the module).
     turn: Mutex<()>,
 }
@@ -207,14 +212,19 @@ impl Port {
             armed: AtomicU64::new(u64::MAX),
             closed: Mutex::new(RecentMap::new(MAX_CLOSED)),
             flows: AtomicUsize::new(0),
+            used_ms: AtomicU64::new(0),
             turn: Mutex::new(()),
         })
     }
 
-    /// Whether any flow, ours or a peer's, is open: the tier may have
-    /// something arriving.
-    pub fn has_flows(&self) -> bool {
-        self.flows.load(Ordering::Relaxed) > 0
+    /// Whether the tier may have something arriving: a flow is open and
+    /// the tier was used in the last [`BUSY_MS`].
+    pub fn busy(&self) -> bool {
+        self.flows.load(Ordering::Relaxed) > 0 && coarse_ms().saturating_sub(self.used_ms.load(Ordering::Relaxed)) <= BUSY_MS
+    }
+
+    fn used(&self) {
+        self.used_ms.store(coarse_ms(), Ordering::Relaxed);
     }
 
     /// `n` flows more, or fewer (the statistic and the port's count).
@@ -365,6 +375,7 @@ impl Port {
             Op::Atomic { id, atomic, rkey, addr } => s.post_atomic(id, atomic, rkey, addr)?,
         }
         stats::inc(Stat::KRCORE_STAT_DGRAM_WRS);
+        self.used();
         self.transmit(host, flow, &mut s);
         Ok(())
     }
@@ -391,6 +402,7 @@ impl Port {
     /// A datagram of this family arrived from `from` (the progress thread).
     pub fn on_datagram(&self, host: &dyn Host, bytes: &[u8], from: &Source) {
         let _turn = self.turn.lock();
+        self.used();
         let m = match Message::decode(bytes) {
             Ok(m) => m,
             Err(_) => return dropped(),
@@ -627,6 +639,10 @@ impl Port {
         }
     }
 }
+
+/// How long after the tier was last used the application's polls still
+/// drain the UD queue (beyond the first timeouts of a new peer's answer).
+const BUSY_MS: u64 = 100;
 
 /// The first timeout of a flow before any round trip was measured on
 /// this endpoint: a new peer's first answer waits for its service thread
