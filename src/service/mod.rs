@@ -387,8 +387,8 @@ impl Service {
 
     /// Make `path`'s address handle on the progress thread, unless made:
     /// a connect that knows its peer's GID before the lookup that names
-    /// the peer does not create it on its own path afterwards (on rxe,
-    /// `ibv_create_ah` resolves the address through a kernel work queue).
+    /// the peer does not create it on its own path afterwards
+    /// (`ibv_create_ah` is a kernel call that resolves the address).
     pub fn prepare_path_soon(&self, path: Path) {
         if self.shared.ahs.lock().contains_key(&path) {
             return;
