@@ -877,8 +877,12 @@ impl Runtime {
     }
 
     /// [`Runtime::want_link`] at `at`, from the progress thread: the
-    /// link's thread is not started on the application's path.
+    /// link's thread is not started on the application's path. Nothing
+    /// (not even a wake-up) when a link serves that peer already.
     pub fn want_link_at(&self, at: Instant, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
+        if self.svc.link_to(peer.incarnation, index, path).is_some() {
+            return;
+        }
         let weak = self.weak_self();
         self.svc.defer(
             at,

@@ -97,10 +97,7 @@ impl Vqp {
                 // may stream at once, and its peer asks ASK_LATE after its
                 // own first post: a link by then keeps the two from making
                 // one each).
-                // (Nothing to ask for when a link serves that peer: the
-                // first post takes it.)
-                let linked = rt.svc.link_to(ep.incarnation, index, path).is_some();
-                if !linked && crate::config::get().link_after == 0 && self.asks_first(rt, &ep) {
+                if crate::config::get().link_after == 0 && self.asks_first(rt, &ep) {
                     let transparent = self.st.lock().rc.is_some();
                     let after = if transparent { std::time::Duration::ZERO } else { super::tier::ASK_LATE };
                     rt.want_link_at(std::time::Instant::now() + after, ep, index, path);
