@@ -51,6 +51,18 @@ fn sends(a: &Port, ha: &Recorder, n: u64) -> (Arc<Flow>, Vec<Vec<u8>>) {
     (flow, std::mem::take(&mut *ha.sent.lock()))
 }
 
+/// A's flow to B: one SEND delivered and acknowledged, then a CLOSE
+/// (id 9) posted. The flow, the SEND's datagrams and the CLOSE's.
+fn one_sent_then_close(a: &Port, b: &Port, ha: &Recorder, hb: &Recorder) -> (Arc<Flow>, Vec<Vec<u8>>, Vec<u8>) {
+    let (flow, packets) = sends(a, ha, 1);
+    b.on_datagram(hb, &packets[0], &A);
+    let (_, ack) = hb.delivered.lock().pop().expect("delivered");
+    a.on_datagram(ha, &ack.expect("ACK"), &B);
+    a.post(ha, &flow, Op::Send { id: 9, opcode: SendOp::Close, imm: 0, data: &[] }).expect("CLOSE");
+    let close = ha.sent.lock().pop().expect("CLOSE sent");
+    (flow, packets, close)
+}
+
 #[test]
 fn a_delivered_message_carries_its_ack() {
     let (a, b) = (port(), port());
@@ -96,12 +108,7 @@ fn a_filled_gap_delivers_in_one_batch_with_one_ack() {
 fn a_close_is_delivered_then_acknowledged_and_its_flow_goes() {
     let (a, b) = (port(), port());
     let (ha, hb) = (Recorder::default(), Recorder::default());
-    let (flow, packets) = sends(&a, &ha, 1);
-    b.on_datagram(&hb, &packets[0], &A);
-    let (_, ack) = hb.delivered.lock().pop().expect("delivered");
-    a.on_datagram(&ha, &ack.expect("ACK"), &B);
-    a.post(&ha, &flow, Op::Send { id: 9, opcode: SendOp::Close, imm: 0, data: &[] }).expect("CLOSE");
-    let close = ha.sent.lock().pop().expect("CLOSE sent");
+    let (_flow, _, close) = one_sent_then_close(&a, &b, &ha, &hb);
     let flows = b.inbound.lock().len();
     b.on_datagram(&hb, &close, &A);
     let (data, ack) = hb.delivered.lock().pop().expect("the CLOSE delivered");
@@ -116,13 +123,8 @@ fn a_close_is_delivered_then_acknowledged_and_its_flow_goes() {
 fn a_closed_flow_answers_its_late_packets_and_its_route_starts_afresh() {
     let (a, b) = (port(), port());
     let (ha, hb) = (Recorder::default(), Recorder::default());
-    let (flow, packets) = sends(&a, &ha, 1);
-    b.on_datagram(&hb, &packets[0], &A);
-    let (_, ack) = hb.delivered.lock().pop().expect("delivered");
-    a.on_datagram(&ha, &ack.expect("ACK"), &B);
-    a.post(&ha, &flow, Op::Send { id: 9, opcode: SendOp::Close, imm: 0, data: &[] }).expect("CLOSE");
+    let (flow, packets, mut close) = one_sent_then_close(&a, &b, &ha, &hb);
     a.linger(&flow);
-    let mut close = ha.sent.lock().pop().expect("CLOSE sent");
     b.on_datagram(&hb, &close, &A);
     assert!(hb.delivered.lock().pop().is_some(), "the CLOSE delivered");
     let flows = b.inbound.lock().len();
