@@ -44,8 +44,12 @@
  *    KRCORE_CONNECT_TIMEOUT_MS (250 in C) plus a margin, a qconnect to it
  *    fails with ETIMEDOUT (KRCORE_DGRAM=0: the handshake), or returns at
  *    once and a SEND on it completes with IBV_WC_RETRY_EXC_ERR (the
- *    datagram tier: no handshake); the binding expires after the lease,
- *    not before, and C binds it;
+ *    datagram tier: no handshake); on the tier, a second VQP connected
+ *    to it but idle, once the process is taken for gone (counter
+ *    peers_unreachable), gets IBV_WC_RETRY_EXC_ERR for its next SEND and
+ *    a flush for the one behind (an RC QP's first WR after its peer
+ *    died); the binding expires after the lease, not before, and C binds
+ *    it;
  * 8. a new process (node 6) qconnects to (node 4, port) and reaches C.
  *
  * "connect both ways at once": two processes (nodes 7 and 8), each bound,
@@ -628,22 +632,44 @@ static int client_c(void)
 		uint64_t t1 = ct_now_ns();
 		double ms;
 
+		uint64_t unreachable = krcore_stat_get(KRCORE_STAT_PEERS_UNREACHABLE);
 		int rc = qconnect(probe, ct_node_gid(5), PORT + 2);
 		const char *how;
 
 		if (rc == 0) {
+			/* Connected too, but idle while the process is found gone. */
+			struct ibv_qp *idle = ct_create_vqp(&n.d, n.scq, n.rcq,
+							    (struct ct_qp_caps){ 2, 1, 1, 1, 0, 0 }, NULL);
+			struct ibv_wc two[2];
+
+			CT_OK(qconnect(idle, ct_node_gid(5), PORT + 2));
 			/* The datagram tier: no handshake, the SEND fails. */
 			CT_OK(post_send_at(probe, &n, 77, 0, 8, IBV_SEND_SIGNALED));
 			ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
 			CT_CHECK(wc.wr_id == 77 && wc.status == IBV_WC_RETRY_EXC_ERR, "SEND to a stopped process: %s",
 				 ibv_wc_status_str(wc.status));
 			how = "a SEND after qconnect failed with RETRY_EXC_ERR";
+			ms = (double)(ct_now_ns() - t1) / 1e6;
+			/* The link asked for meanwhile gets no answer either: the
+			 * process is taken for gone. The idle VQP's first SEND
+			 * then meets that error, as an RC QP's first WR after its
+			 * peer died; the one behind it is flushed. */
+			CT_KRCORE_STAT_WITHIN(KRCORE_STAT_PEERS_UNREACHABLE, >, unreachable);
+			CT_OK(post_send_at(idle, &n, 78, 0, 8, 0));
+			CT_OK(post_send_at(idle, &n, 79, 0, 8, IBV_SEND_SIGNALED));
+			ct_poll_n(n.scq, two, 2, CT_TIMEOUT_MS);
+			CT_CHECK(two[0].wr_id == 78 && two[0].status == IBV_WC_RETRY_EXC_ERR,
+				 "an idle VQP's first SEND after its peer was found gone: %s (wr %llu)",
+				 ibv_wc_status_str(two[0].status), (unsigned long long)two[0].wr_id);
+			CT_CHECK(two[1].wr_id == 79 && two[1].status == IBV_WC_WR_FLUSH_ERR, "the SEND behind it: %s",
+				 ibv_wc_status_str(two[1].status));
+			CT_OK(ibv_destroy_qp(idle));
 		} else {
 			/* KRCORE_DGRAM=0: the handshake times out. */
 			CT_CHECK(rc == ETIMEDOUT, "qconnect to a stopped process: %d (%s)", rc, strerror(rc));
 			how = "qconnect failed with ETIMEDOUT";
+			ms = (double)(ct_now_ns() - t1) / 1e6;
 		}
-		ms = (double)(ct_now_ns() - t1) / 1e6;
 		CT_CHECK(ms >= 250 && ms < 250 + 1000, "a stopped process found not answering after %.0f ms", ms);
 		ct_note("a stopped process: %s after %.0f ms (connect timeout 250 ms)", how, ms);
 		CT_OK(ibv_destroy_qp(probe));

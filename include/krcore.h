@@ -171,6 +171,10 @@ enum krcore_stat {
   // Lookups answered over TCP (a `Query`) because the meta-server RC
   // connection was still being made.
   KRCORE_STAT_META_QUERIES,
+  // Peer processes taken for gone because a link handshake to them got
+  // no answer within `KRCORE_CONNECT_TIMEOUT_MS` (and nothing came from
+  // them on the datagram tier); their VQPs moved to the error state.
+  KRCORE_STAT_PEERS_UNREACHABLE,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

@@ -164,6 +164,9 @@ pub struct SendRing {
     /// Front entries completed on the wire, some held by one awaiting DONE.
     acked: usize,
     error: bool,
+    /// The status the next WR reported in the error state takes instead of
+    /// a flush: the peer was found gone while nothing was outstanding.
+    owed: Option<ibv_wc_status::Type>,
 }
 
 impl SendRing {
@@ -174,7 +177,14 @@ impl SendRing {
             return Err(Errno::EINVAL);
         }
         let cap = max_send_wr as usize;
-        Ok(SendRing { entries: alloc_slots(cap, SendEntry::default)?, fifo: Fifo::new(cap), head_seq: 0, acked: 0, error: false })
+        Ok(SendRing {
+            entries: alloc_slots(cap, SendEntry::default)?,
+            fifo: Fifo::new(cap),
+            head_seq: 0,
+            acked: 0,
+            error: false,
+            owed: None,
+        })
     }
 
     /// Appends a WR and returns its sequence number; `ENOMEM` when the queue
@@ -257,8 +267,15 @@ impl SendRing {
 
     /// The oldest WR outstanding fails with `status` (whether signaled or
     /// not), the rest are flushed, and the queue enters the error state:
-    /// what an RC QP reports when its peer stops answering.
+    /// what an RC QP reports when its peer stops answering. With nothing
+    /// outstanding, the next WR posted takes `status` (an RC QP finds its
+    /// peer gone only when it sends), those after it are flushed.
     pub fn fail_oldest(&mut self, status: ibv_wc_status::Type, emit: &mut impl FnMut(Completion)) {
+        if self.fifo.len == 0 && !self.error {
+            self.error = true;
+            self.owed = Some(status);
+            return;
+        }
         if self.complete(self.head_seq, status, emit).is_err() {
             self.flush(emit);
         }
@@ -271,7 +288,7 @@ impl SendRing {
         self.error = true;
         self.acked = 0;
         while let Some(entry) = self.pop_front() {
-            emit(entry.completion(ibv_wc_status::IBV_WC_WR_FLUSH_ERR));
+            emit(entry.completion(self.owed.take().unwrap_or(ibv_wc_status::IBV_WC_WR_FLUSH_ERR)));
         }
     }
 
@@ -281,6 +298,7 @@ impl SendRing {
     pub fn revive(&mut self) {
         self.flush(&mut |_| {});
         self.error = false;
+        self.owed = None;
     }
 
     /// In the error state, reports the WRs pushed since the last report as
@@ -809,6 +827,25 @@ mod tests {
         assert!(!r.is_error());
         assert_eq!(complete(&mut r, 2, IBV_WC_SUCCESS), (Ok(()), vec![(1, 0), (2, 0)]));
         assert_eq!(complete(&mut r, 2, IBV_WC_SUCCESS), (Err(Errno::EINVAL), vec![]));
+    }
+
+    #[test]
+    fn send_ring_failed_while_empty_gives_the_next_wr_the_error() {
+        let mut r = SendRing::new(4).unwrap();
+        let mut out = Vec::new();
+        r.fail_oldest(IBV_WC_RETRY_EXC_ERR, &mut |c| out.push((c.wr_id, c.status)));
+        assert_eq!(out, vec![], "nothing outstanding, nothing reported");
+        assert!(r.is_error());
+        r.push(entry(1, false)).unwrap();
+        r.push(entry(2, true)).unwrap();
+        assert_eq!(take_flushed(&mut r), vec![(1, IBV_WC_RETRY_EXC_ERR), (2, IBV_WC_WR_FLUSH_ERR)]);
+        r.push(entry(3, true)).unwrap();
+        assert_eq!(take_flushed(&mut r), vec![(3, IBV_WC_WR_FLUSH_ERR)], "owed once");
+        r.revive();
+        r.fail_oldest(IBV_WC_RETRY_EXC_ERR, &mut |_| {});
+        r.revive();
+        r.push(entry(4, true)).unwrap();
+        assert_eq!(take_flushed(&mut r), vec![], "a revived ring owes nothing");
     }
 
     #[test]

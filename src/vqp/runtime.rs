@@ -835,6 +835,7 @@ impl Runtime {
         for v in vqp::live() {
             v.on_peer_unreachable(peer, index, path);
         }
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_UNREACHABLE);
     }
 
     /// A weak reference to this runtime (for work that must not keep it).

@@ -194,7 +194,9 @@ impl Vqp {
     }
 
     /// A WR posted to a send queue in the error state: accepted and
-    /// completed at once with `IBV_WC_WR_FLUSH_ERR`, as by an RC QP.
+    /// completed at once with `IBV_WC_WR_FLUSH_ERR`, as by an RC QP (the
+    /// first after a peer found gone with nothing outstanding takes that
+    /// error instead, see `SendRing::fail_oldest`).
     pub(super) fn accept_flushed(&self, mut guard: parking_lot::MutexGuard<'_, State>, entry: SendEntry) -> Result<()> {
         let st = &mut *guard;
         st.sq.push(entry)?;
