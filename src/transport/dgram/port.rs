@@ -623,6 +623,7 @@ impl Port {
                     }
                     continue;
                 }
+                crate::kmark!("dgram: a flow's timer expired");
                 self.transmit(host, &flow, &mut s);
                 let done = take_completions(&mut s);
                 self.drop_if_done(&flow, &s);
