@@ -8,7 +8,7 @@ use crate::meta::Endpoint;
 use crate::rdma::{Gid, Qp};
 use crate::vqp::queue::PhysSq;
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -201,6 +201,14 @@ pub(super) struct Links {
     /// copy that comes late (retransmitted while we were slow) is dropped,
     /// not made into a link nobody uses on the other side.
     retired: crate::recent::Recent<RequestId>,
+    /// The keys our own link requests are out for.
+    asking: FxHashSet<LinkKey>,
+    /// The keys of the peers' requests being accepted now (until the link
+    /// is in `by_key`, or refused).
+    pub(super) accepting: FxHashSet<LinkKey>,
+    /// Requests that crossed one of ours (see [`Links::crossed`]), the
+    /// last [`MAX_RETIRED`]: their copies get the same answer.
+    crossed: crate::recent::Recent<RequestId>,
 }
 
 /// A link request, as the requester's (incarnation, QP number, PSN): the
@@ -217,6 +225,9 @@ impl Default for Links {
             by_qpn: FxHashMap::default(),
             accepted: FxHashMap::default(),
             retired: crate::recent::Recent::new(MAX_RETIRED),
+            asking: FxHashSet::default(),
+            accepting: FxHashSet::default(),
+            crossed: crate::recent::Recent::new(MAX_RETIRED),
         }
     }
 }
@@ -254,6 +265,36 @@ impl Links {
                 self.by_key.insert(key, Arc::clone(twin));
             }
         }
+    }
+
+    /// Our request for `key` is out (true) or answered (false).
+    pub(super) fn asking(&mut self, key: LinkKey, out: bool) {
+        if out {
+            self.asking.insert(key);
+        } else {
+            self.asking.remove(&key);
+        }
+    }
+
+    /// Whether the peer's request `id` for `key` crossed ours: both
+    /// processes asked for the link at once. Only one link is made, the one
+    /// the process of the lower incarnation asked for (`lower`: we are
+    /// that one): the other's request is answered EALREADY, and its
+    /// requester takes the link ours makes. Ours is out, or was made less
+    /// than `window_ms` ago (a request is retransmitted that long: a copy
+    /// sent before the peer accepted ours may come after our link is up).
+    /// Copies of a crossed request get the same answer.
+    pub(super) fn crossed(&mut self, id: RequestId, key: &LinkKey, lower: bool, window_ms: u64) -> bool {
+        if self.crossed.contains(&id) {
+            return true;
+        }
+        let now = crate::vqp::runtime::coarse_ms();
+        let ours_new = |l: &Arc<Link>| l.initiated && l.is_open() && now < l.ready_after_ms.saturating_sub(READY_WAIT_MS) + window_ms;
+        let crossed = lower && (self.asking.contains(key) || self.by_key.get(key).is_some_and(ours_new));
+        if crossed {
+            self.crossed.insert(id);
+        }
+        crossed
     }
 
     /// Whether the link request `id` made a link that is retired now.

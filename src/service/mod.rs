@@ -20,7 +20,9 @@
 //! comes or its time runs out; the responder answers a repeated request
 //! with the link it already made. The peer's incarnation in the reply must
 //! be the one the initiator expected, or the connect is refused (a new
-//! process now owns that address).
+//! process now owns that address). Two processes asking for the same link
+//! at once make one: the lower incarnation answers the other's request
+//! EALREADY, and the other takes the link it accepts (`Links::crossed`).
 //!
 //! One progress thread per endpoint answers peers while the application
 //! is busy elsewhere. It sleeps in `poll(2)` on the UD completion channel
@@ -86,6 +88,26 @@ pub const LINK_SEND_SGE: u32 = 4;
 /// no registered memory.
 pub const LINK_INLINE: u32 = crate::vqp::header::HEADER_LEN as u32;
 
+/// Our link request for a key is out while this lives (`Links::crossed`
+/// reads it).
+struct Asking<'a> {
+    shared: &'a Shared,
+    key: LinkKey,
+}
+
+impl<'a> Asking<'a> {
+    fn new(shared: &'a Shared, key: LinkKey) -> Asking<'a> {
+        shared.links.lock().asking(key, true);
+        Asking { shared, key }
+    }
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        self.shared.links.lock().asking(self.key, false);
+    }
+}
+
 /// One of our connects in progress ([`Shared::connects`]).
 struct Connecting<'a>(&'a Shared);
 
@@ -149,7 +171,6 @@ struct Shared {
     accepting: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
     warm: Mutex<Vec<Qp>>,
     links: Mutex<Links>,
-    /// Replies to our requests, by request id, until their waiter takes them.
     /// Replies to our requests, by request id: an entry per waiter (None
     /// until its reply comes), so that a late or repeated reply (to a
     /// retransmission) is dropped, not kept.
@@ -435,7 +456,9 @@ impl Service {
         // `timeout` twice at most (the wait, then its own handshake).
         let _one = self.shared.connecting.enter(key, timeout)?;
         crate::kmark!("link: the connecting lock taken");
-        let found = self.shared.links.lock().by_key.get(&key).cloned();
+        // The peer's request for this key may be being accepted now: that
+        // link serves (a request of ours would make a second).
+        let found = self.shared.accepted_soon(&key, Instant::now() + timeout);
         let link = match found {
             Some(l) => l,
             None => self.shared.connect(peer, index, path, timeout, optional)?,
@@ -842,10 +865,18 @@ impl Shared {
         let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index, src_gid, path.dgid), optional };
         let mut msg = [0u8; LINK_LEN];
         req.encode(&mut msg);
+        let key = LinkKey::of(peer, index, path);
         self.replies.lock().insert(req_id, None);
+        let _asking = Asking::new(self, key);
         let reply = self.await_reply(peer, path, req_id, &msg, deadline);
         self.replies.lock().remove(&req_id);
         let reply = reply?;
+        if reply.status == libc::EALREADY as u32 {
+            // The peer asked at the same time and has the lower
+            // incarnation: its request makes the link, here.
+            self.warm.lock().push(qp);
+            return self.crossed_link(&key, deadline);
+        }
         if reply.status != 0 {
             return Err(Errno(reply.status as i32));
         }
@@ -863,7 +894,7 @@ impl Shared {
         // other end), and the caller uses the one that serves.
         let serving = {
             let _sends_wait = link.sq.lock();
-            let serving = self.links.lock().insert(LinkKey::of(peer, index, path), Arc::clone(&link), &self.me);
+            let serving = self.links.lock().insert(key, Arc::clone(&link), &self.me);
             if let Err(e) = link.qp.rc_connect(path.sgid_index, psn, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn }) {
                 link.failed.store(true, Ordering::Release);
                 let mut links = self.links.lock();
@@ -883,6 +914,32 @@ impl Shared {
         }
         self.new_link_made(&link);
         Ok(serving)
+    }
+
+    /// The link that serves `key`, if any, once no request of the peer's
+    /// for it is being accepted (waited for until `deadline`).
+    fn accepted_soon(&self, key: &LinkKey, deadline: Instant) -> Option<Arc<Link>> {
+        let mut links = self.links.lock();
+        while links.accepting.contains(key) && !links.by_key.contains_key(key) && Instant::now() < deadline {
+            self.link_ready.wait_until(&mut links, deadline);
+        }
+        links.by_key.get(key).cloned()
+    }
+
+    /// The link the peer's request for `key` makes here (ours crossed
+    /// it), waited for until `deadline`.
+    fn crossed_link(&self, key: &LinkKey, deadline: Instant) -> Result<Arc<Link>> {
+        crate::kmark!("link: crossed the peer's request: waiting for its link");
+        let mut links = self.links.lock();
+        loop {
+            if let Some(l) = links.by_key.get(key) {
+                return Ok(Arc::clone(l));
+            }
+            if Instant::now() >= deadline {
+                return Err(Errno(libc::ETIMEDOUT));
+            }
+            self.link_ready.wait_until(&mut links, deadline);
+        }
     }
 
     /// `link` once ready to be handed out: an accepted link whose
@@ -1301,6 +1358,16 @@ impl Shared {
                 klog!(Level::Debug, "service: a late copy of a link request from QP {} whose link is closed: dropped", peer.qpn);
             }
             Some(l) => self.answer(r, path, Ok(&l)),
+            None if self.links.lock().crossed(
+                id,
+                &LinkKey::of(&peer, r.info.link, path),
+                self.me.incarnation < peer.incarnation,
+                crate::config::get().connect_timeout_ms,
+            ) =>
+            {
+                klog!(Level::Debug, "service: a link request from QP {} crossed ours: ours makes the link", peer.qpn);
+                self.answer(r, path, Err(Errno(libc::EALREADY)));
+            }
             None if r.optional && self.at_link_limit() => {
                 klog!(Level::Debug, "service: at KRCORE_MAX_LINKS: refused an optional link from QP {}", peer.qpn);
                 self.answer(r, path, Err(Errno(libc::ECONNREFUSED)));
@@ -1316,7 +1383,12 @@ impl Shared {
                 );
             }
             None => {
-                if let Err(e) = self.accept(r, path) {
+                let key = LinkKey::of(&peer, r.info.link, path);
+                self.links.lock().accepting.insert(key);
+                let accepted = self.accept(r, path);
+                self.links.lock().accepting.remove(&key);
+                self.link_ready.notify_all();
+                if let Err(e) = accepted {
                     klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
                     self.answer(r, path, Err(e));
                 }
@@ -1372,6 +1444,8 @@ impl Shared {
                 let mut links = self.links.lock();
                 links.accepted.insert((theirs.from.incarnation, theirs.rc_qpn, theirs.psn), Arc::clone(&link));
                 links.insert(LinkKey::of(&theirs.from, theirs.link, path), Arc::clone(&link), &self.me);
+                // A connect of ours that crossed this request waits for it.
+                self.link_ready.notify_all();
             }
             self.answer(r, path, Ok(&link));
             if let Err(e) = link.qp.to_rts(psn) {
