@@ -202,7 +202,7 @@ pub(super) struct Links {
     /// not made into a link nobody uses on the other side.
     retired: crate::recent::Recent<RequestId>,
     /// The keys our own link requests are out for.
-    asking: FxHashSet<LinkKey>,
+    pub(super) asking: FxHashSet<LinkKey>,
     /// The keys of the peers' requests being accepted now (until the link
     /// is in `by_key`, or refused).
     pub(super) accepting: FxHashSet<LinkKey>,
@@ -264,15 +264,6 @@ impl Links {
             if let Some(twin) = twin {
                 self.by_key.insert(key, Arc::clone(twin));
             }
-        }
-    }
-
-    /// Our request for `key` is out (true) or answered (false).
-    pub(super) fn asking(&mut self, key: LinkKey, out: bool) {
-        if out {
-            self.asking.insert(key);
-        } else {
-            self.asking.remove(&key);
         }
     }
 

@@ -97,14 +97,14 @@ struct Asking<'a> {
 
 impl<'a> Asking<'a> {
     fn new(shared: &'a Shared, key: LinkKey) -> Asking<'a> {
-        shared.links.lock().asking(key, true);
+        shared.links.lock().asking.insert(key);
         Asking { shared, key }
     }
 }
 
 impl Drop for Asking<'_> {
     fn drop(&mut self) {
-        self.shared.links.lock().asking(self.key, false);
+        self.shared.links.lock().asking.remove(&self.key);
     }
 }
 
@@ -176,7 +176,8 @@ struct Shared {
     /// retransmission) is dropped, not kept.
     replies: Mutex<HashMap<u32, Option<LinkReply>>>,
     reply_ready: Condvar,
-    /// Signalled (under `links`) when an accepted link becomes ready.
+    /// Signalled (under `links`) when an accepted link becomes ready, is
+    /// in `by_key`, or its accepting ends.
     link_ready: Condvar,
     next_req: AtomicU32,
     /// Cold connects one at a time per link key (a second connect to the
@@ -458,7 +459,7 @@ impl Service {
         crate::kmark!("link: the connecting lock taken");
         // The peer's request for this key may be being accepted now: that
         // link serves (a request of ours would make a second).
-        let found = self.shared.accepted_soon(&key, Instant::now() + timeout);
+        let found = self.shared.link_when(&key, Instant::now() + timeout, |links| links.accepting.contains(&key));
         let link = match found {
             Some(l) => l,
             None => self.shared.connect(peer, index, path, timeout, optional)?,
@@ -875,7 +876,8 @@ impl Shared {
             // The peer asked at the same time and has the lower
             // incarnation: its request makes the link, here.
             self.warm.lock().push(qp);
-            return self.crossed_link(&key, deadline);
+            crate::kmark!("link: crossed the peer's request: waiting for its link");
+            return self.link_when(&key, deadline, |_| true).ok_or(Errno(libc::ETIMEDOUT));
         }
         if reply.status != 0 {
             return Err(Errno(reply.status as i32));
@@ -916,30 +918,15 @@ impl Shared {
         Ok(serving)
     }
 
-    /// The link that serves `key`, if any, once no request of the peer's
-    /// for it is being accepted (waited for until `deadline`).
-    fn accepted_soon(&self, key: &LinkKey, deadline: Instant) -> Option<Arc<Link>> {
+    /// The link that serves `key`, waited for until `deadline` while
+    /// `pending` says one may still come (a peer's request for it being
+    /// accepted here).
+    fn link_when(&self, key: &LinkKey, deadline: Instant, pending: impl Fn(&Links) -> bool) -> Option<Arc<Link>> {
         let mut links = self.links.lock();
-        while links.accepting.contains(key) && !links.by_key.contains_key(key) && Instant::now() < deadline {
+        while !links.by_key.contains_key(key) && pending(&links) && Instant::now() < deadline {
             self.link_ready.wait_until(&mut links, deadline);
         }
         links.by_key.get(key).cloned()
-    }
-
-    /// The link the peer's request for `key` makes here (ours crossed
-    /// it), waited for until `deadline`.
-    fn crossed_link(&self, key: &LinkKey, deadline: Instant) -> Result<Arc<Link>> {
-        crate::kmark!("link: crossed the peer's request: waiting for its link");
-        let mut links = self.links.lock();
-        loop {
-            if let Some(l) = links.by_key.get(key) {
-                return Ok(Arc::clone(l));
-            }
-            if Instant::now() >= deadline {
-                return Err(Errno(libc::ETIMEDOUT));
-            }
-            self.link_ready.wait_until(&mut links, deadline);
-        }
     }
 
     /// `link` once ready to be handed out: an accepted link whose
