@@ -469,7 +469,7 @@ impl Port {
             inbound = self.inbound.lock();
             if let std::collections::hash_map::Entry::Vacant(e) = inbound.entry(route) {
                 self.flows_added(1);
-                e.insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_READ) });
+                e.insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_MSG) });
             }
         }
         let Some(f) = inbound.get_mut(&route) else { return };
@@ -654,9 +654,12 @@ const RTO_FIRST_US: u64 = 50_000;
 /// The longest retransmission timeout of the tier.
 const RTO_MAX_US: u64 = 500_000;
 
-/// The largest READ served (answered from one buffer): RC's 2 GiB is not
-/// a datagram tier's business; larger READs wait for a link.
-pub const MAX_READ: u32 = 1 << 20;
+/// The largest work request the tier carries, and the largest READ a
+/// target serves on it. A message is a window of datagrams each handled
+/// by the target's progress thread: beyond this a link, asked for at
+/// first contact, comes up sooner than the message would arrive (a 1 MiB
+/// SEND took 10 s on a loaded testbed), so larger work waits for it.
+pub const MAX_MSG: u32 = 64 << 10;
 
 const ZERO_ROUTE: Route = Route { src_incarnation: 0, dst_incarnation: 0, src_vqpn: 0, dst_vqpn: 0 };
 

@@ -59,7 +59,7 @@ pub(super) fn tier_carries(w: &ibv_send_wr, total: u32) -> bool {
     crate::config::get().dgram
         && w.opcode != ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
         && w.send_flags & ibv_send_flags::IBV_SEND_SOLICITED.0 == 0
-        && (w.opcode != ibv_wr_opcode::IBV_WR_RDMA_READ || total <= port::MAX_READ)
+        && total <= port::MAX_MSG
 }
 
 impl Vqp {
