@@ -1372,6 +1372,18 @@ impl Runtime {
         }
     }
 
+    /// Deliver the messages that landed in the links' receive buffers
+    /// (waiting for a thread that is delivering some now). A VQP whose link
+    /// closed sends on the datagram tier once its last WQE there completed,
+    /// that is once its messages landed here, not once they were taken: the
+    /// tier delivers a flow's messages after this, so they cannot overtake
+    /// them.
+    pub(crate) fn take_link_messages(&self) {
+        if self.svc.link_cqs().is_some() {
+            self.progress_messages();
+        }
+    }
+
     /// The service thread's pass over the links' messages: it waits for
     /// the progress lock (the messages must be taken off the shared
     /// buffers), then, like [`Runtime::progress_for`], drains once more

@@ -74,13 +74,15 @@ pub trait Host: Send + Sync {
     /// to; None to refuse (no such VQP, or one that takes nothing from
     /// that sender).
     fn admit(&self, route: &Route, from: &Source) -> Option<(usize, Peer)>;
-    /// Messages of an admitted flow, in the flow's order. `ack`, the flow's
-    /// ACK of them when one is due, is sent first, under what keeps the
-    /// VQP's arrivals in order: as an RC responder's NIC acknowledges
-    /// before the application can act, a receiver that exits as soon as it
-    /// saw a message leaves its sender a success; and nothing the sender
-    /// sends once it has the ACK (on a link) can land before them.
-    fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, ack: Option<&[u8]>);
+    /// Messages of an admitted flow, in the flow's order. `answers`, what
+    /// acknowledges them (the RESPONSEs of requests that came between or
+    /// after them, then the flow's ACK when one is due), are sent first,
+    /// in order, under what keeps the VQP's arrivals in order: as an RC
+    /// responder's NIC acknowledges before the application can act, a
+    /// receiver that exits as soon as it saw a message leaves its sender a
+    /// success; and nothing the sender sends once it has an answer (on a
+    /// link) can land before them.
+    fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, answers: &[Vec<u8>]);
     /// A work request of our flow `route` finished (in post order).
     fn completed(&self, route: &Route, c: Completion);
 }
@@ -531,9 +533,14 @@ impl Port {
         let ack = if messages.is_empty() || closed { None } else { f.receiver.poll_ack(now) };
         drop(inbound);
         crate::kmark!("dgram: a packet received, {} answers", answers.len());
-        for a in &answers {
-            stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
-            host.send(&peer, a);
+        // A RESPONSE acknowledges every message before its request: with
+        // messages to deliver it goes with them (Host::messages), as the ACK.
+        if messages.is_empty() {
+            for a in &answers {
+                stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
+                host.send(&peer, a);
+            }
+            answers.clear();
         }
         if closed {
             // Its final ACKs first, so that what we sent the closing VQP
@@ -553,10 +560,11 @@ impl Port {
             close.data = Vec::new();
         }
         if !messages.is_empty() {
-            if ack.is_some() {
+            answers.extend(ack);
+            for _ in &answers {
                 stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
             }
-            host.messages(&route, &peer, messages, ack.as_deref());
+            host.messages(&route, &peer, messages, &answers);
         }
         if closed {
             // The sender's VQP is gone: its CLOSE is acknowledged now and

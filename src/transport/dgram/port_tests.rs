@@ -4,7 +4,8 @@
 use super::*;
 use crate::transport::dgram::reliable::Outcome;
 
-/// One `messages` call: the payloads, and the ACK that came with them.
+/// One `messages` call: the payloads, and the ACK that came with them
+/// (the last of its answers; the RESPONSEs before it in `answered`).
 type Delivered = (Vec<Vec<u8>>, Option<Vec<u8>>);
 
 /// A host that records what the port does.
@@ -14,6 +15,8 @@ struct Recorder {
     pd: usize,
     sent: Mutex<Vec<Vec<u8>>>,
     delivered: Mutex<Vec<Delivered>>,
+    /// The answers `messages` calls carried, in order (ACKs included).
+    answered: Mutex<Vec<Vec<u8>>>,
     completed: Mutex<Vec<Completion>>,
 }
 
@@ -25,8 +28,10 @@ impl Host for Recorder {
     fn admit(&self, _route: &Route, from: &Source) -> Option<(usize, Peer)> {
         Some((self.pd, Peer { sgid_index: 0, dgid: from.gid, qpn: from.qpn, qkey: 1 }))
     }
-    fn messages(&self, _route: &Route, _from: &Peer, batch: Vec<Arrived>, ack: Option<&[u8]>) {
-        self.delivered.lock().push((batch.into_iter().map(|m| m.data).collect(), ack.map(<[u8]>::to_vec)));
+    fn messages(&self, _route: &Route, _from: &Peer, batch: Vec<Arrived>, answers: &[Vec<u8>]) {
+        self.answered.lock().extend(answers.iter().cloned());
+        let ack = answers.last().filter(|a| matches!(Message::decode(a), Ok(Message::Ack(_)))).cloned();
+        self.delivered.lock().push((batch.into_iter().map(|m| m.data).collect(), ack));
     }
     fn completed(&self, _route: &Route, c: Completion) {
         self.completed.lock().push(c);
@@ -188,4 +193,38 @@ fn a_writes_first_segments_are_acknowledged_though_unanswered() {
     assert!(ha.completed.lock().iter().any(|c| c.id == 1 && c.outcome == Outcome::Done));
     assert_eq!(&target[..3000], &data[..]);
     crate::vqp::mrs::removed(pd, 0x11);
+}
+
+#[test]
+fn a_response_goes_with_the_messages_it_acknowledges() {
+    use crate::sys::ibv_access_flags as Access;
+    // A READ's RESPONSE tells its sender that every message before the
+    // READ arrived; sent before they were handed to the VQP, the sender
+    // could move onto its link and a message there overtake them.
+    let pd = 0x7e57_0002;
+    let target = [5u8; 64];
+    let info = MrInfo { addr: target.as_ptr() as u64, len: 64, access: Access::IBV_ACCESS_REMOTE_READ.0 };
+    crate::vqp::mrs::added(pd, 0x33, 0x44, info);
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder { pd, ..Recorder::default() });
+    let (flow, mut packets) = sends(&a, &ha, 1);
+    a.post(&ha, &flow, Op::Read { id: 1, rkey: 0x44, addr: info.addr, len: 8 }).expect("post");
+    packets.append(&mut ha.sent.lock());
+    assert_eq!(packets.len(), 2);
+    // The READ comes first and waits behind the gap; the SEND fills it:
+    // both are taken in one pass.
+    b.on_datagram(&hb, &packets[1], &A);
+    hb.sent.lock().clear(); // the ACK that reports the gap
+    b.on_datagram(&hb, &packets[0], &A);
+    assert!(hb.sent.lock().is_empty(), "nothing sent outside the delivery");
+    let (data, _) = hb.delivered.lock().pop().expect("the SEND delivered");
+    assert_eq!(data, vec![vec![0u8; 16]]);
+    let answers = std::mem::take(&mut *hb.answered.lock());
+    assert!(answers.iter().any(|r| matches!(Message::decode(r), Ok(Message::Response(_)))), "the RESPONSE went with it");
+    for r in &answers {
+        a.on_datagram(&ha, r, &B);
+    }
+    let ids: Vec<u64> = ha.completed.lock().iter().map(|c| c.id).collect();
+    assert_eq!(ids, vec![0, 1]);
+    crate::vqp::mrs::removed(pd, 0x33);
 }

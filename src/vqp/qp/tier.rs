@@ -464,13 +464,10 @@ impl Host for Runtime {
         Some((v.app.real_pd as usize, Peer { sgid_index, dgid: from.gid, qpn: from.qpn, qkey: crate::rdma::QKEY }))
     }
 
-    fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, ack: Option<&[u8]>) {
-        let send_ack = || {
-            if let Some(a) = ack {
-                self.send(from, a);
-            }
-        };
+    fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, answers: &[Vec<u8>]) {
+        let send_ack = || answers.iter().for_each(|a| self.send(from, a));
         let Some(v) = by_vqpn(route.dst_vqpn) else { return send_ack() };
+        self.take_link_messages();
         let batch = batch
             .into_iter()
             .map(|m| {
