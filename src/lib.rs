@@ -19,6 +19,7 @@
 #![allow(clippy::macro_metavars_in_unsafe)]
 
 pub mod abi;
+pub mod clock;
 pub mod codec;
 pub mod config;
 pub mod error;

@@ -86,7 +86,7 @@ impl Link {
             peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
             initiated,
             ready: AtomicBool::new(initiated),
-            ready_after_ms: crate::vqp::runtime::coarse_ms() + READY_WAIT_MS,
+            ready_after_ms: crate::clock::coarse_ms() + READY_WAIT_MS,
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
             failed: AtomicBool::new(false),
@@ -95,7 +95,7 @@ impl Link {
             close_done: AtomicBool::new(false),
             close_heard: AtomicBool::new(false),
             used: AtomicBool::new(false),
-            last_used: AtomicU64::new(crate::vqp::runtime::coarse_ms()),
+            last_used: AtomicU64::new(crate::clock::coarse_ms()),
             close_started: AtomicU64::new(0),
         })
     }
@@ -110,7 +110,7 @@ impl Link {
 
     /// Whether the peer's end can receive (see `ready`).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire) || crate::vqp::runtime::coarse_ms() >= self.ready_after_ms
+        self.ready.load(Ordering::Acquire) || crate::clock::coarse_ms() >= self.ready_after_ms
     }
 
     /// Whether a VQP may start new work on it.
@@ -120,7 +120,7 @@ impl Link {
 
     /// Milliseconds since it began closing.
     pub fn closing_for_ms(&self) -> u64 {
-        crate::vqp::runtime::coarse_ms().saturating_sub(self.close_started.load(Ordering::Relaxed))
+        crate::clock::coarse_ms().saturating_sub(self.close_started.load(Ordering::Relaxed))
     }
 
     /// This process posts on it (under its send lock: the line is hot).
@@ -279,7 +279,7 @@ impl Links {
         if self.crossed.contains(&id) {
             return true;
         }
-        let now = crate::vqp::runtime::coarse_ms();
+        let now = crate::clock::coarse_ms();
         let ours_new = |l: &Arc<Link>| l.initiated && l.is_open() && now < l.ready_after_ms.saturating_sub(READY_WAIT_MS) + window_ms;
         let crossed = lower && (self.asking.contains(key) || self.by_key.get(key).is_some_and(ours_new));
         if crossed {

@@ -639,7 +639,7 @@ impl Service {
     /// first tick after it).
     pub fn links_to_close(&self, max: usize, idle_ms: u64) -> Vec<Arc<Link>> {
         let links = self.shared.links.lock();
-        let now = crate::vqp::runtime::coarse_ms();
+        let now = crate::clock::coarse_ms();
         for l in links.by_qpn.values() {
             if l.used.swap(false, Ordering::Relaxed) {
                 l.last_used.store(now, Ordering::Relaxed);
@@ -668,7 +668,7 @@ impl Service {
         if !link.is_open() || !links.by_qpn.contains_key(&link.qp.qpn()) {
             return false;
         }
-        link.close_started.store(crate::vqp::runtime::coarse_ms(), Ordering::Relaxed);
+        link.close_started.store(crate::clock::coarse_ms(), Ordering::Relaxed);
         link.closing.store(true, Ordering::Release);
         links.retire(link);
         true
@@ -937,7 +937,7 @@ impl Shared {
             return link;
         }
         crate::kmark!("link: waiting for the peer's end");
-        let until = Instant::now() + Duration::from_millis(link.ready_after_ms.saturating_sub(crate::vqp::runtime::coarse_ms()));
+        let until = Instant::now() + Duration::from_millis(link.ready_after_ms.saturating_sub(crate::clock::coarse_ms()));
         let mut links = self.links.lock();
         while !link.is_ready() && Instant::now() < until {
             self.link_ready.wait_until(&mut links, until);

@@ -24,12 +24,12 @@
 use super::reliable::{self, Completion, Config, Delivery, Received, Receiver, Sender};
 use super::serve::{Memory, Mrs, Responder};
 use super::wire::{self, Message, Route, SendOp};
+use crate::clock::coarse_ms;
 use crate::error::{Errno, Result};
 use crate::meta::mrtable::MrInfo;
 use crate::rdma::Gid;
 use crate::recent::RecentMap;
 use crate::stats::{self, Stat};
-use crate::vqp::runtime::coarse_ms;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
