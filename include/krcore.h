@@ -175,6 +175,13 @@ enum krcore_stat {
   // no answer within `KRCORE_CONNECT_TIMEOUT_MS` (and nothing came from
   // them on the datagram tier); their VQPs moved to the error state.
   KRCORE_STAT_PEERS_UNREACHABLE,
+  // Link handshake messages dropped: malformed, or not from the
+  // endpoint they name (GRH source GID and `src_qp`), or a reply from
+  // another endpoint than the one asked.
+  KRCORE_STAT_LINK_MSGS_DROPPED,
+  // Link requests refused because their sender already held
+  // `KRCORE_MAX_PEER_LINKS` links with this process.
+  KRCORE_STAT_LINKS_REFUSED,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

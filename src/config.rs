@@ -22,6 +22,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_STAGING_BYTES", "4194304", "per link: registered memory that holds messages above 4 KiB until the receiver READs them (larger ones get a registration each)"),
     ("KRCORE_LINK_PROBE_MS", "1000", "an idle link is probed (one 8-byte READ) this often: a peer that died is found within this plus the RC retry time (about 3.8 s); 0: never"),
     ("KRCORE_MAX_LINKS", "64", "links (physical RC QPs) a process keeps: above it the least recently used idle ones are closed, and made again when next used; 0: no limit"),
+    ("KRCORE_MAX_PEER_LINKS", "4", "links one peer endpoint may hold with this process at once (asked for by it or by us, duplicates while they close included; at least twice KRCORE_LINKS_PER_PEER): a request beyond it is refused with EBUSY and counted (links_refused), so that nobody can make this process create RC QPs without bound"),
     ("KRCORE_LINK_IDLE_MS", "1000", "a link is idle (may be closed to keep KRCORE_MAX_LINKS) when this process posted nothing on it for this long"),
     ("KRCORE_DGRAM", "1", "1: a connected VQP whose peer has no link yet sends at once on the connectionless (datagram) tier while its link is made in the background, and moves onto the link without reordering; qconnect makes no handshake (docs/vqp.md, \"The datagram tier\"); 0: qconnect and a transparent VQP's RTR wait for the link"),
     ("KRCORE_PRESTART", "1", "with KRCORE_META set: the process's first ibv_alloc_pd starts that PD's runtime (service endpoint, meta-server connection) on a thread of its own, overlapping the application's set-up; 0: at the first extended verb (or transparent QP)"),
@@ -77,6 +78,7 @@ pub struct Config {
     pub staging_bytes: usize,
     pub link_probe_ms: u64,
     pub max_links: usize,
+    pub max_peer_links: usize,
     pub link_idle_ms: u64,
     pub dgram: bool,
     pub prestart: bool,
@@ -111,6 +113,7 @@ impl Config {
             staging_bytes: var("KRCORE_STAGING_BYTES").and_then(|v| v.parse().ok()).unwrap_or(4 << 20),
             link_probe_ms: var("KRCORE_LINK_PROBE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
             max_links: var("KRCORE_MAX_LINKS").and_then(|v| v.parse().ok()).unwrap_or(64),
+            max_peer_links: var("KRCORE_MAX_PEER_LINKS").and_then(|v| v.parse().ok()).unwrap_or(4),
             link_idle_ms: var("KRCORE_LINK_IDLE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
             dgram: var("KRCORE_DGRAM").is_none_or(|v| v != "0"),
             prestart: var("KRCORE_PRESTART").is_none_or(|v| v != "0"),
@@ -124,7 +127,8 @@ impl Config {
     /// `NAME=value` lines, for `krcore_config_dump`.
     pub fn dump(&self) -> String {
         let lvl = format!("{:?}", self.log).to_ascii_lowercase();
-        let vals = [
+        // One value per variable, in their order (checked by the type).
+        let vals: [String; VARIABLES.len()] = [
             lvl,
             (self.stats_at_exit as u8).to_string(),
             self.stats_file.clone().unwrap_or_default(),
@@ -142,8 +146,10 @@ impl Config {
             self.staging_bytes.to_string(),
             self.link_probe_ms.to_string(),
             self.max_links.to_string(),
+            self.max_peer_links.to_string(),
             self.link_idle_ms.to_string(),
             (self.dgram as u8).to_string(),
+            (self.prestart as u8).to_string(),
             self.link_after.to_string(),
             self.dgram_rto_us.to_string(),
             self.test_dgram_loss.to_string(),

@@ -81,6 +81,21 @@ impl Default for Options {
     }
 }
 
+/// One of our link requests awaiting its reply.
+struct Awaited {
+    /// The endpoint it was sent to: the only one whose reply counts.
+    from: Endpoint,
+    reply: Option<LinkReply>,
+}
+
+/// A link message that is malformed or does not come from the endpoint it
+/// names: counted (`link_msgs_dropped`), logged at debug level only (a
+/// stranger must not fill the application's stderr).
+fn link_msg_dropped(what: std::fmt::Arguments<'_>) {
+    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINK_MSGS_DROPPED);
+    klog!(Level::Debug, "service: dropped a link message: {what}");
+}
+
 /// Scatter entries of a link's send WRs (one for a message header, the
 /// rest the application's).
 pub const LINK_SEND_SGE: u32 = 4;
@@ -151,7 +166,7 @@ struct Shared {
     ud_turn: Mutex<()>,
     /// Link requests and readies an application thread took off the UD
     /// queue: the progress thread handles them (they make and move QPs).
-    link_msgs: Mutex<Vec<LinkMessage>>,
+    link_msgs: Mutex<Vec<(LinkMessage, Source)>>,
     /// Address handles to peers' GIDs (from ours), for UD sends.
     ahs: Mutex<HashMap<Path, Arc<Ah>>>,
     /// Indexes of our GIDs that link requests were sent to.
@@ -174,7 +189,9 @@ struct Shared {
     /// Replies to our requests, by request id: an entry per waiter (None
     /// until its reply comes), so that a late or repeated reply (to a
     /// retransmission) is dropped, not kept.
-    replies: Mutex<HashMap<u32, Option<LinkReply>>>,
+    /// Our link requests awaiting their reply, each with the endpoint it
+    /// was sent to (a reply from anywhere else is dropped).
+    replies: Mutex<HashMap<u32, Awaited>>,
     reply_ready: Condvar,
     /// Signalled (under `links`) when an accepted link becomes ready, is
     /// in `by_key`, or its accepting ends.
@@ -832,14 +849,14 @@ impl Shared {
 
     /// Send request `req_id` (`msg`) every RETRANSMIT until its reply comes
     /// or `deadline` passes (ETIMEDOUT).
-    fn await_reply(&self, peer: &Endpoint, path: Path, req_id: u32, msg: &[u8; LINK_LEN], deadline: Instant) -> Result<LinkReply> {
+    fn await_reply(&self, peer: &Endpoint, req_id: u32, msg: &[u8; LINK_LEN], deadline: Instant) -> Result<LinkReply> {
         loop {
-            self.send_ud(path, peer.qpn, peer.qkey, msg)?;
+            self.send_ud(self.home_path(peer.gid), peer.qpn, peer.qkey, msg)?;
             crate::kmark!("link: request {req_id} sent");
             let until = (Instant::now() + RETRANSMIT).min(deadline);
             let mut replies = self.replies.lock();
             loop {
-                if let Some(r) = replies.get_mut(&req_id).and_then(Option::take) {
+                if let Some(r) = replies.get_mut(&req_id).and_then(|a| a.reply.take()) {
                     crate::kmark!("link: reply {req_id} taken by its waiter");
                     return Ok(r);
                 }
@@ -867,9 +884,9 @@ impl Shared {
         let mut msg = [0u8; LINK_LEN];
         req.encode(&mut msg);
         let key = LinkKey::of(peer, index, path);
-        self.replies.lock().insert(req_id, None);
+        self.replies.lock().insert(req_id, Awaited { from: *peer, reply: None });
         let _asking = Asking::new(self, key);
-        let reply = self.await_reply(peer, path, req_id, &msg, deadline);
+        let reply = self.await_reply(peer, req_id, &msg, deadline);
         self.replies.lock().remove(&req_id);
         let reply = reply?;
         if reply.status == libc::EALREADY as u32 {
@@ -911,7 +928,7 @@ impl Shared {
         // it READY_WAIT_MS at most: see `Link::ready`).
         let mut ready = [0u8; LINK_LEN];
         LinkReady { req_id, info: req.info }.encode(&mut ready);
-        if let Err(e) = self.send_ud(path, peer.qpn, peer.qkey, &ready) {
+        if let Err(e) = self.send_ud(self.home_path(peer.gid), peer.qpn, peer.qkey, &ready) {
             klog!(Level::Debug, "service: LINK_READY not sent: {e:?}");
         }
         self.new_link_made(&link);
@@ -982,6 +999,12 @@ impl Shared {
         if let Some(f) = self.on_new_link.lock().as_ref() {
             f();
         }
+    }
+
+    /// From our home GID to `gid`: where link messages go (the peer checks
+    /// that they come from the home GID of the endpoint they name).
+    fn home_path(&self, gid: Gid) -> Path {
+        Path { sgid_index: self.sgid_index, dgid: gid }
     }
 
     /// The address handle of `path` (made once, kept for the endpoint's life).
@@ -1183,8 +1206,8 @@ impl Shared {
             }
             {
                 let _turn = self.ud_turn.lock();
-                for m in std::mem::take(&mut *self.link_msgs.lock()) {
-                    self.on_link_message(m);
+                for (m, src) in std::mem::take(&mut *self.link_msgs.lock()) {
+                    self.on_link_message(m, &src);
                 }
                 self.drain_ud(true);
             }
@@ -1282,19 +1305,27 @@ impl Shared {
         } else if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
             // SAFETY: as above (the slot holds at least a link message).
             let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * self.ud_slot + GRH, LINK_LEN) });
-            match msg {
-                Ok(m @ (LinkMessage::Request(_) | LinkMessage::Ready(_))) if !progress => {
-                    // Bounded as the UD queue is: a peer repeats its
-                    // request until answered.
-                    let mut q = self.link_msgs.lock();
-                    if q.len() < UD_RECVS {
-                        q.push(m);
+            let gids = (wc.wc_flags & ibv_wc_flags::IBV_WC_GRH.0 != 0).then(|| grh_gids(&bytes[..GRH])).flatten();
+            match (msg, gids) {
+                (Ok(m), Some((gid, to_gid))) => {
+                    let src = Source { gid, to_gid, qpn: wc.src_qp };
+                    if !self.sent_by_its_endpoint(&m, &src) {
+                        link_msg_dropped(format_args!("{m:?} from {src:?}: not the endpoint it names"));
+                    } else if progress || matches!(m, LinkMessage::Reply(_)) {
+                        self.on_link_message(m, &src);
+                    } else {
+                        // Bounded as the UD queue is: a peer repeats its
+                        // request until answered.
+                        let mut q = self.link_msgs.lock();
+                        if q.len() < UD_RECVS {
+                            q.push((m, src));
+                        }
+                        drop(q);
+                        self.kick();
                     }
-                    drop(q);
-                    self.kick();
                 }
-                Ok(m) => self.on_link_message(m),
-                Err(e) => klog!(Level::Warn, "service: dropped a malformed link message: {e:?}"),
+                (Ok(m), None) => link_msg_dropped(format_args!("{m:?} without a GRH")),
+                (Err(e), _) => link_msg_dropped(format_args!("malformed: {e:?}")),
             }
         }
         if let Err(e) = self.post_ud_recv(slot) {
@@ -1302,7 +1333,22 @@ impl Shared {
         }
     }
 
-    fn on_link_message(&self, msg: LinkMessage) {
+    /// Whether link message `m` came from the endpoint it speaks for, as
+    /// the network says: a request or a READY from the UD QP and home GID
+    /// of the endpoint it names, sent to ours (link messages travel between
+    /// the endpoints' home GIDs, whatever GIDs the link itself joins). So
+    /// nobody can ask for a link, or say it is ready, as another process.
+    fn sent_by_its_endpoint(&self, m: &LinkMessage, src: &Source) -> bool {
+        let from = match m {
+            LinkMessage::Request(r) => &r.info.from,
+            LinkMessage::Ready(r) => &r.info.from,
+            // Checked against the request it answers (on_link_message).
+            LinkMessage::Reply(_) => return true,
+        };
+        from.gid == src.gid && from.qpn == src.qpn && src.to_gid == self.me.gid
+    }
+
+    fn on_link_message(&self, msg: LinkMessage, src: &Source) {
         match msg {
             LinkMessage::Request(r) => {
                 crate::kmark!("link: request {} received", r.req_id);
@@ -1314,8 +1360,12 @@ impl Shared {
             }
             LinkMessage::Reply(r) => {
                 crate::kmark!("link: reply {} received", r.req_id);
-                if let Some(slot) = self.replies.lock().get_mut(&r.req_id) {
-                    *slot = Some(r);
+                // Only from the endpoint the request went to: anyone else's
+                // "reply" (a guessed request id) would fail or hijack it.
+                match self.replies.lock().get_mut(&r.req_id) {
+                    Some(a) if a.from.gid == src.gid && a.from.qpn == src.qpn && src.to_gid == self.me.gid => a.reply = Some(r),
+                    Some(_) => link_msg_dropped(format_args!("a reply to request {} from {src:?}, not the endpoint asked", r.req_id)),
+                    None => {}
                 }
                 self.reply_ready.notify_all();
             }
@@ -1344,7 +1394,7 @@ impl Shared {
             None if retired => {
                 klog!(Level::Debug, "service: a late copy of a link request from QP {} whose link is closed: dropped", peer.qpn);
             }
-            Some(l) => self.answer(r, path, Ok(&l)),
+            Some(l) => self.answer(r, Ok(&l)),
             None if self.links.lock().crossed(
                 id,
                 &LinkKey::of(&peer, r.info.link, path),
@@ -1353,11 +1403,16 @@ impl Shared {
             ) =>
             {
                 klog!(Level::Debug, "service: a link request from QP {} crossed ours: ours makes the link", peer.qpn);
-                self.answer(r, path, Err(Errno(libc::EALREADY)));
+                self.answer(r, Err(Errno(libc::EALREADY)));
             }
             None if r.optional && self.at_link_limit() => {
                 klog!(Level::Debug, "service: at KRCORE_MAX_LINKS: refused an optional link from QP {}", peer.qpn);
-                self.answer(r, path, Err(Errno(libc::ECONNREFUSED)));
+                self.answer(r, Err(Errno(libc::ECONNREFUSED)));
+            }
+            None if self.links_held_by(&peer) >= self.peer_link_bound() => {
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_REFUSED);
+                klog!(Level::Debug, "service: QP {} holds KRCORE_MAX_PEER_LINKS links with us: refused another", peer.qpn);
+                self.answer(r, Err(Errno(libc::EBUSY)));
             }
             // The links' side is made on a thread of its own, never on
             // this one (it answers the datagram tier meanwhile): until it
@@ -1377,7 +1432,7 @@ impl Shared {
                 self.link_ready.notify_all();
                 if let Err(e) = accepted {
                     klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
-                    self.answer(r, path, Err(e));
+                    self.answer(r, Err(e));
                 }
             }
         }
@@ -1391,6 +1446,18 @@ impl Shared {
         }
     }
 
+    /// Links (open, closing or failed) with the endpoint `peer` names.
+    fn links_held_by(&self, peer: &Endpoint) -> usize {
+        self.links.lock().by_qpn.values().filter(|l| l.peer.gid == peer.gid && l.peer.qpn == peer.qpn).count()
+    }
+
+    /// `KRCORE_MAX_PEER_LINKS`, at least room for `KRCORE_LINKS_PER_PEER`
+    /// links and a duplicate of each while it closes.
+    fn peer_link_bound(&self) -> usize {
+        let cfg = crate::config::get();
+        cfg.max_peer_links.max(2 * cfg.links_per_peer as usize)
+    }
+
     /// Whether we hold `KRCORE_MAX_LINKS` links (open, closing or failed).
     fn at_link_limit(&self) -> bool {
         let max = crate::config::get().max_links;
@@ -1398,7 +1465,7 @@ impl Shared {
     }
 
     /// Reply to link request `r`: with our end of `link`, or the error.
-    fn answer(&self, r: &LinkRequest, path: Path, link: Result<&Link>) {
+    fn answer(&self, r: &LinkRequest, link: Result<&Link>) {
         let (ours, theirs) = (r.info.dst_gid, r.info.src_gid);
         let reply = match link {
             Ok(link) => LinkReply { req_id: r.req_id, status: 0, info: self.info(link.qp.qpn(), link.psn, r.info.link, ours, theirs) },
@@ -1406,7 +1473,7 @@ impl Shared {
         };
         let mut msg = [0u8; LINK_LEN];
         reply.encode(&mut msg);
-        if let Err(e) = self.send_ud(path, r.info.from.qpn, r.info.from.qkey, &msg) {
+        if let Err(e) = self.send_ud(self.home_path(r.info.from.gid), r.info.from.qpn, r.info.from.qkey, &msg) {
             klog!(Level::Warn, "service: cannot answer a link request: {e:?}");
         }
         crate::kmark!("link: reply {} sent", r.req_id);
@@ -1434,7 +1501,7 @@ impl Shared {
                 // A connect of ours that crossed this request waits for it.
                 self.link_ready.notify_all();
             }
-            self.answer(r, path, Ok(&link));
+            self.answer(r, Ok(&link));
             if let Err(e) = link.qp.to_rts(psn) {
                 // The peer has our reply: its operations on the link fail
                 // (RC retries) as if we had died, and it connects anew.
