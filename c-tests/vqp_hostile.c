@@ -9,8 +9,11 @@
  * a service endpoint of its own, sends the server's service UD QP 20,000
  * datagrams: random bytes, link requests with random fields (naming
  * processes that do not exist), and link requests with random bits
- * flipped. The honest client sees nothing but latency (every echo once,
- * in order, byte for byte); afterwards a new client on node 4 connects,
+ * flipped; then one well-formed link request naming the honest client
+ * (found at its own binding); then it binds the server's address to the
+ * server's own endpoint at krcore-meta and unbinds it. The honest client sees nothing but latency
+ * (every echo once, in order, byte for byte; its one link never
+ * replaced; the server never takes it for gone); afterwards a new client on node 4 connects,
  * echoes and gets its link, within a bound: the server still accepts
  * links. The server counts the forged and malformed link messages it
  * dropped and never holds more than KRCORE_MAX_PEER_LINKS links for the
@@ -49,6 +52,7 @@ static int server(int ready_fd)
 {
 	struct ct_node n;
 	struct ibv_qp *qp;
+	struct ibv_qp *quit[2] = { 0 };
 	int quits = 0;
 	uint64_t st[4], most = 0;
 
@@ -74,13 +78,18 @@ static int server(int ready_fd)
 			uint8_t *out = n.b.p + (NBUF + wc[i].wr_id) * MSG_LEN;
 			struct ibv_wc sw;
 
-			if (wc[i].status == IBV_WC_WR_FLUSH_ERR)
-				continue;	/* a client's VQP went */
+			if (wc[i].status == IBV_WC_WR_FLUSH_ERR) {
+				/* A client's VQP went: only after its QUIT (a
+				 * forged link request must not take a client for
+				 * gone). */
+				CT_CHECK(src[i] == quit[0] || src[i] == quit[1], "a client's src_qp closed before its QUIT");
+				continue;
+			}
 			CT_CHECK(wc[i].status == IBV_WC_SUCCESS && wc[i].byte_len == MSG_LEN, "message: %s, %u bytes",
 				 ibv_wc_status_str(wc[i].status), wc[i].byte_len);
 			memcpy(out, in, MSG_LEN);
 			if (*(uint32_t *)in == QUIT)
-				quits++;
+				quit[quits++] = src[i];
 			CT_OK(ct_post_send1(src[i], wc[i].wr_id, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b,
 					    (NBUF + wc[i].wr_id) * MSG_LEN, MSG_LEN, 0, 0, 0));
 			ct_poll_n(n.scq, &sw, 1, CT_TIMEOUT_MS);
@@ -120,12 +129,16 @@ static double echo(struct ct_node *n, struct ibv_qp *qp, uint32_t id, uint32_t s
 	return (double)(ct_now_ns() - t0) / 1e3;
 }
 
-/* The honest client: echoes until the attack is over, then 20 more. */
+/* The honest client: echoes until the attack is over, then for two link
+ * probe periods more (KRCORE_LINK_PROBE_MS, 1 s): a link made for a forged
+ * request in its name would have failed its probe by then, and the
+ * server taken it for gone. */
 static int honest(int ready_fd)
 {
 	struct ct_node n;
 	struct ibv_qp *qp;
-	uint32_t seq = 0, after = 0;
+	uint32_t seq = 0;
+	uint64_t over = 0;
 	double worst = 0;
 	char b;
 
@@ -133,19 +146,23 @@ static int honest(int ready_fd)
 	CT_CHECK(fcntl(attack_pipe[0], F_SETFL, O_NONBLOCK) == 0, "fcntl");
 	ct_node_open(&n, 2, 2 * MSG_LEN, 64);
 	qp = vqp(&n);
+	CT_OK(qbind(ct_node_vqp(&n, 1, 1), ct_node_gid(2), PORT + 2));
 	CT_OK(qconnect(qp, ct_node_gid(1), PORT));
 	echo(&n, qp, 2, seq++);
 	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
 	close(ready_fd);
-	while (after < 20) {
+	while (!over || ct_now_ns() - over < 2000000000ull) {
 		double us = echo(&n, qp, 2, seq++);
 
 		worst = us > worst ? us : worst;
-		if (after || read(attack_pipe[0], &b, 1) == 1)
-			after++;
+		if (!over && read(attack_pipe[0], &b, 1) == 1)
+			over = ct_now_ns();
 	}
 	echo(&n, qp, 2, QUIT);
 	ct_note("%u echoes during and after the attack, every one checked; the slowest %.0f us", seq, worst);
+	/* Its one link was never replaced (a forged request for it made no
+	 * second one that closed the first). */
+	CT_KRCORE_STAT(KRCORE_STAT_LINKS_OPENED, ==, 1);
 	ct_pass();
 	return 0;
 }
@@ -176,7 +193,9 @@ static int newcomer(void)
 	return 0;
 }
 
-static int run_hostile(void)
+/* krcore-hostile on node 3 against the server's endpoint: `action`, and
+ * for forge-request the address of the process it names. */
+static void run_hostile(const char *action, const char *arg1, const char *arg2)
 {
 	static char path[4096];
 	const char *bin = getenv("KRCORE_HOSTILE_BIN");
@@ -198,12 +217,11 @@ static int run_hostile(void)
 	CT_CHECK(pid >= 0, "fork");
 	if (pid == 0) {
 		execl(bin, "krcore-hostile", "--meta", getenv("KRCORE_META"), "--device", getenv("CT_DEVICE"),
-		      "--gid-index", "3", "--gid", gid, "--port", "5600", "garbage", GARBAGE, (char *)NULL);
+		      "--gid-index", "3", "--gid", gid, "--port", "5600", action, arg1, arg2, (char *)NULL);
 		_exit(127);
 	}
 	CT_CHECK(waitpid(pid, &status, 0) == pid, "waitpid");
 	CT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "krcore-hostile (%s) failed: status %#x", bin, status);
-	return 0;
 }
 
 int main(void)
@@ -220,7 +238,18 @@ int main(void)
 	srv = ct_fork_ready(server, "the server (node 1)");
 	cli = ct_fork_ready(honest, "the honest client (node 2)");
 	ct_begin("vqp_hostile: 20,000 forged and malformed datagrams to the server");
-	run_hostile();
+	run_hostile("garbage", GARBAGE, NULL);
+	{
+		/* A link request that names the honest client, from node 3. */
+		char gid2[64], port2[16];
+
+		CT_CHECK(inet_ntop(AF_INET6, ct_node_gid(2).raw, gid2, sizeof(gid2)) != NULL, "inet_ntop");
+		snprintf(port2, sizeof(port2), "%d", PORT + 2);
+		run_hostile("forge-request", gid2, port2);
+	}
+	/* Its binding taken over and withdrawn at the meta server, with the
+	 * server's own (public) endpoint: refused, the new client finds it. */
+	run_hostile("steal-binding", NULL, NULL);
 	CT_CHECK(write(attack_pipe[1], "D", 1) == 1, "attack over");
 	late = fork();
 	CT_CHECK(late >= 0, "fork");

@@ -14,6 +14,9 @@
 //!                      requests with random bits flipped
 //!   forge-request G P  a link request that names the process bound at
 //!                      (G, P) as its sender, sent from this process
+//!   steal-binding      bind the victim's address to the victim's own
+//!                      (public) endpoint from a meta-server connection of
+//!                      this process, and if that is accepted unbind it
 
 use clap::{value_parser, Arg, Command};
 use krcore::meta::proto::{LinkInfo, LinkRequest, LINK_LEN};
@@ -47,6 +50,15 @@ fn main() {
         let to = Target { svc: &svc, path: Path { sgid_index, dgid: victim.gid }, victim };
         match words.as_slice() {
             [a, n] if a.as_str() == "garbage" => to.garbage(n.parse().map_err(|_| format!("garbage: not a count: {n}"))?),
+            [a] if a.as_str() == "steal-binding" => {
+                let key = Key::Port { gid: victim.gid, port: *m.get_one::<u32>("port").expect("required") };
+                let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
+                let mc = client::MetaClient::connect(&dev, sgid_index, &addrs, opts).map_err(|e| format!("meta connection: {e:?}"))?;
+                let bound = mc.bind(&key, &victim);
+                let unbound = bound.is_ok().then(|| mc.unbind(&key));
+                mc.shutdown();
+                Ok(format!("steal-binding: bind {bound:?}, unbind {unbound:?}"))
+            }
             [a, g, p] if a.as_str() == "forge-request" => {
                 let gid = g.parse().map_err(|_| format!("forge-request: not a GID: {g}"))?;
                 let port = p.parse().map_err(|_| format!("forge-request: not a port: {p}"))?;

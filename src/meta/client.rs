@@ -180,6 +180,12 @@ pub struct MetaClient {
     wake_fd: OwnedFd,
 }
 
+/// This process's binding secret ([`proto::Request::secret`]): chosen at
+/// random once, sent with every request, never shown to anyone but the
+/// meta servers. Every connection of the process (a reconnect, another
+/// PD's runtime) renews and unbinds what another bound.
+static SECRET: once_cell::sync::Lazy<u64> = once_cell::sync::Lazy::new(crate::rdma::random_u64);
+
 /// Parse `KRCORE_META`: `ip:port[,ip:port...]`.
 pub fn parse_addrs(spec: &str) -> Result<Vec<SocketAddr>> {
     let mut out = Vec::new();
@@ -957,7 +963,7 @@ impl Conn {
         let first = self.next_req;
         for (i, key) in keys.iter().enumerate() {
             let req_id = first.wrapping_add(i as u32);
-            let req = Request { op, req_id, lease_ms, key: *key, endpoint: *ep };
+            let req = Request { op, req_id, lease_ms, key: *key, endpoint: *ep, secret: *SECRET };
             // SAFETY: the send slots are free: a batch is sent only once
             // the previous one completed.
             let out = unsafe { self.bufs.bytes_mut(send_off(i), proto::META_LEN) };

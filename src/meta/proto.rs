@@ -135,7 +135,7 @@ impl Op {
 /// Process -> meta server, SENT on the process's RC QP.
 ///
 /// 4: op (u8), 5: key kind (u8: 1 port, 2 vqpn), 8: req_id, 12: lease_ms,
-/// 16: key gid[16], 32: key port or vqpn, 40: endpoint.
+/// 16: key gid[16], 32: key port or vqpn, 40: endpoint, 80: secret (u64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
     pub op: Op,
@@ -144,6 +144,11 @@ pub struct Request {
     pub lease_ms: u32,
     pub key: Key,
     pub endpoint: Endpoint,
+    /// The binder's secret: a random number its process chose. Only a
+    /// request that carries the secret a binding was made with may renew
+    /// it, unbind it or bind its key again (from a new connection of the
+    /// same process); an endpoint is public, so naming it proves nothing.
+    pub secret: u64,
 }
 
 /// Meta server -> process, SENT on the same RC QP.
@@ -373,6 +378,7 @@ impl Request {
         w.u32(value);
         w.skip(4);
         w.endpoint(&self.endpoint);
+        w.u64(self.secret);
     }
 
     pub fn decode(buf: &[u8]) -> Result<Request> {
@@ -388,8 +394,9 @@ impl Request {
         let key = join_key(key_kind, gid, value)?;
         r.reserved(4)?;
         let endpoint = r.endpoint()?;
+        let secret = r.u64()?;
         r.finish_zeroed()?;
-        Ok(Request { op, req_id, lease_ms, key, endpoint })
+        Ok(Request { op, req_id, lease_ms, key, endpoint, secret })
     }
 }
 
@@ -663,7 +670,7 @@ mod tests {
     }
 
     fn request(op: Op, key: Key) -> Request {
-        Request { op, req_id: 42, lease_ms: 1000, key, endpoint: endpoint(0x66) }
+        Request { op, req_id: 42, lease_ms: 1000, key, endpoint: endpoint(0x66), secret: 0x5ec2_e7f0_0d15_ea5e }
     }
 
     fn boot<M>(encode: impl Fn(&M, &mut [u8; BOOT_LEN]), m: &M) -> Vec<u8> {
@@ -742,6 +749,7 @@ mod tests {
                     (32, &[0x0d, 0x0c, 0x0b, 0x0a]),
                     (40, &[0x66; 16]),
                     (56, ep),
+                    (80, &[0x5e, 0xea, 0x15, 0x0d, 0xf0, 0xe7, 0xc2, 0x5e]),
                 ]
             )
         );
@@ -1032,7 +1040,7 @@ mod tests {
             (KIND_ANSWER, &[(52, BOOT_LEN)]),
             (KIND_HELLO, &[(12, 16), (32, BOOT_LEN)]),
             (KIND_WELCOME, &[(56, BOOT_LEN)]),
-            (KIND_REQUEST, &[(6, 8), (36, 40), (76, META_LEN)]),
+            (KIND_REQUEST, &[(6, 8), (36, 40), (76, 80), (88, META_LEN)]),
             (KIND_RESPONSE, &[(16, META_LEN)]),
             // Byte 12 of a request holds its flag (bit 0).
             (KIND_LINK_REQUEST, &[(6, 8), (13, 16), (76, 80), (112, LINK_LEN)]),

@@ -66,6 +66,8 @@ struct Lease {
     sweep_at: Instant,
     /// The client (its QP number) that holds it.
     owner: u32,
+    /// The secret it was bound with ([`Request::secret`]).
+    secret: u64,
     endpoint: Endpoint,
 }
 
@@ -87,9 +89,9 @@ struct Leases {
 
 impl Leases {
     /// `key` is `owner`'s now, until `now + lease`.
-    fn insert(&mut self, key: Key, owner: u32, endpoint: Endpoint, now: Instant, lease: Duration) {
+    fn insert(&mut self, key: Key, owner: u32, secret: u64, endpoint: Endpoint, now: Instant, lease: Duration) {
         let (deadline, sweep_at) = (now + lease, now + lease - sweep_margin(lease));
-        if let Some(old) = self.map.insert(key, Lease { deadline, sweep_at, owner, endpoint }) {
+        if let Some(old) = self.map.insert(key, Lease { deadline, sweep_at, owner, secret, endpoint }) {
             self.dec(old.owner);
         }
         *self.held.entry(owner).or_default() += 1;
@@ -112,6 +114,13 @@ impl Leases {
 
     fn get(&self, key: &Key) -> Option<&Lease> {
         self.map.get(key)
+    }
+
+    /// Whether a request with `secret` may bind, renew or unbind `key`:
+    /// nobody holds it, or it was bound with that secret (by this
+    /// connection, or by an earlier one of the same process).
+    fn may_change(&self, key: &Key, secret: u64) -> bool {
+        self.map.get(key).is_none_or(|l| l.secret == secret)
     }
 
     /// Extend every lease `owner` holds; how many that is.
@@ -401,6 +410,7 @@ impl Server {
         let lease = Duration::from_millis(r.lease_ms as u64).min(self.max_lease);
         let now = Instant::now();
         match r.op {
+            Op::Bind | Op::Renew if !self.leases.may_change(&r.key, r.secret) => Errno(libc::EADDRINUSE),
             Op::Bind | Op::Renew => {
                 // A Renew of an entry this server does not have (it
                 // restarted, or the lease ran out) binds again: renewals
@@ -408,7 +418,7 @@ impl Server {
                 if let Err(e) = self.table.insert(r.key, r.endpoint) {
                     return e;
                 }
-                self.leases.insert(r.key, qpn, r.endpoint, now, lease);
+                self.leases.insert(r.key, qpn, r.secret, r.endpoint, now, lease);
                 Errno(0)
             }
             Op::RenewAll => {
@@ -418,7 +428,7 @@ impl Server {
                 Errno(0)
             }
             Op::Unbind => match self.leases.get(&r.key) {
-                Some(l) if l.endpoint == r.endpoint => {
+                Some(l) if l.secret == r.secret && l.endpoint == r.endpoint => {
                     self.table.remove(r.key);
                     self.leases.remove(&r.key);
                     Errno(0)
@@ -550,7 +560,7 @@ mod tests {
         let mut l = Leases::default();
         let t0 = Instant::now();
         let lease = Duration::from_millis(1000);
-        l.insert(key(1), 7, ep(1), t0, lease);
+        l.insert(key(1), 7, SECRET, ep(1), t0, lease);
         assert_eq!(l.next_sweep(), Some(t0 + Duration::from_millis(900)));
         assert!(l.due(t0 + Duration::from_millis(899)).is_empty());
         // Due at the sweep, not late.
@@ -559,14 +569,28 @@ mod tests {
         assert_eq!(l.due(t0 + Duration::from_millis(1030)), vec![(key(1), Duration::from_millis(30))]);
     }
 
+    const SECRET: u64 = 0x5ec2_e7;
+
+    #[test]
+    fn only_the_secret_a_key_was_bound_with_changes_it() {
+        let mut l = Leases::default();
+        let t0 = Instant::now();
+        assert!(l.may_change(&key(1), 77), "a free key");
+        l.insert(key(1), 7, SECRET, ep(1), t0, Duration::from_secs(1));
+        assert!(l.may_change(&key(1), SECRET), "its binder, from any connection");
+        assert!(!l.may_change(&key(1), 77), "anyone else, though it names the same endpoint");
+        l.remove(&key(1));
+        assert!(l.may_change(&key(1), 77), "free again");
+    }
+
     #[test]
     fn renew_all_extends_the_owners_leases_and_counts_them() {
         let mut l = Leases::default();
         let t0 = Instant::now();
         let lease = Duration::from_millis(1000);
-        l.insert(key(1), 7, ep(1), t0, lease);
-        l.insert(key(2), 7, ep(2), t0, lease);
-        l.insert(key(3), 8, ep(3), t0, lease);
+        l.insert(key(1), 7, SECRET, ep(1), t0, lease);
+        l.insert(key(2), 7, SECRET, ep(2), t0, lease);
+        l.insert(key(3), 8, SECRET, ep(3), t0, lease);
         assert_eq!(l.renew_all(7, t0 + Duration::from_millis(500), lease), 2);
         let due: Vec<Key> = l.due(t0 + Duration::from_millis(950)).into_iter().map(|(k, _)| k).collect();
         assert_eq!(due, vec![key(3)], "only the unrenewed lease is due");
@@ -579,12 +603,12 @@ mod tests {
         let mut l = Leases::default();
         let t0 = Instant::now();
         let lease = Duration::from_secs(1);
-        l.insert(key(1), 7, ep(1), t0, lease);
-        l.insert(key(1), 7, ep(1), t0, lease); // a renewal by Bind
-        l.insert(key(2), 7, ep(2), t0, lease);
+        l.insert(key(1), 7, SECRET, ep(1), t0, lease);
+        l.insert(key(1), 7, SECRET, ep(1), t0, lease); // a renewal by Bind
+        l.insert(key(2), 7, SECRET, ep(2), t0, lease);
         assert_eq!(l.held(7), 2);
         // The same process, reconnected: the entry changes owner.
-        l.insert(key(2), 9, ep(2), t0, lease);
+        l.insert(key(2), 9, SECRET, ep(2), t0, lease);
         assert_eq!((l.held(7), l.held(9)), (1, 1));
         assert!(l.remove(&key(1)).is_some());
         assert!(l.remove(&key(1)).is_none());
