@@ -9,7 +9,7 @@
 #   $(LIBDIR)        libkrcore.so           /usr/local/lib/x86_64-linux-gnu
 #   $(INCLUDEDIR)    krcore.h               /usr/local/include
 #   $(PKGCONFIGDIR)  krcore.pc              $(LIBDIR)/pkgconfig
-#   $(BINDIR)        the crate's binaries   /usr/local/bin (src/bin/*: krcore-meta)
+#   $(BINDIR)        the crate's binaries   /usr/local/bin (src/bin/*: krcore-meta; not krcore-hostile, a test tool)
 # Then: cc app.c $(pkg-config --cflags --libs krcore). After a system-wide
 # install run ldconfig (as for any new library in a system directory).
 #
@@ -42,9 +42,11 @@ HEADER  := $(ROOT)/include/krcore.h
 PC      := $(ROOT)/target/krcore.pc
 # Cargo.toml's first `version = "..."` line is the [package] version.
 VERSION := $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' $(ROOT)/Cargo.toml | head -n 1)
-# Binary targets: src/bin/<name>.rs and src/bin/<name>/main.rs -> target/release/<name>.
-BINS    := $(sort $(basename $(notdir $(wildcard $(ROOT)/src/bin/*.rs))) \
-                  $(notdir $(patsubst %/,%,$(dir $(wildcard $(ROOT)/src/bin/*/main.rs)))))
+# Binary targets: src/bin/<name>.rs and src/bin/<name>/main.rs -> target/release/<name>,
+# but krcore-hostile, the tests' hostile peer (not for installing).
+BINS    := $(filter-out krcore-hostile, \
+             $(sort $(basename $(notdir $(wildcard $(ROOT)/src/bin/*.rs))) \
+                    $(notdir $(patsubst %/,%,$(dir $(wildcard $(ROOT)/src/bin/*/main.rs))))))
 # In the .pc file, paths under the prefix are written as ${prefix}/...
 pcpath   = $(patsubst $(PREFIX)/%,$${prefix}/%,$(1))
 

@@ -186,11 +186,10 @@ struct Shared {
     accepting: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
     warm: Mutex<Vec<Qp>>,
     links: Mutex<Links>,
-    /// Replies to our requests, by request id: an entry per waiter (None
-    /// until its reply comes), so that a late or repeated reply (to a
-    /// retransmission) is dropped, not kept.
-    /// Our link requests awaiting their reply, each with the endpoint it
-    /// was sent to (a reply from anywhere else is dropped).
+    /// Replies to our requests, by request id: an entry per waiter (no
+    /// reply until it comes), so that a late or repeated reply (to a
+    /// retransmission) is dropped, not kept; with the endpoint the request
+    /// went to (a reply from anywhere else is dropped).
     replies: Mutex<HashMap<u32, Awaited>>,
     reply_ready: Condvar,
     /// Signalled (under `links`) when an accepted link becomes ready, is
@@ -487,7 +486,7 @@ impl Service {
     /// The path of a link to `peer` when the application names no GIDs:
     /// from our home GID to the peer endpoint's.
     pub fn default_path(&self, peer: &Endpoint) -> Path {
-        Path { sgid_index: self.shared.sgid_index, dgid: peer.gid }
+        self.shared.home_path(peer.gid)
     }
 
     /// The link that serves link number `index` of process `incarnation`
