@@ -240,3 +240,38 @@ fn a_query_over_tcp_answers_what_a_read_finds() {
     wait_absent(&b, &key, Duration::from_secs(1));
     assert_eq!(query(&[meta.addr], &key, t), Ok(None), "gone for a query too");
 }
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn clients_that_send_a_byte_at_a_time_hold_nobody_up() {
+    use krcore::meta::client::query;
+    use std::io::Write;
+    let meta = Meta::start(30_000);
+    let dev = device();
+    let a = client(&dev, 2, &meta, Duration::from_secs(10));
+    let key = port_key(2, 7100);
+    let ep = endpoint(2, 0x322, 44);
+    a.bind(&key, &ep).unwrap();
+    // A hundred connections that each send the first byte of a message
+    // and then nothing: the server reads what they sent and waits for
+    // the rest without waiting for it (it used to block 20 ms on each).
+    let slow: Vec<std::net::TcpStream> = (0..100)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(meta.addr).expect("connect");
+            s.write_all(&[0x4d]).expect("one byte");
+            s
+        })
+        .collect();
+    // Answered as fast as without them (a few ms), within a bound far
+    // below the 2 s the old server took.
+    let t0 = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(query(&[meta.addr], &key, Duration::from_secs(5)), Ok(Some(ep)));
+    }
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(500), "5 queries took {took:?} beside 100 slow clients");
+    // A new client connects and binds as before.
+    let b = client(&dev, 3, &meta, Duration::from_secs(10));
+    b.bind(&port_key(3, 7101), &endpoint(3, 0x323, 45)).unwrap();
+    drop(slow);
+}

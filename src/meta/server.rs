@@ -160,6 +160,17 @@ impl Leases {
     }
 }
 
+/// An accepted connection before its `Hello`: what it sent so far is kept
+/// here, never waited for (a client that sends a message a byte at a time
+/// holds nobody up).
+struct Pending {
+    tcp: TcpStream,
+    peer: std::net::SocketAddr,
+    /// Dropped if no `Hello` came by then (a `Query` extends it).
+    until: Instant,
+    got: Vec<u8>,
+}
+
 pub struct Server {
     /// Declared before `table_mem`, whose memory it points into, so that
     /// it is dropped first.
@@ -174,7 +185,7 @@ pub struct Server {
     listener: TcpListener,
     clients: HashMap<u32, Client>,
     /// Accepted connections whose `Hello` has not come yet.
-    pending: Vec<(TcpStream, std::net::SocketAddr, Instant)>,
+    pending: Vec<Pending>,
     leases: Leases,
     max_lease: Duration,
 }
@@ -237,7 +248,7 @@ impl Server {
             let order: Vec<u32> = self.clients.keys().copied().collect();
             fds.extend(order.iter().map(|q| libc::pollfd { fd: self.clients[q].tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
             let npending = self.pending.len();
-            fds.extend(self.pending.iter().map(|(t, _, _)| libc::pollfd { fd: t.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
+            fds.extend(self.pending.iter().map(|p| libc::pollfd { fd: p.tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
             // Wake for the next sweep, and at least once a second so that
             // `stop` is seen (and silent new clients are dropped).
             let wait = self
@@ -278,41 +289,60 @@ impl Server {
     /// here would stall the loop (and the sweep) behind a slow client.
     fn accept(&mut self) {
         let Ok((tcp, peer)) = self.listener.accept() else { return };
-        self.pending.push((tcp, peer, Instant::now() + HELLO_TIMEOUT));
+        if let Err(e) = tcp.set_nonblocking(true) {
+            crate::klog!(crate::log::Level::Warn, "meta: client {peer}: {e}");
+            return;
+        }
+        let _ = tcp.set_nodelay(true);
+        self.pending.push(Pending { tcp, peer, until: Instant::now() + HELLO_TIMEOUT, got: Vec::new() });
     }
 
-    /// Serve the pending connections whose first message came (`ready`,
-    /// in `pending` order; those accepted since are not in it): a `Query`
-    /// is answered and the connection stays pending (more queries, or its
-    /// `Hello`, may follow); a `Hello` gets its QP. Drop those that stayed
-    /// silent too long, or closed.
+    /// Read what the readable pending connections sent (`ready`, in
+    /// `pending` order; those accepted since are not in it) and serve
+    /// their whole messages: a `Query` is answered and the connection
+    /// stays pending (more queries, or its `Hello`, may follow); a `Hello`
+    /// gets its QP. A partial message waits for its next bytes. Drop those
+    /// that stayed without a `Hello` too long, closed, or sent garbage.
     fn greet(&mut self, ready: &[bool]) {
         let now = Instant::now();
         let mut keep = Vec::new();
         let mut hellos = Vec::new();
-        for (i, (tcp, peer, until)) in std::mem::take(&mut self.pending).into_iter().enumerate() {
-            if ready.get(i).copied().unwrap_or(false) {
-                match read_boot(&tcp) {
-                    Ok(BootMessage::Query(q)) => match self.answer(&tcp, &q) {
-                        Ok(()) => keep.push((tcp, peer, now + HELLO_TIMEOUT)),
-                        Err(e) => crate::klog!(crate::log::Level::Debug, "meta: query from {peer} not answered: {e:?}"),
+        for (i, mut p) in std::mem::take(&mut self.pending).into_iter().enumerate() {
+            let open = !ready.get(i).copied().unwrap_or(false) || read_available(&p.tcp, &mut p.got);
+            // Whole messages in order: queries, then at most a Hello.
+            let mut hello = None;
+            while hello.is_none() && p.got.len() >= proto::BOOT_LEN {
+                let msg: Vec<u8> = p.got.drain(..proto::BOOT_LEN).collect();
+                match BootMessage::decode(&msg) {
+                    Ok(BootMessage::Query(q)) => match self.answer(&p.tcp, &q) {
+                        Ok(()) => p.until = now + HELLO_TIMEOUT,
+                        Err(e) => crate::klog!(crate::log::Level::Debug, "meta: query from {} not answered: {e:?}", p.peer),
                     },
-                    Ok(BootMessage::Hello(hello)) => hellos.push((tcp, peer, hello)),
-                    // A querier that is done closes its connection.
-                    Err(e) if e.0 == libc::ECONNRESET => crate::klog!(crate::log::Level::Debug, "meta: {peer} closed"),
-                    Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
+                    Ok(BootMessage::Hello(h)) => hello = Some(h),
+                    Err(e) => {
+                        crate::klog!(crate::log::Level::Warn, "meta: client {} sent a malformed message: {e:?}", p.peer);
+                        p.until = now;
+                        break;
+                    }
                 }
-            } else if now < until {
-                keep.push((tcp, peer, until));
+            }
+            if let Some(h) = hello {
+                hellos.push((p, h));
+            } else if !open {
+                // A querier that is done closes its connection.
+                crate::klog!(crate::log::Level::Debug, "meta: {} closed", p.peer);
+            } else if now < p.until {
+                keep.push(p);
             } else {
-                crate::klog!(crate::log::Level::Warn, "meta: client {peer} sent no Hello");
+                crate::klog!(crate::log::Level::Warn, "meta: client {} sent no Hello", p.peer);
             }
         }
         self.pending = keep;
         // The queries first: a handshake makes a QP (milliseconds), a
         // query only reads the table, and its process waits for it.
-        for (tcp, peer, hello) in hellos {
-            match self.handshake(tcp, &hello) {
+        for (p, hello) in hellos {
+            let peer = p.peer;
+            match p.tcp.set_nonblocking(false).map_err(Errno::from).and_then(|()| self.handshake(p.tcp, &hello)) {
                 Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
                 Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
             }
@@ -524,16 +554,26 @@ impl Client {
 /// A connection's next boot message. It is readable (one 64-byte
 /// segment): the short timeout only guards a partial one. ECONNRESET when
 /// the peer closed.
-fn read_boot(tcp: &TcpStream) -> Result<BootMessage> {
-    tcp.set_read_timeout(Some(Duration::from_millis(20)))?;
-    let _ = tcp.set_nodelay(true);
+/// Append what `tcp` (non-blocking) has to `got`, never waiting; false
+/// once the peer closed or the connection failed. At most two messages are
+/// kept unread: a client that sends more before its answers is dropped.
+fn read_available(tcp: &TcpStream, got: &mut Vec<u8>) -> bool {
     let mut buf = [0u8; proto::BOOT_LEN];
     let mut r = tcp;
-    match r.read_exact(&mut buf) {
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(Errno(libc::ECONNRESET)),
-        r => r?,
+    loop {
+        match r.read(&mut buf) {
+            Ok(0) => return false,
+            Ok(n) => {
+                got.extend_from_slice(&buf[..n]);
+                if got.len() > 2 * proto::BOOT_LEN {
+                    return false;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
     }
-    BootMessage::decode(&buf)
 }
 
 #[cfg(test)]
@@ -569,7 +609,7 @@ mod tests {
         assert_eq!(l.due(t0 + Duration::from_millis(1030)), vec![(key(1), Duration::from_millis(30))]);
     }
 
-    const SECRET: u64 = 0x5ec2_e7;
+    const SECRET: u64 = 0x5ec2_e7f0;
 
     #[test]
     fn only_the_secret_a_key_was_bound_with_changes_it() {
