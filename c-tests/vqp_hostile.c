@@ -199,7 +199,7 @@ static void run_hostile(const char *action, const char *arg1, const char *arg2)
 {
 	static char path[4096];
 	const char *bin = getenv("KRCORE_HOSTILE_BIN");
-	char gid[64];
+	char gid[64], port[16];
 	pid_t pid;
 	int status;
 
@@ -213,11 +213,12 @@ static void run_hostile(const char *action, const char *arg1, const char *arg2)
 		bin = path;
 	}
 	CT_CHECK(inet_ntop(AF_INET6, ct_node_gid(1).raw, gid, sizeof(gid)) != NULL, "inet_ntop");
+	snprintf(port, sizeof(port), "%d", PORT);
 	pid = fork();
 	CT_CHECK(pid >= 0, "fork");
 	if (pid == 0) {
 		execl(bin, "krcore-hostile", "--meta", getenv("KRCORE_META"), "--device", getenv("CT_DEVICE"),
-		      "--gid-index", "3", "--gid", gid, "--port", "5600", action, arg1, arg2, (char *)NULL);
+		      "--gid-index", "3", "--gid", gid, "--port", port, action, arg1, arg2, (char *)NULL);
 		_exit(127);
 	}
 	CT_CHECK(waitpid(pid, &status, 0) == pid, "waitpid");
