@@ -791,6 +791,14 @@ static int cross(int side)
 		CT_CHECK(write(cross_go[side][1], info, sizeof(info)) == sizeof(info), "done %d", round);
 		CT_OK(ibv_destroy_qp(q));
 	}
+	/* Both sides done before either exits: the other's last READ of our
+	 * memory may still be on its way (an exited process answers nothing,
+	 * and the READ would fail with RETRY_EXC_ERR). */
+	{
+		uint64_t end[2];
+
+		CT_CHECK(read(cross_go[side][0], end, sizeof(end)) == sizeof(end), "the end");
+	}
 	ct_pass();
 	return 0;
 }
@@ -831,6 +839,9 @@ static int cross_run(void)
 				 "side %d round %d", side, round);
 		}
 	}
+	/* Both finished their last round: they may go. */
+	for (int side = 0; side < 2; side++)
+		CT_CHECK(write(cross_go[side][1], info[side], sizeof(info[0])) == sizeof(info[0]), "the end");
 	for (int side = 0; side < 2; side++)
 		fails += ct_wait_child(p[side], "a cross-connecting side");
 	return fails;
