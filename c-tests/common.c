@@ -657,26 +657,32 @@ pid_t ct_start_meta_slots(unsigned slots)
 	return pid;
 }
 
+const char *ct_release_bin(const char *env, const char *name, char *buf, size_t len)
+{
+	const char *bin = getenv(env);
+	ssize_t k;
+
+	if (bin)
+		return bin;
+	k = readlink("/proc/self/exe", buf, len - 64);
+	CT_CHECK(k > 0, "readlink");
+	buf[k] = 0;
+	*strrchr(buf, '/') = 0;	/* target/c-tests */
+	snprintf(buf + strlen(buf), len - strlen(buf), "/../release/%s", name);
+	return buf;
+}
+
 pid_t ct_start_meta_at(const char *addr, unsigned slots)
 {
 	char nslots[16];
 	static char path[4096];
-	const char *bin = getenv("KRCORE_META_BIN");
+	const char *bin = ct_release_bin("KRCORE_META_BIN", "krcore-meta", path, sizeof(path));
 	int p[2];
 	char line[512];
 	size_t used = 0;
 	struct pollfd pfd;
 	pid_t pid;
 
-	if (!bin) {
-		ssize_t k = readlink("/proc/self/exe", path, sizeof(path) - 64);
-
-		CT_CHECK(k > 0, "readlink");
-		path[k] = 0;
-		*strrchr(path, '/') = 0;	/* target/c-tests */
-		strcat(path, "/../release/krcore-meta");
-		bin = path;
-	}
 	snprintf(nslots, sizeof(nslots), "%u", slots);
 	CT_CHECK(pipe(p) == 0, "pipe");
 	pid = fork();

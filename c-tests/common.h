@@ -240,6 +240,9 @@ pid_t ct_start_meta_slots(unsigned slots);
  * whose GIDs include ip serves its table) with `slots` slots, wait for it
  * to serve; its pid. KRCORE_META is left alone. */
 pid_t ct_start_meta_at(const char *addr, unsigned slots);
+/* The crate binary `name`: the path in environment variable `env`, else
+ * target/release/<name> beside this test's target/c-tests (in `buf`). */
+const char *ct_release_bin(const char *env, const char *name, char *buf, size_t len);
 /* A VQP (KRCORE_VQP) with these capabilities; the granted ones in
  * *granted when not NULL. */
 struct ibv_qp *ct_create_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_cq *rcq,

@@ -198,20 +198,11 @@ static int newcomer(void)
 static void run_hostile(const char *action, const char *arg1, const char *arg2)
 {
 	static char path[4096];
-	const char *bin = getenv("KRCORE_HOSTILE_BIN");
+	const char *bin = ct_release_bin("KRCORE_HOSTILE_BIN", "krcore-hostile", path, sizeof(path));
 	char gid[64], port[16];
 	pid_t pid;
 	int status;
 
-	if (!bin) {
-		ssize_t k = readlink("/proc/self/exe", path, sizeof(path) - 64);
-
-		CT_CHECK(k > 0, "readlink");
-		path[k] = 0;
-		*strrchr(path, '/') = 0;	/* target/c-tests */
-		strcat(path, "/../release/krcore-hostile");
-		bin = path;
-	}
 	CT_CHECK(inet_ntop(AF_INET6, ct_node_gid(1).raw, gid, sizeof(gid)) != NULL, "inet_ntop");
 	snprintf(port, sizeof(port), "%d", PORT);
 	pid = fork();

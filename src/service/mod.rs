@@ -1338,13 +1338,18 @@ impl Shared {
     /// the endpoints' home GIDs, whatever GIDs the link itself joins). So
     /// nobody can ask for a link, or say it is ready, as another process.
     fn sent_by_its_endpoint(&self, m: &LinkMessage, src: &Source) -> bool {
-        let from = match m {
-            LinkMessage::Request(r) => &r.info.from,
-            LinkMessage::Ready(r) => &r.info.from,
+        match m {
+            LinkMessage::Request(r) => self.sent_to_us_by(&r.info.from, src),
+            LinkMessage::Ready(r) => self.sent_to_us_by(&r.info.from, src),
             // Checked against the request it answers (on_link_message).
-            LinkMessage::Reply(_) => return true,
-        };
-        from.gid == src.gid && from.qpn == src.qpn && src.to_gid == self.me.gid
+            LinkMessage::Reply(_) => true,
+        }
+    }
+
+    /// Whether a link message from `src` came from endpoint `ep`'s UD QP
+    /// and home GID, to our home GID.
+    fn sent_to_us_by(&self, ep: &Endpoint, src: &Source) -> bool {
+        ep.gid == src.gid && ep.qpn == src.qpn && src.to_gid == self.me.gid
     }
 
     fn on_link_message(&self, msg: LinkMessage, src: &Source) {
@@ -1362,7 +1367,7 @@ impl Shared {
                 // Only from the endpoint the request went to: anyone else's
                 // "reply" (a guessed request id) would fail or hijack it.
                 match self.replies.lock().get_mut(&r.req_id) {
-                    Some(a) if a.from.gid == src.gid && a.from.qpn == src.qpn && src.to_gid == self.me.gid => a.reply = Some(r),
+                    Some(a) if self.sent_to_us_by(&a.from, src) => a.reply = Some(r),
                     Some(_) => link_msg_dropped(format_args!("a reply to request {} from {src:?}, not the endpoint asked", r.req_id)),
                     None => {}
                 }
