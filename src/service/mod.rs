@@ -1450,9 +1450,12 @@ impl Shared {
         }
     }
 
-    /// Links (open, closing or failed) with the endpoint `peer` names.
+    /// Links with the endpoint `peer` names, but those closing: an honest
+    /// peer that reclaims links (`KRCORE_MAX_LINKS`) asks for the next one
+    /// while the last closes, and closing ones go within the close's
+    /// bound (two transport waits) whether the peer answers or not.
     fn links_held_by(&self, peer: &Endpoint) -> usize {
-        self.links.lock().by_qpn.values().filter(|l| l.peer.gid == peer.gid && l.peer.qpn == peer.qpn).count()
+        self.links.lock().by_qpn.values().filter(|l| l.peer.gid == peer.gid && l.peer.qpn == peer.qpn && !l.is_closing()).count()
     }
 
     /// `KRCORE_MAX_PEER_LINKS`, at least room for `KRCORE_LINKS_PER_PEER`
