@@ -11,7 +11,13 @@
  * processes that do not exist), and link requests with random bits
  * flipped; then one well-formed link request naming the honest client
  * (found at its own binding); then it binds the server's address to the
- * server's own endpoint at krcore-meta and unbinds it. The honest client sees nothing but latency
+ * server's own endpoint at krcore-meta and unbinds it; then it binds an
+ * address of its own to the honest client's endpoint with the VQPN of the
+ * client's connected VQP, and a process on node 3 qconnects there and
+ * SENDs to that VQP: over the datagram tier (refused: its first SEND
+ * fails with RETRY_EXC_ERR) and over a link (KRCORE_DGRAM=0: the link
+ * delivers them, the client drops them; before the fix they landed in
+ * the client's receive buffers). The honest client sees nothing but latency
  * (every echo once, in order, byte for byte; its one link never
  * replaced; the server never takes it for gone); afterwards a new client on node 4 connects,
  * echoes and gets its link, within a bound: the server still accepts
@@ -39,9 +45,14 @@
 #define GARBAGE "20000"
 /* A new client's link after the attack, under emulation. */
 #define LINK_BOUND_MS 10000
+/* SENDs the injector makes over its link to the honest client's VQP. */
+#define INJECT 50
+#define INJECT_PORT (PORT + 4)
 
 static int attack_pipe[2];	/* the parent: the attack is over */
 static int stats_pipe[2];	/* the server's counters, for the parent */
+static int vqpn_pipe[2];	/* the honest client's VQPN, for the parent */
+static int refused_pipe[2];	/* the honest client's msgs_refused */
 
 static struct ibv_qp *vqp(struct ct_node *n)
 {
@@ -149,6 +160,7 @@ static int honest(int ready_fd)
 	CT_OK(qbind(ct_node_vqp(&n, 1, 1), ct_node_gid(2), PORT + 2));
 	CT_OK(qconnect(qp, ct_node_gid(1), PORT));
 	echo(&n, qp, 2, seq++);
+	ct_oob_write(vqpn_pipe[1], &qp->qp_num, sizeof(qp->qp_num));
 	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
 	close(ready_fd);
 	while (!over || ct_now_ns() - over < 2000000000ull) {
@@ -160,9 +172,20 @@ static int honest(int ready_fd)
 	}
 	echo(&n, qp, 2, QUIT);
 	ct_note("%u echoes during and after the attack, every one checked; the slowest %.0f us", seq, worst);
-	/* Its one link was never replaced (a forged request for it made no
-	 * second one that closed the first). */
-	CT_KRCORE_STAT(KRCORE_STAT_LINKS_OPENED, ==, 1);
+	{
+		uint64_t refused = krcore_stat_get(KRCORE_STAT_MSGS_REFUSED);
+		uint64_t opened = krcore_stat_get(KRCORE_STAT_LINKS_OPENED);
+
+		ct_oob_write(refused_pipe[1], &refused, sizeof(refused));
+		/* Every SEND of the link, and the tier's (each retransmission). */
+		CT_CHECK(refused >= INJECT + 1, "only %llu injected messages refused", (unsigned long long)refused);
+		/* Its one link to the server was never replaced (a forged
+		 * request for it made no second one that closed the first); the
+		 * others are the injectors' (the one on the tier may exit before
+		 * its link is made). */
+		CT_CHECK(opened == 2 || opened == 3, "links_opened %llu: 1 to the server and 1 or 2 injectors' expected",
+			 (unsigned long long)opened);
+	}
 	ct_pass();
 	return 0;
 }
@@ -193,6 +216,98 @@ static int newcomer(void)
 	return 0;
 }
 
+/* The injector (node 3, this program run again with "inject"): qconnect to
+ * the address krcore-hostile bound to the honest client's VQP, and SEND to
+ * it. `tier`: on the datagram tier, whose first SEND must fail (nothing
+ * acknowledges it); else over a link, each SEND acknowledged by the link
+ * and dropped by the client. */
+static int inject(int tier)
+{
+	struct ct_node n;
+	struct ibv_qp *qp;
+	struct ibv_wc wc;
+	int sends = tier ? 1 : INJECT;
+
+	ct_begin(tier ? "vqp_hostile: SENDs to another's connected VQP, on the datagram tier"
+		      : "vqp_hostile: SENDs to another's connected VQP, over a link");
+	ct_node_open(&n, 3, MSG_LEN, 64);
+	qp = vqp(&n);
+	CT_OK(qconnect(qp, ct_node_gid(3), INJECT_PORT));
+	for (int i = 0; i < sends; i++) {
+		ct_fill_msg(n.b.p, MSG_LEN, 9, (uint32_t)i);
+		CT_OK(ct_post_send1(qp, (uint64_t)i, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 0, MSG_LEN, 0, 0, 0));
+		ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
+		if (tier)
+			CT_CHECK(wc.status == IBV_WC_RETRY_EXC_ERR, "a SEND on the tier to another's VQP: %s",
+				 ibv_wc_status_str(wc.status));
+		else
+			CT_CHECK(wc.status == IBV_WC_SUCCESS, "SEND %d over the link: %s", i, ibv_wc_status_str(wc.status));
+	}
+	if (tier)
+		ct_note("its SEND failed with RETRY_EXC_ERR; no link was made");
+	else
+		ct_note("%d SENDs acknowledged by the link", sends);
+	if (!tier)
+		CT_KRCORE_STAT(KRCORE_STAT_LINKS, ==, 1);
+	ct_pass();
+	return 0;
+}
+
+/* krcore-hostile bind-as, holding the honest client's VQP `vqpn` at
+ * (node 3, INJECT_PORT) while the injector runs, on the tier and then
+ * over a link. */
+static int run_injector(uint32_t vqpn)
+{
+	static char path[4096], self[4096];
+	const char *bin = ct_release_bin("KRCORE_HOSTILE_BIN", "krcore-hostile", path, sizeof(path));
+	char gid[64], port[16], vq[16], line[256];
+	int in[2], out[2], failed = 0;
+	ssize_t len;
+	pid_t pid;
+	FILE *f;
+
+	CT_CHECK(inet_ntop(AF_INET6, ct_node_gid(2).raw, gid, sizeof(gid)) != NULL, "inet_ntop");
+	snprintf(port, sizeof(port), "%d", PORT + 2);
+	snprintf(vq, sizeof(vq), "%u", vqpn);
+	CT_CHECK(pipe(in) == 0 && pipe(out) == 0, "pipe");
+	pid = fork();
+	CT_CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		char ip[16];
+
+		snprintf(ip, sizeof(ip), "%d", INJECT_PORT);
+		dup2(in[0], 0);
+		dup2(out[1], 1);
+		close(in[1]);
+		close(out[0]);
+		execl(bin, "krcore-hostile", "--meta", getenv("KRCORE_META"), "--device", getenv("CT_DEVICE"),
+		      "--gid-index", "3", "--gid", gid, "--port", port, "bind-as", ip, vq, (char *)NULL);
+		_exit(127);
+	}
+	close(in[0]);
+	close(out[1]);
+	f = fdopen(out[0], "r");
+	CT_CHECK(f && fgets(line, sizeof(line), f) && strstr(line, "bind-as bound"), "krcore-hostile bind-as (%s)", bin);
+	len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+	CT_CHECK(len > 0, "readlink");
+	self[len] = 0;
+	for (int tier = 1; tier >= 0; tier--) {
+		pid_t child = fork();
+
+		CT_CHECK(child >= 0, "fork");
+		if (child == 0) {
+			setenv("KRCORE_DGRAM", tier ? "1" : "0", 1);
+			execl(self, "vqp_hostile", tier ? "inject-tier" : "inject-link", (char *)NULL);
+			_exit(127);
+		}
+		failed |= ct_wait_child(child, tier ? "the injector on the tier" : "the injector over a link");
+	}
+	close(in[1]);
+	CT_CHECK(waitpid(pid, NULL, 0) == pid, "waitpid");
+	fclose(f);
+	return failed;
+}
+
 /* krcore-hostile on node 3 against the server's endpoint: `action`, and
  * for forge-request the address of the process it names. */
 static void run_hostile(const char *action, const char *arg1, const char *arg2)
@@ -216,17 +331,21 @@ static void run_hostile(const char *action, const char *arg1, const char *arg2)
 	CT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "krcore-hostile (%s) failed: status %#x", bin, status);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
 	pid_t meta, srv, cli, late;
-	uint64_t st[4];
+	uint64_t st[4], refused;
+	uint32_t vqpn;
 	int failed = 0;
 
+	if (argc == 2 && (!strcmp(argv[1], "inject-tier") || !strcmp(argv[1], "inject-link")))
+		_exit(inject(!strcmp(argv[1], "inject-tier")));
 	ct_watchdog(300);
 	if (!getenv("CT_DEVICE"))
 		setenv("CT_DEVICE", "rxe0", 1);
 	meta = ct_start_meta();
-	CT_CHECK(pipe(attack_pipe) == 0 && pipe(stats_pipe) == 0, "pipe");
+	CT_CHECK(pipe(attack_pipe) == 0 && pipe(stats_pipe) == 0 && pipe(vqpn_pipe) == 0 && pipe(refused_pipe) == 0,
+		 "pipe");
 	srv = ct_fork_ready(server, "the server (node 1)");
 	cli = ct_fork_ready(honest, "the honest client (node 2)");
 	ct_begin("vqp_hostile: 20,000 forged and malformed datagrams to the server");
@@ -242,6 +361,8 @@ int main(void)
 	/* Its binding taken over and withdrawn at the meta server, with the
 	 * server's own (public) endpoint: refused, the new client finds it. */
 	run_hostile("steal-binding", NULL, NULL);
+	ct_oob_read(vqpn_pipe[0], &vqpn, sizeof(vqpn));
+	failed |= run_injector(vqpn);
 	CT_CHECK(write(attack_pipe[1], "D", 1) == 1, "attack over");
 	late = fork();
 	CT_CHECK(late >= 0, "fork");
@@ -249,6 +370,8 @@ int main(void)
 		_exit(newcomer());
 	failed |= ct_wait_child(late, "the new client");
 	failed |= ct_wait_child(cli, "the honest client");
+	ct_oob_read(refused_pipe[0], &refused, sizeof(refused));
+	ct_note("the honest client dropped %llu messages to its VQP from the injector", (unsigned long long)refused);
 	ct_oob_read(stats_pipe[0], st, sizeof(st));
 	failed |= ct_wait_child(srv, "the server");
 	ct_note("the server dropped %llu link messages, refused %llu link requests, held %llu links at most, "

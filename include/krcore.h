@@ -177,11 +177,16 @@ enum krcore_stat {
   KRCORE_STAT_PEERS_UNREACHABLE,
   // Link handshake messages dropped: malformed, or not from the
   // endpoint they name (GRH source GID and `src_qp`), or a reply from
-  // another endpoint than the one asked.
+  // another endpoint than the one asked, or a request naming a GID
+  // that is not ours.
   KRCORE_STAT_LINK_MSGS_DROPPED,
   // Link requests refused because their sender already held
   // `KRCORE_MAX_PEER_LINKS` links with this process.
   KRCORE_STAT_LINKS_REFUSED,
+  // Messages dropped because they came to a connected VQP from another
+  // process than its peer (over a link or the datagram tier), or on a
+  // link of another PD than their VQP's.
+  KRCORE_STAT_MSGS_REFUSED,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

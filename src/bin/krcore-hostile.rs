@@ -17,12 +17,18 @@
 //!   steal-binding      bind the victim's address to the victim's own
 //!                      (public) endpoint from a meta-server connection of
 //!                      this process, and if that is accepted unbind it
+//!   bind-as P V        bind this process's address (its GID, port P) to
+//!                      the victim's endpoint with VQPN V, print
+//!                      `hostile: bind-as bound`, and hold the binding
+//!                      until stdin closes: a `qconnect` to that address
+//!                      sends to VQP V of the victim, whatever VQP that is
 
 use clap::{value_parser, Arg, Command};
 use krcore::meta::proto::{LinkInfo, LinkRequest, LINK_LEN};
 use krcore::meta::{client, Endpoint, Key};
 use krcore::rdma::{random_u64, Device};
 use krcore::service::{Options, Path, Service};
+use std::io::{Read, Write};
 use std::net::Ipv6Addr;
 use std::time::{Duration, Instant};
 
@@ -58,6 +64,19 @@ fn main() {
                 let unbound = bound.is_ok().then(|| mc.unbind(&key));
                 mc.shutdown();
                 Ok(format!("steal-binding: bind {bound:?}, unbind {unbound:?}"))
+            }
+            [a, p, v] if a.as_str() == "bind-as" => {
+                let port = p.parse().map_err(|_| format!("bind-as: not a port: {p}"))?;
+                let vqpn = parse_u32(v).ok_or_else(|| format!("bind-as: not a VQPN: {v}"))?;
+                let key = Key::Port { gid: svc.endpoint().gid, port };
+                let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(60) };
+                let mc = client::MetaClient::connect(&dev, sgid_index, &addrs, opts).map_err(|e| format!("meta connection: {e:?}"))?;
+                mc.bind(&key, &Endpoint { vqpn, ..victim }).map_err(|e| format!("bind-as: bind: {e:?}"))?;
+                println!("hostile: bind-as bound port {port} to VQP {vqpn:#x} of QP {}", victim.qpn);
+                std::io::stdout().flush().map_err(|e| e.to_string())?;
+                let _ = std::io::stdin().read_to_end(&mut Vec::new());
+                mc.shutdown();
+                Ok("bind-as released".to_string())
             }
             [a, g, p] if a.as_str() == "forge-request" => {
                 let gid = g.parse().map_err(|_| format!("forge-request: not a GID: {g}"))?;
@@ -165,6 +184,14 @@ impl Target<'_> {
     fn forge_request(&self, named: &Endpoint) -> Result<String, String> {
         self.send(&self.request(*named))?;
         Ok(format!("forge-request sent, naming QP {} incarnation {:#x}", named.qpn, named.incarnation))
+    }
+}
+
+/// Decimal or 0x-hexadecimal.
+fn parse_u32(s: &str) -> Option<u32> {
+    match s.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
     }
 }
 

@@ -1385,7 +1385,9 @@ impl Shared {
         let path = match self.our_gid_index(&r.info.dst_gid) {
             Ok(sgid_index) => Path { sgid_index, dgid: r.info.src_gid },
             Err(e) => {
-                klog!(Level::Warn, "service: a link request from QP {} names a GID that is not ours: {e:?}", peer.qpn);
+                // Anyone can send this: counted, logged at debug only.
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINK_MSGS_DROPPED);
+                klog!(Level::Debug, "service: a link request from QP {} names a GID that is not ours: {e:?}", peer.qpn);
                 return;
             }
         };
@@ -1435,7 +1437,7 @@ impl Shared {
                 self.links.lock().accepting.remove(&key);
                 self.link_ready.notify_all();
                 if let Err(e) = accepted {
-                    klog!(Level::Warn, "service: refused a link from QP {}: {e:?}", peer.qpn);
+                    klog!(Level::Debug, "service: refused a link from QP {}: {e:?}", peer.qpn);
                     self.answer(r, Err(e));
                 }
             }

@@ -153,6 +153,33 @@ impl Conn {
     fn is_on(&self, link: &Arc<Link>) -> bool {
         self.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link))
     }
+
+    /// Whether a message from `o` is our peer's: its process (service QPN
+    /// and incarnation), on its home GID or our path's.
+    fn sent_by_peer(&self, o: &Origin) -> bool {
+        o.peer.qpn == self.peer.qpn
+            && o.peer.incarnation == self.peer.incarnation
+            && (o.peer.gid == self.peer.gid || o.path.dgid == self.path.dgid)
+    }
+}
+
+/// Who sent a message to a bound VQP, as its src_qp answers it: the
+/// sending VQP and its process as the fabric shows them (the GID its
+/// messages come from and its service QPN, which the NIC and the link
+/// handshake vouch for) with the incarnation it claims. Another process
+/// cannot pass for it, whatever it writes in its headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Sender {
+    gid: [u8; 16],
+    qpn: u32,
+    incarnation: u64,
+    vqpn: u32,
+}
+
+impl Sender {
+    fn of_process(&self, peer: &Endpoint) -> bool {
+        self.qpn == peer.qpn && self.incarnation == peer.incarnation
+    }
 }
 
 /// Where a received message came from: its sender's process, which of
@@ -173,6 +200,17 @@ impl Origin {
 
     fn is_on(&self, link: &Arc<Link>) -> bool {
         self.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link))
+    }
+
+    fn sender(&self, vqpn: u32) -> Sender {
+        Sender { gid: self.path.dgid, qpn: self.peer.qpn, incarnation: self.peer.incarnation, vqpn }
+    }
+
+    /// `from`'s process, as the origin of sender `s` (a CLOSE made for it).
+    fn of_sender(from: &Origin, s: Sender) -> Origin {
+        let mut o = from.clone();
+        o.path.dgid = s.gid;
+        o
     }
 }
 
@@ -215,13 +253,13 @@ struct State {
     held: VecDeque<Held>,
     reading: Option<Reading>,
     /// VQPs connected back to senders (bound VQPs), by sender.
-    src_qps: HashMap<(u64, u32), *mut ibv_qp>,
+    src_qps: HashMap<Sender, *mut ibv_qp>,
     /// src_qps whose sender is gone, reported by the last `qpop_msgs`
     /// and destroyed at the next.
     retired: Vec<*mut ibv_qp>,
     /// The sender whose src_qp `qpop_msgs` is making (outside this lock):
     /// a link failure meanwhile reports it closed too.
-    answering: Option<(u64, u32)>,
+    answering: Option<Sender>,
     /// What stopped the last `qpop_msgs` after it had popped messages:
     /// returned by the next call (the messages were returned first).
     pop_error: Option<Errno>,
@@ -261,8 +299,8 @@ struct State {
 enum Inbox {
     /// A message: where it came from, the sending VQP, its completion.
     Msg(Origin, u32, ibv_wc),
-    /// The sending VQP (incarnation, VQPN) was destroyed.
-    Closed(u64, u32),
+    /// The sending VQP was destroyed (or its process is gone).
+    Closed(Sender),
 }
 
 /// Where a VQP's header slots live: in one of the runtime's arenas, or
@@ -289,7 +327,7 @@ pub struct Vqp {
     /// The connected peer's MRStore (shared with the runtime's other VQPs).
     peer_mrs: OnceCell<Arc<Mutex<PeerMrs>>>,
     /// A VQP made by `qpop_msgs`: the bound VQP and the sender it answers.
-    parent: OnceCell<(Weak<Vqp>, (u64, u32))>,
+    parent: OnceCell<(Weak<Vqp>, Sender)>,
     /// A transparent VQP's QPN as the application sees it (unique on its
     /// GID through the meta server; `vqpn` is only unique in the process).
     app_qpn: OnceCell<u32>,
@@ -426,6 +464,18 @@ impl Vqp {
     /// Whether no receive is posted for the next message. On an SRQ the
     /// VQP then waits for the SRQ's next post (checked and registered
     /// under the SRQ's lock: a post in between cannot miss it).
+    /// Whether it belongs to `rt` (its PD's runtime): a message that came
+    /// on another runtime's link or port is not for it.
+    pub fn runs_on(&self, rt: &Runtime) -> bool {
+        self.rt.get().is_some_and(|r| std::ptr::eq(&**r, rt))
+    }
+
+    /// Neither connected nor bound yet (a transparent VQP before RTR): what
+    /// arrives waits, as an RC sender retries until its peer is ready.
+    fn awaits_peer(st: &State) -> bool {
+        st.bound.is_none() && st.conn.is_none() && !st.failed
+    }
+
     fn rq_is_empty(&self, st: &State) -> bool {
         match self.srq.get() {
             Some(srq) => srq.empty_or_wait(self.slot, self.gen),

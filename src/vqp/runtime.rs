@@ -1535,7 +1535,12 @@ impl Runtime {
                 // Exactly what arrived (checked by `received`).
                 let payload = &bytes[HEADER_LEN..HEADER_LEN + h.carried_len() as usize];
                 match (vqp::by_vqpn(h.dst), link) {
-                    (Some(v), Some(link)) => v.on_message(&h, payload, &link),
+                    (Some(v), Some(link)) if v.runs_on(self) => v.on_message(&h, payload, &link),
+                    (Some(_), Some(_)) => {
+                        // A VQP of another PD: never reached from here.
+                        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_REFUSED);
+                        klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} of another PD", h.dst);
+                    }
                     _ => klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} (none here)", h.dst),
                 }
             }

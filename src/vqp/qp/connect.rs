@@ -240,7 +240,22 @@ impl Vqp {
     /// ([`Self::ensure_tier`]).
     pub(super) fn attach_at(&self, rt: &Runtime, link: Option<Arc<Link>>, peer: Endpoint, index: u16, path: Path, dst: u32) {
         let _ = self.peer_mrs.set(rt.peer_mrs(peer.incarnation));
-        self.st.lock().conn = Some(Conn { link, peer, index, path, dst, flow: None });
+        let conn = Conn { link, peer, index, path, dst, flow: None };
+        let mut st = self.st.lock();
+        // What arrived before (held): only its peer's is its.
+        st.held.retain(|h| {
+            let ours = conn.sent_by_peer(&h.origin);
+            if !ours {
+                super::landing::refused(self.vqpn, &h.origin);
+            }
+            ours
+        });
+        let waited = !st.held.is_empty();
+        st.conn = Some(conn);
+        drop(st);
+        if waited {
+            self.deliver_held();
+        }
     }
 
     /// A new link to our peer could not be made: as an RC QP whose retries
@@ -333,31 +348,33 @@ impl Vqp {
             }
         }
         if st.bound.is_some() {
-            let mut gone: Vec<u32> = st.src_qps.keys().filter(|(i, _)| *i == incarnation).map(|(_, src)| *src).collect();
+            let process = &from.peer;
+            let mut gone: Vec<Sender> = st.src_qps.keys().filter(|s| s.of_process(process)).copied().collect();
             // Senders of that process not answered yet: `qpop_msgs` makes
             // their src_qps when it takes their messages (waiting in the
             // inbox, held, or being taken now), so they are reported
             // closed too, after those messages.
             gone.extend(st.inbox.iter().filter_map(|e| match e {
-                Inbox::Msg(o, src, _) if o.peer.incarnation == incarnation => Some(*src),
+                Inbox::Msg(o, src, _) if o.sender(*src).of_process(process) => Some(o.sender(*src)),
                 _ => None,
             }));
             gone.extend(
                 st.held
                     .iter()
-                    .filter(|h| !h.header.flags.contains(Flags::CLOSE) && h.origin.peer.incarnation == incarnation)
-                    .map(|h| h.header.src_vqpn),
+                    .filter(|h| !h.header.flags.contains(Flags::CLOSE))
+                    .map(|h| h.origin.sender(h.header.src_vqpn))
+                    .filter(|s| s.of_process(process)),
             );
-            gone.extend(st.answering.filter(|(i, _)| *i == incarnation).map(|(_, src)| src));
-            gone.sort_unstable();
-            gone.dedup();
-            for src in gone {
+            gone.extend(st.answering.filter(|s| s.of_process(process)));
+            let mut seen = std::collections::HashSet::new();
+            gone.retain(|s| seen.insert(*s));
+            for s in gone {
                 // Behind what that sender's messages still wait for.
                 if st.held.is_empty() && st.reading.is_none() {
-                    st.inbox.push_back(Inbox::Closed(incarnation, src));
+                    st.inbox.push_back(Inbox::Closed(s));
                 } else {
-                    let header = Header { flags: Flags::CLOSE, src_vqpn: src, dst: self.vqpn, ..Header::default() };
-                    st.held.push_back(Held { header, payload: Vec::new(), origin: from.clone() });
+                    let header = Header { flags: Flags::CLOSE, src_vqpn: s.vqpn, dst: self.vqpn, ..Header::default() };
+                    st.held.push_back(Held { header, payload: Vec::new(), origin: Origin::of_sender(from, s) });
                 }
             }
         }

@@ -80,6 +80,10 @@ impl Vqp {
 
     fn take_message(&self, st: &mut State, h: &Header, payload: &[u8], origin: Origin) {
         klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
+        if st.bound.is_none() && st.conn.as_ref().is_some_and(|c| !c.sent_by_peer(&origin)) {
+            refused(self.vqpn, &origin);
+            return;
+        }
         if h.flags.contains(Flags::CLOSE) {
             if st.bound.is_none() {
                 // A connected VQP keeps its own state; peer death is reported
@@ -87,14 +91,15 @@ impl Vqp {
                 return;
             }
             if st.held.is_empty() && st.reading.is_none() {
-                st.inbox.push_back(Inbox::Closed(origin.peer.incarnation, h.src_vqpn));
+                st.inbox.push_back(Inbox::Closed(origin.sender(h.src_vqpn)));
             } else {
                 st.held.push_back(Held { header: *h, payload: Vec::new(), origin });
             }
             return;
         }
-        // Behind held messages or a large one being READ: RC order.
-        if !st.held.is_empty() || st.reading.is_some() || self.rq_is_empty(st) {
+        // Behind held messages or a large one being READ: RC order. Not
+        // connected yet: held until it is, which keeps only its peer's.
+        if !st.held.is_empty() || st.reading.is_some() || Self::awaits_peer(st) || self.rq_is_empty(st) {
             st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin });
             return;
         }
@@ -126,12 +131,12 @@ impl Vqp {
         while st.reading.is_none() {
             let Some(front) = st.held.front() else { break };
             let closing = front.header.flags.contains(Flags::CLOSE);
-            if !closing && self.rq_is_empty(st) {
+            if !closing && (Self::awaits_peer(st) || self.rq_is_empty(st)) {
                 break;
             }
             let Some(m) = st.held.pop_front() else { break };
             if closing {
-                st.inbox.push_back(Inbox::Closed(m.origin.peer.incarnation, m.header.src_vqpn));
+                st.inbox.push_back(Inbox::Closed(m.origin.sender(m.header.src_vqpn)));
             } else {
                 self.land(st, &m.header, &m.payload, &m.origin);
             }
@@ -351,4 +356,12 @@ impl Vqp {
             self.deliver(&self.send_soft, c);
         }
     }
+}
+
+/// A message for a connected VQP from another process than its peer (a
+/// bound VQP takes messages from anyone; a connected one, as an RC QP,
+/// only from the QP it is connected to): dropped and counted.
+pub(super) fn refused(vqpn: u32, from: &Origin) {
+    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_REFUSED);
+    klog!(Level::Debug, "vqp {vqpn:#x}: dropped a message from {:02x?} (QP {}), not its peer", from.path.dgid, from.peer.qpn);
 }

@@ -49,22 +49,22 @@ impl Vqp {
             let Some(entry) = st.inbox.pop_front() else { break };
             let (origin, src, wc) = match entry {
                 Inbox::Msg(origin, src, wc) => (origin, src, wc),
-                Inbox::Closed(incarnation, src) => {
+                Inbox::Closed(sender) => {
                     // A sender we never answered has no src_qp to retire.
-                    if let Some(qp) = st.src_qps.remove(&(incarnation, src)) {
+                    if let Some(qp) = st.src_qps.remove(&sender) {
                         st.retired.push(qp);
                         // SAFETY: ibv_wc is plain C data.
                         let mut wc: ibv_wc = unsafe { crate::obj::zeroed() };
                         wc.status = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
                         wc.opcode = ibv_wc_opcode::IBV_WC_RECV;
                         wc.qp_num = self.qpn();
-                        wc.src_qp = src;
+                        wc.src_qp = sender.vqpn;
                         out.push((qp, wc));
                     }
                     continue;
                 }
             };
-            let key = (origin.peer.incarnation, src);
+            let key = origin.sender(src);
             if let Some(&qp) = st.src_qps.get(&key) {
                 out.push((qp, wc));
                 continue;
@@ -108,7 +108,7 @@ impl Vqp {
         let mut cap = ibv_qp_cap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
         let v = Vqp::new(self.app, Arc::clone(&self.send_soft), Arc::clone(&self.recv_soft), &mut cap, false)?;
         let _ = v.rt.set(Arc::clone(rt));
-        let _ = v.parent.set((Arc::downgrade(self), (peer.incarnation, src)));
+        let _ = v.parent.set((Arc::downgrade(self), origin.sender(src)));
         match rt.svc.link_to(peer.incarnation, index, origin.path) {
             Some(link) => v.attach(rt, link, peer, src),
             // Its process is gone: as a VQP whose link failed (posts are

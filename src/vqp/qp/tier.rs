@@ -446,18 +446,21 @@ impl Host for Runtime {
             return None;
         }
         let v = by_vqpn(route.dst_vqpn)?;
-        if !v.rt.get().is_some_and(|r| std::ptr::eq(&**r, self)) {
+        if !v.runs_on(self) {
             return None;
         }
+        let sgid_index = self.svc.gid_index_of(&from.to_gid).ok()?;
         {
-            // A connected VQP takes messages from its peer's process only;
-            // a bound one from anyone (what qbind is for).
+            // A connected VQP takes messages from its peer only; a bound
+            // one from anyone (what qbind is for).
             let st = v.st.lock();
-            if st.bound.is_none() && st.conn.as_ref().is_some_and(|c| c.peer.incarnation != route.src_incarnation) {
+            let peer = Endpoint { gid: from.gid, qpn: from.qpn, qkey: crate::rdma::QKEY, incarnation: route.src_incarnation, vqpn: 0 };
+            let origin = Origin { peer, index: 0, path: Path { sgid_index, dgid: from.gid }, link: None };
+            if st.bound.is_none() && st.conn.as_ref().is_some_and(|c| !c.sent_by_peer(&origin)) {
+                super::landing::refused(v.vqpn, &origin);
                 return None;
             }
         }
-        let sgid_index = self.svc.gid_index_of(&from.to_gid).ok()?;
         // The flow's ACKs go out under the VQP's lock (Host::messages): its
         // address handle is made here, before anything was delivered.
         self.svc.prepare_path(Path { sgid_index, dgid: from.gid }).ok()?;
