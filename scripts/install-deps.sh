@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install everything the build and the Soft-RoCE VM testbed need on a fresh
-# Debian 12 machine. Idempotent: a second run only checks.
+# Install everything the build, the fuzz targets and the Soft-RoCE VM testbed
+# need on a fresh Debian 12 machine. Idempotent: a second run only checks.
 set -euo pipefail
 
 KERNEL_PKG="${KRCORE_VM_KERNEL_PKG:-linux-image-6.1.0-50-amd64-unsigned}"
@@ -9,7 +9,7 @@ KDIR="${KRCORE_VM_KERNEL_DIR:-$HOME/.cache/krcore/kernel}"
 
 APT_PKGS=(qemu-system-x86 rdma-core ibverbs-providers ibverbs-utils
           libibverbs-dev librdmacm-dev rdmacm-utils perftest kmod iproute2
-          busybox-static libclang-dev pkg-config python3 gcc make
+          busybox-static libclang-dev pkg-config python3 gcc g++ make
           python3-pyverbs)
 
 missing=()
@@ -25,6 +25,13 @@ fi
 if ! command -v vng >/dev/null 2>&1; then
     echo "install-deps: pip install virtme-ng"
     python3 -m pip install -q virtme-ng
+fi
+
+# cargo-fuzz, for scripts/fuzz.sh (which also needs a nightly toolchain:
+# it says so if there is none). g++ above builds libFuzzer.
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "install-deps: cargo install cargo-fuzz"
+    cargo install -q --locked --version 0.13.2 cargo-fuzz
 fi
 
 # The VM kernel: unpacked outside /var/tmp (a fresh tmpfs inside the VM).

@@ -6,6 +6,8 @@
 # on it), and a summary closes the run.
 #   scripts/test.sh            (exit status: 0 only if every stage passed)
 # KRCORE_SUITE_ARGS="-k perftest" passes extra arguments to the suite.
+# After the unit tests, the wire decoders under libFuzzer (scripts/fuzz.sh):
+# KRCORE_FUZZ_S seconds per target, default 20.
 # KRCORE_SOAK=1 adds the VQP soak (scripts/soak.sh, KRCORE_SOAK_S seconds,
 # default 300) as a last stage; it is not run otherwise.
 set -uo pipefail
@@ -86,6 +88,7 @@ if stage build cargo build --release; then
     stage lint lint
     stage install bash scripts/install-test.sh
     stage unit-tests cargo test --release
+    stage fuzz bash scripts/fuzz.sh
     if [[ -f c-tests/Makefile ]]; then
         stage c-tests make -C c-tests
     fi
@@ -105,6 +108,7 @@ if stage build cargo build --release; then
 else
     skip install "build failed"
     skip unit-tests "build failed"
+    skip fuzz "build failed"
     skip integration "build failed"
     skip rdma-core-tests "build failed"
 fi
@@ -119,7 +123,7 @@ printf '  %-16s %-28s %5ss\n' total "" "$SECONDS"
 # failed" lines plus the suites' "N passed, N failed"; a stage that failed
 # without reporting tests (a build error, say) counts as one failure.
 read -r npass nfail < <(
-    cat "$logs"/install.log "$logs"/unit-tests.log "$logs"/integration.log "$logs"/rdma-core-tests.log \
+    cat "$logs"/install.log "$logs"/unit-tests.log "$logs"/fuzz.log "$logs"/integration.log "$logs"/rdma-core-tests.log \
         2>/dev/null | tr -d '\r' |
     sed -nE 's/^test result: .* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/p;
              s/^([0-9]+) passed, ([0-9]+) failed$/\1 \2/p' |
