@@ -174,6 +174,10 @@ pub enum krcore_stat {
     /// process than its peer (over a link or the datagram tier), or on a
     /// link of another PD than their VQP's.
     KRCORE_STAT_MSGS_REFUSED,
+    /// Link requests dropped because no VQP here is bound or connected to
+    /// their sender (each copy counted; an honest peer's are answered once
+    /// a VQP of ours connects to it).
+    KRCORE_STAT_LINKS_UNWANTED,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -247,6 +251,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "link_msgs_dropped\0",
     "links_refused\0",
     "msgs_refused\0",
+    "links_unwanted\0",
 ];
 
 /// A counter's name ("post_send").

@@ -62,6 +62,9 @@ const GRH: usize = 40;
 /// wr_id bit of a datagram's send (the rest: its send buffer).
 const TX_TAG: u64 = 1 << 63;
 
+/// See [`Service::on_link_wanted`].
+pub type LinkWanted = Box<dyn Fn(&Endpoint, &Path) -> bool + Send + Sync>;
+
 /// Sizes of the service endpoint and its links.
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
@@ -184,6 +187,10 @@ struct Shared {
     /// Whether a peer's link may be accepted now (the runtime's receive
     /// side is ready; if not, it has it made): see `on_accepting`.
     accepting: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
+    /// Whether a link with the endpoint that asks for one, on that path,
+    /// is wanted (some VQP is bound, or connected to it): see
+    /// `on_link_wanted`.
+    wanted: Mutex<Option<LinkWanted>>,
     warm: Mutex<Vec<Qp>>,
     links: Mutex<Links>,
     /// Replies to our requests, by request id: an entry per waiter (no
@@ -352,6 +359,7 @@ impl Service {
             link_side_ready: AtomicBool::new(false),
             on_link_side: Mutex::new(None),
             accepting: Mutex::new(None),
+            wanted: Mutex::new(None),
             warm: Mutex::new(Vec::new()),
             links: Mutex::new(Links::default()),
             replies: Mutex::new(HashMap::new()),
@@ -528,6 +536,15 @@ impl Service {
     /// never makes the links' side itself); the link side must be made too.
     pub fn on_accepting(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
         *self.shared.accepting.lock() = Some(f);
+    }
+
+    /// A link request is answered only if `f(sender, path)` says a link
+    /// with its sender is wanted; otherwise it is dropped, as an RC QP
+    /// ignores a QP it is not connected to (the sender's retransmissions
+    /// find it wanted once a VQP of ours connects to it). Without `f`
+    /// (a service without a runtime) every link is wanted.
+    pub fn on_link_wanted(&self, f: LinkWanted) {
+        *self.shared.wanted.lock() = Some(f);
     }
 
     /// Run `f` once the links' MR table is made, before any link uses it
@@ -1411,6 +1428,10 @@ impl Shared {
                 klog!(Level::Debug, "service: a link request from QP {} crossed ours: ours makes the link", peer.qpn);
                 self.answer(r, Err(Errno(libc::EALREADY)));
             }
+            None if !self.link_wanted(&peer, &path) => {
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_UNWANTED);
+                klog!(Level::Debug, "service: a link request from QP {}: no VQP here is bound or connected to it", peer.qpn);
+            }
             None if r.optional && self.at_link_limit() => {
                 klog!(Level::Debug, "service: at KRCORE_MAX_LINKS: refused an optional link from QP {}", peer.qpn);
                 self.answer(r, Err(Errno(libc::ECONNREFUSED)));
@@ -1442,6 +1463,10 @@ impl Shared {
                 }
             }
         }
+    }
+
+    fn link_wanted(&self, peer: &Endpoint, path: &Path) -> bool {
+        self.wanted.lock().as_ref().is_none_or(|f| f(peer, path))
     }
 
     fn links_may_be_accepted(&self) -> bool {

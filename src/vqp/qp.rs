@@ -470,6 +470,16 @@ impl Vqp {
         self.rt.get().is_some_and(|r| std::ptr::eq(&**r, rt))
     }
 
+    /// Whether a link with `peer` (asked for on `path`) serves this VQP:
+    /// bound (anyone may send to it), or connected to that process.
+    pub fn wants_link_with(&self, peer: &Endpoint, path: &Path) -> bool {
+        let st = self.st.lock();
+        st.bound.is_some()
+            || st.conn.as_ref().is_some_and(|c| {
+                c.peer.qpn == peer.qpn && c.peer.incarnation == peer.incarnation && (c.peer.gid == peer.gid || c.path.dgid == path.dgid)
+            })
+    }
+
     /// Neither connected nor bound yet (a transparent VQP before RTR): what
     /// arrives waits, as an RC sender retries until its peer is ready.
     fn awaits_peer(st: &State) -> bool {

@@ -710,6 +710,14 @@ impl Runtime {
                 false
             }
         }));
+        // A link puts its peer in this PD (it may READ and WRITE what the
+        // PD's rkeys open): only for a process a VQP of ours takes
+        // messages from.
+        let weak = Arc::downgrade(&rt);
+        rt.svc.on_link_wanted(Box::new(move |peer, path| {
+            let Some(rt) = weak.upgrade() else { return false };
+            vqp::live().iter().any(|v| v.runs_on(&rt) && v.wants_link_with(peer, path))
+        }));
         // While the application sleeps on a completion channel, the
         // service thread makes progress when the links have completions.
         let weak = Arc::downgrade(&rt);
