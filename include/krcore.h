@@ -235,8 +235,10 @@ size_t krcore_config_dump(char *buf, size_t len);
 //
 // Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already bound
 // or connected), EADDRNOTAVAIL (`gid` is not on this device), EADDRINUSE
-// (some VQP anywhere is bound there), ENOTCONN (`KRCORE_META` is unset: a
-// log line says what to set), ECONNREFUSED / ETIMEDOUT (no meta server
+// (some VQP anywhere is bound there), EDQUOT (this process holds the
+// entries a meta server allows one client, `krcore-meta
+// --max-entries-per-client`), ENOTCONN (`KRCORE_META` is unset: a log
+// line says what to set), ECONNREFUSED / ETIMEDOUT (no meta server
 // answers).
 //
 // # Safety

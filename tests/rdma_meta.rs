@@ -29,10 +29,17 @@ struct Meta {
 impl Meta {
     /// Start it on a free port and wait (bounded) for its readiness line.
     fn start(max_lease_ms: u64) -> Meta {
+        Meta::start_with(max_lease_ms, &[])
+    }
+
+    /// The same, with more options.
+    fn start_with(max_lease_ms: u64, options: &[&str]) -> Meta {
         let port = free_port();
         let mut child = Command::new(env!("CARGO_BIN_EXE_krcore-meta"))
             .args(["--listen", &format!("{SERVER_IP}:{port}"), "--slots", "1024"])
             .args(["--max-lease-ms", &max_lease_ms.to_string()])
+            .args(options)
+            .env("KRCORE_LOG", std::env::var("KRCORE_LOG").unwrap_or_else(|_| "warn".into()))
             .stdout(Stdio::piped())
             .spawn()
             .expect("spawn krcore-meta");
@@ -274,4 +281,225 @@ fn clients_that_send_a_byte_at_a_time_hold_nobody_up() {
     let b = client(&dev, 3, &meta, Duration::from_secs(10));
     b.bind(&port_key(3, 7101), &endpoint(3, 0x323, 45)).unwrap();
     drop(slow);
+}
+
+/// A raw `Hello` naming `gid` (a made-up QP behind it): how long until the
+/// server's `Welcome` (or its closing the connection) comes.
+fn raw_hello(meta: &Meta, gid: [u8; 16]) -> (Duration, Option<krcore::meta::proto::Welcome>) {
+    let mut s = std::net::TcpStream::connect(meta.addr).expect("connect");
+    let t0 = Instant::now();
+    let w = hello_on(&mut s, gid);
+    (t0.elapsed(), w)
+}
+
+/// Send a `Hello` naming `gid` (a made-up QP) on `s`; the `Welcome` that
+/// answers it (None: the connection closed, or nothing came in 20 s).
+fn hello_on(s: &mut std::net::TcpStream, gid: [u8; 16]) -> Option<krcore::meta::proto::Welcome> {
+    use krcore::meta::proto::{Hello, Welcome, BOOT_LEN};
+    use std::io::{Read, Write};
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut out = [0u8; BOOT_LEN];
+    Hello { gid, qpn: 0x1234, psn: 1 }.encode(&mut out);
+    s.write_all(&out).ok()?;
+    let mut buf = [0u8; BOOT_LEN];
+    s.read_exact(&mut buf).ok().and_then(|()| Welcome::decode(&buf).ok())
+}
+
+/// A TCP connection to `to` from the local address `src` (an emulated
+/// node's: the server tells sources apart by it).
+fn connect_from(src: Ipv4Addr, to: SocketAddr) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(to) = to else { panic!("an IPv4 server") };
+    let sa = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a new fd, with valid addresses; the fd
+    // is then owned by the stream.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket");
+        let s = std::net::TcpStream::from_raw_fd(fd);
+        let me = sa(src, 0);
+        assert_eq!(libc::bind(fd, (&me as *const libc::sockaddr_in).cast(), len), 0, "bind to {src}");
+        let them = sa(*to.ip(), to.port());
+        assert_eq!(libc::connect(fd, (&them as *const libc::sockaddr_in).cast(), len), 0, "connect from {src}");
+        s
+    }
+}
+
+/// Whether the server reset (or closed) `s` within `within`, having sent
+/// nothing; false if it is still open then.
+fn was_refused(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(0) => true,
+        Ok(_) => panic!("the server sent a byte unasked"),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => false,
+        Err(_) => true, // ECONNRESET
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn connections_and_entries_beyond_their_bounds_are_refused() {
+    use krcore::meta::client::query;
+    let node = |i| Ipv4Addr::new(10, 77, 0, i);
+    let meta = Meta::start_with(
+        30_000,
+        &["--max-clients", "4", "--max-clients-per-ip", "3", "--max-pending", "4", "--max-entries-per-client", "4"],
+    );
+    let dev = device();
+    // Both from the server's own address (the kernel's source for it).
+    let a = client(&dev, 2, &meta, Duration::from_secs(10));
+    let b = client(&dev, 3, &meta, Duration::from_secs(10));
+    let key = port_key(2, 7300);
+    let ep = endpoint(2, 0x325, 47);
+    a.bind(&key, &ep).unwrap();
+    let t = Duration::from_secs(5);
+    let quick = Duration::from_millis(1000);
+
+    // One host (10.77.0.3) opens connections and sends nothing: three are
+    // kept (waiting for their Hello), the fourth is reset at once, and the
+    // other hosts are served.
+    // (All within the 2 s the server waits for a Hello.)
+    let start = Instant::now();
+    let mut flood: Vec<_> = (0..3).map(|_| connect_from(node(3), meta.addr)).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut extra = connect_from(node(3), meta.addr);
+    let t0 = Instant::now();
+    assert!(was_refused(&mut extra, quick), "a 4th connection from one address is reset");
+    assert!(t0.elapsed() < quick, "reset at once, not at the Hello timeout");
+    assert_eq!(query(&[meta.addr], &key, t), Ok(Some(ep)), "another address is served");
+    std::thread::sleep(Duration::from_millis(100)); // the query's connection closed
+
+    // The connections owing their Hello, all addresses together: the 4th
+    // (from 10.77.0.4) fills them, a 5th (from 10.77.0.5) is reset.
+    let mut fourth = connect_from(node(4), meta.addr);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut fifth = connect_from(node(5), meta.addr);
+    assert!(was_refused(&mut fifth, quick), "a connection beyond --max-pending is reset ({:?} in)", start.elapsed());
+    for s in flood.iter_mut().chain([&mut fourth]) {
+        assert!(!was_refused(s, Duration::from_millis(20)), "those before wait for their Hello");
+    }
+    println!("flood and pending checks took {:?}", start.elapsed());
+    drop(flood);
+    drop(fourth);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(query(&[meta.addr], &key, t), Ok(Some(ep)), "served again once they closed");
+
+    // A client's clients count for its address: a and b, one silent
+    // connection, and the next from the same address is reset.
+    let silent = connect_from(SERVER_IP, meta.addr);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut over = connect_from(SERVER_IP, meta.addr);
+    assert!(was_refused(&mut over, quick), "clients and pending count for their address");
+    drop(silent);
+    std::thread::sleep(Duration::from_millis(300));
+
+    // Entries per client: a holds 1 + 3 more; the 5th is refused EDQUOT,
+    // a renewal of one it holds is not; b binds as before; one unbound
+    // makes room.
+    for p in 1..4 {
+        a.bind(&port_key(2, 7300 + p), &endpoint(2, 0x325, 47)).unwrap();
+    }
+    assert_eq!(a.bind(&port_key(2, 7310), &ep).unwrap_err(), Errno(libc::EDQUOT));
+    a.bind(&key, &ep).unwrap();
+    b.bind(&port_key(3, 7310), &endpoint(3, 0x326, 48)).unwrap();
+    assert_eq!(query(&[meta.addr], &port_key(2, 7310), t), Ok(None), "the refused bind left nothing");
+    a.unbind(&port_key(2, 7303)).unwrap();
+    a.bind(&port_key(2, 7310), &ep).unwrap();
+
+    // Clients in total: a, b, and two raw Hellos (from 10.77.0.4 and .5)
+    // make 4. A connection made before the 4th client's Hello, whose own
+    // Hello comes after it, is answered EUSERS; one made after is reset.
+    let mut c3 = connect_from(node(4), meta.addr);
+    assert_eq!(hello_on(&mut c3, ipv4_gid(node(4))).map(|w| w.status), Some(0));
+    let mut early = connect_from(node(6), meta.addr);
+    let mut c4 = connect_from(node(5), meta.addr);
+    assert_eq!(hello_on(&mut c4, ipv4_gid(node(5))).map(|w| w.status), Some(0));
+    assert_eq!(hello_on(&mut early, ipv4_gid(node(6))).map(|w| w.status), Some(libc::EUSERS as u32));
+    let mut late = connect_from(node(7), meta.addr);
+    assert!(was_refused(&mut late, quick), "a connection beyond --max-clients is reset");
+    let e = MetaClient::connect(&dev, dev.gid_index(&ipv4_gid(node(8))).unwrap(), &[meta.addr], Options { timeout: t, lease: t })
+        .err()
+        .expect("no room for another client");
+    println!("a client beyond --max-clients: {e:?}");
+    // One leaves: room for the next.
+    drop(c4);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut next = connect_from(node(7), meta.addr);
+    assert_eq!(hello_on(&mut next, ipv4_gid(node(7))).map(|w| w.status), Some(0));
+    // The clients that were there are served throughout.
+    b.invalidate(&key);
+    assert_eq!(b.lookup(&key).unwrap(), Some(ep));
+    drop(c3);
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_hello_naming_an_unresolvable_gid_holds_nobody_up() {
+    use krcore::meta::client::query;
+    use krcore::rdma::{Caps, Cq, Qp, RcPeer};
+    use std::net::Ipv6Addr;
+    let dev = device();
+    let gi = dev.gid_index(&ipv4_gid(SERVER_IP)).expect("node GID");
+    let gids: [(&str, [u8; 16]); 4] = [
+        ("10.77.0.2 (a node)", ipv4_gid(Ipv4Addr::new(10, 77, 0, 2))),
+        ("10.77.0.200 (nobody, on the dummy netdev's subnet)", ipv4_gid(Ipv4Addr::new(10, 77, 0, 200))),
+        ("192.0.2.1 (off every subnet)", ipv4_gid(Ipv4Addr::new(192, 0, 2, 1))),
+        ("2001:db8::1 (IPv6, no route)", Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1).octets()),
+    ];
+    // The verbs call itself, in this process: INIT -> RTR (-> RTS) naming it.
+    let cq = Arc::new(Cq::new(&dev, 16).unwrap());
+    for round in 0..2 {
+        for (what, gid) in &gids {
+            let caps = Caps { send_wr: 4, recv_wr: 4, send_sge: 1, recv_sge: 1, inline: 0 };
+            let qp = Qp::new(&dev, krcore::sys::ibv_qp_type::IBV_QPT_RC, &cq, &cq, caps).unwrap();
+            qp.to_init().unwrap();
+            let t0 = Instant::now();
+            let r = qp.rc_connect(gi, 1, &RcPeer { gid: *gid, qpn: 0x1234, psn: 1 });
+            println!("measure: round {round}: rc_connect to {what}: {:?} in {:?}", r, t0.elapsed());
+        }
+    }
+    // Through the server: a Hello naming each, while another process queries.
+    let meta = Meta::start(30_000);
+    let a = client(&dev, 2, &meta, Duration::from_secs(10));
+    let key = port_key(2, 7200);
+    let ep = endpoint(2, 0x324, 46);
+    a.bind(&key, &ep).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let addr = meta.addr;
+    let querier = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut worst = Duration::ZERO;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t0 = Instant::now();
+                assert_eq!(query(&[addr], &key, Duration::from_secs(20)), Ok(Some(ep)));
+                worst = worst.max(t0.elapsed());
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            worst
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    for round in 0..2 {
+        for (what, gid) in &gids {
+            let (took, w) = raw_hello(&meta, *gid);
+            println!(
+                "measure: round {round}: Hello naming {what}: welcome {} after {took:?}",
+                w.map_or("none".into(), |w| format!("status {}", w.status))
+            );
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let worst = querier.join().unwrap();
+    println!("measure: slowest query beside those Hellos: {worst:?}");
+    assert!(worst < Duration::from_millis(500), "a query took {worst:?} beside Hellos naming unresolvable GIDs");
 }

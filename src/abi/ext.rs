@@ -81,8 +81,10 @@ pub unsafe extern "C" fn krcore_config_dump(buf: *mut c_char, len: size_t) -> si
 ///
 /// Returns 0, or an errno value: EINVAL (`qp` is not a VQP, or already bound
 /// or connected), EADDRNOTAVAIL (`gid` is not on this device), EADDRINUSE
-/// (some VQP anywhere is bound there), ENOTCONN (`KRCORE_META` is unset: a
-/// log line says what to set), ECONNREFUSED / ETIMEDOUT (no meta server
+/// (some VQP anywhere is bound there), EDQUOT (this process holds the
+/// entries a meta server allows one client, `krcore-meta
+/// --max-entries-per-client`), ENOTCONN (`KRCORE_META` is unset: a log
+/// line says what to set), ECONNREFUSED / ETIMEDOUT (no meta server
 /// answers).
 ///
 /// # Safety

@@ -1,9 +1,12 @@
 //! `krcore-meta --listen <ip>:<port>`: the meta server (see
 //! `krcore::meta::server`). Prints one line when it serves, so that
 //! scripts can wait for it; stops on SIGINT or SIGTERM.
+//!
+//! The `--max-*` options bound what the processes that connect make it
+//! hold (`Limits`); their defaults are far above an honest deployment.
 
 use clap::{value_parser, Arg, Command};
-use krcore::meta::server::{Config, Server};
+use krcore::meta::server::{Config, Limits, Server};
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -15,6 +18,7 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 fn main() {
+    let d = Limits::default();
     let m = Command::new("krcore-meta")
         .about("Serves krcore's (GID, port) -> endpoint table over RDMA")
         .arg(
@@ -42,12 +46,52 @@ fn main() {
                 .help("longest lease granted to a registration"),
         )
         .arg(Arg::new("device").long("device").value_name("NAME").help("RDMA device (default: the first)"))
+        .arg(
+            Arg::new("max-clients")
+                .long("max-clients")
+                .value_name("N")
+                .default_value(d.clients.to_string().leak() as &str)
+                .value_parser(value_parser!(u32).range(1..))
+                .help("connected clients (each holds an RC QP here); a connection or Hello beyond is refused"),
+        )
+        .arg(
+            Arg::new("max-clients-per-ip")
+                .long("max-clients-per-ip")
+                .value_name("N")
+                .default_value(d.clients_per_ip.to_string().leak() as &str)
+                .value_parser(value_parser!(u32).range(1..))
+                .help("connections from one source address (clients and those owing their Hello); one beyond is reset"),
+        )
+        .arg(
+            Arg::new("max-pending")
+                .long("max-pending")
+                .value_name("N")
+                .default_value(d.pending.to_string().leak() as &str)
+                .value_parser(value_parser!(u32).range(1..))
+                .help("connections owing their Hello (queriers included); one beyond is reset"),
+        )
+        .arg(
+            Arg::new("max-entries-per-client")
+                .long("max-entries-per-client")
+                .value_name("N")
+                .default_value(d.entries_per_client.to_string().leak() as &str)
+                .value_parser(value_parser!(u32).range(1..))
+                .help("entries one client holds; a Bind beyond is answered EDQUOT"),
+        )
         .get_matches();
+    let n = |name: &str| *m.get_one::<u32>(name).expect("defaulted");
+    let limits = Limits {
+        clients: n("max-clients") as usize,
+        clients_per_ip: n("max-clients-per-ip") as usize,
+        pending: n("max-pending") as usize,
+        entries_per_client: n("max-entries-per-client"),
+    };
     let cfg = Config {
         listen: *m.get_one::<SocketAddrV4>("listen").expect("required"),
         slots: *m.get_one::<u32>("slots").expect("defaulted"),
         max_lease: Duration::from_millis(*m.get_one::<u64>("max-lease-ms").expect("defaulted")),
         device: m.get_one::<String>("device").cloned(),
+        limits,
     };
     // SAFETY: the handler only stores an atomic.
     unsafe {
@@ -68,7 +112,12 @@ fn main() {
         server.gid_index(),
         cfg.slots
     );
-    if let Err(e) = server.run(&|| STOP.load(Ordering::SeqCst)) {
+    let r = server.run(&|| STOP.load(Ordering::SeqCst));
+    let refused = server.refused();
+    if refused != Default::default() {
+        eprintln!("krcore-meta: refused {refused:?} (bounds {:?})", server.limits());
+    }
+    if let Err(e) = r {
         eprintln!("krcore-meta: {e:?}");
         std::process::exit(1);
     }

@@ -29,7 +29,7 @@
 //!   (ECONNREFUSED, or the last transport error) only when no replica
 //!   can answer, and never waits for a replica known to be down.
 //! - A binding succeeds when at least one connected replica accepted it
-//!   and none refused it (a refusal, EADDRINUSE or ENOSPC, is undone on
+//!   and none refused it (a refusal, EADDRINUSE, ENOSPC or EDQUOT, is undone on
 //!   the replicas that had accepted and returned). A replica that was down
 //!   gets it when it is reached again.
 //!
@@ -240,6 +240,18 @@ fn lost_entries(held: u32, bound: usize, refused: usize) -> bool {
     (held as usize) < bound.saturating_sub(refused)
 }
 
+/// Say that a replica refused a binding: at warn level when it is the
+/// server's bound on one client's entries (EDQUOT, `krcore-meta
+/// --max-entries-per-client`), which the caller's errno alone does not
+/// name; the others (EADDRINUSE, ENOSPC) are the caller's to handle.
+fn log_refusal(addr: &SocketAddr, e: Errno) {
+    if e.0 == libc::EDQUOT {
+        klog!(Level::Warn, "meta server {addr}: bind refused: this connection holds the entries krcore-meta allows one client (--max-entries-per-client): EDQUOT");
+    } else {
+        klog!(Level::Debug, "meta server {addr}: bind refused: {e:?}");
+    }
+}
+
 /// When a replica that is down may be tried next: a period after the last
 /// attempt, and not before `now` (at once after a failure, unless the last
 /// attempt was less than a period ago: a replica that fails every request
@@ -427,7 +439,7 @@ impl MetaClient {
                 Some(Err((e, true))) => last = e,
                 // The server's verdict (EADDRINUSE, ENOSPC, ...) is the answer.
                 Some(Err((e, false))) => {
-                    klog!(Level::Debug, "meta server {}: bind refused: {e:?}", r.addr);
+                    log_refusal(&r.addr, e);
                     refusal = Some(e);
                     break;
                 }
@@ -474,7 +486,7 @@ impl MetaClient {
                             match res {
                                 Ok(_) => accepted.push((i, *key)),
                                 Err(e) => {
-                                    klog!(Level::Debug, "meta server {}: bind refused: {e:?}", r.addr);
+                                    log_refusal(&r.addr, e);
                                     refusal = Some(e);
                                 }
                             }

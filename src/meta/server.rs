@@ -12,15 +12,31 @@
 //! loses them when they expire.
 //!
 //! One thread, event driven: `poll(2)` on the listening socket, every
-//! client's socket (and those still owing their `Hello`) and the
-//! completion channel, with the next lease sweep as timeout. No locks;
-//! nothing spins.
+//! client's socket (and those still owing their `Hello`), the completion
+//! channel and the helpers' eventfd, with the next lease sweep as timeout.
+//! No locks; nothing spins. The one call that may wait is a new client's
+//! RTR: it resolves the GID its `Hello` names to a MAC address, and the
+//! kernel waits for an ARP answer up to a second (1.02 s measured on a
+//! veth with nobody at the address; a NOARP netdev such as the testbed's
+//! dummy answers at once). So a client's QP is brought up (RTR, RTS) on a
+//! short-lived helper thread, at most [`MAX_CONNECTING`] at once (more
+//! `Hello`s wait their turn in `pending`), which hands it back over a
+//! channel and wakes the loop through an eventfd; the `Welcome` follows.
 //!
 //! An expired entry must never resolve, yet lookups are READs the server
 //! does not see: so an entry is removed a margin *before* its deadline
 //! ([`sweep_margin`]), and nothing in the loop blocks for longer than that
 //! margin (a new client's `Hello` is read when its socket is readable, not
 //! waited for).
+//!
+//! Nothing a stranger sends makes it hold more than its [`Limits`]: clients
+//! (in total and per source address, connections still owing their
+//! `Hello` counted with those of their address), connections owing their
+//! `Hello`, entries per client, and completions served per pass of the
+//! loop (the rest wait for the next pass, after the sweep). A connection
+//! beyond a bound is reset at once, a `Hello` beyond the clients' bound is
+//! answered `EUSERS`, a `Bind` beyond a client's entries `EDQUOT`; each is
+//! counted ([`Refused`]) and logged at warn level (at most once a second).
 
 use super::proto::{self, Answer, BootMessage, Hello, Op, Query, Request, Response, Welcome};
 use super::table::EndpointTable;
@@ -30,13 +46,120 @@ use crate::rdma::{self, Caps, Cq, Device, Qp, RcPeer, Region};
 use crate::sys::*;
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddrV4, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The pollfds before the clients': the listener, the completion channel,
+/// the helpers' eventfd.
+const FIXED_FDS: usize = 3;
+
 /// Requests a client may have in flight (receive buffers per client).
 pub(crate) const CREDITS: usize = 8;
+
+/// Completions a client can have in the CQ at once: its receives, and its
+/// send queue's responses.
+const CQES_PER_CLIENT: usize = 3 * CREDITS;
+
+/// Completions served in one pass of the loop: a flood of requests does
+/// not hold the sweep (or the other clients' sockets) up.
+const COMPLETIONS_PER_PASS: usize = 1024;
+
+/// What the server holds at most for the processes that connect to it
+/// (`krcore-meta`'s `--max-*` options). Beyond, it refuses: nothing a
+/// stranger sends exhausts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Connected clients (each holds an RC QP here), in total.
+    pub clients: usize,
+    /// Connections from one source address: its clients and those still
+    /// owing their `Hello`.
+    pub clients_per_ip: usize,
+    /// Connections still owing their `Hello` (queriers among them), in
+    /// total.
+    pub pending: usize,
+    /// Entries one client (one connection) holds.
+    pub entries_per_client: u32,
+}
+
+impl Default for Limits {
+    /// Far above an honest deployment: a process holds one connection per
+    /// replica and PD runtime, and one entry per `qbind` and per
+    /// transparent QP and usable GID (1,000 QPs on 10 GIDs: 10,000).
+    fn default() -> Limits {
+        Limits { clients: 1024, clients_per_ip: 256, pending: 512, entries_per_client: 16384 }
+    }
+}
+
+/// Why a connection or request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// [`Limits::clients`] are connected.
+    Clients,
+    /// Its source address has [`Limits::clients_per_ip`] connections.
+    PerIp,
+    /// [`Limits::pending`] connections owe their `Hello`.
+    Pending,
+    /// The client holds [`Limits::entries_per_client`].
+    Entries,
+}
+
+/// What the server refused so far, by bound.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Refused {
+    /// Connections (at accept, or at their `Hello`): clients were full.
+    pub clients: u64,
+    /// Connections: their source address was at its bound.
+    pub per_ip: u64,
+    /// Connections: too many owed their `Hello`.
+    pub pending: u64,
+    /// `Bind`s (and `Renew`s that bind again): their client held its
+    /// bound of entries.
+    pub entries: u64,
+}
+
+impl Refused {
+    fn count(&mut self, why: Refusal) {
+        *match why {
+            Refusal::Clients => &mut self.clients,
+            Refusal::PerIp => &mut self.per_ip,
+            Refusal::Pending => &mut self.pending,
+            Refusal::Entries => &mut self.entries,
+        } += 1;
+    }
+}
+
+/// Whether a new connection from an address that has `from_ip`
+/// connections (clients and pending) is taken, with `clients` connected
+/// and `pending` owing their `Hello`.
+fn admit(limits: &Limits, clients: usize, pending: usize, from_ip: usize) -> Option<Refusal> {
+    if from_ip >= limits.clients_per_ip {
+        Some(Refusal::PerIp)
+    } else if clients >= limits.clients {
+        Some(Refusal::Clients)
+    } else if pending >= limits.pending {
+        Some(Refusal::Pending)
+    } else {
+        None
+    }
+}
+
+/// QPs brought up at once on helper threads; more `Hello`s wait (each
+/// takes a second at most: the kernel's address resolution).
+const MAX_CONNECTING: usize = 16;
+
+/// A client whose QP a helper thread brings up (RTR, RTS).
+struct Connecting {
+    tcp: TcpStream,
+    peer: std::net::SocketAddr,
+    bufs: Region,
+    psn: u32,
+}
+
+/// A helper thread's result: the QP (its number) and how its RTR and RTS
+/// went.
+type Brought = (u32, Qp, Result<()>);
 
 /// How the server runs.
 #[derive(Clone, Debug)]
@@ -48,10 +171,13 @@ pub struct Config {
     pub max_lease: Duration,
     /// The RDMA device (the first one when `None`).
     pub device: Option<String>,
+    pub limits: Limits,
 }
 
 struct Client {
     tcp: TcpStream,
+    /// Its source address (for [`Limits::clients_per_ip`]).
+    ip: IpAddr,
     qp: Qp,
     /// CREDITS receive slots, then CREDITS send slots, of `proto::META_LEN`.
     bufs: Region,
@@ -123,6 +249,12 @@ impl Leases {
         self.map.get(key).is_none_or(|l| l.secret == secret)
     }
 
+    /// Whether `owner` may hold `key` with at most `limit` entries: it
+    /// holds it already (a renewal), or fewer than `limit`.
+    fn may_take(&self, key: &Key, owner: u32, limit: u32) -> bool {
+        self.map.get(key).is_some_and(|l| l.owner == owner) || self.held(owner) < limit
+    }
+
     /// Extend every lease `owner` holds; how many that is.
     fn renew_all(&mut self, owner: u32, now: Instant, lease: Duration) -> u32 {
         let held = self.held(owner);
@@ -169,6 +301,9 @@ struct Pending {
     /// Dropped if no `Hello` came by then (a `Query` extends it).
     until: Instant,
     got: Vec<u8>,
+    /// Its `Hello`, when it came while [`MAX_CONNECTING`] QPs were being
+    /// brought up: served in a later pass.
+    hello: Option<Hello>,
 }
 
 pub struct Server {
@@ -188,6 +323,16 @@ pub struct Server {
     pending: Vec<Pending>,
     leases: Leases,
     max_lease: Duration,
+    /// Clients whose QP a helper thread brings up, by QP number.
+    connecting: HashMap<u32, Connecting>,
+    brought_tx: std::sync::mpsc::Sender<Brought>,
+    brought_rx: std::sync::mpsc::Receiver<Brought>,
+    /// Written by a helper thread when it is done (wakes the loop).
+    brought_fd: Arc<std::os::fd::OwnedFd>,
+    limits: Limits,
+    refused: Refused,
+    /// When a refusal was last logged (at most once a second).
+    refusal_logged: Option<Instant>,
 }
 
 impl Server {
@@ -197,7 +342,15 @@ impl Server {
         let gid = rdma::ipv4_gid(*cfg.listen.ip());
         let dev = Device::open(cfg.device.as_deref())?;
         let sgid_index = dev.gid_index(&gid)?;
-        let cq = Arc::new(Cq::new(&dev, 4096)?);
+        // Room for every client's completions: a full CQ would fail every
+        // client's QP at once. Clients are as many as the device allows.
+        let mut limits = cfg.limits;
+        let max_cqe = (dev.dev_attr.max_cqe.max(0) as usize).max(4096);
+        if limits.clients > max_cqe / CQES_PER_CLIENT {
+            crate::klog!(crate::log::Level::Warn, "meta: {} clients at most (the device's CQ size)", max_cqe / CQES_PER_CLIENT);
+            limits.clients = max_cqe / CQES_PER_CLIENT;
+        }
+        let cq = Arc::new(Cq::new(&dev, (limits.clients * CQES_PER_CLIENT).clamp(4096, max_cqe) as u32)?);
         let bytes = EndpointTable::bytes_for(cfg.slots);
         let table_mem = Region::new(&dev, bytes, rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
         let incarnation = rdma::random_u64();
@@ -207,6 +360,14 @@ impl Server {
         let mem = unsafe { std::slice::from_raw_parts_mut(table_mem.ptr(), bytes) };
         let table = EndpointTable::init(mem, cfg.slots, incarnation)?;
         let listener = TcpListener::bind(cfg.listen)?;
+        let (brought_tx, brought_rx) = std::sync::mpsc::channel();
+        // SAFETY: plain syscall; the fd is checked and then owned.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(Errno::last());
+        }
+        // SAFETY: a new fd that nothing else owns.
+        let brought_fd = Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
         Ok(Server {
             table,
             table_mem,
@@ -221,6 +382,13 @@ impl Server {
             pending: Vec::new(),
             leases: Leases::default(),
             max_lease: cfg.max_lease,
+            connecting: HashMap::new(),
+            brought_tx,
+            brought_rx,
+            brought_fd,
+            limits,
+            refused: Refused::default(),
+            refusal_logged: None,
         })
     }
 
@@ -237,13 +405,43 @@ impl Server {
         self.sgid_index
     }
 
+    /// The bounds it serves with (clients lowered to what the device's CQ
+    /// holds).
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// What it refused so far.
+    pub fn refused(&self) -> Refused {
+        self.refused
+    }
+
+    /// Count a refusal, and say so (at most once a second: a flood of them
+    /// does not flood the log).
+    fn refuse(&mut self, why: Refusal, who: &dyn std::fmt::Display) {
+        self.refused.count(why);
+        let now = Instant::now();
+        if self.refusal_logged.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
+            self.refusal_logged = Some(now);
+            crate::klog!(
+                crate::log::Level::Warn,
+                "meta: refused {who}: {why:?} at their bound ({:?}; refused so far: {:?})",
+                self.limits,
+                self.refused
+            );
+        }
+    }
+
     /// Serve until `stop` returns true (checked after every wakeup).
     pub fn run(&mut self, stop: &dyn Fn() -> bool) -> Result<()> {
+        // Completions left for the next pass ([`COMPLETIONS_PER_PASS`]).
+        let mut more = false;
         while !stop() {
             let mut fds = vec![
                 libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
                 // SAFETY: a live channel.
                 libc::pollfd { fd: unsafe { (*self.cq.channel).fd }, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.brought_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
             ];
             let order: Vec<u32> = self.clients.keys().copied().collect();
             fds.extend(order.iter().map(|q| libc::pollfd { fd: self.clients[q].tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
@@ -257,7 +455,7 @@ impl Server {
                 .map_or(Duration::from_secs(1), |d| d.saturating_duration_since(Instant::now()))
                 .min(Duration::from_secs(1));
             // Rounded up: waking before the sweep is due would spin.
-            let ms = wait.as_micros().div_ceil(1000) as i32;
+            let ms = if more { 0 } else { wait.as_micros().div_ceil(1000) as i32 };
             // SAFETY: fds is a valid array of pollfds.
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
             if rc < 0 && Errno::last().0 != libc::EINTR {
@@ -272,29 +470,55 @@ impl Server {
                 self.cq.wait(Some(Duration::ZERO))?;
             }
             // Completions may have arrived since the last event: always poll.
-            self.serve_completions()?;
+            more = self.serve_completions()?;
             for (i, q) in order.iter().enumerate() {
-                if fds[2 + i].revents != 0 {
+                if fds[FIXED_FDS + i].revents != 0 {
                     self.check_alive(*q);
                 }
             }
-            let ready: Vec<bool> = fds[2 + order.len()..][..npending].iter().map(|f| f.revents != 0).collect();
+            if fds[2].revents != 0 {
+                let mut n = [0u8; 8];
+                // SAFETY: an 8-byte read of our eventfd into a buffer of 8.
+                unsafe { libc::read(self.brought_fd.as_raw_fd(), n.as_mut_ptr().cast(), 8) };
+            }
+            while let Ok((qpn, qp, r)) = self.brought_rx.try_recv() {
+                self.welcome(qpn, qp, r);
+            }
+            let ready: Vec<bool> = fds[FIXED_FDS + order.len()..][..npending].iter().map(|f| f.revents != 0).collect();
             self.greet(&ready);
             self.expire(Instant::now());
         }
         Ok(())
     }
 
+    /// Connections from `ip`: clients, those being brought up, pending.
+    fn connections_from(&self, ip: IpAddr) -> usize {
+        self.clients.values().filter(|c| c.ip == ip).count()
+            + self.connecting.values().filter(|c| c.peer.ip() == ip).count()
+            + self.pending.iter().filter(|p| p.peer.ip() == ip).count()
+    }
+
+    /// Clients, and those whose QP is being brought up.
+    fn nclients(&self) -> usize {
+        self.clients.len() + self.connecting.len()
+    }
+
     /// Queue a new connection until its `Hello` is readable: reading it
     /// here would stall the loop (and the sweep) behind a slow client.
+    /// One beyond the [`Limits`] is reset at once.
     fn accept(&mut self) {
         let Ok((tcp, peer)) = self.listener.accept() else { return };
+        if let Some(why) = admit(&self.limits, self.nclients(), self.pending.len(), self.connections_from(peer.ip())) {
+            reset(tcp);
+            self.refuse(why, &format_args!("connection from {peer}"));
+            return;
+        }
         if let Err(e) = tcp.set_nonblocking(true) {
             crate::klog!(crate::log::Level::Warn, "meta: client {peer}: {e}");
             return;
         }
         let _ = tcp.set_nodelay(true);
-        self.pending.push(Pending { tcp, peer, until: Instant::now() + HELLO_TIMEOUT, got: Vec::new() });
+        self.pending.push(Pending { tcp, peer, until: Instant::now() + HELLO_TIMEOUT, got: Vec::new(), hello: None });
     }
 
     /// Read what the readable pending connections sent (`ready`, in
@@ -310,7 +534,7 @@ impl Server {
         for (i, mut p) in std::mem::take(&mut self.pending).into_iter().enumerate() {
             let open = !ready.get(i).copied().unwrap_or(false) || read_available(&p.tcp, &mut p.got);
             // Whole messages in order: queries, then at most a Hello.
-            let mut hello = None;
+            let mut hello = p.hello.take();
             while hello.is_none() && p.got.len() >= proto::BOOT_LEN {
                 let msg: Vec<u8> = p.got.drain(..proto::BOOT_LEN).collect();
                 match BootMessage::decode(&msg) {
@@ -340,11 +564,23 @@ impl Server {
         self.pending = keep;
         // The queries first: a handshake makes a QP (milliseconds), a
         // query only reads the table, and its process waits for it.
-        for (p, hello) in hellos {
+        for (mut p, hello) in hellos {
             let peer = p.peer;
-            match p.tcp.set_nonblocking(false).map_err(Errno::from).and_then(|()| self.handshake(p.tcp, &hello)) {
-                Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
-                Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
+            // Clients may have come since it was accepted.
+            if self.nclients() >= self.limits.clients {
+                refuse_hello(&p.tcp);
+                self.refuse(Refusal::Clients, &format_args!("Hello from {peer}"));
+                continue;
+            }
+            if self.connecting.len() >= MAX_CONNECTING {
+                // Its turn comes when a helper is done (that wakes us).
+                p.hello = Some(hello);
+                p.until = now + HELLO_TIMEOUT;
+                self.pending.push(p);
+                continue;
+            }
+            if let Err(e) = p.tcp.set_nonblocking(false).map_err(Errno::from).and_then(|()| self.handshake(p.tcp, peer, &hello)) {
+                crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}");
             }
         }
     }
@@ -360,16 +596,44 @@ impl Server {
         Ok(())
     }
 
-    /// Hello -> a QP for the client -> Welcome.
-    fn handshake(&mut self, tcp: TcpStream, hello: &Hello) -> Result<u32> {
+    /// Hello -> a QP for the client, brought up (RTR, RTS) on a helper
+    /// thread: the RTR may wait for the kernel's address resolution.
+    /// [`Server::welcome`] takes it from there.
+    fn handshake(&mut self, tcp: TcpStream, peer: std::net::SocketAddr, hello: &Hello) -> Result<()> {
         let caps = Caps { send_wr: CREDITS as u32 * 2, recv_wr: CREDITS as u32, send_sge: 1, recv_sge: 1, inline: 0 };
         let qp = Qp::new(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.cq, &self.cq, caps)?;
         let bufs = Region::new(&self.dev, 2 * CREDITS * proto::META_LEN, rdma::LOCAL_WRITE)?;
         let psn = rdma::random_psn();
         qp.to_init()?;
-        qp.rc_connect(self.sgid_index, psn, &RcPeer { gid: hello.gid, qpn: hello.qpn, psn: hello.psn })?;
         let qpn = qp.qpn();
-        let client = Client { tcp, qp, bufs };
+        let (sgid_index, to) = (self.sgid_index, RcPeer { gid: hello.gid, qpn: hello.qpn, psn: hello.psn });
+        let (tx, fd) = (self.brought_tx.clone(), Arc::clone(&self.brought_fd));
+        std::thread::Builder::new().name("meta-rtr".into()).spawn(move || {
+            let r = qp.rc_connect(sgid_index, psn, &to);
+            if tx.send((qpn, qp, r)).is_ok() {
+                let one = 1u64.to_ne_bytes();
+                // SAFETY: an 8-byte write to our eventfd.
+                unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+            }
+        })?;
+        self.connecting.insert(qpn, Connecting { tcp, peer, bufs, psn });
+        Ok(())
+    }
+
+    /// A helper thread brought client `qpn`'s QP up (or failed to): its
+    /// receives, then the `Welcome`.
+    fn welcome(&mut self, qpn: u32, qp: Qp, r: Result<()>) {
+        let Some(c) = self.connecting.remove(&qpn) else { return };
+        let peer = c.peer;
+        match r.and_then(|()| self.admit_client(c, qp)) {
+            Ok(()) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
+            Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
+        }
+    }
+
+    fn admit_client(&mut self, c: Connecting, qp: Qp) -> Result<()> {
+        let (qpn, psn) = (qp.qpn(), c.psn);
+        let client = Client { tcp: c.tcp, ip: c.peer.ip(), qp, bufs: c.bufs };
         for slot in 0..CREDITS {
             client.post_recv(slot)?;
         }
@@ -389,21 +653,24 @@ impl Server {
         tcp.write_all(&out)?;
         client.tcp.set_read_timeout(None)?;
         self.clients.insert(qpn, client);
-        Ok(qpn)
+        Ok(())
     }
 
-    fn serve_completions(&mut self) -> Result<()> {
+    /// Serve what the CQ holds, [`COMPLETIONS_PER_PASS`] at most; whether
+    /// some may be left.
+    fn serve_completions(&mut self) -> Result<bool> {
         // SAFETY: ibv_wc is plain C data.
         let mut wcs: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
-        loop {
+        for _ in 0..COMPLETIONS_PER_PASS / wcs.len() {
             let n = self.cq.poll(&mut wcs)?;
             for wc in &wcs[..n] {
                 self.on_completion(wc);
             }
             if n < wcs.len() {
-                return Ok(());
+                return Ok(false);
             }
         }
+        Ok(true)
     }
 
     fn on_completion(&mut self, wc: &ibv_wc) {
@@ -441,6 +708,10 @@ impl Server {
         let now = Instant::now();
         match r.op {
             Op::Bind | Op::Renew if !self.leases.may_change(&r.key, r.secret) => Errno(libc::EADDRINUSE),
+            Op::Bind | Op::Renew if !self.leases.may_take(&r.key, qpn, self.limits.entries_per_client) => {
+                self.refuse(Refusal::Entries, &format_args!("a Bind of client qp {qpn}"));
+                Errno(libc::EDQUOT)
+            }
             Op::Bind | Op::Renew => {
                 // A Renew of an entry this server does not have (it
                 // restarted, or the lease ran out) binds again: renewals
@@ -551,6 +822,33 @@ impl Client {
     }
 }
 
+/// Close a connection refused at accept at once, with a reset: its peer
+/// learns at once (ECONNRESET), and nothing of it stays (no TIME_WAIT).
+fn reset(tcp: TcpStream) {
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: a live socket, and a valid option of its size.
+    unsafe {
+        libc::setsockopt(
+            tcp.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Answer a `Hello` beyond [`Limits::clients`]: a `Welcome` that says
+/// EUSERS (the client's caller sees that errno), then the connection
+/// closes. Non-blocking: 64 bytes into a socket that never sent a reply.
+fn refuse_hello(tcp: &TcpStream) {
+    let w =
+        Welcome { status: libc::EUSERS as u32, gid: [0; 16], qpn: 0, psn: 0, table_addr: 0, table_rkey: 0, table_slots: 0, incarnation: 0 };
+    let mut out = [0u8; proto::BOOT_LEN];
+    w.encode(&mut out);
+    let _ = (&*tcp).write(&out);
+}
+
 /// A connection's next boot message. It is readable (one 64-byte
 /// segment): the short timeout only guards a partial one. ECONNRESET when
 /// the peer closed.
@@ -636,6 +934,53 @@ mod tests {
         assert_eq!(due, vec![key(3)], "only the unrenewed lease is due");
         // A client the server does not know (it restarted) holds nothing.
         assert_eq!(l.renew_all(9, t0, lease), 0);
+    }
+
+    #[test]
+    fn a_client_at_its_bound_renews_but_binds_nothing_new() {
+        let mut l = Leases::default();
+        let t0 = Instant::now();
+        let lease = Duration::from_secs(1);
+        for p in 1..=3 {
+            assert!(l.may_take(&key(p), 7, 3));
+            l.insert(key(p), 7, SECRET, ep(p), t0, lease);
+        }
+        assert!(l.may_take(&key(2), 7, 3), "a renewal of an entry it holds");
+        assert!(!l.may_take(&key(4), 7, 3), "a 4th entry");
+        assert!(l.may_take(&key(4), 8, 3), "another client's count is its own");
+        // Its own entry, taken over by another connection of its process,
+        // counts for that connection.
+        l.insert(key(1), 8, SECRET, ep(1), t0, lease);
+        assert!(l.may_take(&key(4), 7, 3), "room again");
+        assert!(!l.may_take(&key(2), 8, 1), "not held by 8: a new entry for it");
+        l.remove(&key(2));
+        l.remove(&key(3));
+        assert!(l.may_take(&key(5), 7, 1));
+    }
+
+    #[test]
+    fn connections_beyond_a_bound_are_refused() {
+        let lim = Limits { clients: 4, clients_per_ip: 2, pending: 3, entries_per_client: 1 };
+        assert_eq!(admit(&lim, 0, 0, 0), None);
+        assert_eq!(admit(&lim, 3, 2, 1), None, "each one below its bound");
+        assert_eq!(admit(&lim, 0, 0, 2), Some(Refusal::PerIp));
+        assert_eq!(admit(&lim, 4, 0, 0), Some(Refusal::Clients));
+        assert_eq!(admit(&lim, 0, 3, 0), Some(Refusal::Pending));
+        // Its address first: the refusal a flood from one host sees.
+        assert_eq!(admit(&lim, 4, 3, 2), Some(Refusal::PerIp));
+        let mut r = Refused::default();
+        for why in [Refusal::PerIp, Refusal::PerIp, Refusal::Clients, Refusal::Pending, Refusal::Entries] {
+            r.count(why);
+        }
+        assert_eq!(r, Refused { clients: 1, per_ip: 2, pending: 1, entries: 1 });
+    }
+
+    #[test]
+    fn one_address_cannot_take_every_pending_or_client_place_by_default() {
+        let d = Limits::default();
+        assert!(d.clients_per_ip < d.pending && d.clients_per_ip < d.clients);
+        // 1,000 transparent QPs published on 10 GIDs (the testbed's).
+        assert!(d.entries_per_client >= 10_000);
     }
 
     #[test]
