@@ -83,6 +83,8 @@ fn link_handshake_read_and_reuse() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "link_handshake_read_and_reuse", "--nocapture"])
         .env("KRCORE_TEST_ROLE", "peer")
+        // Five links with us (four is the default bound per peer).
+        .env("KRCORE_MAX_PEER_LINKS", "8")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -168,6 +170,20 @@ fn link_handshake_read_and_reuse() {
     assert!(line.contains(&want), "the peer's links run node 3 -> node 2 ({want}): {line}");
     let want = format!("{} {} {}", dev.gid_index(&node(5)).unwrap(), hex(&node(4)), hex(&node(4)));
     assert!(line.contains(&want), "and node 5 -> node 4 ({want}): {line}");
+
+    // A peer whose runtime wants no link with us (no VQP of it bound or
+    // connected to us): our request is dropped, we time out; once it
+    // wants one, the same request is answered.
+    let mut ask = |cmd: &str| {
+        child.stdin.as_mut().unwrap().write_all(format!("{cmd}\n").as_bytes()).unwrap();
+        assert_eq!(lines.next().expect("peer answer").unwrap(), format!("peer {cmd}"));
+    };
+    ask("want none");
+    let t0 = Instant::now();
+    assert_eq!(svc.link(&ep, 2, svc.default_path(&ep), Duration::from_millis(500)).unwrap_err(), Errno(libc::ETIMEDOUT));
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    ask("want all");
+    svc.link(&ep, 2, svc.default_path(&ep), Duration::from_secs(5)).expect("a wanted link");
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
     println!("cold link {cold:?}, warm link {warm:?}");
@@ -182,6 +198,12 @@ fn peer() {
     println!("peer endpoint {} {} {} {}", hex(&ep.gid), ep.qpn, ep.qkey, ep.incarnation);
     std::io::stdout().flush().unwrap();
     for line in std::io::stdin().lines().map_while(Result::ok) {
+        if let Some(which) = line.strip_prefix("want ") {
+            let all = which == "all";
+            svc.on_link_wanted(Box::new(move |_, _| all));
+            println!("peer want {which}");
+            std::io::stdout().flush().unwrap();
+        }
         if line == "links?" {
             println!("peer links {}", svc.links());
             std::io::stdout().flush().unwrap();

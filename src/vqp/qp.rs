@@ -471,10 +471,14 @@ impl Vqp {
     }
 
     /// Whether a link with `peer` (asked for on `path`) serves this VQP:
-    /// bound (anyone may send to it), or connected to that process.
+    /// bound (anyone may send to it), a transparent VQP before its RTR
+    /// (its QPN is published: its peer may RTR first and ask, and what it
+    /// sends waits for ours, which keeps only its peer's), or connected to
+    /// that process.
     pub fn wants_link_with(&self, peer: &Endpoint, path: &Path) -> bool {
         let st = self.st.lock();
         st.bound.is_some()
+            || (st.rc.is_some() && Self::awaits_peer(&st))
             || st.conn.as_ref().is_some_and(|c| {
                 c.peer.qpn == peer.qpn && c.peer.incarnation == peer.incarnation && (c.peer.gid == peer.gid || c.path.dgid == path.dgid)
             })
