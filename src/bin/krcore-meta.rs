@@ -18,6 +18,7 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 fn main() {
+    raise_nofile();
     let d = Limits::default();
     let m = Command::new("krcore-meta")
         .about("Serves krcore's (GID, port) -> endpoint table over RDMA")
@@ -120,5 +121,19 @@ fn main() {
     if let Err(e) = r {
         eprintln!("krcore-meta: {e:?}");
         std::process::exit(1);
+    }
+}
+
+/// Each client and each connection owing its `Hello` holds a descriptor:
+/// as many as the hard limit allows (out of them, the server resets new
+/// connections).
+fn raise_nofile() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
     }
 }

@@ -103,6 +103,8 @@ enum Refusal {
     Pending,
     /// The client holds [`Limits::entries_per_client`].
     Entries,
+    /// The process is out of file descriptors.
+    Descriptors,
 }
 
 /// What the server refused so far, by bound.
@@ -117,6 +119,9 @@ pub struct Refused {
     /// `Bind`s (and `Renew`s that bind again): their client held its
     /// bound of entries.
     pub entries: u64,
+    /// Connections taken and reset at once: the process was out of file
+    /// descriptors (`RLIMIT_NOFILE`).
+    pub descriptors: u64,
 }
 
 impl Refused {
@@ -126,6 +131,7 @@ impl Refused {
             Refusal::PerIp => &mut self.per_ip,
             Refusal::Pending => &mut self.pending,
             Refusal::Entries => &mut self.entries,
+            Refusal::Descriptors => &mut self.descriptors,
         } += 1;
     }
 }
@@ -333,6 +339,9 @@ pub struct Server {
     refused: Refused,
     /// When a refusal was last logged (at most once a second).
     refusal_logged: Option<Instant>,
+    /// A descriptor kept free: given back to take (and reset) a connection
+    /// when the process is out of them (see `accept`).
+    spare: Option<std::fs::File>,
 }
 
 impl Server {
@@ -389,6 +398,7 @@ impl Server {
             limits,
             refused: Refused::default(),
             refusal_logged: None,
+            spare: std::fs::File::open("/dev/null").ok(),
         })
     }
 
@@ -507,7 +517,22 @@ impl Server {
     /// here would stall the loop (and the sweep) behind a slow client.
     /// One beyond the [`Limits`] is reset at once.
     fn accept(&mut self) {
-        let Ok((tcp, peer)) = self.listener.accept() else { return };
+        let (tcp, peer) = match self.listener.accept() {
+            Ok(c) => c,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                // The connection stays queued and the listener readable:
+                // poll would return at once, again and again. Free the
+                // spare descriptor, take the connection, reset it.
+                self.spare = None;
+                if let Ok((tcp, peer)) = self.listener.accept() {
+                    reset(tcp);
+                    self.refuse(Refusal::Descriptors, &format_args!("connection from {peer}"));
+                }
+                self.spare = std::fs::File::open("/dev/null").ok();
+                return;
+            }
+            Err(_) => return,
+        };
         if let Some(why) = admit(&self.limits, self.nclients(), self.pending.len(), self.connections_from(peer.ip())) {
             reset(tcp);
             self.refuse(why, &format_args!("connection from {peer}"));
@@ -972,7 +997,7 @@ mod tests {
         for why in [Refusal::PerIp, Refusal::PerIp, Refusal::Clients, Refusal::Pending, Refusal::Entries] {
             r.count(why);
         }
-        assert_eq!(r, Refused { clients: 1, per_ip: 2, pending: 1, entries: 1 });
+        assert_eq!(r, Refused { clients: 1, per_ip: 2, pending: 1, entries: 1, descriptors: 0 });
     }
 
     #[test]
