@@ -154,12 +154,15 @@ impl Conn {
         self.link.as_ref().is_some_and(|l| Arc::ptr_eq(l, link))
     }
 
-    /// Whether a message from `o` is our peer's: its process (service QPN
-    /// and incarnation), on its home GID or our path's.
+    /// Whether `peer`, seen on GID `dgid`, is our peer's process: its
+    /// service QPN and incarnation, on its home GID or our path's.
+    fn is_with(&self, peer: &Endpoint, dgid: &[u8; 16]) -> bool {
+        peer.qpn == self.peer.qpn && peer.incarnation == self.peer.incarnation && (peer.gid == self.peer.gid || *dgid == self.path.dgid)
+    }
+
+    /// Whether a message from `o` is our peer's.
     fn sent_by_peer(&self, o: &Origin) -> bool {
-        o.peer.qpn == self.peer.qpn
-            && o.peer.incarnation == self.peer.incarnation
-            && (o.peer.gid == self.peer.gid || o.path.dgid == self.path.dgid)
+        self.is_with(&o.peer, &o.path.dgid)
     }
 }
 
@@ -477,11 +480,7 @@ impl Vqp {
     /// that process.
     pub fn wants_link_with(&self, peer: &Endpoint, path: &Path) -> bool {
         let st = self.st.lock();
-        st.bound.is_some()
-            || (st.rc.is_some() && Self::awaits_peer(&st))
-            || st.conn.as_ref().is_some_and(|c| {
-                c.peer.qpn == peer.qpn && c.peer.incarnation == peer.incarnation && (c.peer.gid == peer.gid || c.path.dgid == path.dgid)
-            })
+        st.bound.is_some() || (st.rc.is_some() && Self::awaits_peer(&st)) || st.conn.as_ref().is_some_and(|c| c.is_with(peer, &path.dgid))
     }
 
     /// Neither connected nor bound yet (a transparent VQP before RTR): what
