@@ -483,6 +483,13 @@ impl Vqp {
         st.bound.is_some() || (st.rc.is_some() && Self::awaits_peer(&st)) || st.conn.as_ref().is_some_and(|c| c.is_with(peer, &path.dgid))
     }
 
+    /// Whether it takes a message from `peer`'s process, seen on GID
+    /// `dgid`: bound, from anyone (what `qbind` means); connected, from its
+    /// peer only; neither yet, held until it connects (`awaits_peer`).
+    fn takes_from(st: &State, peer: &Endpoint, dgid: &[u8; 16]) -> bool {
+        st.bound.is_some() || st.conn.as_ref().is_none_or(|c| c.is_with(peer, dgid))
+    }
+
     /// Neither connected nor bound yet (a transparent VQP before RTR): what
     /// arrives waits, as an RC sender retries until its peer is ready.
     fn awaits_peer(st: &State) -> bool {

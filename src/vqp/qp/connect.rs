@@ -246,7 +246,7 @@ impl Vqp {
         st.held.retain(|h| {
             let ours = conn.sent_by_peer(&h.origin);
             if !ours {
-                super::landing::refused(self.vqpn, &h.origin);
+                super::landing::refused(self.vqpn, &h.origin.path.dgid, h.origin.peer.qpn);
             }
             ours
         });

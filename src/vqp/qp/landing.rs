@@ -80,8 +80,8 @@ impl Vqp {
 
     fn take_message(&self, st: &mut State, h: &Header, payload: &[u8], origin: Origin) {
         klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
-        if st.bound.is_none() && st.conn.as_ref().is_some_and(|c| !c.sent_by_peer(&origin)) {
-            refused(self.vqpn, &origin);
+        if !Self::takes_from(st, &origin.peer, &origin.path.dgid) {
+            refused(self.vqpn, &origin.path.dgid, origin.peer.qpn);
             return;
         }
         if h.flags.contains(Flags::CLOSE) {
@@ -361,7 +361,7 @@ impl Vqp {
 /// A message for a connected VQP from another process than its peer (a
 /// bound VQP takes messages from anyone; a connected one, as an RC QP,
 /// only from the QP it is connected to): dropped and counted.
-pub(super) fn refused(vqpn: u32, from: &Origin) {
+pub(super) fn refused(vqpn: u32, gid: &[u8; 16], qpn: u32) {
     crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_REFUSED);
-    klog!(Level::Debug, "vqp {vqpn:#x}: dropped a message from {:02x?} (QP {}), not its peer", from.path.dgid, from.peer.qpn);
+    klog!(Level::Debug, "vqp {vqpn:#x}: dropped a message from {gid:02x?} (QP {qpn}), not its peer");
 }

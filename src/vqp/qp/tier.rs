@@ -449,18 +449,12 @@ impl Host for Runtime {
         if !v.runs_on(self) {
             return None;
         }
-        let sgid_index = self.svc.gid_index_of(&from.to_gid).ok()?;
-        {
-            // A connected VQP takes messages from its peer only; a bound
-            // one from anyone (what qbind is for).
-            let st = v.st.lock();
-            let peer = Endpoint { gid: from.gid, qpn: from.qpn, qkey: crate::rdma::QKEY, incarnation: route.src_incarnation, vqpn: 0 };
-            let origin = Origin { peer, index: 0, path: Path { sgid_index, dgid: from.gid }, link: None };
-            if st.bound.is_none() && st.conn.as_ref().is_some_and(|c| !c.sent_by_peer(&origin)) {
-                super::landing::refused(v.vqpn, &origin);
-                return None;
-            }
+        let peer = Endpoint { gid: from.gid, qpn: from.qpn, qkey: crate::rdma::QKEY, incarnation: route.src_incarnation, vqpn: 0 };
+        if !Vqp::takes_from(&v.st.lock(), &peer, &from.gid) {
+            super::landing::refused(v.vqpn, &from.gid, from.qpn);
+            return None;
         }
+        let sgid_index = self.svc.gid_index_of(&from.to_gid).ok()?;
         // The flow's ACKs go out under the VQP's lock (Host::messages): its
         // address handle is made here, before anything was delivered.
         self.svc.prepare_path(Path { sgid_index, dgid: from.gid }).ok()?;
