@@ -47,38 +47,14 @@ fn main() {
                 .help("longest lease granted to a registration"),
         )
         .arg(Arg::new("device").long("device").value_name("NAME").help("RDMA device (default: the first)"))
-        .arg(
-            Arg::new("max-clients")
-                .long("max-clients")
-                .value_name("N")
-                .default_value(d.clients.to_string().leak() as &str)
-                .value_parser(value_parser!(u32).range(1..))
-                .help("connected clients (each holds an RC QP here); a connection or Hello beyond is refused"),
-        )
-        .arg(
-            Arg::new("max-clients-per-ip")
-                .long("max-clients-per-ip")
-                .value_name("N")
-                .default_value(d.clients_per_ip.to_string().leak() as &str)
-                .value_parser(value_parser!(u32).range(1..))
-                .help("connections from one source address (clients and those owing their Hello); one beyond is reset"),
-        )
-        .arg(
-            Arg::new("max-pending")
-                .long("max-pending")
-                .value_name("N")
-                .default_value(d.pending.to_string().leak() as &str)
-                .value_parser(value_parser!(u32).range(1..))
-                .help("connections owing their Hello (queriers included); one beyond is reset"),
-        )
-        .arg(
-            Arg::new("max-entries-per-client")
-                .long("max-entries-per-client")
-                .value_name("N")
-                .default_value(d.entries_per_client.to_string().leak() as &str)
-                .value_parser(value_parser!(u32).range(1..))
-                .help("entries one client holds; a Bind beyond is answered EDQUOT"),
-        )
+        .arg(bound("max-clients", d.clients, "connected clients (each holds an RC QP here); a connection or Hello beyond is refused"))
+        .arg(bound(
+            "max-clients-per-ip",
+            d.clients_per_ip,
+            "connections from one source address (clients and those owing their Hello); one beyond is reset",
+        ))
+        .arg(bound("max-pending", d.pending, "connections owing their Hello (queriers included); one beyond is reset"))
+        .arg(bound("max-entries-per-client", d.entries_per_client, "entries one client holds; a Bind beyond is answered EDQUOT"))
         .get_matches();
     let n = |name: &str| *m.get_one::<u32>(name).expect("defaulted");
     let limits = Limits {
@@ -122,6 +98,16 @@ fn main() {
         eprintln!("krcore-meta: {e:?}");
         std::process::exit(1);
     }
+}
+
+/// A `--max-*` bound of `Limits`: a positive count, its default shown.
+fn bound(name: &'static str, default: impl ToString, help: &'static str) -> Arg {
+    Arg::new(name)
+        .long(name)
+        .value_name("N")
+        .default_value(default.to_string().leak() as &str)
+        .value_parser(value_parser!(u32).range(1..))
+        .help(help)
 }
 
 /// Each client and each connection owing its `Hello` holds a descriptor:
