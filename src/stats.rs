@@ -178,6 +178,15 @@ pub enum krcore_stat {
     /// their sender (each copy counted; an honest peer's are answered once
     /// a VQP of ours connects to it).
     KRCORE_STAT_LINKS_UNWANTED,
+    /// Peers' checks of an rkey of ours answered (over a link).
+    KRCORE_STAT_MR_CHECKS,
+    /// Checks of an rkey we have no MR for (links and the datagram
+    /// tier's one-sided requests): what guessing costs, bounded per
+    /// source GID by `KRCORE_MR_CHECK_MISSES`.
+    KRCORE_STAT_MR_CHECK_MISSES,
+    /// Checks answered BUSY, and datagram-tier one-sided requests held
+    /// back, because their source GID spent its misses.
+    KRCORE_STAT_MR_CHECKS_BUSY,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -252,6 +261,9 @@ const NAMES_NUL: [&str; COUNT] = [
     "links_refused\0",
     "msgs_refused\0",
     "links_unwanted\0",
+    "mr_checks\0",
+    "mr_check_misses\0",
+    "mr_checks_busy\0",
 ];
 
 /// A counter's name ("post_send").

@@ -66,16 +66,16 @@ fn post_and_wait(svc: &Service, link: &Link, wr: &mut ibv_send_wr) -> Result<u32
     Ok(wc[0].status)
 }
 
-/// A READ of the peer's MR table header over `link`.
+/// A READ of the peer's probe target over `link`.
 fn read_status(svc: &Service, link: &Link, buf: &Region) -> Result<u32, krcore::error::Errno> {
-    let mut sge = buf.sge(0, 64);
+    let mut sge = buf.sge(0, 8);
     // SAFETY: a plain C struct.
     let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
     wr.sg_list = &mut sge;
     wr.num_sge = 1;
     wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
-    wr.wr.rdma.remote_addr = link.peer_mr_table.0;
-    wr.wr.rdma.rkey = link.peer_mr_table.1;
+    wr.wr.rdma.remote_addr = link.peer_probe.0;
+    wr.wr.rdma.rkey = link.peer_probe.1;
     post_and_wait(svc, link, &mut wr)
 }
 

@@ -6,7 +6,6 @@
 //! the VM (scripts/rxe-up.sh: 10.77.0.i is GID index i).
 
 use krcore::error::Errno;
-use krcore::meta::mrtable::RemoteMrTable;
 use krcore::meta::Endpoint;
 use krcore::rdma::{ipv4_gid, Device, Region};
 use krcore::service::{Options, Path, Service};
@@ -111,13 +110,15 @@ fn link_handshake_read_and_reuse() {
     let cold = t0.elapsed();
     assert!(link.initiated);
 
-    // Data over it: READ the peer's MR table header (one-sided).
+    // Data over it: READ the peer's probe target (one-sided), which holds
+    // nothing.
     let buf = Region::new(&dev, 4096, krcore::rdma::LOCAL_WRITE).unwrap();
-    let (addr, rkey, slots) = link.peer_mr_table;
-    read(&svc, &link, &buf, addr, rkey, 64);
+    // SAFETY: nobody else uses `buf` yet.
+    unsafe { buf.ptr().write_bytes(0xee, 8) };
+    let (addr, rkey) = link.peer_probe;
+    read(&svc, &link, &buf, addr, rkey, 8);
     // SAFETY: the READ completed.
-    let hdr = RemoteMrTable::parse(unsafe { buf.bytes(0, 64) }).expect("the peer's MR table header");
-    assert_eq!(hdr.nslots(), slots);
+    assert_eq!(unsafe { buf.bytes(0, 8) }, &[0; 8], "the probe target holds nothing");
 
     // Warm: the same link, no communication (best of 100: the VM's clock
     // reads and scheduling are noisy).
@@ -132,7 +133,7 @@ fn link_handshake_read_and_reuse() {
     // A second link to the same peer, and the pool refilled behind them.
     let second = svc.link(&ep, 1, svc.default_path(&ep), Duration::from_secs(5)).expect("link 1");
     assert!(!Arc::ptr_eq(&link, &second));
-    read(&svc, &second, &buf, addr, rkey, 64);
+    read(&svc, &second, &buf, addr, rkey, 8);
     assert_eq!(svc.links(), 2);
     eventually("the warm pool refilled", Duration::from_secs(5), || svc.warm_qps() == Options::default().warm_qps);
 
@@ -145,7 +146,7 @@ fn link_handshake_read_and_reuse() {
     assert!(!Arc::ptr_eq(&link, &third), "another path, another link");
     assert_eq!(third.path, path);
     assert_eq!(third.qp.path().unwrap(), (path.sgid_index, node(5)), "the device's view of our end");
-    read(&svc, &third, &buf, addr, rkey, 64);
+    read(&svc, &third, &buf, addr, rkey, 8);
     assert_eq!(svc.links(), 3);
     // A GID the peer does not have: its UD QP never sees the request.
     let nowhere = Path { dgid: node(200), ..path };

@@ -1,5 +1,5 @@
-//! A remote table as a reader sees it (the meta server's endpoint table,
-//! a peer's MR table), on arbitrary bytes: the header READ from the owner
+//! A remote table as a reader sees it (the meta server's endpoint table),
+//! on arbitrary bytes: the header READ from the owner
 //! (`RemoteTable::parse`), then a lookup (`lookup_in`) over the bytes a
 //! READ of the key's neighborhood returned, which decodes a slot's value
 //! (`Schema::decode_value`). Input layout: `krcore_fuzz::table_input`.
@@ -9,7 +9,6 @@
 //! `decode_value` takes any bytes and re-encodes them.
 #![no_main]
 
-use krcore::meta::mrtable::MrSchema;
 use krcore::meta::table::{EndpointSchema, Lookup, RemoteTable, Schema, Table, HEADER_SIZE, NEIGHBORHOOD};
 use krcore_fuzz::table_input;
 use libfuzzer_sys::fuzz_target;
@@ -43,11 +42,6 @@ fn check<S: Schema<Key: Copy>>(rest: &[u8], key: Option<S::Key>) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&schema, rest)) = data.split_first() else { return };
-    let key = rest.get(HEADER_SIZE..).unwrap_or_default();
-    if schema & 1 == 0 {
-        check::<EndpointSchema>(rest, key.first_chunk().map(table_input::endpoint_key));
-    } else {
-        check::<MrSchema>(rest, key.first_chunk().map(table_input::mr_key));
-    }
+    let key = data.get(HEADER_SIZE..).unwrap_or_default();
+    check::<EndpointSchema>(data, key.first_chunk().map(table_input::endpoint_key));
 });

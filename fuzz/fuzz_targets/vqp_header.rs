@@ -1,14 +1,16 @@
 //! The header of two-sided messages on a shared link (data, WRITE_IMM,
-//! CLOSE, LINK_CLOSE, and the large-message control: the LARGE descriptor
-//! naming the sender's staged payload and the receiver's DONE) on
-//! arbitrary bytes, as a receive buffer of the links' SRQ holds them:
-//! `decode` and `received` never panic; what decodes re-encodes to the
-//! input's first 32 bytes; and `received` accepts only a header whose
-//! message is exactly what arrived, a data message that fits the receive
-//! buffer, a LARGE one that does not.
+//! CLOSE, the link's own messages: LINK_CLOSE, MR_CHECK and MR_ANSWER with
+//! its answer, and the large-message control: the LARGE descriptor naming
+//! the sender's staged payload and the receiver's DONE) on arbitrary
+//! bytes, as a receive buffer of the links' SRQ holds them: `decode`,
+//! `received` and the MR answer's decoder never panic; what decodes
+//! re-encodes to the input's bytes; and `received` accepts only a header
+//! whose message is exactly what arrived, a data message that fits the
+//! receive buffer, a LARGE one that does not.
 #![no_main]
 
-use krcore::vqp::header::{Flags, Header, HEADER_LEN};
+use krcore::vqp::header::{Flags, Header, LinkOp, HEADER_LEN};
+use krcore::vqp::mrcheck::{Answer, ANSWER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 /// Receive-buffer payload sizes to judge against: none, small, the
@@ -21,6 +23,11 @@ fuzz_target!(|data: &[u8]| {
         let mut out = [0xee; HEADER_LEN];
         h.encode(&mut out);
         assert_eq!(out[..], data[..HEADER_LEN], "{h:?}");
+        if let (Some(LinkOp::MrAnswer), Some(payload)) = (h.link_op(), data.get(HEADER_LEN..HEADER_LEN + ANSWER_LEN)) {
+            if let Ok(a) = Answer::decode(payload) {
+                assert_eq!(a.encode()[..], payload[..], "{a:?}");
+            }
+        }
     }
     // What arrived: the whole input (wc.byte_len), or a byte_len that the
     // buffer does not back.

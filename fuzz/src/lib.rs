@@ -3,30 +3,29 @@
 //! own encoders (`tests/seeds.rs` writes it to `corpus/<target>/` and checks
 //! that the committed files are still these bytes).
 
-use krcore::meta::mrtable::{MrInfo, MrSchema};
 use krcore::meta::proto::{
     Answer, Hello, LinkInfo, LinkReady, LinkReply, LinkRequest, Op, Query, Request, Response, Welcome, BOOT_LEN, LINK_LEN, META_LEN,
 };
 use krcore::meta::table::{EndpointSchema, RemoteTable, Schema, Table, HEADER_SIZE};
 use krcore::meta::{Endpoint, Key};
 use krcore::transport::dgram::wire::{self, Ack, Data, Message, OneSided, Route, SendOp, Status};
-use krcore::vqp::header::{Flags, Header, HEADER_LEN};
+use krcore::vqp::header::{Flags, Header, LinkOp, HEADER_LEN};
+use krcore::vqp::mrcheck::Answer as MrAnswer;
+use krcore::vqp::precheck::MrInfo;
 use krcore::vqp::wrid::{SendId, WrId};
 
 /// The fuzz targets, as named in Cargo.toml and under `corpus/`.
 pub const TARGETS: [&str; 6] = ["dgram_wire", "link_msg", "meta_proto", "meta_table", "vqp_header", "wrid"];
 
-/// `meta_table`'s input: a schema byte (even: the meta server's endpoint
-/// table, odd: an MR table), a table header as READ from its owner
-/// ([`HEADER_SIZE`] bytes), the key looked up (its schema's `KEY_LEN`
-/// bytes, as `encode_key` writes it), then the bytes a READ of the key's
+/// `meta_table`'s input: the meta server's endpoint table's header as READ
+/// from it ([`HEADER_SIZE`] bytes), the key looked up (`KEY_LEN` bytes, as
+/// `encode_key` writes it), then the bytes a READ of the key's
 /// neighborhood returned (any length: a short READ is possible).
 pub mod table_input {
     use super::*;
 
     /// Bytes of a key in the input.
     pub const ENDPOINT_KEY_LEN: usize = EndpointSchema::KEY_LEN;
-    pub const MR_KEY_LEN: usize = MrSchema::KEY_LEN;
 
     /// An endpoint-table key from its encoding (tag 1 a port, anything
     /// else a VQPN: the tag byte is not fuzzed further than that).
@@ -40,18 +39,14 @@ pub mod table_input {
         }
     }
 
-    pub fn mr_key(b: &[u8; MR_KEY_LEN]) -> u32 {
-        u32::from_le_bytes(*b)
-    }
-
     /// The input `meta_table` is given for a lookup of `key` (encoded as
     /// `key_bytes`) in `table`: its header and the neighborhood READ.
-    pub fn build<S: Schema>(schema: u8, table: &Table<'_, S>, key: S::Key, key_bytes: &[u8], read_len: usize) -> Vec<u8> {
+    pub fn build<S: Schema>(table: &Table<'_, S>, key: S::Key, key_bytes: &[u8], read_len: usize) -> Vec<u8> {
         let bytes = table.as_bytes();
         let remote = RemoteTable::<S>::parse(bytes).expect("our own header");
         let (offset, len) = remote.neighborhood(key);
         let read = &bytes[offset as usize..][..len.min(read_len)];
-        [&[schema][..], &bytes[..HEADER_SIZE], key_bytes, read].concat()
+        [&bytes[..HEADER_SIZE], key_bytes, read].concat()
     }
 }
 
@@ -92,9 +87,8 @@ fn info(from: Endpoint) -> LinkInfo {
         from,
         rc_qpn: 0xab_cdef,
         psn: 0x12_3456,
-        mr_table_addr: 0x7f00_dead_beef_0000,
-        mr_table_rkey: 0x0abc_0def,
-        mr_table_slots: 4096,
+        probe_addr: 0x7f00_dead_beef_0000,
+        probe_rkey: 0x0abc_0def,
         link: 3,
         src_gid: [0x5a; 16],
         dst_gid: GID,
@@ -112,9 +106,8 @@ fn link_seeds() -> Vec<Seed> {
         from: endpoint_max(),
         rc_qpn: U24_MAX,
         psn: U24_MAX,
-        mr_table_addr: u64::MAX,
-        mr_table_rkey: u32::MAX,
-        mr_table_slots: u32::MAX,
+        probe_addr: u64::MAX,
+        probe_rkey: u32::MAX,
         link: u16::MAX,
         src_gid: [0xff; 16],
         dst_gid: [0xff; 16],
@@ -183,21 +176,11 @@ fn table_seeds() -> Vec<Seed> {
         b
     };
     let absent = Key::Port { gid: [0xff; 16], port: 1 };
-    out.push(("endpoint_found", table_input::build(0, &t, bound, &key_bytes(&bound), full)));
-    out.push(("endpoint_found_vqpn", table_input::build(0, &t, other, &key_bytes(&other), full)));
-    out.push(("endpoint_absent", table_input::build(0, &t, absent, &key_bytes(&absent), full)));
-    out.push(("endpoint_short_read", table_input::build(0, &t, absent, &key_bytes(&absent), full / 2)));
+    out.push(("endpoint_found", table_input::build(&t, bound, &key_bytes(&bound), full)));
+    out.push(("endpoint_found_vqpn", table_input::build(&t, other, &key_bytes(&other), full)));
+    out.push(("endpoint_absent", table_input::build(&t, absent, &key_bytes(&absent), full)));
+    out.push(("endpoint_short_read", table_input::build(&t, absent, &key_bytes(&absent), full / 2)));
 
-    // An MR table.
-    let full = 8 * MrSchema::SLOT_SIZE;
-    let nslots = 64;
-    let mut words = vec![0u64; Table::<MrSchema>::bytes_for(nslots).div_ceil(8)];
-    let mut t = Table::<MrSchema>::init(aligned(&mut words), nslots, u64::MAX).unwrap();
-    t.insert(0x0abc_0def, MrInfo { addr: 0x7f00_0000_1000, len: 1 << 20, access: 0xf }).unwrap();
-    t.insert(u32::MAX, MrInfo { addr: u64::MAX, len: u64::MAX, access: u32::MAX }).unwrap();
-    for (name, rkey) in [("mr_found", 0x0abc_0def), ("mr_found_max", u32::MAX), ("mr_absent", 5)] {
-        out.push((name, table_input::build(1, &t, rkey, &rkey.to_le_bytes(), full)));
-    }
     out
 }
 
@@ -209,6 +192,7 @@ fn header_seeds() -> Vec<Seed> {
         [&b[..], payload].concat()
     };
     let imm = u32::from_be(0x1122_3344);
+    let mr = MrInfo { addr: 0x7f00_0000_1000, len: 1 << 20, access: 0xf };
     vec![
         ("data", header(h(Flags::empty(), 1, 2, 0, 5, 0, 0), b"hello")),
         ("data_empty", header(h(Flags::empty(), 1, 2, 0, 0, 0, 0), b"")),
@@ -218,7 +202,11 @@ fn header_seeds() -> Vec<Seed> {
         ("done", header(h(Flags::DONE, 9, 7, 0, 1 << 20, 0x1314_1516, 0x7f00_0000_2000), b"")),
         ("done_failed", header(h(Flags::DONE | Flags::TO_PORT, 9, 7, 5, 1 << 20, 0x1314_1516, 0x7f00_0000_2000), b"")),
         ("close", header(h(Flags::CLOSE, 3, 4, 0, 0, 0, 0), b"")),
-        ("link_close", header(h(Flags::LINK_CLOSE, 0, 0, 0, 0, 0, 0), b"")),
+        ("link_close", header(Header::link(LinkOp::Close, 0, 0, 0), b"")),
+        ("mr_check", header(Header::link(LinkOp::MrCheck, 0x0abc_0def, 0x7f00_0000_1000, 7), b"")),
+        ("mr_found", header(Header::link(LinkOp::MrAnswer, 0x0abc_0def, 0x7f00_0000_1000, 7), &MrAnswer::Found(mr).encode())),
+        ("mr_absent", header(Header::link(LinkOp::MrAnswer, u32::MAX, u64::MAX, u32::MAX), &MrAnswer::Absent.encode())),
+        ("mr_busy", header(Header::link(LinkOp::MrAnswer, 5, 0, 0), &MrAnswer::Busy { retry_ms: 63 }.encode())),
     ]
 }
 

@@ -7,7 +7,6 @@
 //! `KRCORE_FUZZ_WRITE_SEEDS=1 cargo test --manifest-path fuzz/Cargo.toml
 //! --test seeds` rewrites the corpus (then commit it).
 
-use krcore::meta::mrtable::MrSchema;
 use krcore::meta::proto::{BootMessage, LinkMessage, Request, Response, Welcome};
 use krcore::meta::table::{EndpointSchema, Lookup, RemoteTable, Schema, HEADER_SIZE};
 use krcore::transport::dgram::wire::Message;
@@ -35,22 +34,19 @@ fn decodes(target: &str, name: &str, seed: &[u8]) -> bool {
                 || Response::decode(seed).is_ok()
         }
         "meta_table" => {
-            let rest = &seed[1..];
-            let found = if seed[0] & 1 == 0 {
-                let key = table_input::endpoint_key(rest[HEADER_SIZE..].first_chunk().unwrap());
-                lookup::<EndpointSchema>(rest, key, EndpointSchema::KEY_LEN)
-            } else {
-                let key = table_input::mr_key(rest[HEADER_SIZE..].first_chunk().unwrap());
-                lookup::<MrSchema>(rest, key, MrSchema::KEY_LEN)
-            };
-            match found {
+            let key = table_input::endpoint_key(seed[HEADER_SIZE..].first_chunk().unwrap());
+            match lookup::<EndpointSchema>(seed, key, EndpointSchema::KEY_LEN) {
                 Some(Lookup::Found(())) => name.contains("found"),
                 Some(Lookup::Absent) => name.contains("absent"),
                 Some(Lookup::Torn) => name.contains("short"),
                 None => false,
             }
         }
-        "vqp_header" => Header::decode(seed).is_ok_and(|h| seed.len() == krcore::vqp::header::HEADER_LEN + h.carried_len() as usize),
+        "vqp_header" => Header::decode(seed).is_ok_and(|h| {
+            let payload = &seed[krcore::vqp::header::HEADER_LEN..];
+            payload.len() == h.carried_len() as usize
+                && (h.link_op() != Some(krcore::vqp::header::LinkOp::MrAnswer) || krcore::vqp::mrcheck::Answer::decode(payload).is_ok())
+        }),
         "wrid" => seed.first_chunk().is_some_and(|b| WrId::decode(u64::from_le_bytes(*b)).is_ok()),
         _ => unreachable!(),
     }

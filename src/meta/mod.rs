@@ -1,12 +1,10 @@
 //! The meta server's data and the messages around it: the (GID, port) /
 //! (GID, virtual QPN) -> endpoint table that `krcore-meta` serves from
 //! registered memory and processes look up with one-sided READs (`table`),
-//! each process's own MR table that its linked peers READ to check remote
-//! addresses and keys (`mrtable`), and the messages of the bootstrap,
-//! registration and link-setup protocols (`proto`).
+//! and the messages of the bootstrap, registration and link-setup
+//! protocols (`proto`).
 
 pub mod client;
-pub mod mrtable;
 pub mod proto;
 pub mod server;
 pub mod table;

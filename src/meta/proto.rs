@@ -175,10 +175,10 @@ pub struct LinkInfo {
     pub from: Endpoint,
     pub rc_qpn: u32,
     pub psn: u32,
-    /// The sender's MR table, READable over the link.
-    pub mr_table_addr: u64,
-    pub mr_table_rkey: u32,
-    pub mr_table_slots: u32,
+    /// 8 bytes of the sender's that the receiver may READ over the link to
+    /// see it alive (a liveness probe); they hold nothing.
+    pub probe_addr: u64,
+    pub probe_rkey: u32,
     /// Which of the links per peer this is.
     pub link: u16,
     /// The link's two GIDs, as the sender sees them: its own end (its
@@ -192,8 +192,8 @@ pub struct LinkInfo {
 /// Service endpoint -> service endpoint over UD: "connect one link".
 ///
 /// 4: link (u16), 8: req_id, 12: status (in a request: flags, bit 0
-/// [`LINK_OPTIONAL`]), 16: rc_qpn, 20: psn, 24: mr_table_addr (u64),
-/// 32: mr_table_rkey, 36: mr_table_slots, 40: from (endpoint),
+/// [`LINK_OPTIONAL`]), 16: rc_qpn, 20: psn, 24: probe_addr (u64),
+/// 32: probe_rkey, 36: zero, 40: from (endpoint),
 /// 80: src_gid[16], 96: dst_gid[16].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkRequest {
@@ -446,10 +446,12 @@ impl LinkMessage {
             link,
             rc_qpn: r.u24()?,
             psn: r.u24()?,
-            mr_table_addr: r.u64()?,
-            mr_table_rkey: r.u32()?,
-            mr_table_slots: r.u32()?,
-            from: r.endpoint()?,
+            probe_addr: r.u64()?,
+            probe_rkey: r.u32()?,
+            from: {
+                r.reserved(4)?;
+                r.endpoint()?
+            },
             src_gid: r.bytes()?,
             dst_gid: r.bytes()?,
         };
@@ -474,9 +476,9 @@ fn encode_link(out: &mut [u8; LINK_LEN], kind: u8, req_id: u32, status: u32, inf
     w.status(status);
     w.u24(info.rc_qpn);
     w.u24(info.psn);
-    w.u64(info.mr_table_addr);
-    w.u32(info.mr_table_rkey);
-    w.u32(info.mr_table_slots);
+    w.u64(info.probe_addr);
+    w.u32(info.probe_rkey);
+    w.skip(4);
     w.endpoint(&info.from);
     w.bytes(&info.src_gid);
     w.bytes(&info.dst_gid);
@@ -619,9 +621,8 @@ mod tests {
             from,
             rc_qpn: 0x00ab_cdef,
             psn: 0x0012_3456,
-            mr_table_addr: 0x7f00_dead_beef_0000,
-            mr_table_rkey: 0x0abc_0def,
-            mr_table_slots: 4096,
+            probe_addr: 0x7f00_dead_beef_0000,
+            probe_rkey: 0x0abc_0def,
             link: 3,
             src_gid: [0x5a; 16],
             dst_gid: GID,
@@ -633,9 +634,8 @@ mod tests {
             from: endpoint_max(),
             rc_qpn: MAX_U24,
             psn: MAX_U24,
-            mr_table_addr: u64::MAX,
-            mr_table_rkey: u32::MAX,
-            mr_table_slots: u32::MAX,
+            probe_addr: u64::MAX,
+            probe_rkey: u32::MAX,
             link: u16::MAX,
             src_gid: [0xff; 16],
             dst_gid: [0xff; 16],
@@ -643,17 +643,7 @@ mod tests {
     }
 
     fn info_zero() -> LinkInfo {
-        LinkInfo {
-            from: endpoint_zero(),
-            rc_qpn: 0,
-            psn: 0,
-            mr_table_addr: 0,
-            mr_table_rkey: 0,
-            mr_table_slots: 0,
-            link: 0,
-            src_gid: [0; 16],
-            dst_gid: [0; 16],
-        }
+        LinkInfo { from: endpoint_zero(), rc_qpn: 0, psn: 0, probe_addr: 0, probe_rkey: 0, link: 0, src_gid: [0; 16], dst_gid: [0; 16] }
     }
 
     fn welcome() -> Welcome {
@@ -780,7 +770,6 @@ mod tests {
                     (20, &[0x56, 0x34, 0x12, 0]),
                     (24, &[0, 0, 0xef, 0xbe, 0xad, 0xde, 0, 0x7f]),
                     (32, &[0xef, 0x0d, 0xbc, 0x0a]),
-                    (36, &[0, 0x10, 0, 0]),
                     (40, &[0x77; 16]),
                     (56, ep),
                     (80, &[0x5a; 16]),
@@ -798,6 +787,10 @@ mod tests {
         as_request[12] = 1;
         assert_eq!(link(&LinkMessage::Request(LinkRequest { req_id, info, optional: true })), as_request);
         assert_eq!(LinkMessage::decode(&as_request), Ok(LinkMessage::Request(LinkRequest { req_id, info, optional: true })));
+        // Bytes 36..40 (an MR table's slots once) are zero.
+        let mut reserved = as_request.clone();
+        reserved[37] = 1;
+        assert_eq!(LinkMessage::decode(&reserved), Err(EBADMSG));
         // LINK_READY: the request's layout, its own kind, status 0 only.
         let mut as_ready = as_request.clone();
         as_ready[3] = 7;

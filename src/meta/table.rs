@@ -71,7 +71,7 @@
 //! bytes. The endpoint table's key and value take 1 + 21 + 36 = 58 bytes,
 //! which do not fit next to seq and checksum in 64, so its slots are 128
 //! bytes and its neighborhood READ is 1 KiB (one packet even at the smallest
-//! RoCE MTU, 1024). The MR table (`mrtable`) fits in 64.
+//! RoCE MTU, 1024).
 
 use crate::error::{Errno, Result};
 use crate::meta::{Endpoint, Key};
@@ -314,20 +314,6 @@ impl<S: Schema> RemoteTable<S> {
         Ok(RemoteTable { nslots, incarnation, schema: PhantomData })
     }
 
-    /// The view of a table whose size and incarnation its owner told us
-    /// some other way (a link message carries its MR table's slots, and
-    /// the incarnation the table was laid out with is the endpoint's), so
-    /// that the first lookup needs no READ of the header. The layout is
-    /// this library's: a peer speaking the same link protocol version
-    /// lays its table out the same way. EPROTO for zero slots.
-    pub fn known(nslots: u32, incarnation: u64) -> Result<Self> {
-        let () = SchemaCheck::<S>::VALID;
-        if nslots == 0 {
-            return Err(Errno(libc::EPROTO));
-        }
-        Ok(RemoteTable { nslots, incarnation, schema: PhantomData })
-    }
-
     /// Home slots (the region is `Table::bytes_for(nslots)` bytes).
     pub fn nslots(&self) -> u32 {
         self.nslots
@@ -540,9 +526,9 @@ pub type EndpointTable<'a> = Table<'a, EndpointSchema>;
 /// The meta server's endpoint table, client side.
 pub type RemoteEndpointTable = RemoteTable<EndpointSchema>;
 
-/// Helpers shared with `mrtable`'s tests: memory, a PRNG, simulated READs.
+/// Helpers of the tests: memory, a PRNG, simulated READs.
 #[cfg(test)]
-pub(super) mod testing {
+mod testing {
     use super::*;
     pub use crate::testing::Rng;
     use std::collections::HashMap;

@@ -28,8 +28,8 @@ pub struct Link {
     pub peer: Endpoint,
     pub index: u16,
     pub path: Path,
-    /// The peer's MR table: READ it to check remote addresses and keys.
-    pub peer_mr_table: (u64, u32, u32),
+    /// What a liveness probe READs at the peer: (address, rkey).
+    pub peer_probe: (u64, u32),
     /// We sent the request (else the peer did).
     pub initiated: bool,
     /// The peer's end can receive: ours was made by our request (the
@@ -83,7 +83,7 @@ impl Link {
             peer,
             index,
             path,
-            peer_mr_table: (theirs.mr_table_addr, theirs.mr_table_rkey, theirs.mr_table_slots),
+            peer_probe: (theirs.probe_addr, theirs.probe_rkey),
             initiated,
             ready: AtomicBool::new(initiated),
             ready_after_ms: crate::clock::coarse_ms() + READY_WAIT_MS,

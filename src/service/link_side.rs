@@ -1,13 +1,14 @@
 //! What only links need: their completion queues, the shared receive queue
-//! and the MR table peers READ over them. Built when the first link is
+//! and the 8 bytes peers READ over them to see us alive. Built when the first link is
 //! made or accepted (or in the background after the start), not in front
 //! of a process's first operation, which goes on the datagram tier.
 
 use crate::error::Result;
-use crate::meta::mrtable::MrTable;
 use crate::rdma::{self, Cq, Device, Region, Srq};
-use parking_lot::Mutex;
 use std::sync::Arc;
+
+/// Bytes of [`LinkSide::probe`]: what one probe READs.
+pub const PROBE_LEN: usize = 8;
 
 pub(super) struct LinkSide {
     /// The links' send completions.
@@ -18,15 +19,16 @@ pub(super) struct LinkSide {
     /// NIC places data without the application's help).
     pub recv_cq: Arc<Cq>,
     pub srq: Arc<Srq>,
-    /// Declared before `mr_table_mem`, whose memory it points into, so
-    /// that it is dropped first.
-    pub mr_table: Mutex<MrTable<'static>>,
-    mr_table_mem: Region,
-    mr_table_slots: u32,
+    /// What a peer's liveness probe READs: nothing in it (zeroes), and
+    /// nothing else registered for remote access by the library in the
+    /// PD but large messages' staging (`src/vqp/large.rs`). Whether a peer
+    /// may use an rkey of the application's it asks us
+    /// (`src/vqp/mrcheck.rs`): no table of them is readable.
+    probe: Region,
 }
 
 impl LinkSide {
-    pub fn new(dev: &Arc<Device>, srq_wr: u32, slots: u32, incarnation: u64) -> Result<LinkSide> {
+    pub fn new(dev: &Arc<Device>, srq_wr: u32) -> Result<LinkSide> {
         let link_cq = Arc::new(Cq::new(dev, 4096)?);
         let recv_cq = Arc::new(Cq::new(dev, srq_wr.max(64))?);
         // Both armed from the start: the receive CQ always is, and the
@@ -37,20 +39,13 @@ impl LinkSide {
         link_cq.arm()?;
         let srq = Arc::new(Srq::new(dev, srq_wr, 1)?);
         crate::kmark!("service: link CQs and SRQ made");
-        let mr_table_mem = Region::new(dev, MrTable::bytes_for(slots), rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
-        let len = mr_table_mem.len();
-        // SAFETY: the slice covers `mr_table_mem`'s heap allocation, which
-        // never moves and outlives `mr_table` (dropped first); only
-        // `mr_table` writes it, the NIC reads it.
-        let mem = unsafe { std::slice::from_raw_parts_mut(mr_table_mem.ptr(), len) };
-        let mr_table = Mutex::new(MrTable::init(mem, slots, incarnation)?);
-        crate::kmark!("service: MR table registered");
-        Ok(LinkSide { link_cq, recv_cq, srq, mr_table, mr_table_mem, mr_table_slots: slots })
+        let probe = Region::new(dev, PROBE_LEN, rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
+        Ok(LinkSide { link_cq, recv_cq, srq, probe })
     }
 
-    /// Our MR table: (address, rkey, slots).
-    pub fn mr_table_info(&self) -> (u64, u32, u32) {
-        (self.mr_table_mem.addr(), self.mr_table_mem.rkey(), self.mr_table_slots)
+    /// What peers probe: (address, rkey).
+    pub fn probe(&self) -> (u64, u32) {
+        (self.probe.addr(), self.probe.rkey())
     }
 
     /// The channels' fds: (send, receive).

@@ -72,15 +72,13 @@ pub struct Options {
     pub warm_qps: usize,
     /// Send queue depth of a link.
     pub link_send_wr: u32,
-    /// Slots of this endpoint's MR table.
-    pub mr_table_slots: u32,
     /// Receives of the SRQ all links share.
     pub srq_wr: u32,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { warm_qps: 4, link_send_wr: 256, mr_table_slots: 4096, srq_wr: 256 }
+        Options { warm_qps: 4, link_send_wr: 256, srq_wr: 256 }
     }
 }
 
@@ -102,9 +100,9 @@ fn link_msg_dropped(what: std::fmt::Arguments<'_>) {
 /// Scatter entries of a link's send WRs (one for a message header, the
 /// rest the application's).
 pub const LINK_SEND_SGE: u32 = 4;
-/// Inline bytes of a link's send WRs: a bare message header (a DONE) needs
-/// no registered memory.
-pub const LINK_INLINE: u32 = crate::vqp::header::HEADER_LEN as u32;
+/// Inline bytes of a link's send WRs: a bare message header (a DONE), or
+/// one with an MR check's answer, needs no registered memory.
+pub const LINK_INLINE: u32 = (crate::vqp::header::HEADER_LEN + crate::vqp::mrcheck::ANSWER_LEN) as u32;
 
 /// Our link request for a key is out while this lives (`Links::crossed`
 /// reads it).
@@ -174,16 +172,11 @@ struct Shared {
     ahs: Mutex<HashMap<Path, Arc<Ah>>>,
     /// Indexes of our GIDs that link requests were sent to.
     gid_indexes: Mutex<HashMap<Gid, u32>>,
-    /// The links' CQs, SRQ and MR table, made with the first link (or in
-    /// the background after the start): see [`Shared::link_side`].
+    /// The links' CQs, SRQ and probe target, made with the first link (or
+    /// in the background after the start): see [`Shared::link_side`].
     link_side: once_cell::sync::OnceCell<LinkSide>,
-    /// Held while the link side is made and published; `link_side_ready`
-    /// once the MR table holds the PD's MRs (no link goes out before).
-    link_side_init: Mutex<()>,
+    /// `link_side` is made (and the progress thread told).
     link_side_ready: AtomicBool,
-    /// Called once the link side is made, before any link uses it (the
-    /// runtime publishes the PD's MRs in the table).
-    on_link_side: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// Whether a peer's link may be accepted now (the runtime's receive
     /// side is ready; if not, it has it made): see `on_accepting`.
     accepting: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
@@ -355,9 +348,7 @@ impl Service {
             ahs: Mutex::new(HashMap::new()),
             gid_indexes: Mutex::new(HashMap::new()),
             link_side: once_cell::sync::OnceCell::new(),
-            link_side_init: Mutex::new(()),
             link_side_ready: AtomicBool::new(false),
-            on_link_side: Mutex::new(None),
             accepting: Mutex::new(None),
             wanted: Mutex::new(None),
             warm: Mutex::new(Vec::new()),
@@ -547,16 +538,6 @@ impl Service {
         *self.shared.wanted.lock() = Some(f);
     }
 
-    /// Run `f` once the links' MR table is made, before any link uses it
-    /// (at once if it is made already).
-    pub fn on_link_side(&self, f: Box<dyn Fn() + Send + Sync>) {
-        let _init = self.shared.link_side_init.lock();
-        if self.shared.link_side_ready.load(Ordering::Acquire) {
-            f();
-        }
-        *self.shared.on_link_side.lock() = Some(f);
-    }
-
     /// Run `f` on the progress thread when messages arrived while the
     /// application was not polling; `f` says whether it polled since.
     pub fn on_link_recv(&self, f: Box<dyn Fn() -> bool + Send + Sync>) {
@@ -712,23 +693,6 @@ impl Service {
         self.shared.links.lock().by_qpn.values().filter(|l| l.is_closing() && !l.is_failed()).cloned().collect()
     }
 
-    /// Publish a change of the PD's MRs to the peers that READ our table
-    /// (none before the table is made: `on_link_side` fills it then).
-    pub fn update_mr_table(&self, change: &crate::vqp::mrs::Change) {
-        let Some(side) = self.shared.link_side.get() else { return };
-        let mut t = side.mr_table.lock();
-        match *change {
-            crate::vqp::mrs::Change::Added { rkey, info } => {
-                if let Err(e) = t.insert(rkey, info) {
-                    klog!(Level::Warn, "service: MR rkey {rkey:#x} not published ({e:?}): peers cannot use it");
-                }
-            }
-            crate::vqp::mrs::Change::Removed { rkey } => {
-                t.remove(rkey);
-            }
-        }
-    }
-
     pub fn gid_index(&self) -> u32 {
         self.shared.sgid_index
     }
@@ -758,23 +722,10 @@ impl Drop for Shared {
 }
 
 impl Shared {
-    /// The links' CQs, SRQ and MR table, made at the first call; returned
-    /// once the MR table holds the PD's MRs (`on_link_side`), so that no
-    /// link reaches a peer before the table it READs is filled.
+    /// The links' CQs, SRQ and probe target, made at the first call.
     fn link_side(&self) -> Result<&LinkSide> {
-        if self.link_side_ready.load(Ordering::Acquire) {
-            if let Some(s) = self.link_side.get() {
-                return Ok(s);
-            }
-        }
-        let _init = self.link_side_init.lock();
-        let side =
-            self.link_side.get_or_try_init(|| LinkSide::new(&self.dev, self.opts.srq_wr, self.opts.mr_table_slots, self.me.incarnation))?;
-        if !self.link_side_ready.load(Ordering::Acquire) {
-            if let Some(f) = self.on_link_side.lock().as_ref() {
-                f();
-            }
-            self.link_side_ready.store(true, Ordering::Release);
+        let side = self.link_side.get_or_try_init(|| LinkSide::new(&self.dev, self.opts.srq_wr))?;
+        if !self.link_side_ready.swap(true, Ordering::AcqRel) {
             // The progress thread sleeps on the new channels from its next pass.
             self.kick();
         }
@@ -782,19 +733,9 @@ impl Shared {
     }
 
     fn info(&self, rc_qpn: u32, psn: u32, index: u16, src_gid: Gid, dst_gid: Gid) -> LinkInfo {
-        // Made with the link's QP (a refusal carries no table).
-        let (addr, rkey, slots) = self.link_side.get().map_or((0, 0, 0), LinkSide::mr_table_info);
-        LinkInfo {
-            from: self.me,
-            rc_qpn,
-            psn,
-            mr_table_addr: addr,
-            mr_table_rkey: rkey,
-            mr_table_slots: slots,
-            link: index,
-            src_gid,
-            dst_gid,
-        }
+        // Made with the link's QP (a refusal carries none).
+        let (addr, rkey) = self.link_side.get().map_or((0, 0), LinkSide::probe);
+        LinkInfo { from: self.me, rc_qpn, psn, probe_addr: addr, probe_rkey: rkey, link: index, src_gid, dst_gid }
     }
 
     /// The index of our GID `gid` (where a link request was sent to).

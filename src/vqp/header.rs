@@ -25,7 +25,7 @@
 //! byte order, as a real immediate is on the wire, and comes back out
 //! byte-for-byte in the receiver's `ibv_wc.imm_data`.
 //!
-//! One header is one of four messages, told apart by flags:
+//! One header is one of these messages, told apart by flags:
 //! - data (none of the three below): `len` payload bytes follow the header;
 //!   `imm` is valid with HAS_IMM.
 //! - WRITE_IMM: the application's RDMA_WRITE_WITH_IMM of `len` bytes has
@@ -42,9 +42,17 @@
 //! - CLOSE: the VQP `src_vqpn` was destroyed; `dst` is the VQP it was
 //!   connected to, which may release what it keeps for it (a `qpop_msgs`
 //!   src_qp). No payload; every other field 0.
-//! - LINK_CLOSE: the sender closes the link this came on (link reclaim):
-//!   everything it sent on the link before came first, and it starts
-//!   nothing new there. No payload, no VQPs; every other field 0.
+//! - LINK: a message to the far end of the link itself, for no VQP
+//!   (`src_vqpn` 0); `dst` says which ([`LinkOp`]):
+//!   - 0, LINK_CLOSE: the sender closes the link this came on (link
+//!     reclaim): everything it sent on the link before came first, and it
+//!     starts nothing new there. Every other field 0.
+//!   - 1, MR_CHECK: what the receiver's MR `rkey` is, if it has one and
+//!     `addr` lies inside it ([`super::mrcheck`]); `imm` the asker's tag
+//!     (as a little-endian number). `len` 0.
+//!   - 2, MR_ANSWER: the answer to the check tagged `imm` for `rkey` and
+//!     `addr`; `len` is [`super::mrcheck::ANSWER_LEN`], the answer's
+//!     bytes following.
 //!
 //! Decoding is strict (a second message kind, fields that
 //! the message does not use left non-zero are all refused), so every buffer
@@ -84,9 +92,9 @@ impl Flags {
     pub const SOLICITED: Flags = Flags(1 << 5);
     /// The sending VQP is gone.
     pub const CLOSE: Flags = Flags(1 << 6);
-    /// The sender closes the link this came on: it starts nothing new on
-    /// it (only the READs and DONEs of large messages already announced).
-    pub const LINK_CLOSE: Flags = Flags(1 << 7);
+    /// A message to the link's far end, not to a VQP: `dst` is its
+    /// [`LinkOp`].
+    pub const LINK: Flags = Flags(1 << 7);
 
     const NAMES: [(Flags, &'static str); 8] = [
         (Flags::HAS_IMM, "HAS_IMM"),
@@ -96,10 +104,10 @@ impl Flags {
         (Flags::DONE, "DONE"),
         (Flags::SOLICITED, "SOLICITED"),
         (Flags::CLOSE, "CLOSE"),
-        (Flags::LINK_CLOSE, "LINK_CLOSE"),
+        (Flags::LINK, "LINK"),
     ];
     /// The flags that say which message this is; at most one is set.
-    const KIND: u8 = Flags::WRITE_IMM.0 | Flags::LARGE.0 | Flags::DONE.0 | Flags::CLOSE.0 | Flags::LINK_CLOSE.0;
+    const KIND: u8 = Flags::WRITE_IMM.0 | Flags::LARGE.0 | Flags::DONE.0 | Flags::CLOSE.0 | Flags::LINK.0;
 
     pub const fn empty() -> Flags {
         Flags(0)
@@ -137,6 +145,28 @@ impl fmt::Debug for Flags {
     }
 }
 
+/// What a LINK message is (its `dst`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkOp {
+    /// The sender closes the link: nothing new comes on it.
+    Close = 0,
+    /// What is the receiver's MR `rkey`?
+    MrCheck = 1,
+    /// The answer for `rkey`, in the payload.
+    MrAnswer = 2,
+}
+
+impl LinkOp {
+    fn of(dst: u32) -> Option<LinkOp> {
+        match dst {
+            0 => Some(LinkOp::Close),
+            1 => Some(LinkOp::MrCheck),
+            2 => Some(LinkOp::MrAnswer),
+            _ => None,
+        }
+    }
+}
+
 /// A decoded header; see the module documentation for which fields each
 /// message uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -152,6 +182,27 @@ pub struct Header {
 }
 
 impl Header {
+    /// A LINK message `op`; MR_CHECK and MR_ANSWER name `rkey`, `addr`
+    /// and the check's `tag` (all 0 for LINK_CLOSE).
+    pub fn link(op: LinkOp, rkey: u32, addr: u64, tag: u32) -> Header {
+        let len = if op == LinkOp::MrAnswer { super::mrcheck::ANSWER_LEN as u32 } else { 0 };
+        Header { flags: Flags::LINK, dst: op as u32, rkey, addr, imm: tag.to_le(), len, ..Header::default() }
+    }
+
+    /// An MR_CHECK's or MR_ANSWER's tag.
+    pub fn tag(&self) -> u32 {
+        u32::from_le(self.imm)
+    }
+
+    /// What this LINK message is (None for any other message).
+    pub fn link_op(&self) -> Option<LinkOp> {
+        if self.flags.contains(Flags::LINK) {
+            LinkOp::of(self.dst)
+        } else {
+            None
+        }
+    }
+
     /// Writes the 32 bytes. The header must be consistent (as [`decode`]
     /// would accept it): the library builds headers, applications do not.
     ///
@@ -224,7 +275,7 @@ impl Header {
     /// travels elsewhere). The receiver checks `byte_len` against it
     /// ([`Header::received`]).
     pub fn carried_len(&self) -> u32 {
-        if self.flags.0 & Flags::KIND == 0 {
+        if self.flags.0 & Flags::KIND == 0 || self.link_op() == Some(LinkOp::MrAnswer) {
             self.len
         } else {
             0
@@ -238,13 +289,29 @@ impl Header {
             && (!f.contains(Flags::WRITE_IMM) || f.contains(Flags::HAS_IMM))
             && (!f.contains(Flags::DONE) || f.0 & (Flags::HAS_IMM.0 | Flags::SOLICITED.0) == 0)
             && (!f.contains(Flags::CLOSE) || (f == Flags::CLOSE && self.len == 0))
-            && (!f.contains(Flags::LINK_CLOSE) || (f == Flags::LINK_CLOSE && self.len == 0 && self.src_vqpn == 0 && self.dst == 0))
-            && (self.imm == 0 || f.contains(Flags::HAS_IMM) || f.contains(Flags::DONE))
-            && if f.contains(Flags::LARGE) { self.len != 0 } else { f.contains(Flags::DONE) || (self.rkey == 0 && self.addr == 0) };
+            && (!f.contains(Flags::LINK) || (f == Flags::LINK && self.src_vqpn == 0 && self.link_fields()))
+            && (self.imm == 0 || f.contains(Flags::HAS_IMM) || f.contains(Flags::DONE) || f.contains(Flags::LINK))
+            && if f.contains(Flags::LARGE) {
+                self.len != 0
+            } else {
+                f.contains(Flags::DONE) || f.contains(Flags::LINK) || (self.rkey == 0 && self.addr == 0)
+            };
         if consistent {
             Ok(())
         } else {
             Err(EBADMSG)
+        }
+    }
+}
+
+impl Header {
+    /// `dst`, `len`, `rkey` and `addr` of a LINK message, by its op.
+    fn link_fields(&self) -> bool {
+        match LinkOp::of(self.dst) {
+            Some(LinkOp::Close) => self.len == 0 && self.rkey == 0 && self.addr == 0 && self.imm == 0,
+            Some(LinkOp::MrCheck) => self.len == 0,
+            Some(LinkOp::MrAnswer) => self.len == super::mrcheck::ANSWER_LEN as u32,
+            None => false,
         }
     }
 }
@@ -259,6 +326,7 @@ fn field<const N: usize>(b: &[u8; HEADER_LEN], offset: usize) -> [u8; N] {
 mod tests {
     use super::*;
     use crate::testing::Rng;
+    use crate::vqp::mrcheck::ANSWER_LEN;
 
     fn round_trip(h: Header) -> Header {
         let mut buf = [0xee; HEADER_LEN];
@@ -324,8 +392,10 @@ mod tests {
             addr: 0x1718_1920_2122_2324,
         };
         let close = Header { flags: Flags::CLOSE, src_vqpn: 3, dst: 4, ..Header::default() };
-        let link_close = Header { flags: Flags::LINK_CLOSE, ..Header::default() };
-        for h in [data, data_imm_port, write_imm, large(), large_min, done, close, link_close] {
+        let link_close = Header::link(LinkOp::Close, 0, 0, 0);
+        let mr_check = Header::link(LinkOp::MrCheck, u32::MAX, u64::MAX, u32::MAX);
+        let mr_answer = Header::link(LinkOp::MrAnswer, 7, 1, 2);
+        for h in [data, data_imm_port, write_imm, large(), large_min, done, close, link_close, mr_check, mr_answer] {
             assert_eq!(round_trip(h), h);
         }
     }
@@ -359,6 +429,16 @@ mod tests {
         assert_eq!(Header::received(&put(small_large), HEADER_LEN as u32, 64), Err(EBADMSG));
         let wimm = Header { flags: Flags::WRITE_IMM | Flags::HAS_IMM, len: 1 << 20, imm: 5, ..data };
         assert_eq!(Header::received(&put(wimm), HEADER_LEN as u32, 64), Ok(wimm));
+        // An MR_ANSWER carries its answer; the other LINK messages nothing.
+        let answer = Header::link(LinkOp::MrAnswer, 9, 0x1000, 3);
+        let b = put(answer);
+        assert_eq!(Header::received(&b, (HEADER_LEN + ANSWER_LEN) as u32, 64), Ok(answer));
+        assert_eq!(Header::received(&b, HEADER_LEN as u32, 64), Err(EBADMSG));
+        let check = Header::link(LinkOp::MrCheck, 9, 0x1000, 3);
+        assert_eq!(check.tag(), 3);
+        assert_eq!(Header::received(&put(check), HEADER_LEN as u32, 64), Ok(check));
+        assert_eq!(check.link_op(), Some(LinkOp::MrCheck));
+        assert_eq!(data.link_op(), None);
     }
 
     #[test]
@@ -427,10 +507,18 @@ mod tests {
             Header { flags: Flags::CLOSE, len: 1, ..data },
             Header { flags: Flags::CLOSE | Flags::SOLICITED, ..data },
             Header { flags: Flags::CLOSE | Flags::DONE, ..data },
-            // LINK_CLOSE names no VQP and carries nothing.
-            Header { flags: Flags::LINK_CLOSE, len: 1, ..data },
-            Header { flags: Flags::LINK_CLOSE | Flags::CLOSE, ..data },
-            Header { flags: Flags::LINK_CLOSE | Flags::HAS_IMM, imm: 1, ..data },
+            // LINK names no VQP; LINK_CLOSE carries nothing, MR_CHECK an
+            // rkey, MR_ANSWER an rkey and its answer; no other op.
+            Header { flags: Flags::LINK, len: 1, ..data },
+            Header { flags: Flags::LINK | Flags::CLOSE, len: 0, ..data },
+            Header { flags: Flags::LINK | Flags::HAS_IMM, imm: 1, len: 0, ..data },
+            Header { flags: Flags::LINK, len: 0, rkey: 1, ..data },
+            Header { flags: Flags::LINK, len: 0, addr: 1, ..data },
+            Header { flags: Flags::LINK, len: 0, imm: 1, ..data },
+            Header { flags: Flags::LINK, len: 0, src_vqpn: 1, ..data },
+            Header { flags: Flags::LINK, len: 1, dst: 1, ..data },
+            Header { flags: Flags::LINK, len: 23, dst: 2, ..data },
+            Header { flags: Flags::LINK, len: 0, dst: 3, ..data },
             // An empty LARGE payload.
             Header { flags: Flags::LARGE, len: 0, ..data },
             // imm without HAS_IMM.
@@ -444,6 +532,8 @@ mod tests {
             // Built by hand: encode's debug assertion would refuse them.
             let mut b = encoded(data);
             b[3] = h.flags.0;
+            b[4..8].copy_from_slice(&h.src_vqpn.to_le_bytes());
+            b[8..12].copy_from_slice(&h.dst.to_le_bytes());
             b[12..16].copy_from_slice(&h.imm.to_ne_bytes());
             b[16..20].copy_from_slice(&h.len.to_le_bytes());
             b[20..24].copy_from_slice(&h.rkey.to_le_bytes());

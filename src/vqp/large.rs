@@ -89,13 +89,10 @@ struct Pending {
 pub enum Control {
     /// One READ of a large payload for VQP (slot, generation).
     Read { slot: u32, gen: u8, retired: u16 },
-    /// A bare header (DONE, CLOSE): nothing more.
+    /// A bare header (DONE, CLOSE, an MR check or answer): nothing more.
     Header { retired: u16 },
-    /// A READ a thread waits for (`Runtime::control_read`): its status is
-    /// kept for the waiter.
-    Wait { retired: u16 },
-    /// A liveness probe of an idle link (an 8-byte READ of the peer's MR
-    /// table): only its status matters.
+    /// A liveness probe of an idle link (an 8-byte READ of the peer's
+    /// probe target): only its status matters.
     Probe { retired: u16 },
     /// Posted on a failed link after moving it to ERR: flushed behind every
     /// WQE still on it, so its completion says all of theirs were seen.
@@ -108,11 +105,9 @@ impl Control {
     /// What its signaled completion retires on the link.
     pub fn retired(self) -> u16 {
         match self {
-            Control::Read { retired, .. }
-            | Control::Header { retired }
-            | Control::Wait { retired }
-            | Control::Probe { retired }
-            | Control::LinkClose { retired } => retired,
+            Control::Read { retired, .. } | Control::Header { retired } | Control::Probe { retired } | Control::LinkClose { retired } => {
+                retired
+            }
             Control::Fence { .. } => 0,
         }
     }

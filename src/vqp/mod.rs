@@ -11,6 +11,7 @@ pub mod api;
 pub mod header;
 pub mod large;
 pub mod memo;
+pub mod mrcheck;
 pub mod mrs;
 pub mod precheck;
 pub mod qp;

@@ -1,6 +1,6 @@
 //! The application's MRs by protection domain, as the VQP path needs them:
-//! by lkey for the local pre-checks, and by rkey for the PD's MR table
-//! that linked peers READ (published by the PD's runtime, if it has one).
+//! by lkey for the local pre-checks, and by rkey for the peers' checks
+//! (`super::mrcheck`) and the datagram tier's one-sided requests.
 //!
 //! `obj::Mr` reports every registration and deregistration here; a
 //! registration is slow anyway, so one lock is no cost.
@@ -28,14 +28,8 @@ pub struct PdMrs {
 }
 
 impl PdMrs {
-    /// Every (rkey, info) of the PD that peers may access, for a new MR
-    /// table.
-    pub fn published(&self) -> Vec<(u32, MrInfo)> {
-        self.by_lkey.values().filter(|e| remote(&e.info)).map(|e| (e.rkey, e.info)).collect()
-    }
-
-    /// The MR peers may access under `rkey` (what the datagram tier's
-    /// target serves against).
+    /// The MR peers may access under `rkey` (what a peer's check is
+    /// answered with, and the datagram tier's target serves against).
     pub fn by_rkey(&self, rkey: u32) -> Option<MrInfo> {
         self.rkeys.get(&rkey).and_then(|lkey| self.by_lkey.get(lkey)).map(|e| e.info)
     }
@@ -47,17 +41,11 @@ impl LocalMrs for PdMrs {
     }
 }
 
-/// Whether peers may access an MR: only those go into the MR table (a
+/// Whether peers may access an MR: only those are found by rkey (a
 /// local-only MR's rkey means nothing; rxe gives them all rkey 0).
 fn remote(info: &MrInfo) -> bool {
     use crate::sys::ibv_access_flags as A;
     info.access & (A::IBV_ACCESS_REMOTE_READ.0 | A::IBV_ACCESS_REMOTE_WRITE.0 | A::IBV_ACCESS_REMOTE_ATOMIC.0) != 0
-}
-
-/// What changed in a PD's MR set (of the MRs peers may access): the runtime updates its MR table.
-pub enum Change {
-    Added { rkey: u32, info: MrInfo },
-    Removed { rkey: u32 },
 }
 
 static PDS: RwLock<Option<FxHashMap<usize, PdMrs>>> = RwLock::new(None);
@@ -72,23 +60,14 @@ pub fn epoch() -> u64 {
     EPOCH.load(Ordering::Acquire)
 }
 
-/// Observers of MR changes (the runtimes), by real PD.
-type Observer = Box<dyn Fn(&Change) + Send + Sync>;
-static OBSERVERS: RwLock<Option<FxHashMap<usize, Observer>>> = RwLock::new(None);
-
 /// An MR of real PD `pd` was registered (`lkey`, `rkey`, range, access).
 pub fn added(pd: usize, lkey: u32, rkey: u32, info: MrInfo) {
     let mut g = PDS.write();
     let mrs = g.get_or_insert_with(FxHashMap::default).entry(pd).or_default();
     let e = mrs.by_lkey.entry(lkey).or_insert(Entry { info, rkey, refs: 0 });
     e.refs += 1;
-    let first = e.refs == 1;
-    if first && remote(&info) {
+    if e.refs == 1 && remote(&info) {
         mrs.rkeys.insert(rkey, lkey);
-    }
-    drop(g);
-    if first && remote(&info) {
-        notify(pd, &Change::Added { rkey, info });
     }
 }
 
@@ -101,22 +80,12 @@ pub fn removed(pd: usize, lkey: u32) {
     if e.refs > 0 {
         return;
     }
-    let (rkey, published) = (e.rkey, remote(&e.info));
+    let (rkey, found_by_rkey) = (e.rkey, remote(&e.info));
     mrs.by_lkey.remove(&lkey);
-    if published && mrs.rkeys.get(&rkey) == Some(&lkey) {
+    if found_by_rkey && mrs.rkeys.get(&rkey) == Some(&lkey) {
         mrs.rkeys.remove(&rkey);
     }
     EPOCH.fetch_add(1, Ordering::AcqRel);
-    drop(g);
-    if published {
-        notify(pd, &Change::Removed { rkey });
-    }
-}
-
-fn notify(pd: usize, c: &Change) {
-    if let Some(f) = OBSERVERS.read().as_ref().and_then(|o| o.get(&pd)) {
-        f(c);
-    }
 }
 
 /// Run `f` with PD `pd`'s MRs (an empty set if it has none).
@@ -128,62 +97,35 @@ pub fn with<R>(pd: usize, f: impl FnOnce(&PdMrs) -> R) -> R {
     }
 }
 
-/// Watch PD `pd`'s changes; `f` first sees every MR it has now. The lock
-/// order (registry, then observer) keeps the two from missing an update.
-pub fn observe(pd: usize, f: Observer) {
-    let g = PDS.read();
-    if let Some(mrs) = g.as_ref().and_then(|m| m.get(&pd)) {
-        for (rkey, info) in mrs.published() {
-            f(&Change::Added { rkey, info });
-        }
-    }
-    OBSERVERS.write().get_or_insert_with(FxHashMap::default).insert(pd, f);
-    drop(g);
-}
-
-/// Stop watching PD `pd` (its runtime is gone).
-pub fn unobserve(pd: usize) {
-    if let Some(o) = OBSERVERS.write().as_mut() {
-        o.remove(&pd);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::{Arc, Mutex};
 
     fn info(addr: u64) -> MrInfo {
         MrInfo { addr, len: 4096, access: 7 }
     }
 
     #[test]
-    fn shared_keys_live_while_any_mr_does_and_observers_see_changes() {
+    fn shared_keys_live_while_any_mr_does() {
         let pd = 0x5150;
-        let seen = Arc::new(Mutex::new(Vec::new()));
         added(pd, 1, 11, info(0x1000));
-        let s2 = Arc::clone(&seen);
-        observe(
-            pd,
-            Box::new(move |c| {
-                s2.lock().unwrap().push(match c {
-                    Change::Added { rkey, .. } => (true, *rkey),
-                    Change::Removed { rkey } => (false, *rkey),
-                })
-            }),
-        );
         added(pd, 1, 11, info(0x1000)); // a second MR on the same cached region
         added(pd, 2, 22, info(0x9000));
         assert_eq!(with(pd, |m| m.local(1)), Some(info(0x1000)));
+        assert_eq!(with(pd, |m| m.by_rkey(22)), Some(info(0x9000)));
         let before = epoch();
         removed(pd, 1);
         assert_eq!(with(pd, |m| m.local(1)), Some(info(0x1000)), "still held by the other MR");
+        assert_eq!(with(pd, |m| m.by_rkey(11)), Some(info(0x1000)));
         removed(pd, 1);
         assert_eq!(with(pd, |m| m.local(1)), None);
+        assert_eq!(with(pd, |m| m.by_rkey(11)), None);
         assert!(epoch() > before, "a removal moves the epoch");
-        assert_eq!(with(pd + 1, |m| m.local(2)), None, "other PDs see nothing");
-        unobserve(pd);
+        assert_eq!(with(pd + 1, |m| m.by_rkey(22)), None, "other PDs see nothing");
+        let local_only = MrInfo { access: 1, ..info(0xa000) };
+        added(pd, 3, 0, local_only);
+        assert_eq!(with(pd, |m| m.by_rkey(0)), None, "a local-only MR is not found by rkey");
         removed(pd, 2);
-        assert_eq!(*seen.lock().unwrap(), vec![(true, 11), (true, 22), (false, 11)]);
+        removed(pd, 3);
     }
 }

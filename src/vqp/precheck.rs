@@ -110,9 +110,15 @@ impl Caps {
     }
 }
 
-/// A memory region as the checks see it: the entry of an MR table (its
-/// `addr` is the start in the addresses that WRs use, its iova).
-pub use crate::meta::mrtable::MrInfo;
+/// A memory region as the checks see it (`addr` is its start in the
+/// addresses that WRs use, its iova).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MrInfo {
+    pub addr: u64,
+    pub len: u64,
+    /// `ibv_access_flags` bits the MR was registered with.
+    pub access: u32,
+}
 
 /// The process's own MRs, by lkey.
 pub trait LocalMrs {

@@ -23,7 +23,7 @@
 //! takes each of them alone, never one inside the other, and never holds
 //! a VQP's lock while waiting for progress.
 
-use super::header::{Flags, Header, HEADER_LEN};
+use super::header::{Flags, Header, LinkOp, HEADER_LEN};
 use super::large::Control;
 use super::memo::{Memoized, MrMemo};
 use super::mrs;
@@ -37,8 +37,6 @@ use crate::clock::coarse_ms;
 use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
-use crate::meta::mrtable::RemoteMrTable;
-use crate::meta::table::Lookup;
 use crate::meta::Endpoint;
 use crate::rdma::{self, Region};
 use crate::service::{Link, Path};
@@ -660,15 +658,27 @@ fn post_header(rt: &Runtime, link: &Link, h: &Header) -> bool {
 
 /// [`post_header`], its completion doing what `control` says.
 pub(super) fn post_header_as(rt: &Runtime, link: &Link, h: &Header, control: impl FnOnce(u16) -> Control) -> bool {
+    post_header_with(rt, link, h, &[], control)
+}
+
+/// [`post_header_as`] with `payload` after the header (inline: at most
+/// `LINK_INLINE` bytes in all). New work (a CLOSE, an MR check or answer)
+/// never goes on a link that started closing.
+pub(super) fn post_header_with(rt: &Runtime, link: &Link, h: &Header, payload: &[u8], control: impl FnOnce(u16) -> Control) -> bool {
     let mut sq = link.sq.lock();
-    if h.flags.contains(Flags::CLOSE) && !link.is_open() {
+    let new_work = h.flags.contains(Flags::CLOSE) || matches!(h.link_op(), Some(LinkOp::MrCheck | LinkOp::MrAnswer));
+    if new_work && !link.is_open() {
         return false;
     }
     let Some(d) = sq.try_post(true) else { return false };
     let tag = rt.next_tag();
     rt.large.track(tag, control(d.retired));
-    let mut bytes = header_bytes(h);
-    let mut sge = ibv_sge { addr: bytes.as_mut_ptr() as u64, length: HEADER_LEN as u32, lkey: 0 };
+    let mut bytes = [0u8; crate::service::LINK_INLINE as usize];
+    let len = HEADER_LEN + payload.len();
+    debug_assert!(len <= bytes.len());
+    h.encode(bytes.first_chunk_mut().expect("LINK_INLINE holds a header"));
+    bytes[HEADER_LEN..len].copy_from_slice(payload);
+    let mut sge = ibv_sge { addr: bytes.as_mut_ptr() as u64, length: len as u32, lkey: 0 };
     // SAFETY: a plain C struct.
     let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
     wr.wr_id = WrId::Control { tag }.encode();
@@ -676,7 +686,7 @@ pub(super) fn post_header_as(rt: &Runtime, link: &Link, h: &Header, control: imp
     wr.num_sge = 1;
     wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
     wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0 | ibv_send_flags::IBV_SEND_INLINE.0;
-    // SAFETY: inline data is copied at post time; links allow HEADER_LEN.
+    // SAFETY: inline data is copied at post time; links allow LINK_INLINE.
     if let Err(e) = unsafe { link.qp.post_send(&mut wr) } {
         // The link is gone: the peer learns it from its own completions.
         klog!(Level::Warn, "vqp: cannot send a {:?} header: {e:?}", h.flags);

@@ -9,9 +9,8 @@
 //! for a completion event), one at a time (`try_lock`: a thread that finds
 //! progress already running goes on; the runner delivers for everyone).
 
-use super::header::{Flags, Header, HEADER_LEN};
+use super::header::{Flags, Header, LinkOp, HEADER_LEN};
 use super::large::{Control, Large};
-use super::mrs;
 use super::qp as vqp;
 use super::queue::SoftCq;
 use super::wrid::WrId;
@@ -461,23 +460,23 @@ impl Ranges {
     }
 }
 
-/// The peer's MRs already READ from its MR table (the MRStore), shared by
-/// every VQP that talks to that peer. An entry is trusted for the MR lease
-/// (`KRCORE_MR_LEASE_MS`): the peer keeps a deregistered MR registered
-/// that long, so an access checked against a fresh entry cannot hit a dead
-/// key; an older entry is READ again.
+/// The peer's MRs it told us of when we checked them
+/// ([`super::mrcheck`]; the MRStore), shared by every VQP that talks to
+/// that peer. An entry is trusted for the MR lease (`KRCORE_MR_LEASE_MS`):
+/// the peer keeps a deregistered MR registered that long, so an access
+/// checked against a fresh entry cannot hit a dead key; an older entry is
+/// checked again.
 #[derive(Default)]
 pub struct PeerMrs {
-    pub table: Option<crate::meta::mrtable::RemoteMrTable>,
-    /// rkey -> (what the table said, when it was READ: [`coarse_ms`]).
+    /// rkey -> (what the peer said, when we asked: [`coarse_ms`]).
     known: FxHashMap<u32, (super::precheck::MrInfo, u64)>,
 }
 
 impl PeerMrs {
-    /// The peer's table said `info` for `rkey` in a READ posted at `at_ms`
-    /// ([`coarse_ms`]): the lease is counted from the post, not from the
-    /// READ's completion (which may come a transport's retries later,
-    /// while the owner counts from its deregistration).
+    /// The peer said `info` for `rkey` to a check sent at `at_ms`
+    /// ([`coarse_ms`]): the lease is counted from the check's sending, not
+    /// from the answer (which may come a transport's retries later, while
+    /// the owner counts from its deregistration).
     pub fn learn(&mut self, rkey: u32, info: super::precheck::MrInfo, at_ms: u64) {
         self.known.insert(rkey, (info, at_ms));
     }
@@ -514,9 +513,6 @@ pub struct Runtime {
     /// Header slots of every VQP's in-flight SENDs, in registered arenas
     /// added as VQPs need them (the first, small, with the links' side).
     hdr_arenas: Mutex<Vec<Arc<HdrArena>>>,
-    /// Landing buffer of control READs (rare: one at a time), made with
-    /// the links' side.
-    scratch: OnceCell<Mutex<Region>>,
     /// The MRStore of each peer, by the peer's incarnation.
     peer_mrs: Mutex<FxHashMap<u64, Arc<Mutex<PeerMrs>>>>,
     pub svc: Service,
@@ -544,9 +540,8 @@ pub struct Runtime {
     /// How many of those CQs are armed: the service thread wakes on link
     /// completions only while some are.
     armed_cqs: std::sync::atomic::AtomicUsize,
-    /// Statuses of completed control READs (MR table fetches) for their
-    /// waiters, by tag.
-    control: Mutex<FxHashMap<u32, u32>>,
+    /// Checks of peers' rkeys waiting for answers, answers owed.
+    pub mr_checks: super::mrcheck::Checks,
     next_tag: std::sync::atomic::AtomicU32,
     /// Messages above MAX_MSG: staging, DONEs awaited, READs in flight.
     pub large: Large,
@@ -656,7 +651,6 @@ impl Runtime {
         let rt = Arc::new(Runtime {
             pd: pd as usize,
             hdr_arenas: Mutex::new(Vec::new()),
-            scratch: OnceCell::new(),
             peer_mrs: Mutex::new(FxHashMap::default()),
             svc,
             meta: OnceCell::new(),
@@ -667,7 +661,7 @@ impl Runtime {
             progress_again: AtomicBool::new(false),
             cqs: Mutex::new(Vec::new()),
             armed_cqs: std::sync::atomic::AtomicUsize::new(0),
-            control: Mutex::new(FxHashMap::default()),
+            mr_checks: super::mrcheck::Checks::default(),
             next_tag: std::sync::atomic::AtomicU32::new(1),
             large: Large::default(),
             polls: std::sync::atomic::AtomicU64::new(0),
@@ -688,15 +682,7 @@ impl Runtime {
                 rt.dgram.on_datagram(&*rt, bytes, from);
             }
         }));
-        // Our MR table is made with the first link (or by `prepare_links`
-        // below): the PD's MRs go in it then, before any peer READs it.
-        let weak = Arc::downgrade(&rt);
-        rt.svc.on_link_side(Box::new(move || {
-            if let Some(rt) = weak.upgrade() {
-                rt.publish_mrs();
-            }
-        }));
-        // The links' CQs, SRQ, MR table and receive buffers, off the
+        // The links' CQs, SRQ, probe target and receive buffers, off the
         // caller's path (the first operation goes on the datagram tier)
         // and off the progress thread's (it answers the tier meanwhile;
         // a peer's link request waits for its next copy until they are
@@ -772,7 +758,6 @@ impl Runtime {
         self.probing.store(false, Ordering::Release);
         self.wire.force(self);
         self.svc.run_deferred_now();
-        mrs::unobserve(self.pd);
         // A connection still being made holds objects on the PD too.
         let started = self.meta_start.lock().take().and_then(|h| h.join().ok()).and_then(|r| r.ok());
         for meta in self.meta.get().into_iter().chain(started.as_ref()) {
@@ -974,7 +959,7 @@ impl Runtime {
     /// the link goes: its VQPs let it go and its QP is destroyed.
     fn close_link(&self, link: &Arc<service::Link>) {
         if !link.close_posted.load(Ordering::Acquire) {
-            let h = Header { flags: Flags::LINK_CLOSE, ..Header::default() };
+            let h = Header::link(LinkOp::Close, 0, 0, 0);
             // No room: the next tick tries again.
             if super::qp::post_header_as(self, link, &h, |retired| Control::LinkClose { retired }) {
                 link.close_posted.store(true, Ordering::Release);
@@ -1035,7 +1020,7 @@ impl Runtime {
         }
     }
 
-    /// Post one signaled 8-byte READ of the peer's MR table on `link` (its
+    /// Post one signaled 8-byte READ of the peer's probe target on `link` (its
     /// accounting `sq` held): a probe, or a fence behind WQEs a teardown
     /// waits for. Whether it was posted.
     fn post_probe(&self, link: &service::Link, sq: &mut super::queue::PhysSq) -> bool {
@@ -1044,9 +1029,9 @@ impl Runtime {
         let tag = self.next_tag();
         self.large.track(tag, Control::Probe { retired: d.retired });
         let mut sge = probe_buf.sge(0, PROBE_LEN);
-        let mut wr = control_read_wr(tag, &mut sge, link.peer_mr_table.0, link.peer_mr_table.1);
+        let mut wr = control_read_wr(tag, &mut sge, link.peer_probe.0, link.peer_probe.1);
         // SAFETY: one READ into our own registered buffer from the
-        // peer's MR table (registered for remote READ by the peer).
+        // peer's probe target (registered for remote READ by the peer).
         match unsafe { link.qp.post_send(&mut wr) } {
             Ok(()) => true,
             Err(e) => {
@@ -1139,19 +1124,6 @@ impl Runtime {
         for v in vqp::live() {
             v.on_link_failed(link);
         }
-    }
-
-    /// The PD's MRs go into the MR table linked peers READ, and follow it.
-    fn publish_mrs(self: &Arc<Self>) {
-        let me = Arc::downgrade(self);
-        mrs::observe(
-            self.pd,
-            Box::new(move |c| {
-                if let Some(rt) = me.upgrade() {
-                    rt.svc.update_mr_table(c);
-                }
-            }),
-        );
     }
 
     /// The meta-server client (`KRCORE_META`), connected at first use.
@@ -1269,7 +1241,6 @@ impl Runtime {
     pub fn receive_side(&self) -> Result<&Region> {
         self.recv_bufs.get_or_try_init(|| {
             // The links' own buffers first (a link's first post finds them).
-            self.scratch()?;
             self.probe_buf()?;
             if self.hdr_arenas.lock().is_empty() {
                 let first = Arc::new(HdrArena::new(self.svc.device(), FIRST_HDR_ARENA_SLOTS)?);
@@ -1278,7 +1249,7 @@ impl Runtime {
                     arenas.push(first);
                 }
             }
-            crate::kmark!("runtime: header arena, scratch and probe registered");
+            crate::kmark!("runtime: header arena and probe registered");
             let n = service::Options::default().srq_wr;
             let bufs = Region::new(self.svc.device(), n as usize * RECV_BUF, rdma::LOCAL_WRITE)?;
             for buf in 0..n {
@@ -1287,11 +1258,6 @@ impl Runtime {
             crate::kmark!("runtime: the links' receives posted");
             Ok(bufs)
         })
-    }
-
-    /// The landing buffer of control READs.
-    pub fn scratch(&self) -> Result<&Mutex<Region>> {
-        self.scratch.get_or_try_init(|| Region::new(self.svc.device(), 4096, rdma::LOCAL_WRITE).map(Mutex::new))
     }
 
     fn probe_buf(&self) -> Result<&Region> {
@@ -1424,6 +1390,7 @@ impl Runtime {
                 v.pump_large();
             }
         }
+        super::mrcheck::pump_owed(self);
         self.wire.check(self);
     }
 
@@ -1485,9 +1452,6 @@ impl Runtime {
                                 v.on_large_read(wc.status);
                             }
                         }
-                        Control::Wait { .. } => {
-                            self.control.lock().insert(tag, wc.status);
-                        }
                         Control::LinkClose { .. } => {
                             if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
                                 if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
@@ -1520,8 +1484,8 @@ impl Runtime {
             self.svc.heard_on(l);
         }
         match Header::received(bytes, wc.byte_len, MAX_MSG) {
-            Ok(h) if h.flags.contains(Flags::LINK_CLOSE) => match link {
-                Some(link) => {
+            Ok(h) if h.flags.contains(Flags::LINK) => match (link, h.link_op()) {
+                (Some(link), Some(LinkOp::Close)) => {
                     // Everything the peer sent on it came before this.
                     link.close_heard.store(true, Ordering::Release);
                     if self.svc.begin_close(&link) {
@@ -1529,7 +1493,12 @@ impl Runtime {
                     }
                     self.close_link(&link);
                 }
-                None => klog!(Level::Warn, "vqp: a LINK_CLOSE on no link of ours (QP {})", wc.qp_num),
+                (Some(link), Some(LinkOp::MrCheck)) => super::mrcheck::on_check(self, &link, &h),
+                (Some(_), Some(LinkOp::MrAnswer)) => {
+                    let payload = &bytes[HEADER_LEN..HEADER_LEN + h.carried_len() as usize];
+                    super::mrcheck::on_answer(self, wc.qp_num, &h, payload);
+                }
+                _ => klog!(Level::Warn, "vqp: a {:?} message on no link of ours (QP {})", h.link_op(), wc.qp_num),
             },
             Ok(h) if h.flags.contains(Flags::DONE) => match self.large.on_done(h.addr, wc.qp_num) {
                 Some((slot, gen, seq)) => {
@@ -1569,57 +1538,6 @@ impl Runtime {
         }
         if let Err(e) = self.post_recv_buf(bufs, buf) {
             klog!(Level::Warn, "vqp: cannot repost a receive buffer: {e:?}");
-        }
-    }
-
-    /// READ `len` bytes at (addr, rkey) of the peer behind `link` into
-    /// `dst` (a library region), waiting for it.
-    pub fn control_read(&self, link: &service::Link, dst: &Region, addr: u64, rkey: u32, len: usize) -> Result<()> {
-        crate::kmark!("control READ: {len} bytes from the peer");
-        let tag = self.next_tag();
-        let mut sge = dst.sge(0, len);
-        let mut wr = control_read_wr(tag, &mut sge, addr, rkey);
-        // WrId::Control carries no count: what this READ retires is kept
-        // with its tag and accounted by dispatch when it completes (also
-        // if this wait gives up first).
-        {
-            let mut sq = link.sq.lock();
-            let deadline = std::time::Instant::now() + connect_timeout();
-            loop {
-                if !link.is_open() {
-                    // Nothing new behind a LINK_CLOSE (or on a failed link).
-                    return Err(Errno(libc::ENOTCONN));
-                }
-                if let Some(d) = sq.try_post(true) {
-                    self.large.track(tag, Control::Wait { retired: d.retired });
-                    break;
-                }
-                drop(sq);
-                self.progress();
-                if std::time::Instant::now() > deadline {
-                    return Err(Errno(libc::ETIMEDOUT));
-                }
-                sq = link.sq.lock();
-            }
-            // SAFETY: one WR into our own registered buffer.
-            if let Err(e) = unsafe { link.qp.post_send(&mut wr) } {
-                self.large.take(tag);
-                return Err(e);
-            }
-        }
-        // RC completes the READ, in error at worst, once its retries ran
-        // out (about 3.8 s): wait that long, and more under load.
-        let deadline = std::time::Instant::now() + connect_timeout().max(TRANSPORT_WAIT);
-        loop {
-            self.progress();
-            if let Some(status) = self.control.lock().remove(&tag) {
-                crate::kmark!("control READ: completed");
-                return if status == ibv_wc_status::IBV_WC_SUCCESS { Ok(()) } else { Err(Errno(libc::EIO)) };
-            }
-            if std::time::Instant::now() > deadline {
-                return Err(Errno(libc::ETIMEDOUT));
-            }
-            std::thread::yield_now();
         }
     }
 }

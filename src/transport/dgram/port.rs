@@ -26,10 +26,10 @@ use super::serve::{Memory, Mrs, Responder};
 use super::wire::{self, Message, Route, SendOp};
 use crate::clock::coarse_ms;
 use crate::error::{Errno, Result};
-use crate::meta::mrtable::MrInfo;
 use crate::rdma::Gid;
 use crate::recent::RecentMap;
 use crate::stats::{self, Stat};
+use crate::vqp::precheck::MrInfo;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -480,6 +480,13 @@ impl Port {
         }
         let now = self.now_us();
         f.last_us = now;
+        // One-sided requests spend their source GID's misses with the
+        // links' MR checks (`crate::vqp::mrcheck`): a GID that spent them
+        // is not served, whatever it asks, until it has one again (its
+        // sender retransmits meanwhile).
+        if matches!(m, Message::Request(_)) && !crate::vqp::mrcheck::admit(&from.gid) {
+            return dropped();
+        }
         let (peer, pd) = (f.peer, f.pd);
         let mut answers = Vec::new();
         let mut messages = Vec::new();
@@ -505,6 +512,9 @@ impl Port {
                                 answered = Some(req.seq);
                             }
                             answers.extend(served.responses);
+                            if served.status == super::wire::Status::RemoteAccess {
+                                crate::vqp::mrcheck::missed(&from.gid);
+                            }
                             if served.status != super::wire::Status::Ok {
                                 stats::inc(Stat::KRCORE_STAT_DGRAM_REFUSED);
                                 // As an RC responder: nothing more of this flow.

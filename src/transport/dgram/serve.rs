@@ -31,8 +31,8 @@
 
 use super::reliable::WINDOW;
 use super::wire::{self, Message, OneSided, Request, Response, Status, ATOMIC_LEN};
-use crate::meta::mrtable::MrInfo;
 use crate::sys::ibv_access_flags as A;
+use crate::vqp::precheck::MrInfo;
 use std::collections::VecDeque;
 
 /// The target application's registered MRs that peers may access, by rkey

@@ -140,12 +140,12 @@ impl Vqp {
     }
 
     /// Pre-check `sw` under the VQP's lock (`guard`), given back when it
-    /// passes. An rkey neither the memo nor the peer's table as last read
-    /// knows makes one READ of that table, without the lock: `Ok(None)`,
-    /// check again (`fetches` counts the READs that found it); not in the
-    /// table, the peer has no such MR: EINVAL. A READ slower than the MR
-    /// lease finds an entry already expired (the lease counts from its
-    /// post): READ again, up to [`MAX_FETCHES`] times.
+    /// passes. An rkey neither the memo nor the peer's answers so far
+    /// know is checked with the peer, without the lock: `Ok(None)`,
+    /// check again (`fetches` counts the checks that found it); the peer
+    /// has no such MR: EINVAL. An answer slower than the MR lease finds
+    /// the entry already expired (the lease counts from the check's
+    /// sending): ask again, up to [`MAX_FETCHES`] times.
     pub(super) fn precheck_fetching<'g>(
         &self,
         rt: &Runtime,
@@ -161,11 +161,12 @@ impl Vqp {
                 Err(r.errno())
             }
             Err(Verdict::NeedRemote { rkey }) => {
-                // A closing link takes no new READ: look again once the
+                // A closing link takes no new check: look again once the
                 // connection has an open one.
                 let Some(link) = conn.open_link().cloned() else { return Ok(None) };
                 drop(guard);
-                let known = if *fetches >= MAX_FETCHES { Err(Errno(libc::ETIMEDOUT)) } else { self.fetch_remote(rt, &link, rkey) };
+                let known =
+                    if *fetches >= MAX_FETCHES { Err(Errno(libc::ETIMEDOUT)) } else { self.fetch_remote(rt, &link, rkey, sw.remote_addr) };
                 match known {
                     Ok(true) => {
                         *fetches += 1;
@@ -176,14 +177,13 @@ impl Vqp {
                         Err(Errno::EINVAL)
                     }
                     // The network never fails a post. The link began
-                    // closing (the post moves to the next link), the READ
-                    // failed and its link with it (the VQP enters the error
-                    // state: the post is flushed), or the peer's table was
-                    // being rewritten: look again.
-                    Err(e) if matches!(e.0, libc::ENOTCONN | libc::EIO | libc::EAGAIN) => Ok(None),
-                    // No answer within the transport's retries (or no
-                    // READ as fast as the lease): as an RC QP whose
-                    // retries ran out.
+                    // closing (the post moves to the next link) or failed
+                    // (the VQP enters the error state: the post is
+                    // flushed): look again.
+                    Err(e) if e.0 == libc::ENOTCONN => Ok(None),
+                    // No answer within the transport's retries (or none
+                    // as fast as the lease): as an RC QP whose retries ran
+                    // out.
                     Err(e) => {
                         self.fail_unreachable(e);
                         Ok(None)
@@ -570,40 +570,19 @@ impl Vqp {
         }
     }
 
-    /// READ the peer's MR table entry for `rkey` into the cache; whether
-    /// the peer has it.
-    pub(super) fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32) -> Result<bool> {
+    /// Ask the peer what its MR `rkey` is (for a WR at `addr`), into the
+    /// cache ([`crate::vqp::mrcheck`]); whether the peer has it.
+    pub(super) fn fetch_remote(&self, rt: &Runtime, link: &Link, rkey: u32, addr: u64) -> Result<bool> {
         let pm = self.peer_mrs.get().ok_or(Errno::EINVAL)?;
-        let scratch = rt.scratch()?.lock();
-        let (addr, trkey, slots) = link.peer_mr_table;
-        let cached = pm.lock().table;
-        let table = match cached {
-            Some(t) => t,
-            None => {
-                // The link's handshake told us what the header holds: no
-                // READ of it (one round trip less on the first post).
-                let t = RemoteMrTable::known(slots, link.peer.incarnation)?;
-                pm.lock().table = Some(t);
-                t
+        // The lease counts from the check's sending (the owner counts from
+        // its deregistration, which may come right after its answer).
+        match crate::vqp::mrcheck::ask(rt, link, rkey, addr)? {
+            Some((info, asked)) => {
+                pm.lock().learn(rkey, info, asked);
+                Ok(true)
             }
-        };
-        let (off, len) = table.neighborhood(rkey);
-        for _ in 0..64 {
-            // The lease counts from the READ's post (the owner counts from
-            // its deregistration, which may come right after our READ).
-            let posted = coarse_ms();
-            rt.control_read(link, &scratch, addr + off, trkey, len)?;
-            // SAFETY: as above.
-            match table.lookup_in(unsafe { scratch.bytes(0, len) }, rkey) {
-                Lookup::Found(info) => {
-                    pm.lock().learn(rkey, info, posted);
-                    return Ok(true);
-                }
-                Lookup::Absent => return Ok(false),
-                Lookup::Torn => continue,
-            }
+            None => Ok(false),
         }
-        Err(Errno(libc::EAGAIN))
     }
 
     /// A physical completion of one of our WRs (progress).
@@ -628,9 +607,9 @@ impl Vqp {
     }
 }
 
-/// READs of the peer's MR table for one post whose entry expired before
-/// it could be used; then the peer counts as unreachable (as an RC QP
-/// whose retries ran out).
+/// Checks with the peer for one post whose answer expired before it
+/// could be used; then the peer counts as unreachable (as an RC QP whose
+/// retries ran out).
 const MAX_FETCHES: u32 = 8;
 
 // The registries behind a VQP's memo, out of line: inlined, their hashing
