@@ -803,7 +803,7 @@ impl Runtime {
         if self.svc.live_links().iter().any(|l| l.peer.incarnation == peer.incarnation) {
             return;
         }
-        if self.dgram.heard_from(peer.incarnation, connect_timeout()) {
+        if self.dgram.heard_from(peer.incarnation, peer.qpn, &[peer.gid, path.dgid], connect_timeout()) {
             // Alive on the tier (a handshake can be lost, or late under
             // load): its VQPs stay there; the tier's own retries find a
             // death.

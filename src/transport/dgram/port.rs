@@ -14,10 +14,14 @@
 //! flow, so they reach the VQP in order.
 //!
 //! Trust: a flow is bound to the network address (GRH source GID and
-//! `src_qp`) it was opened with or first came from; a datagram of that
-//! flow from anywhere else is dropped and counted, as is anything that
+//! `src_qp`) it was opened with or came from: an answer to one of our
+//! flows from anywhere else is dropped and counted, as is anything that
 //! does not decode or that the flow's nonces and sequence numbers do not
-//! match. A one-sided request is served only against the MRs the target
+//! match; a peer's flow is keyed by its route and its address, so that a
+//! packet from elsewhere writing its route is another flow (its own
+//! sender's, refused unless the VQP it names takes from anyone), never
+//! that flow's, and a stranger who sends first on a route does not take
+//! it from the process whose incarnation it writes. A one-sided request is served only against the MRs the target
 //! application registered with remote access (rkey, range and access
 //! checked by [`super::serve::check`]) in the PD of the VQP it names.
 
@@ -59,6 +63,25 @@ pub struct Peer {
 impl Peer {
     fn sent(&self, from: &Source) -> bool {
         from.gid == self.dgid && from.qpn == self.qpn
+    }
+}
+
+/// A peer's flow to one of our VQPs: its route as its packets carry it,
+/// and the network address they come from. The address is part of the
+/// key, not only checked against the flow's: whoever sends first on a
+/// route (a stranger writing another process's incarnation and a VQPN it
+/// guessed, VQPNs being slot numbers) must not own it, or the process's
+/// own packets on it would be dropped as from another source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FlowKey {
+    route: Route,
+    gid: Gid,
+    qpn: u32,
+}
+
+impl FlowKey {
+    fn of(route: Route, from: &Source) -> FlowKey {
+        FlowKey { route, gid: from.gid, qpn: from.qpn }
     }
 }
 
@@ -146,7 +169,6 @@ struct Closed {
 enum Late {
     No,
     Answer(Peer, Vec<u8>),
-    Drop,
 }
 
 /// Closed flows a port remembers (about 120 bytes each): a late packet
@@ -165,7 +187,7 @@ pub struct Port {
     rto_hint: AtomicU64,
     epoch: Instant,
     out: Mutex<HashMap<Route, Arc<Flow>>>,
-    inbound: Mutex<HashMap<Route, Inbound>>,
+    inbound: Mutex<HashMap<FlowKey, Inbound>>,
     /// The earliest wake-up asked of the host and not run yet (µs since
     /// `epoch`; u64::MAX: none).
     armed: AtomicU64,
@@ -173,7 +195,7 @@ pub struct Port {
     /// TIME_WAIT: a late packet of one (the CLOSE again, its final ACK
     /// lost) gets that ACK again instead of making a new flow whose
     /// receiver would hold it and later close the route's next flow.
-    closed: Mutex<RecentMap<Route, Closed>>,
+    closed: Mutex<RecentMap<FlowKey, Closed>>,
     /// Flows in `out` and `inbound`, and when the tier was last used
     /// (a post, a datagram; CLOCK_MONOTONIC_COARSE ms): while it is in
     /// use, an application thread that polls drains the UD queue too
@@ -315,9 +337,9 @@ impl Port {
     pub fn final_acks(&self, host: &dyn Host, vqpn: u32, carry_for: Option<u64>) -> Vec<u8> {
         let mut carried = Vec::new();
         let mut loose = Vec::new();
-        for (r, f) in self.inbound.lock().iter_mut().filter(|(r, _)| r.dst_vqpn == vqpn) {
+        for (k, f) in self.inbound.lock().iter_mut().filter(|(k, _)| k.route.dst_vqpn == vqpn) {
             let a = f.receiver.final_ack();
-            if carry_for == Some(r.src_incarnation) && carried.len() < wire::MAX_CLOSE_ACKS * wire::ACK_LEN {
+            if carry_for == Some(k.route.src_incarnation) && carried.len() < wire::MAX_CLOSE_ACKS * wire::ACK_LEN {
                 carried.extend_from_slice(&a);
             } else {
                 loose.push((f.peer, a));
@@ -343,7 +365,7 @@ impl Port {
     fn forget_inbound(&self, which: impl Fn(&Route) -> bool) {
         let mut inbound = self.inbound.lock();
         let before = inbound.len();
-        inbound.retain(|r, _| !which(r));
+        inbound.retain(|k, _| !which(&k.route));
         self.flows_removed(before - inbound.len());
         if inbound.is_empty() {
             // A burst of peers leaves no high-water table behind.
@@ -351,15 +373,20 @@ impl Port {
         }
     }
 
-    /// Whether process `incarnation` was heard from on the tier (answered
-    /// one of our flows, or sent on one of its own) in the last `within`.
-    pub fn heard_from(&self, incarnation: u64, within: Duration) -> bool {
+    /// Whether process `incarnation`, whose service QP is `qpn` on one of
+    /// `gids`, was heard from on the tier (answered one of our flows, or
+    /// sent on one of its own) in the last `within`. Flows from another
+    /// address that write its incarnation are a stranger's: they do not
+    /// keep a dead process alive.
+    pub fn heard_from(&self, incarnation: u64, qpn: u32, gids: &[Gid], within: Duration) -> bool {
         let since = self.now_us().saturating_sub(within.as_micros() as u64);
+        let its = |p: &Peer| p.qpn == qpn && gids.contains(&p.dgid);
         // (A flow's lock is never taken under `out`'s: a lingering flow
         // takes `out`'s under its own.)
-        let flows: Vec<Arc<Flow>> = self.out.lock().values().filter(|f| f.route.dst_incarnation == incarnation).cloned().collect();
+        let flows: Vec<Arc<Flow>> =
+            self.out.lock().values().filter(|f| f.route.dst_incarnation == incarnation && its(&f.peer)).cloned().collect();
         let answered = flows.iter().any(|f| f.sender.lock().heard_at().is_some_and(|t| t >= since));
-        answered || self.inbound.lock().iter().any(|(r, f)| r.src_incarnation == incarnation && f.last_us >= since)
+        answered || self.inbound.lock().iter().any(|(k, f)| k.route.src_incarnation == incarnation && its(&f.peer) && f.last_us >= since)
     }
 
     /// Post `op` on `flow` and send what its window admits. ENOTCONN when
@@ -448,16 +475,16 @@ impl Port {
     /// A DATA or REQUEST packet of a peer's flow to one of our VQPs.
     fn on_inbound(&self, host: &dyn Host, m: &Message, from: &Source) {
         let route = *m.route();
+        let key = FlowKey::of(route, from);
         let mut inbound = self.inbound.lock();
-        if !inbound.contains_key(&route) {
-            match self.late_packet(&route, m, from) {
+        if !inbound.contains_key(&key) {
+            match self.late_packet(&key, m) {
                 Late::No => {}
                 Late::Answer(peer, ack) => {
                     drop(inbound);
                     stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
                     return host.send(&peer, &ack);
                 }
-                Late::Drop => return dropped(),
             }
             if inbound.len() >= MAX_INBOUND {
                 return dropped();
@@ -469,15 +496,12 @@ impl Port {
                 Err(_) => return dropped(),
             };
             inbound = self.inbound.lock();
-            if let std::collections::hash_map::Entry::Vacant(e) = inbound.entry(route) {
+            if let std::collections::hash_map::Entry::Vacant(e) = inbound.entry(key) {
                 self.flows_added(1);
                 e.insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_MSG) });
             }
         }
-        let Some(f) = inbound.get_mut(&route) else { return };
-        if !f.peer.sent(from) {
-            return dropped();
-        }
+        let Some(f) = inbound.get_mut(&key) else { return };
         let now = self.now_us();
         f.last_us = now;
         // One-sided requests spend their source GID's misses with the
@@ -579,42 +603,39 @@ impl Port {
         if closed {
             // The sender's VQP is gone: its CLOSE is acknowledged now and
             // the flow goes (its number may come back with a new VQP).
-            let gone = self.inbound.lock().remove(&route);
+            let gone = self.inbound.lock().remove(&key);
             if let Some(mut f) = gone {
                 self.flows_removed(1);
                 stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
                 host.send(&peer, &f.receiver.final_ack());
                 let (next, nonce) = f.receiver.position();
-                self.closed.lock().insert(route, Closed { peer, first_nonce: f.receiver.first_nonce(), next, nonce });
+                self.closed.lock().insert(key, Closed { peer, first_nonce: f.receiver.first_nonce(), next, nonce });
             }
             return;
         }
-        self.ack(host, &route, now);
+        self.ack(host, &key, now);
     }
 
-    /// A packet `m` of `route`, which has no flow here: whether that
-    /// route's last flow closed here lately and `m` is one of its packets
-    /// (not the first of a new flow: sequence number 0 with another
-    /// nonce), to be answered with its final ACK again. A new flow forgets
-    /// the closed one; a packet of it from elsewhere is dropped.
-    fn late_packet(&self, route: &Route, m: &Message, from: &Source) -> Late {
+    /// A packet `m` of flow `key`, which is not open here: whether that
+    /// flow closed here lately and `m` is one of its packets (not the
+    /// first of a new flow: sequence number 0 with another nonce), to be
+    /// answered with its final ACK again. A new flow forgets the closed
+    /// one (only its own sender's: the key holds the source address).
+    fn late_packet(&self, key: &FlowKey, m: &Message) -> Late {
         let mut closed = self.closed.lock();
-        let (Some(c), Some((seq, nonce))) = (closed.get(route), m.seq_nonce()) else { return Late::No };
+        let (Some(c), Some((seq, nonce))) = (closed.get(key), m.seq_nonce()) else { return Late::No };
         if seq == 0 && c.first_nonce != Some(nonce) {
-            closed.remove(route);
+            closed.remove(key);
             return Late::No;
         }
-        if !c.peer.sent(from) {
-            return Late::Drop;
-        }
-        let ack = Message::Ack(wire::Ack { route: route.reverse(), next: c.next, nonce: c.nonce, sack: 0 }).to_vec();
+        let ack = Message::Ack(wire::Ack { route: key.route.reverse(), next: c.next, nonce: c.nonce, sack: 0 }).to_vec();
         Late::Answer(c.peer, ack)
     }
 
-    /// Send flow `route`'s ACK if one is due, else arm its timer.
-    fn ack(&self, host: &dyn Host, route: &Route, now: u64) {
+    /// Send flow `key`'s ACK if one is due, else arm its timer.
+    fn ack(&self, host: &dyn Host, key: &FlowKey, now: u64) {
         let mut inbound = self.inbound.lock();
-        let Some(f) = inbound.get_mut(route) else { return };
+        let Some(f) = inbound.get_mut(key) else { return };
         let peer = f.peer;
         if let Some(a) = f.receiver.poll_ack(now) {
             drop(inbound);
@@ -651,10 +672,10 @@ impl Port {
                 host.completed(&flow.route, c);
             }
         }
-        let routes: Vec<Route> =
-            self.inbound.lock().iter().filter(|(_, f)| f.receiver.next_deadline().is_some()).map(|(r, _)| *r).collect();
-        for r in routes {
-            self.ack(host, &r, now);
+        let keys: Vec<FlowKey> =
+            self.inbound.lock().iter().filter(|(_, f)| f.receiver.next_deadline().is_some()).map(|(k, _)| *k).collect();
+        for k in keys {
+            self.ack(host, &k, now);
         }
     }
 }

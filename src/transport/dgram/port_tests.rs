@@ -26,6 +26,12 @@ impl Host for Recorder {
     }
     fn wake_at(&self, _at: Instant) {}
     fn admit(&self, _route: &Route, from: &Source) -> Option<(usize, Peer)> {
+        // QPNs from 900 are strangers the VQP does not take from (one
+        // connected to another process); the others are taken, as by a
+        // bound VQP.
+        if from.qpn >= 900 {
+            return None;
+        }
         Some((self.pd, Peer { sgid_index: 0, dgid: from.gid, qpn: from.qpn, qkey: 1 }))
     }
     fn messages(&self, _route: &Route, _from: &Peer, batch: Vec<Arrived>, answers: &[Vec<u8>]) {
@@ -40,6 +46,8 @@ impl Host for Recorder {
 
 const A: Source = Source { gid: [1; 16], to_gid: [2; 16], qpn: 100 };
 const B: Source = Source { gid: [2; 16], to_gid: [1; 16], qpn: 200 };
+/// A third process, taken as a bound VQP takes anyone.
+const C: Source = Source { gid: [3; 16], to_gid: [1; 16], qpn: 300 };
 const ROUTE: Route = Route { src_incarnation: 1, dst_incarnation: 2, src_vqpn: 10, dst_vqpn: 20 };
 
 fn port() -> Port {
@@ -183,7 +191,7 @@ fn a_writes_first_segments_are_acknowledged_though_unanswered() {
         b.on_datagram(&hb, p, &A);
     }
     assert!(hb.sent.lock().is_empty(), "no RESPONSE before the last segment");
-    let due = b.inbound.lock().get(&ROUTE).and_then(|f| f.receiver.next_deadline());
+    let due = b.inbound.lock().get(&FlowKey::of(ROUTE, &A)).and_then(|f| f.receiver.next_deadline());
     assert!(due.is_some(), "an ACK is due for the unanswered segments");
     // The last one's RESPONSE completes the WRITE; the bytes landed.
     b.on_datagram(&hb, packets.last().expect("last"), &A);
@@ -227,4 +235,68 @@ fn a_response_goes_with_the_messages_it_acknowledges() {
     let ids: Vec<u64> = ha.completed.lock().iter().map(|c| c.id).collect();
     assert_eq!(ids, vec![0, 1]);
     crate::vqp::mrs::removed(pd, 0x33);
+}
+
+/// A DATA packet on `route` as a stranger writes it: one segment of a
+/// one-byte message.
+fn forged_data(route: Route, seq: u64, nonce: u64) -> Vec<u8> {
+    let d = wire::Data {
+        route,
+        seq,
+        nonce,
+        ack_req: false,
+        msg: 0,
+        total_len: 1,
+        seg: 0,
+        nsegs: 1,
+        opcode: SendOp::Send,
+        imm: 0,
+        payload: &[9],
+    };
+    Message::Data(d).to_vec()
+}
+
+#[test]
+fn a_stranger_that_sends_first_on_a_route_does_not_take_it() {
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder::default());
+    let (_flow, packets) = sends(&a, &ha, 2);
+    // C writes A's route (its incarnation, a VQPN it guessed) before A
+    // sends: before the fix the route was C's, and A's packets on it
+    // were dropped as from another source.
+    b.on_datagram(&hb, &forged_data(ROUTE, 1, 7), &C);
+    b.on_datagram(&hb, &forged_data(ROUTE, 0, 7), &C);
+    hb.delivered.lock().clear();
+    for p in &packets {
+        b.on_datagram(&hb, p, &A);
+    }
+    let delivered: Vec<Vec<u8>> = hb.delivered.lock().drain(..).flat_map(|(d, _)| d).collect();
+    assert_eq!(delivered, vec![vec![0u8; 16], vec![1u8; 16]], "A's messages, in order");
+    assert_eq!(b.inbound.lock().len(), 2, "A's flow and C's");
+}
+
+#[test]
+fn a_stranger_neither_ends_a_closed_flows_memory_nor_keeps_its_process_alive() {
+    let (a, b) = (port(), port());
+    let (ha, hb) = (Recorder::default(), Recorder::default());
+    let (flow, _packets, mut close) = one_sent_then_close(&a, &b, &ha, &hb);
+    a.linger(&flow);
+    b.on_datagram(&hb, &close, &A);
+    assert!(hb.delivered.lock().pop().is_some(), "the CLOSE delivered");
+    hb.sent.lock().clear();
+    // C starts "the route's next flow" (sequence number 0, another
+    // nonce): before the fix, that erased the closed flow's memory
+    // before the source was looked at.
+    b.on_datagram(&hb, &forged_data(ROUTE, 0, 12345), &C);
+    hb.sent.lock().clear();
+    // A's CLOSE again (its final ACK lost): still answered with that ACK.
+    wire::set_ack_req(&mut close, true);
+    b.on_datagram(&hb, &close, &A);
+    let again = hb.sent.lock().pop().expect("the final ACK again");
+    a.on_datagram(&ha, &again, &B);
+    assert!(ha.completed.lock().iter().any(|c| c.id == 9 && c.outcome == Outcome::Done), "the CLOSE completes");
+    // C's flow writes A's incarnation: it is C's, not a sign of A's life.
+    let gids = [A.gid];
+    assert!(!b.heard_from(ROUTE.src_incarnation, A.qpn, &gids, Duration::from_secs(60)), "A's flow is closed");
+    assert!(b.heard_from(ROUTE.src_incarnation, C.qpn, &[C.gid], Duration::from_secs(60)));
 }
