@@ -105,6 +105,8 @@ enum Refusal {
     Entries,
     /// The process is out of file descriptors.
     Descriptors,
+    /// A message that does not decode.
+    Malformed,
 }
 
 /// What the server refused so far, by bound.
@@ -122,6 +124,10 @@ pub struct Refused {
     /// Connections taken and reset at once: the process was out of file
     /// descriptors (`RLIMIT_NOFILE`).
     pub descriptors: u64,
+    /// Messages that did not decode: boot messages (their connection is
+    /// closed) and requests on a client's QP, a whole `META_LEN` bytes or
+    /// not (answered `EBADMSG`).
+    pub malformed: u64,
 }
 
 impl Refused {
@@ -132,6 +138,7 @@ impl Refused {
             Refusal::Pending => &mut self.pending,
             Refusal::Entries => &mut self.entries,
             Refusal::Descriptors => &mut self.descriptors,
+            Refusal::Malformed => &mut self.malformed,
         } += 1;
     }
 }
@@ -435,7 +442,7 @@ impl Server {
             self.refusal_logged = Some(now);
             crate::klog!(
                 crate::log::Level::Warn,
-                "meta: refused {who}: {why:?} at their bound ({:?}; refused so far: {:?})",
+                "meta: refused {who}: {why:?} (bounds {:?}; refused so far: {:?})",
                 self.limits,
                 self.refused
             );
@@ -569,7 +576,7 @@ impl Server {
                     },
                     Ok(BootMessage::Hello(h)) => hello = Some(h),
                     Err(e) => {
-                        crate::klog!(crate::log::Level::Warn, "meta: client {} sent a malformed message: {e:?}", p.peer);
+                        self.refuse(Refusal::Malformed, &format_args!("a message from {} ({e:?})", p.peer));
                         p.until = now;
                         break;
                     }
@@ -713,11 +720,20 @@ impl Server {
         }
         let slot = wc.wr_id as usize;
         let Some(client) = self.clients.get(&qpn) else { return };
-        // SAFETY: the receive into this slot completed; nothing else uses it.
-        let req = Request::decode(unsafe { client.bufs.bytes(slot * proto::META_LEN, proto::META_LEN) });
+        // Only a whole message: the slot's other bytes are the client's
+        // previous request.
+        let req = if wc.byte_len as usize == proto::META_LEN {
+            // SAFETY: the receive into this slot completed; nothing else uses it.
+            Request::decode(unsafe { client.bufs.bytes(slot * proto::META_LEN, proto::META_LEN) })
+        } else {
+            Err(Errno(libc::EBADMSG))
+        };
         let (req_id, status) = match req {
             Ok(r) => (r.req_id, self.apply(qpn, &r)),
-            Err(e) => (0, e),
+            Err(e) => {
+                self.refuse(Refusal::Malformed, &format_args!("a request of client qp {qpn} ({e:?}, {} bytes)", wc.byte_len));
+                (0, e)
+            }
         };
         let held = self.leases.held(qpn);
         let client = &self.clients[&qpn];
@@ -997,7 +1013,7 @@ mod tests {
         for why in [Refusal::PerIp, Refusal::PerIp, Refusal::Clients, Refusal::Pending, Refusal::Entries] {
             r.count(why);
         }
-        assert_eq!(r, Refused { clients: 1, per_ip: 2, pending: 1, entries: 1, descriptors: 0 });
+        assert_eq!(r, Refused { clients: 1, per_ip: 2, pending: 1, entries: 1, descriptors: 0, malformed: 0 });
     }
 
     #[test]
