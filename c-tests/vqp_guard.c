@@ -21,6 +21,8 @@
  *
  * `vqp_guard victim` is the other side of tests/rdma_guard.rs: a bound VQP
  * that must never deliver a message whose header lies about its length.
+ * `vqp_guard stager` is the other side of tests/rdma_staging.rs: a bound
+ * VQP answering each request with a large (staged) message.
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -341,6 +343,56 @@ static int victim(void)
 	}
 }
 
+/* The side of tests/rdma_staging.rs: a bound VQP on node 1 (its own meta
+ * server) answering each request, 8 bytes (length, seed), through its
+ * src_qp with `length` bytes of ct_fill(seed): a message above a receive
+ * buffer, so the library stages it and announces it to that sender only.
+ * Prints "stager ready <meta> <port>", then "stager sent <length>
+ * <status>" once each answer's send completed (the receiver's DONE came,
+ * or the link failed); a request of length 0 ends it. */
+#define STAGER_MAX (1u << 20)
+static int stager(void)
+{
+	struct ct_node n;
+	struct ibv_qp *qp;
+	size_t out = NBUF * SLOT;
+
+	ct_watchdog(120);
+	ct_start_meta();
+	ct_node_open(&n, 1, out + STAGER_MAX, 64);
+	qp = ct_node_vqp(&n, 4, NBUF);
+	for (int i = 0; i < NBUF; i++)
+		post_recv_slot(qp, &n, i);
+	CT_OK(qbind(qp, ct_node_gid(1), PORT + 2));
+	printf("stager ready %s %d\n", getenv("KRCORE_META"), PORT + 2);
+	fflush(stdout);
+	for (;;) {
+		struct ibv_qp *src;
+		struct ibv_wc wc, sw;
+		uint32_t req[2];
+		int k = qpop_msgs(qp, 1, &src, &wc);
+
+		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+		if (k == 0) {
+			usleep(1000);
+			continue;
+		}
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == sizeof(req), "a request: %s, %u bytes",
+			 ibv_wc_status_str(wc.status), wc.byte_len);
+		memcpy(req, n.b.p + wc.wr_id * SLOT, sizeof(req));
+		post_recv_slot(qp, &n, (int)wc.wr_id);
+		if (req[0] == 0)
+			return 0;
+		CT_CHECK(req[0] > SLOT && req[0] <= STAGER_MAX, "length %u", req[0]);
+		ct_fill(n.b.p + out, req[0], req[1]);
+		CT_OK(ct_post_send1(src, 1, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, out, req[0], 0, 0, 0));
+		/* Completes with the DONE, after the peer's READs. */
+		ct_poll_n(n.scq, &sw, 1, 60000);
+		printf("stager sent %u %d\n", req[0], sw.status);
+		fflush(stdout);
+	}
+}
+
 int main(int argc, char **argv)
 {
 	uint64_t info[4];
@@ -350,6 +402,8 @@ int main(int argc, char **argv)
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	if (argc > 1 && strcmp(argv[1], "victim") == 0)
 		return victim();
+	if (argc > 1 && strcmp(argv[1], "stager") == 0)
+		return stager();
 	ct_watchdog(300);
 	meta_pid = ct_start_meta();
 	CT_CHECK(pipe(info_pipe) == 0, "pipe");

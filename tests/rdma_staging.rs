@@ -1,0 +1,255 @@
+//! A staged large message is readable only over the link it was announced
+//! on (issue 20), on a real RDMA stack.
+//!
+//! `vqp_guard stager` (a C test binary on libkrcore, node 1) answers each
+//! request with a large message, which its library stages and announces
+//! in a LARGE header (address, rkey) on the link the request came on. This
+//! test plays two processes with raw service endpoints of their own: the
+//! intended peer (node 2), which speaks the protocol (the request, the
+//! READ, the DONE), and an intruder (node 3), which links to the stager
+//! too (its bound VQP takes anyone's messages) and so has a QP in the very
+//! PD the staged message lies in. With the announced rkey the intended
+//! peer READs the message byte for byte; the intruder's READ of it must
+//! fail with a remote access error, for a message in the link's staging
+//! and for one too big for it (a registration of its own). With the
+//! staging's MR rkey (main before the fix) the intruder read it all.
+//!
+//! `#[ignore]`d without an RDMA device; the integration suite runs this in
+//! the VM (scripts/rxe-up.sh: 10.77.0.i is GID index i).
+
+use krcore::meta::client::{self, MetaClient};
+use krcore::meta::Key;
+use krcore::rdma::{ipv4_gid, Device, Region};
+use krcore::service::{Link, Options, Service};
+use krcore::sys::*;
+use krcore::vqp::header::{Flags, Header, HEADER_LEN};
+use std::io::{BufRead, BufReader, Lines};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The stager's staging: the first answer fits it, the second does not.
+const STAGING: usize = 256 << 10;
+const SIZES: [u32; 2] = [128 << 10, 1 << 20];
+/// The intended peer's VQP number, as its headers say.
+const PEER_VQPN: u32 = 0x42;
+/// Receive buffers the intended peer posts on its SRQ.
+const RECV_BUF: usize = 4096;
+const NRECV: usize = 8;
+
+fn device() -> Arc<Device> {
+    Device::open(std::env::var("CT_DEVICE").ok().as_deref()).expect("open the RDMA device")
+}
+
+fn gid_index(dev: &Arc<Device>, node: u8) -> u32 {
+    dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, node))).expect("node GID")
+}
+
+fn stager_bin() -> PathBuf {
+    let rel = PathBuf::from("target/c-tests/vqp_guard");
+    if rel.exists() {
+        return rel;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+/// The next line of the stager's that starts with "stager ".
+fn stager_line(lines: &mut Lines<BufReader<ChildStdout>>) -> String {
+    loop {
+        let line = lines.next().expect("the stager exited").unwrap();
+        println!("stager: {line}");
+        if line.starts_with("stager ") {
+            return line;
+        }
+    }
+}
+
+/// The first completion on `cq` (bounded): (wr_id, status, byte_len).
+fn poll_one(cq: &krcore::rdma::Cq, what: &str) -> (u64, u32, u32) {
+    // SAFETY: plain C data.
+    let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
+    let t0 = Instant::now();
+    while cq.poll(&mut wc).unwrap() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no completion for {what}");
+        std::thread::yield_now();
+    }
+    (wc[0].wr_id, wc[0].status, wc[0].byte_len)
+}
+
+/// Post `wr` (signaled, wr_id 7) on `link`, wait for its completion on
+/// `svc`'s link send CQ: its status.
+fn post_and_wait(svc: &Service, link: &Link, wr: &mut ibv_send_wr, what: &str) -> u32 {
+    wr.wr_id = 7;
+    wr.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+    // SAFETY: one WR over registered buffers of ours (or inline data).
+    unsafe { link.qp.post_send(wr) }.expect("post");
+    let (sends, _) = svc.link_cqs().expect("a link made the link side");
+    let (wr_id, status, _) = poll_one(sends, what);
+    assert_eq!(wr_id, 7);
+    status
+}
+
+/// SEND `h` and `payload` (inline) on `link`.
+fn send_header(svc: &Service, link: &Link, h: &Header, payload: &[u8]) {
+    let mut bytes = vec![0u8; HEADER_LEN + payload.len()];
+    let mut hb = [0u8; HEADER_LEN];
+    h.encode(&mut hb);
+    bytes[..HEADER_LEN].copy_from_slice(&hb);
+    bytes[HEADER_LEN..].copy_from_slice(payload);
+    let mut sge = ibv_sge { addr: bytes.as_ptr() as u64, length: bytes.len() as u32, lkey: 0 };
+    // SAFETY: a plain C struct.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+    wr.send_flags = ibv_send_flags::IBV_SEND_INLINE.0;
+    assert_eq!(post_and_wait(svc, link, &mut wr, "a SEND"), ibv_wc_status::IBV_WC_SUCCESS, "SEND {:?}", h.flags);
+}
+
+/// READ `len` bytes at (addr, rkey) over `link` into `into`: the status.
+fn read(svc: &Service, link: &Link, into: &Region, addr: u64, rkey: u32, len: u32) -> u32 {
+    let mut sge = into.sge(0, len as usize);
+    // SAFETY: a plain C struct.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+    wr.wr.rdma.remote_addr = addr;
+    wr.wr.rdma.rkey = rkey;
+    post_and_wait(svc, link, &mut wr, "a READ")
+}
+
+/// `ct_fill(p, len, seed)` of c-tests/common.c.
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let mut x = seed.wrapping_mul(0x9e37_79b1).wrapping_add((i as u32).wrapping_mul(0x85eb_ca6b));
+            x ^= x >> 13;
+            x = x.wrapping_mul(0xc2b2_ae35);
+            x ^= x >> 16;
+            x as u8
+        })
+        .collect()
+}
+
+/// The intended peer's receive buffers on its SRQ.
+struct Receives {
+    bufs: Region,
+}
+
+impl Receives {
+    fn post(svc: &Service, dev: &Arc<Device>) -> Receives {
+        let bufs = Region::new(dev, NRECV * RECV_BUF, krcore::rdma::LOCAL_WRITE).unwrap();
+        let r = Receives { bufs };
+        for i in 0..NRECV {
+            r.repost(svc, i);
+        }
+        r
+    }
+
+    fn repost(&self, svc: &Service, i: usize) {
+        let mut sge = self.bufs.sge(i * RECV_BUF, RECV_BUF);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = i as u64;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        // SAFETY: one receive into our own registered buffer.
+        unsafe { svc.srq().unwrap().post_recv(&mut wr) }.expect("post a receive");
+    }
+
+    /// The next LARGE header that arrives (LINK_READY and the like are
+    /// skipped).
+    fn next_large(&self, svc: &Service) -> Header {
+        let (_, recvs) = svc.link_cqs().unwrap();
+        let t0 = Instant::now();
+        loop {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no LARGE header came");
+            let (wr_id, status, byte_len) = poll_one(recvs, "a message to the intended peer");
+            assert_eq!(status, ibv_wc_status::IBV_WC_SUCCESS, "a receive of the intended peer");
+            let i = wr_id as usize;
+            // SAFETY: this receive completed; it is reposted after the copy.
+            let bytes = unsafe { self.bufs.bytes(i * RECV_BUF, byte_len as usize) }.to_vec();
+            self.repost(svc, i);
+            if let Ok(h) = Header::decode(&bytes) {
+                if h.flags.contains(Flags::LARGE) {
+                    return h;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_staged_message_is_readable_only_over_the_link_it_was_announced_on() {
+    let mut child = Command::new(stager_bin())
+        .arg("stager")
+        // Answers over links (the datagram tier stages nothing).
+        .env("KRCORE_DGRAM", "0")
+        .env("KRCORE_STAGING_BYTES", STAGING.to_string())
+        // It exits without freeing its verbs objects.
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run target/c-tests/vqp_guard stager (make -C c-tests)");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = stager_line(&mut lines);
+    let f: Vec<&str> = ready.strip_prefix("stager ready ").expect("stager ready").split_whitespace().collect();
+    let (meta, port) = (f[0].to_string(), f[1].parse::<u32>().unwrap());
+
+    let dev = device();
+    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
+    let mc = MetaClient::connect(&dev, gid_index(&dev, 2), &client::parse_addrs(&meta).unwrap(), opts).expect("the stager's meta server");
+    let key = Key::Port { gid: ipv4_gid(Ipv4Addr::new(10, 77, 0, 1)), port };
+    let ep = mc.lookup(&key).expect("lookup").expect("the stager's binding");
+
+    let peer = Service::start(&dev, gid_index(&dev, 2), Options::default()).unwrap();
+    let intruder = Service::start(&dev, gid_index(&dev, 3), Options::default()).unwrap();
+    let to_peer = peer.link(&ep, 0, peer.default_path(&ep), Duration::from_secs(10)).expect("the intended peer's link");
+    let recvs = Receives::post(&peer, &dev);
+    let landing = Region::new(&dev, SIZES[1] as usize, krcore::rdma::LOCAL_WRITE).unwrap();
+    let stolen = Region::new(&dev, SIZES[1] as usize, krcore::rdma::LOCAL_WRITE).unwrap();
+
+    for (k, &len) in SIZES.iter().enumerate() {
+        let seed = 700 + k as u32;
+        let mut req = [0u8; 8];
+        req[..4].copy_from_slice(&len.to_le_bytes());
+        req[4..].copy_from_slice(&seed.to_le_bytes());
+        send_header(&peer, &to_peer, &Header { src_vqpn: PEER_VQPN, dst: ep.vqpn, len: 8, ..Header::default() }, &req);
+        let h = recvs.next_large(&peer);
+        assert_eq!((h.len, h.dst), (len, PEER_VQPN), "the LARGE answer");
+        println!("message {k}: {len} bytes at {:#x}, rkey {:#x}", h.addr, h.rkey);
+
+        // The intended peer READs it, byte for byte.
+        assert_eq!(read(&peer, &to_peer, &landing, h.addr, h.rkey, len), ibv_wc_status::IBV_WC_SUCCESS, "the intended peer's READ");
+        // SAFETY: the READ completed; nothing else writes there.
+        assert!(unsafe { landing.bytes(0, len as usize) } == pattern(len as usize, seed).as_slice(), "the payload, byte for byte");
+
+        // The intruder, linked into the same PD (a link of its own for
+        // each message: a remote access error ends an RC link), with the
+        // announced key.
+        let to_intruder = intruder.link(&ep, k as u16, intruder.default_path(&ep), Duration::from_secs(10)).expect("the intruder's link");
+        let s = read(&intruder, &to_intruder, &stolen, h.addr, h.rkey, len);
+        // SAFETY: the READ completed (or failed); nothing else writes there.
+        let took = unsafe { stolen.bytes(0, len as usize) } == pattern(len as usize, seed).as_slice();
+        assert_eq!(
+            s,
+            ibv_wc_status::IBV_WC_REM_ACCESS_ERR,
+            "message {k} ({len} bytes): the intruder's READ over its own link (status {s}; it took the payload: {took})"
+        );
+        assert!(!took, "the intruder has the payload");
+
+        // The intended link is unharmed: READ again, then the DONE.
+        assert_eq!(read(&peer, &to_peer, &landing, h.addr, h.rkey, len), ibv_wc_status::IBV_WC_SUCCESS, "the intended peer's READ again");
+        let done = Header { flags: Flags::DONE, src_vqpn: PEER_VQPN, dst: h.src_vqpn, len: h.len, rkey: h.rkey, addr: h.addr, imm: 0 };
+        send_header(&peer, &to_peer, &done, &[]);
+        assert_eq!(stager_line(&mut lines), format!("stager sent {len} 0"), "the stager's send completed");
+    }
+    let quit = [0u8; 8];
+    send_header(&peer, &to_peer, &Header { src_vqpn: PEER_VQPN, dst: ep.vqpn, len: 8, ..Header::default() }, &quit);
+    assert!(child.wait().unwrap().success(), "the stager failed");
+}
