@@ -313,6 +313,102 @@ impl Drop for Region {
     }
 }
 
+/// A type 2 memory window of the real library: remote READ of part of a
+/// region through an rkey valid only on the one QP its bind was posted on
+/// ([`Window::bind_wr`]); another QP in the PD presenting it gets a remote
+/// access error. Deallocated (so revoked) on drop. Its owner drops it
+/// before the region under it (an MR with a window bound cannot be
+/// deregistered: `ibv_dereg_mr` fails and the memory would stay open) and
+/// before the QP it is bound on (rxe's QP destroy waits out a timeout,
+/// about 50 s, for the window's reference).
+pub struct Window {
+    mw: *mut ibv_mw,
+    /// The key its bind gives it (`ibv_inc_rkey` of the allocated one).
+    rkey: u32,
+    _dev: Arc<Device>,
+}
+
+// SAFETY: a window handle may be used from any thread.
+unsafe impl Send for Window {}
+// SAFETY: as above; it is never changed after allocation.
+unsafe impl Sync for Window {}
+
+impl Window {
+    pub fn new(dev: &Arc<Device>) -> Result<Window> {
+        // `ibv_alloc_mw` is inline in verbs.h: the real context's op.
+        // SAFETY: a live real PD of a live real context.
+        let mw = unsafe {
+            let alloc = (*(*dev.pd).context).ops.alloc_mw.ok_or(Errno::EOPNOTSUPP)?;
+            alloc(dev.pd, ibv_mw_type::IBV_MW_TYPE_2)
+        };
+        let mw = non_null(mw)?;
+        // SAFETY: a live MW.
+        let allocated = unsafe { (*mw).rkey };
+        let rkey = (allocated & !0xff) | (allocated.wrapping_add(1) & 0xff);
+        Ok(Window { mw, rkey, _dev: Arc::clone(dev) })
+    }
+
+    /// The rkey that opens it once bound.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// A signaled bind of the window to all of `region` for remote READ.
+    /// Post it once, on the QP whose peer alone may READ through it; RC
+    /// executes it before any WQE posted behind it on that QP.
+    pub fn bind_wr(&self, region: &Region, wr_id: u64) -> ibv_send_wr {
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+            mw: self.mw,
+            rkey: self.rkey,
+            bind_info: ibv_mw_bind_info {
+                mr: region.mr,
+                addr: region.addr(),
+                length: region.len().max(1) as u64,
+                mw_access_flags: REMOTE_READ,
+            },
+        };
+        wr
+    }
+}
+
+impl Window {
+    /// Deallocate it now: Err when the library refused, and the window
+    /// may still be bound (its region must then stay allocated).
+    pub fn dealloc(mut self) -> Result<()> {
+        let r = self.release();
+        self.mw = null_mut();
+        r
+    }
+
+    fn release(&mut self) -> Result<()> {
+        if self.mw.is_null() {
+            return Ok(());
+        }
+        // SAFETY: a live MW of the real library, deallocated once (`mw`
+        // is cleared after).
+        let rc = unsafe {
+            match (*(*self.mw).context).ops.dealloc_mw {
+                Some(dealloc) => dealloc(self.mw),
+                None => libc::EOPNOTSUPP,
+            }
+        };
+        ok_or_errno(rc)
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        if let Err(e) = self.release() {
+            crate::klog!(crate::log::Level::Warn, "rdma: deallocating a memory window: {e:?}");
+        }
+    }
+}
+
 /// A completion queue with its own completion channel: its owner sleeps on
 /// the channel's fd (never busy-polls) when there is nothing to do.
 pub struct Cq {
@@ -508,6 +604,8 @@ unsafe impl Sync for Qp {}
 
 pub const LOCAL_WRITE: u32 = A::IBV_ACCESS_LOCAL_WRITE.0;
 pub const REMOTE_READ: u32 = A::IBV_ACCESS_REMOTE_READ.0;
+/// The MR may have memory windows bound to it ([`Window`]).
+pub const MW_BIND: u32 = A::IBV_ACCESS_MW_BIND.0;
 
 /// Access flags the library's RC QPs accept from their peers.
 pub const REMOTE_ALL: u32 =
