@@ -24,7 +24,7 @@
 //! a VQP's lock while waiting for progress.
 
 use super::header::{Flags, Header, LinkOp, HEADER_LEN};
-use super::large::Control;
+use super::large::{Control, Staged};
 use super::memo::{Memoized, MrMemo};
 use super::mrs;
 use super::precheck::{self, Caps, LocalMrs, RemoteMrs, SendWr, Verdict};

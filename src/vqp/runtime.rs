@@ -1460,7 +1460,7 @@ impl Runtime {
                                 }
                             }
                         }
-                        Control::Header { .. } | Control::Probe { .. } | Control::Fence { .. } => {}
+                        Control::Header { .. } | Control::Bind { .. } | Control::Probe { .. } | Control::Fence { .. } => {}
                     }
                 }
                 None => klog!(Level::Warn, "vqp: a completion for no control WQE of ours (tag {tag})"),

@@ -85,11 +85,19 @@ impl Vqp {
             let Some(conn) = &st.conn else { return Err(Errno::EINVAL) };
             let Some(link) = conn.link.as_ref() else { continue };
             // Above a receive buffer the receiver READs the payload: stage
-            // it (a copy into a registered buffer) outside the lock.
-            if is_send && total as usize > MAX_MSG && staged.is_none() {
-                let qpn = link.qp.qpn();
+            // it (a copy into a registered buffer) outside the lock, for
+            // this link's peer alone (staged for a link the VQP has left
+            // since: again, for this one).
+            if is_send && total as usize > MAX_MSG && !staged.as_ref().is_some_and(|s: &Staged| s.is_for(link)) {
+                let link = Arc::clone(link);
                 drop(guard);
-                staged = Some(rt.large.stage(rt.svc.device(), qpn, sges, total as usize)?);
+                staged = None;
+                match rt.large.stage(rt.svc.device(), &link, sges, total as usize) {
+                    Ok(s) => staged = Some(s),
+                    // Closing or failed since: the next pass moves on.
+                    Err(e) if e.0 == libc::ENOTCONN => {}
+                    Err(e) => return Err(e),
+                }
                 continue;
             }
             if st.sq.outstanding() >= self.sq_cap as usize {
@@ -109,8 +117,10 @@ impl Vqp {
                 // Closing since: nothing new goes behind its LINK_CLOSE.
                 continue;
             }
-            // WRITE_WITH_IMM is a WRITE and a notification SEND: two WQEs.
-            let need = if w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM { 2 } else { 1 };
+            // WRITE_WITH_IMM is a WRITE and a notification SEND: two WQEs;
+            // a staged payload's window bind, if not posted yet, goes first.
+            let bind = staged.as_ref().is_some_and(Staged::needs_bind);
+            let need = if w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM { 2 } else { 1 } + usize::from(bind);
             if link.qp.caps.send_wr as usize - sq.outstanding() < need {
                 drop(sq);
                 drop(guard);
@@ -123,11 +133,14 @@ impl Vqp {
             st.sent_msgs |= is_send || w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
             klog!(Level::Debug, "vqp {:#x}: post opcode {} len {total} seq {seq} to {dst:#x}", self.vqpn, w.opcode);
             let large = staged.as_ref().map(|s| (s.addr(), s.rkey()));
+            // The bind before the header: RC executes it first, so the
+            // window is open before the peer can learn its rkey.
+            let bound = staged.as_ref().map_or(Ok(()), |s| s.bind(rt, &mut sq));
             if let Some(s) = staged.take() {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LARGE_SENT);
                 rt.large.sent(s, self.slot, self.gen, seq, link.qp.qpn());
             }
-            let r = self.post_physical(link, &mut sq, w, sges, seq, signaled, dst, total, large);
+            let r = bound.and_then(|()| self.post_physical(link, &mut sq, w, sges, seq, signaled, dst, total, large));
             note_wire(&mut st.wire, wire_link, sq.mark());
             if let Err(e) = r {
                 if let Some((addr, _)) = large {
