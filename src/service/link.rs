@@ -1,5 +1,5 @@
 //! A link: the RC QP pair a process keeps with one peer process, what
-//! it knows of the peer (its MR table, its endpoint) and its state
+//! it knows of the peer (its probe target, its endpoint) and its state
 //! (closing, failed, LRU use), and the table that finds links by peer, by
 //! QP number and by the peer's request.
 

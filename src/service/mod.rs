@@ -9,8 +9,8 @@
 //! ```text
 //! initiator                                   responder (progress thread)
 //! take a warm QP (INIT)
-//! LinkRequest{rc_qpn, psn, MR table} --UD-->  take a warm QP, RTR
-//!                                   <--UD--   LinkReply{rc_qpn, psn, MR table}
+//! LinkRequest{rc_qpn, psn, probe}    --UD-->  take a warm QP, RTR
+//!                                   <--UD--   LinkReply{rc_qpn, psn, probe}
 //! RTR + RTS                                   RTS (posts wait for it)
 //! ```
 //!

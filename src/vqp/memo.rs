@@ -4,7 +4,7 @@
 //!
 //! A local MR is remembered with the registry's epoch ([`super::mrs::epoch`])
 //! and used while no MR has left the registry since. A remote MR is
-//! remembered with the time its peer's table was READ and used while that
+//! remembered with the time its peer was asked and used while that
 //! READ is younger than the lease, exactly as the MRStore itself decides
 //! ([`lease_holds`]), so the memo never extends what the store allows.
 
@@ -16,11 +16,11 @@ use std::cell::Cell;
 pub struct MrMemo {
     /// (registry epoch, lkey, MR).
     local: Cell<Option<(u64, u32, MrInfo)>>,
-    /// (rkey, MR, when the peer's table said so, in coarse ms).
+    /// (rkey, MR, when the peer was asked, in coarse ms).
     remote: Cell<Option<(u32, MrInfo, u64)>>,
 }
 
-/// Whether an MR READ from the peer's table at `at_ms` may still be used
+/// Whether an MR the peer answered for (asked at `at_ms`) may still be used
 /// at `now_ms`. Both readings come from a clock that may be one tick late,
 /// so the age counts one tick more.
 pub fn lease_holds(at_ms: u64, now_ms: u64, lease_ms: u64) -> bool {

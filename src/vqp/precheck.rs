@@ -31,7 +31,7 @@
 //! refused ([`Reason::MrNotSupported`]).
 //!
 //! All local checks come before the remote lookup, so the caller only pays
-//! for reading the peer's MR table ([`Verdict::NeedRemote`]) on a request
+//! for checking an rkey with the peer ([`Verdict::NeedRemote`]) on a request
 //! that is otherwise valid.
 //!
 //! Where verbs leaves behaviour to the provider we take the strictest known
@@ -53,7 +53,7 @@
 //! nothing and its addresses are the application's to get right (a bad one
 //! faults the posting thread, as with plain verbs; it cannot fail a WQE).
 //! Range checks use exact arithmetic: a range may end at 2^64 but never
-//! wraps, even when an MR entry (the peer's table is data we read over the
+//! wraps, even when an MR entry (the peer's answer is data we got over the
 //! network) claims to.
 //!
 //! This module only judges; it neither posts nor fetches. It runs on every
@@ -235,7 +235,7 @@ impl Reason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
     /// Every local check passed but the peer's MR of `rkey` is not cached:
-    /// read the peer's MR table and check again.
+    /// check the rkey with the peer and check again.
     NeedRemote {
         rkey: u32,
     },
@@ -244,7 +244,7 @@ pub enum Verdict {
 
 impl Verdict {
     /// The reason to report when the caller can learn no more: after the
-    /// peer's table was read, an rkey still unknown is a rejection.
+    /// peer answered, an rkey still unknown is a rejection.
     pub fn into_reason(self) -> Reason {
         match self {
             Verdict::NeedRemote { rkey } => Reason::RemoteUnknown { rkey },
@@ -585,7 +585,7 @@ mod tests {
 
     const CAPS: Caps = Caps { max_send_sge: 4, max_recv_sge: 2, max_inline_data: 64, max_msg_size: 1 << 20, atomics: true };
 
-    /// An MR table: local MRs by lkey, or the peer's by rkey with the ones
+    /// A set of MRs: local MRs by lkey, or the peer's by rkey with the ones
     /// not fetched yet hidden.
     #[derive(Default)]
     struct Table {

@@ -3,7 +3,7 @@
 //! every other VQP of this process that talks to the same peer.
 //!
 //! Where a work request goes: `post_send` pre-checks it (precheck.rs:
-//! local MRs from mrs.rs, the peer's MRs from its MR table, READ once and
+//! local MRs from mrs.rs, the peer's MRs as it answered our checks (mrcheck.rs), asked once and
 //! cached), records it in the VQP's send ring, and posts it on the link
 //! with a wr_id that names this VQP, its sequence number and what the
 //! physical completion retires (wrid.rs). SENDs carry a 32-byte header in

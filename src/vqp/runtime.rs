@@ -38,7 +38,7 @@ const PROBE_LEN: usize = 8;
 /// (`KRCORE_LINK_PROBE_MS=0`): closes beyond `KRCORE_MAX_LINKS`.
 const MAINTENANCE_MS: u64 = 1000;
 /// How long a link's work is waited for to complete (a READ of a peer's
-/// MR table, the WQEs before a link's LINK_CLOSE): RC completes it, in
+/// probe target, the WQEs before a link's LINK_CLOSE): RC completes it, in
 /// error at worst, once the retries ran out (timeout 17, 6 retries: about
 /// 3.8 s); more, for load.
 pub const TRANSPORT_WAIT: Duration = Duration::from_secs(10);
@@ -995,7 +995,7 @@ impl Runtime {
         klog!(Level::Info, "vqp: the link to {:02x?} (QP {qpn}) is closed", link.peer.gid);
     }
 
-    /// One READ of 8 bytes of the peer's MR table on every link with
+    /// One READ of 8 bytes of the peer's probe target on every link with
     /// nothing outstanding. RC has no keepalive: a link on which nothing
     /// is posted never learns that its peer died, and the VQPs waiting on
     /// it for messages would wait forever. A busy link needs no probe: its

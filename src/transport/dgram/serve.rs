@@ -36,7 +36,7 @@ use crate::vqp::precheck::MrInfo;
 use std::collections::VecDeque;
 
 /// The target application's registered MRs that peers may access, by rkey
-/// (`src/vqp/mrs.rs`'s registry, or the PD's MR table).
+/// (`src/vqp/mrs.rs`'s registry).
 pub trait Mrs {
     fn by_rkey(&self, rkey: u32) -> Option<MrInfo>;
 }

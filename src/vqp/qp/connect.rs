@@ -60,7 +60,7 @@ impl Vqp {
         let mut looked_again = false;
         loop {
             if let Some(pm) = self.peer_mrs.get() {
-                // A VQP's pre-checks use one peer's MR table for its life:
+                // A VQP's pre-checks use one peer's MRs for its life:
                 // a transparent VQP brought back from RESET reconnects only
                 // to a VQP of the same process (documented limit).
                 if !Arc::ptr_eq(pm, &rt.peer_mrs(ep.incarnation)) {

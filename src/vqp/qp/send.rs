@@ -1,6 +1,6 @@
 //! Where a VQP's work request goes: `ibv_post_send` and `ibv_wr_complete`
 //! (pre-checks, the send ring, the WQEs on the link), the one-sided fast
-//! path, the peer's MR table, and the link's completions of our WQEs. The
+//! path, the peer's MRs (checked with it), and the link's completions of our WQEs. The
 //! datagram tier's side is in tier.rs.
 
 use super::*;
@@ -42,7 +42,7 @@ impl Vqp {
         let mut staged = None;
         let mut fetches = 0;
         // One pass under the VQP's lock when nothing is missing; what must
-        // wait (the peer's MR table, staging, room on the link) is done
+        // wait (an MR check with the peer, staging, room on the link) is done
         // without it, and the pass starts over.
         loop {
             let mut guard = self.st.lock();
@@ -249,7 +249,7 @@ impl Vqp {
 
     /// `ibv_wr_complete`: post a batch of `n` requests built by the
     /// `ibv_wr_*` builders, all or nothing as far as the pre-checks can
-    /// tell. Every request is pre-checked first (the peer's MR table READ
+    /// tell. Every request is pre-checked first (an rkey checked with the peer
     /// where needed) and the send queue must have room for all of them:
     /// the first failure returns its errno with nothing posted. Then the
     /// batch goes through [`Vqp::post_send`]. What the pre-checks cannot
