@@ -177,6 +177,17 @@ impl LinkKey {
         LinkKey { gid: peer.gid, qpn: peer.qpn, incarnation: peer.incarnation, index, path }
     }
 
+    /// Whether the link is with the endpoint at (`gid`, `qpn`), whatever
+    /// its incarnation.
+    pub(super) fn is_with(&self, gid: &Gid, qpn: u32) -> bool {
+        self.gid == *gid && self.qpn == qpn
+    }
+
+    /// Whether the link is with an endpoint at `gid`.
+    pub(super) fn is_from_gid(&self, gid: &Gid) -> bool {
+        self.gid == *gid
+    }
+
     pub(super) fn of_link(l: &Link) -> LinkKey {
         LinkKey::of(&l.peer, l.index, l.path)
     }

@@ -45,8 +45,8 @@ use crate::rdma::{self, Ah, Caps, Cq, Device, Gid, Qp, RcPeer, Region, Srq};
 use crate::sys::*;
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -55,6 +55,12 @@ const RETRANSMIT: Duration = Duration::from_millis(100);
 /// Receive buffers of the UD QP (a GRH then a link message or a datagram
 /// of the connectionless tier each).
 const UD_RECVS: usize = 128;
+/// Link requests accepted at once, each on a thread of its own, in all
+/// and from one requesting GID (a request beyond waits for its next copy,
+/// 100 ms later): a host whose requests name addresses that do not
+/// resolve holds up only its own.
+const MAX_ACCEPTS: usize = 16;
+const MAX_ACCEPTS_PER_GID: usize = 2;
 /// Datagrams of the tier in flight on the UD QP (each holds a send buffer
 /// until its completion is reaped).
 const UD_SENDS: usize = 128;
@@ -195,6 +201,12 @@ struct Shared {
     /// Signalled (under `links`) when an accepted link becomes ready, is
     /// in `by_key`, or its accepting ends.
     link_ready: Condvar,
+    /// Link requests being accepted on threads of their own, and those
+    /// threads (joined before the endpoint goes: they hold its QPs).
+    accepts: AtomicUsize,
+    accept_threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Ourselves, for those threads.
+    this: once_cell::sync::OnceCell<Weak<Shared>>,
     next_req: AtomicU32,
     /// Cold connects one at a time per link key (a second connect to the
     /// same key waits and takes the link the first made); connects to
@@ -367,7 +379,11 @@ impl Service {
             recv_recheck: Mutex::new(None),
             deferred: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            accepts: AtomicUsize::new(0),
+            accept_threads: Mutex::new(Vec::new()),
+            this: once_cell::sync::OnceCell::new(),
         });
+        let _ = shared.this.set(Arc::downgrade(&shared));
         for slot in 0..UD_RECVS {
             shared.post_ud_recv(slot)?;
         }
@@ -706,6 +722,16 @@ impl Drop for Service {
             // The last holder may be the progress thread itself (a handler
             // or deferred work that upgraded its weak reference): it cannot
             // join itself; it sees `stop` once that work returns, and ends.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+        // Accepts under way hold the endpoint (and QPs on the PD, which
+        // the application may deallocate next): they finish first. One of
+        // them may be dropping us (its new link's callback held the last
+        // reference): it cannot join itself.
+        let accepts = std::mem::take(&mut *self.shared.accept_threads.lock());
+        for t in accepts {
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
             }
@@ -1394,16 +1420,58 @@ impl Shared {
             }
             None => {
                 let key = LinkKey::of(&peer, r.info.link, path);
-                self.links.lock().accepting.insert(key);
-                let accepted = self.accept(r, path);
-                self.links.lock().accepting.remove(&key);
-                self.link_ready.notify_all();
-                if let Err(e) = accepted {
-                    klog!(Level::Debug, "service: refused a link from QP {}: {e:?}", peer.qpn);
-                    self.answer(r, Err(e));
+                // A copy of a request being accepted: that accept answers.
+                if self.links.lock().accepting.insert(key) {
+                    self.accept_elsewhere(*r, path, key);
                 }
             }
         }
+    }
+
+    /// Accept `r` on a thread of its own: its QP's RTR may wait in the
+    /// kernel (about a second for a GID whose address does not resolve,
+    /// which the requester chooses), while this thread answers every other
+    /// peer and the datagram tier. At most [`MAX_ACCEPTS`] at once,
+    /// [`MAX_ACCEPTS_PER_GID`] from one GID; a request beyond is answered
+    /// at a later copy. Inline when no thread can be made.
+    fn accept_elsewhere(&self, r: LinkRequest, path: Path, key: LinkKey) {
+        let from = r.info.from;
+        let of_gid = self.links.lock().accepting.iter().filter(|k| k.is_from_gid(&from.gid)).count();
+        let slot = || self.accepts.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < MAX_ACCEPTS).then_some(n + 1)).is_ok();
+        if of_gid > MAX_ACCEPTS_PER_GID || !slot() {
+            self.links.lock().accepting.remove(&key);
+            self.link_ready.notify_all();
+            klog!(
+                Level::Debug,
+                "service: {MAX_ACCEPTS} links being accepted: a request from QP {} waits for its next copy",
+                r.info.from.qpn
+            );
+            return;
+        }
+        let Some(me) = self.this.get().and_then(Weak::upgrade) else {
+            return self.accept_now(&r, path, key);
+        };
+        match std::thread::Builder::new().name("krcore-accept".into()).spawn(move || me.accept_now(&r, path, key)) {
+            Ok(t) => {
+                let mut threads = self.accept_threads.lock();
+                threads.retain(|t| !t.is_finished());
+                threads.push(t);
+            }
+            Err(_) => self.accept_now(&r, path, key),
+        }
+    }
+
+    /// Accept `r` here (a slot of `accepts` taken), answer a refusal, and
+    /// release the slot.
+    fn accept_now(&self, r: &LinkRequest, path: Path, key: LinkKey) {
+        let accepted = self.accept(r, path);
+        self.links.lock().accepting.remove(&key);
+        self.link_ready.notify_all();
+        if let Err(e) = accepted {
+            klog!(Level::Debug, "service: refused a link from QP {}: {e:?}", r.info.from.qpn);
+            self.answer(r, Err(e));
+        }
+        self.accepts.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn link_wanted(&self, peer: &Endpoint, path: &Path) -> bool {
@@ -1423,7 +1491,9 @@ impl Shared {
     /// while the last closes, and closing ones go within the close's
     /// bound (two transport waits) whether the peer answers or not.
     fn links_held_by(&self, peer: &Endpoint) -> usize {
-        self.links.lock().by_qpn.values().filter(|l| l.peer.gid == peer.gid && l.peer.qpn == peer.qpn && !l.is_closing()).count()
+        let links = self.links.lock();
+        let held = links.by_qpn.values().filter(|l| l.peer.gid == peer.gid && l.peer.qpn == peer.qpn && !l.is_closing()).count();
+        held + links.accepting.iter().filter(|k| k.is_with(&peer.gid, peer.qpn)).count()
     }
 
     /// `KRCORE_MAX_PEER_LINKS`, at least room for `KRCORE_LINKS_PER_PEER`
