@@ -181,7 +181,8 @@ enum krcore_stat {
   // that is not ours.
   KRCORE_STAT_LINK_MSGS_DROPPED,
   // Link requests refused because their sender already held
-  // `KRCORE_MAX_PEER_LINKS` links with this process.
+  // `KRCORE_MAX_PEER_LINKS` links with this process, or the endpoints
+  // of its GID `KRCORE_MAX_GID_LINKS`.
   KRCORE_STAT_LINKS_REFUSED,
   // Messages dropped because they came to a connected VQP from another
   // process than its peer (over a link or the datagram tier), or on a
@@ -200,6 +201,9 @@ enum krcore_stat {
   // Checks answered BUSY, and datagram-tier one-sided requests held
   // back, because their source GID spent its misses.
   KRCORE_STAT_MR_CHECKS_BUSY,
+  // Datagrams not sent because the service endpoint held
+  // `KRCORE_MAX_AHS` address handles, each used within the last second.
+  KRCORE_STAT_AHS_REFUSED,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

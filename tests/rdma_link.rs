@@ -386,3 +386,59 @@ fn requests_naming_unresolvable_gids_do_not_hold_up_other_links() {
     drop((link, a, b, c));
     assert!(ip(&["link", "del", VETH]), "remove the veth");
 }
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn the_endpoints_of_one_gid_hold_at_most_their_links() {
+    let dev = device();
+    let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, 2))).expect("node GID");
+    let a = Service::start(&dev, gi, Options { max_gid_links: 2, ..Options::default() }).expect("start");
+    let a_ep = a.endpoint();
+    // Three endpoints (processes, or UD QPs of one) on node 3: two links,
+    // the third refused though each endpoint holds one link only.
+    let node3: Vec<Service> = (0..3).map(|_| service_on(&dev, 3)).collect();
+    let t = Duration::from_secs(5);
+    let l1 = node3[0].link(&a_ep, 0, node3[0].default_path(&a_ep), t).expect("first link from node 3");
+    let l2 = node3[1].link(&a_ep, 0, node3[1].default_path(&a_ep), t).expect("second link from node 3");
+    let third = node3[2].link(&a_ep, 0, node3[2].default_path(&a_ep), t);
+    assert_eq!(third.as_ref().err().map(|e| e.0), Some(libc::EBUSY), "a third link from node 3: {:?}", third.as_ref().map(|_| ()));
+    // Another host's endpoint is not held up.
+    let d = service_on(&dev, 4);
+    let l4 = d.link(&a_ep, 0, d.default_path(&a_ep), t).expect("a link from node 4");
+    let buf = Region::new(&dev, 4096, krcore::rdma::LOCAL_WRITE).unwrap();
+    for (svc, l) in [(&node3[0], &l1), (&node3[1], &l2)] {
+        read(svc, l, &buf, l.peer_probe.0, l.peer_probe.1, 8);
+    }
+    read(&d, &l4, &buf, l4.peer_probe.0, l4.peer_probe.1, 8);
+    // Links we ask for ourselves are not node 3's to count.
+    let b3 = node3[2].endpoint();
+    a.link(&b3, 0, a.default_path(&b3), t).expect("our own link to node 3");
+    drop((l1, l2, l4, node3, d, a));
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn address_handles_are_bounded_and_the_idle_ones_make_room() {
+    let dev = device();
+    let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, 2))).expect("node GID");
+    let a = Service::start(&dev, gi, Options { max_ahs: 2, ..Options::default() }).expect("start");
+    let peers: Vec<Service> = (3..6).map(|n| service_on(&dev, n)).collect();
+    let send = |p: &Service| {
+        let ep = p.endpoint();
+        a.send_datagram(a.default_path(&ep), ep.qpn, ep.qkey, &[0u8; 16])
+    };
+    send(&peers[0]).expect("to node 3");
+    let t0 = Instant::now();
+    send(&peers[1]).expect("to node 4");
+    assert_eq!(a.address_handles(), 2);
+    // Both used within the second: no room for a third.
+    assert_eq!(send(&peers[2]).err().map(|e| e.0), Some(libc::EAGAIN), "a third GID at once");
+    assert_eq!(a.address_handles(), 2);
+    // A used one stays usable meanwhile.
+    send(&peers[1]).expect("node 4 again");
+    eventually("room for a third address handle", Duration::from_secs(5), || send(&peers[2]).is_ok());
+    assert!(t0.elapsed() >= Duration::from_secs(1), "an address handle went within a second of its use");
+    assert_eq!(a.address_handles(), 2, "node 3's went, node 5's came");
+    send(&peers[1]).expect("node 4 kept (used last)");
+    drop((peers, a));
+}

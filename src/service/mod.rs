@@ -28,6 +28,7 @@
 //! is busy elsewhere. It sleeps in `poll(2)` on the UD completion channel
 //! and an eventfd (refill, stop), never spinning.
 
+mod ahs;
 mod gate;
 mod link;
 mod link_side;
@@ -80,11 +81,16 @@ pub struct Options {
     pub link_send_wr: u32,
     /// Receives of the SRQ all links share.
     pub srq_wr: u32,
+    /// `KRCORE_MAX_GID_LINKS`: links the endpoints of one GID may hold.
+    pub max_gid_links: usize,
+    /// `KRCORE_MAX_AHS`: address handles kept.
+    pub max_ahs: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { warm_qps: 4, link_send_wr: 256, srq_wr: 256 }
+        let cfg = crate::config::get();
+        Options { warm_qps: 4, link_send_wr: 256, srq_wr: 256, max_gid_links: cfg.max_gid_links, max_ahs: cfg.max_ahs }
     }
 }
 
@@ -175,7 +181,7 @@ struct Shared {
     /// queue: the progress thread handles them (they make and move QPs).
     link_msgs: Mutex<Vec<(LinkMessage, Source)>>,
     /// Address handles to peers' GIDs (from ours), for UD sends.
-    ahs: Mutex<HashMap<Path, Arc<Ah>>>,
+    ahs: Mutex<ahs::Bounded<Path, Arc<Ah>>>,
     /// Indexes of our GIDs that link requests were sent to.
     gid_indexes: Mutex<HashMap<Gid, u32>>,
     /// The links' CQs, SRQ and probe target, made with the first link (or
@@ -357,7 +363,7 @@ impl Service {
             on_datagram: Mutex::new(None),
             ud_turn: Mutex::new(()),
             link_msgs: Mutex::new(Vec::new()),
-            ahs: Mutex::new(HashMap::new()),
+            ahs: Mutex::new(ahs::Bounded::new(opts.max_ahs)),
             gid_indexes: Mutex::new(HashMap::new()),
             link_side: once_cell::sync::OnceCell::new(),
             link_side_ready: AtomicBool::new(false),
@@ -431,6 +437,11 @@ impl Service {
         self.shared.send_datagram(path, qpn, qkey, bytes)
     }
 
+    /// Address handles kept (`KRCORE_MAX_AHS` at most).
+    pub fn address_handles(&self) -> usize {
+        self.shared.ahs.lock().len()
+    }
+
     /// Make `path`'s address handle now, so that a later send on it (an
     /// ACK that must go out before what it acknowledges is seen) does not
     /// wait for its creation.
@@ -443,7 +454,7 @@ impl Service {
     /// the peer does not create it on its own path afterwards
     /// (`ibv_create_ah` is a kernel call that resolves the address).
     pub fn prepare_path_soon(&self, path: Path) {
-        if self.shared.ahs.lock().contains_key(&path) {
+        if self.shared.ahs.lock().contains(&path) {
             return;
         }
         let shared = Arc::clone(&self.shared);
@@ -990,16 +1001,23 @@ impl Shared {
         Path { sgid_index: self.sgid_index, dgid: gid }
     }
 
-    /// The address handle of `path` (made once, kept for the endpoint's life).
+    /// The address handle of `path` (made once, kept while in use within
+    /// the bound of [`ahs`]). EAGAIN when the bound leaves no room.
     fn ah(&self, path: Path) -> Result<Arc<Ah>> {
+        let now = crate::clock::coarse_ms();
         let mut ahs = self.ahs.lock();
-        if let Some(ah) = ahs.get(&path) {
-            return Ok(Arc::clone(ah));
+        if let Some(ah) = ahs.get(&path, now) {
+            return Ok(ah);
+        }
+        if !ahs.make_room(now, |ah| Arc::strong_count(ah) == 1) {
+            crate::stats::inc(crate::stats::Stat::KRCORE_STAT_AHS_REFUSED);
+            klog!(Level::Debug, "service: KRCORE_MAX_AHS address handles, each used within a second: none made for {:02x?}", path.dgid);
+            return Err(Errno(libc::EAGAIN));
         }
         let mut attr = self.ud.ah_attr(path.sgid_index, &path.dgid);
         let ah = Arc::new(Ah::new(&self.dev, &mut attr)?);
         crate::kmark!("UD: address handle made");
-        ahs.insert(path, Arc::clone(&ah));
+        ahs.insert(path, Arc::clone(&ah), now);
         Ok(ah)
     }
 
@@ -1010,7 +1028,7 @@ impl Shared {
         let mut tx = self.tx.lock();
         tx.reap();
         // SAFETY: inline data is copied at post time; the AH outlives the
-        // send (cached for the endpoint's life).
+        // send (cached, and kept a second after each use: `ahs`).
         unsafe { self.post_ud(&ah, qpn, qkey, &mut sge, ibv_send_flags::IBV_SEND_INLINE.0, 0) }
     }
 
@@ -1056,7 +1074,8 @@ impl Shared {
         wr.wr.ud.ah = ah.ah;
         wr.wr.ud.remote_qpn = qpn;
         wr.wr.ud.remote_qkey = qkey;
-        // SAFETY: caller contract; the AH outlives the send (cached).
+        // SAFETY: caller contract; the AH outlives the send (cached, and
+        // kept a second after each use: `ahs`).
         unsafe { self.ud.post_send(&mut wr) }
     }
 
@@ -1408,6 +1427,15 @@ impl Shared {
                 klog!(Level::Debug, "service: QP {} holds KRCORE_MAX_PEER_LINKS links with us: refused another", peer.qpn);
                 self.answer(r, Err(Errno(libc::EBUSY)));
             }
+            None if self.links_held_by_gid(&peer.gid) >= self.opts.max_gid_links => {
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_REFUSED);
+                klog!(
+                    Level::Debug,
+                    "service: the endpoints of QP {}'s GID hold KRCORE_MAX_GID_LINKS links with us: refused another",
+                    peer.qpn
+                );
+                self.answer(r, Err(Errno(libc::EBUSY)));
+            }
             // The links' side is made on a thread of its own, never on
             // this one (it answers the datagram tier meanwhile): until it
             // is ready the request waits for its next copy.
@@ -1494,6 +1522,15 @@ impl Shared {
         let links = self.links.lock();
         let held = links.by_qpn.values().filter(|l| l.peer.gid == peer.gid && l.peer.qpn == peer.qpn && !l.is_closing()).count();
         held + links.accepting.iter().filter(|k| k.is_with(&peer.gid, peer.qpn)).count()
+    }
+
+    /// Links the endpoints of `gid` (one host's) asked for, as
+    /// [`Service::links_held_by`] counts them (ours to them are not theirs
+    /// to bound).
+    fn links_held_by_gid(&self, gid: &Gid) -> usize {
+        let links = self.links.lock();
+        let held = links.by_qpn.values().filter(|l| l.peer.gid == *gid && !l.initiated && !l.is_closing()).count();
+        held + links.accepting.iter().filter(|k| k.is_from_gid(gid)).count()
     }
 
     /// `KRCORE_MAX_PEER_LINKS`, at least room for `KRCORE_LINKS_PER_PEER`

@@ -176,6 +176,12 @@ enum Late {
 /// final ACK and more closes than this meanwhile to forget one early.
 const MAX_CLOSED: usize = 128;
 
+/// Packets a port holds past gaps, over all its flows (up to 4 KiB
+/// each): a packet that would be held beyond is dropped, and its sender
+/// retransmits it once the gap is filled (an honest flow loses only the
+/// time of a retransmission, and only while strangers fill the rest).
+pub const MAX_AHEAD: usize = 4096;
+
 /// Most flows from peers a port keeps (each a receiver and a cache of
 /// answers); a flow beyond them is dropped until one goes.
 pub const MAX_INBOUND: usize = 4096;
@@ -188,6 +194,14 @@ pub struct Port {
     epoch: Instant,
     out: Mutex<HashMap<Route, Arc<Flow>>>,
     inbound: Mutex<HashMap<FlowKey, Inbound>>,
+    /// Flows in `inbound` by source GID (taken inside `inbound`'s lock),
+    /// at most `flows_per_gid` each (`KRCORE_DGRAM_FLOWS_PER_GID`): one
+    /// host cannot take the whole table.
+    per_gid: Mutex<HashMap<Gid, usize>>,
+    flows_per_gid: usize,
+    /// Packets the flows in `inbound` hold past gaps (changed inside
+    /// its lock), at most [`MAX_AHEAD`].
+    ahead: AtomicUsize,
     /// The earliest wake-up asked of the host and not run yet (µs since
     /// `epoch`; u64::MAX: none).
     armed: AtomicU64,
@@ -233,6 +247,9 @@ impl Port {
             epoch: Instant::now(),
             out: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
+            per_gid: Mutex::new(HashMap::new()),
+            flows_per_gid: crate::config::get().dgram_flows_per_gid,
+            ahead: AtomicUsize::new(0),
             armed: AtomicU64::new(u64::MAX),
             closed: Mutex::new(RecentMap::new(MAX_CLOSED)),
             flows: AtomicUsize::new(0),
@@ -249,6 +266,37 @@ impl Port {
 
     fn used(&self) {
         self.used_ms.store(coarse_ms(), Ordering::Relaxed);
+    }
+
+    /// At most `n` flows from one source GID (for the tests; the library
+    /// takes `KRCORE_DGRAM_FLOWS_PER_GID`).
+    pub fn with_flows_per_gid(mut self, n: usize) -> Port {
+        self.flows_per_gid = n.max(1);
+        self
+    }
+
+    /// Whether `gid` may open one more flow here, counting it if so (the
+    /// `inbound` lock held).
+    fn inbound_added(&self, gid: &Gid) -> bool {
+        let mut per_gid = self.per_gid.lock();
+        let n = per_gid.entry(*gid).or_insert(0);
+        if *n >= self.flows_per_gid {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    /// Flow `f` from `gid` left `inbound` (its lock held).
+    fn inbound_gone(&self, gid: &Gid, f: &Inbound) {
+        self.ahead.fetch_sub(f.receiver.ahead(), Ordering::Relaxed);
+        let mut per_gid = self.per_gid.lock();
+        if let Some(n) = per_gid.get_mut(gid) {
+            *n -= 1;
+            if *n == 0 {
+                per_gid.remove(gid);
+            }
+        }
     }
 
     /// `n` flows more, or fewer (the statistic and the port's count).
@@ -365,7 +413,13 @@ impl Port {
     fn forget_inbound(&self, which: impl Fn(&Route) -> bool) {
         let mut inbound = self.inbound.lock();
         let before = inbound.len();
-        inbound.retain(|k, _| !which(&k.route));
+        inbound.retain(|k, f| {
+            let keep = !which(&k.route);
+            if !keep {
+                self.inbound_gone(&k.gid, f);
+            }
+            keep
+        });
         self.flows_removed(before - inbound.len());
         if inbound.is_empty() {
             // A burst of peers leaves no high-water table behind.
@@ -486,7 +540,9 @@ impl Port {
                     return host.send(&peer, &ack);
                 }
             }
-            if inbound.len() >= MAX_INBOUND {
+            // (Checked again when it is added: the lock is let go while
+            // the host admits it.)
+            if inbound.len() >= MAX_INBOUND || self.per_gid.lock().get(&key.gid).is_some_and(|n| *n >= self.flows_per_gid) {
                 return dropped();
             }
             drop(inbound);
@@ -497,6 +553,14 @@ impl Port {
             };
             inbound = self.inbound.lock();
             if let std::collections::hash_map::Entry::Vacant(e) = inbound.entry(key) {
+                if !self.inbound_added(&key.gid) {
+                    crate::klog!(
+                        crate::log::Level::Debug,
+                        "dgram: KRCORE_DGRAM_FLOWS_PER_GID flows from {:02x?}: a new one dropped",
+                        key.gid
+                    );
+                    return dropped();
+                }
                 self.flows_added(1);
                 e.insert(Inbound { peer, pd, last_us: 0, receiver, responder: Responder::new(self.cfg.mtu, MAX_MSG) });
             }
@@ -511,6 +575,10 @@ impl Port {
         if matches!(m, Message::Request(_)) && !crate::vqp::mrcheck::admit(&from.gid) {
             return dropped();
         }
+        if f.receiver.would_hold(m) && self.ahead.load(Ordering::Relaxed) >= MAX_AHEAD {
+            return dropped();
+        }
+        let ahead_before = f.receiver.ahead();
         let (peer, pd) = (f.peer, f.pd);
         let mut answers = Vec::new();
         let mut messages = Vec::new();
@@ -550,6 +618,12 @@ impl Port {
                     }
                 }
             }
+        }
+        let ahead_after = f.receiver.ahead();
+        if ahead_after >= ahead_before {
+            self.ahead.fetch_add(ahead_after - ahead_before, Ordering::Relaxed);
+        } else {
+            self.ahead.fetch_sub(ahead_before - ahead_after, Ordering::Relaxed);
         }
         if let Some(seq) = answered {
             // Its responses acknowledge it: no ACK datagram (and no
@@ -603,7 +677,14 @@ impl Port {
         if closed {
             // The sender's VQP is gone: its CLOSE is acknowledged now and
             // the flow goes (its number may come back with a new VQP).
-            let gone = self.inbound.lock().remove(&key);
+            let gone = {
+                let mut inbound = self.inbound.lock();
+                let gone = inbound.remove(&key);
+                if let Some(f) = &gone {
+                    self.inbound_gone(&key.gid, f);
+                }
+                gone
+            };
             if let Some(mut f) = gone {
                 self.flows_removed(1);
                 stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);

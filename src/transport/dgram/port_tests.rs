@@ -300,3 +300,82 @@ fn a_stranger_neither_ends_a_closed_flows_memory_nor_keeps_its_process_alive() {
     assert!(!b.heard_from(ROUTE.src_incarnation, A.qpn, &gids, Duration::from_secs(60)), "A's flow is closed");
     assert!(b.heard_from(ROUTE.src_incarnation, C.qpn, &[C.gid], Duration::from_secs(60)));
 }
+
+#[test]
+fn one_source_gid_opens_at_most_its_share_of_flows() {
+    let b = port().with_flows_per_gid(3);
+    let hb = Recorder::default();
+    // A's VQPs 10.. each open a flow to B: the fourth is dropped, C's
+    // still comes in.
+    let (a, ha) = (port(), Recorder::default());
+    let mut firsts = Vec::new();
+    for i in 0..4 {
+        let route = Route { src_vqpn: 10 + i, ..ROUTE };
+        let flow = a.open(route, Peer { sgid_index: 0, dgid: B.gid, qpn: B.qpn, qkey: 1 }).expect("open");
+        a.post(&ha, &flow, Op::Send { id: 0, opcode: SendOp::Send, imm: 0, data: &[i as u8; 8] }).expect("post");
+        firsts.push(ha.sent.lock().pop().expect("sent"));
+    }
+    for p in &firsts {
+        b.on_datagram(&hb, p, &A);
+    }
+    assert_eq!(hb.delivered.lock().len(), 3, "three of A's flows delivered, the fourth dropped");
+    assert_eq!(b.inbound.lock().len(), 3);
+    let c_route = Route { src_incarnation: 7, ..ROUTE };
+    let (c, hc) = (port(), Recorder::default());
+    let flow = c.open(c_route, Peer { sgid_index: 0, dgid: B.gid, qpn: B.qpn, qkey: 1 }).expect("open");
+    c.post(&hc, &flow, Op::Send { id: 0, opcode: SendOp::Send, imm: 0, data: &[9; 8] }).expect("post");
+    b.on_datagram(&hb, &hc.sent.lock().pop().expect("sent"), &C);
+    assert_eq!(hb.delivered.lock().len(), 4, "another GID's flow comes in");
+    // One of A's flows goes (its VQP is gone): the fourth comes in at its
+    // retransmission.
+    b.forget_vqp(ROUTE.dst_vqpn + 1000); // nothing of A's: still full
+    b.on_datagram(&hb, &firsts[3], &A);
+    assert_eq!(hb.delivered.lock().len(), 4);
+    b.forget_process(ROUTE.src_incarnation);
+    assert!(b.per_gid.lock().get(&A.gid).is_none(), "A's count went with its flows");
+    b.on_datagram(&hb, &firsts[3], &A);
+    assert_eq!(hb.delivered.lock().len(), 5, "room again");
+}
+
+#[test]
+fn packets_past_gaps_are_held_up_to_the_ports_budget() {
+    let b = port();
+    let hb = Recorder::default();
+    // Flows from many VQPs: each one's packet 0 delivered, packet 1 lost,
+    // the rest of its first burst held past the gap, until the port
+    // holds MAX_AHEAD.
+    let (a, ha) = (port(), Recorder::default());
+    let mut i = 0;
+    let mut lost = Vec::new();
+    while b.ahead.load(Ordering::Relaxed) < MAX_AHEAD || i < 2 {
+        let route = Route { src_vqpn: 1000 + i, ..ROUTE };
+        i += 1;
+        let flow = a.open(route, Peer { sgid_index: 0, dgid: B.gid, qpn: B.qpn, qkey: 1 }).expect("open");
+        for id in 0..64 {
+            a.post(&ha, &flow, Op::Send { id, opcode: SendOp::Send, imm: 0, data: &[1; 8] }).expect("post");
+        }
+        let sent = std::mem::take(&mut *ha.sent.lock());
+        assert!(sent.len() > 3, "a burst");
+        b.on_datagram(&hb, &sent[0], &A);
+        lost.push(sent[1].clone());
+        for p in &sent[2..] {
+            b.on_datagram(&hb, p, &A);
+        }
+    }
+    assert_eq!(b.ahead.load(Ordering::Relaxed), MAX_AHEAD, "held up to the budget, no further");
+    let held: usize = b.inbound.lock().values().map(|f| f.receiver.ahead()).sum();
+    assert_eq!(held, MAX_AHEAD, "the count agrees with the flows");
+    // The first flow's gap filled: its held packets are delivered and
+    // leave the budget (an in-order packet is taken whatever it holds).
+    let first_held = b.inbound.lock().iter().find(|(k, _)| k.route.src_vqpn == 1000).map(|(_, f)| f.receiver.ahead()).expect("flow");
+    assert!(first_held > 0);
+    let batches = hb.delivered.lock().len();
+    b.on_datagram(&hb, &lost[0], &A);
+    assert_eq!(b.ahead.load(Ordering::Relaxed), MAX_AHEAD - first_held);
+    let last = hb.delivered.lock().last().map(|(d, _)| d.len());
+    assert_eq!((hb.delivered.lock().len(), last), (batches + 1, Some(first_held + 1)), "the gap and what it held, in one batch");
+    // Flows going give their packets back.
+    b.forget_process(ROUTE.src_incarnation);
+    assert_eq!(b.ahead.load(Ordering::Relaxed), 0);
+    assert!(b.inbound.lock().is_empty());
+}

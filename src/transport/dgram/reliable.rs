@@ -920,6 +920,22 @@ impl Receiver {
         (self.next, if self.next == 0 { 0 } else { self.last_nonce })
     }
 
+    /// Packets held past a gap.
+    pub fn ahead(&self) -> usize {
+        self.ahead.len()
+    }
+
+    /// Whether `m` would be held past a gap (neither delivered nor
+    /// dropped as a duplicate or out of the window).
+    pub fn would_hold(&self, m: &Message) -> bool {
+        let seq = match m {
+            Message::Data(d) => d.seq,
+            Message::Request(r) => r.seq,
+            Message::Ack(_) | Message::Response(_) => return false,
+        };
+        seq > self.next && seq < self.next + WINDOW && !self.ahead.contains_key(&seq)
+    }
+
     /// The nonce of the flow's first packet, once delivered: a packet with
     /// sequence number 0 and another nonce starts another flow.
     pub fn first_nonce(&self) -> Option<u64> {
