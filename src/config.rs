@@ -23,6 +23,7 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_LINK_PROBE_MS", "1000", "an idle link is probed (one 8-byte READ) this often: a peer that died is found within this plus the RC retry time (about 3.8 s); 0: never"),
     ("KRCORE_MAX_LINKS", "64", "links (physical RC QPs) a process keeps: above it the least recently used idle ones are closed, and made again when next used; 0: no limit"),
     ("KRCORE_MAX_PEER_LINKS", "4", "links one peer endpoint may hold with this process at once (asked for by it or by us, duplicates included, links closing not; at least twice KRCORE_LINKS_PER_PEER): a request beyond it is refused with EBUSY and counted (links_refused), so that nobody can make this process create RC QPs without bound"),
+    ("KRCORE_LINK_WINDOW_BYTES", "1048576", "per link, the bytes of VQP messages (headers included) a peer may send this process and not have granted back: what a peer can make this process hold for VQPs with no receive posted (a sender waits in ibv_post_send for the grant, as for room on the link; a message past the window is refused and counted, msgs_overrun)"),
     ("KRCORE_MAX_GID_LINKS", "256", "links the endpoints of one source GID (one host, whatever its number of processes or UD QPs) may hold with this process at once: a request beyond it is refused with EBUSY and counted (links_refused); the requester's VQP stays on the datagram tier"),
     ("KRCORE_MAX_AHS", "1024", "address handles (one per source GID and peer GID) the service endpoint keeps: beyond, the least recently used one unused for a second is destroyed; when none is, a datagram to a new GID is not sent (the peer's retransmission asks again) and counted (ahs_refused)"),
     ("KRCORE_DGRAM_FLOWS_PER_GID", "1024", "datagram-tier flows (first contacts in progress) the peers of one source GID may have open to this process at once: a packet of a flow beyond it is dropped and counted (dgram_dropped) and its sender retransmits"),
@@ -83,6 +84,7 @@ pub struct Config {
     pub link_probe_ms: u64,
     pub max_links: usize,
     pub max_peer_links: usize,
+    pub link_window: u32,
     pub max_gid_links: usize,
     pub max_ahs: usize,
     pub dgram_flows_per_gid: usize,
@@ -122,6 +124,10 @@ impl Config {
             link_probe_ms: var("KRCORE_LINK_PROBE_MS").and_then(|v| v.parse().ok()).unwrap_or(1000),
             max_links: var("KRCORE_MAX_LINKS").and_then(|v| v.parse().ok()).unwrap_or(64),
             max_peer_links: var("KRCORE_MAX_PEER_LINKS").and_then(|v| v.parse().ok()).unwrap_or(4),
+            link_window: var("KRCORE_LINK_WINDOW_BYTES")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1 << 20)
+                .clamp(crate::service::credit::MIN_WINDOW, 1 << 30),
             max_gid_links: var("KRCORE_MAX_GID_LINKS").and_then(|v| v.parse().ok()).unwrap_or(256).max(1),
             max_ahs: var("KRCORE_MAX_AHS").and_then(|v| v.parse().ok()).unwrap_or(1024).max(1),
             dgram_flows_per_gid: var("KRCORE_DGRAM_FLOWS_PER_GID").and_then(|v| v.parse().ok()).unwrap_or(1024).max(1),
@@ -159,6 +165,7 @@ impl Config {
             self.link_probe_ms.to_string(),
             self.max_links.to_string(),
             self.max_peer_links.to_string(),
+            self.link_window.to_string(),
             self.max_gid_links.to_string(),
             self.max_ahs.to_string(),
             self.dgram_flows_per_gid.to_string(),

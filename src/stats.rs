@@ -191,6 +191,9 @@ pub enum krcore_stat {
     /// Datagrams not sent because the service endpoint held
     /// `KRCORE_MAX_AHS` address handles, each used within the last second.
     KRCORE_STAT_AHS_REFUSED,
+    /// Messages refused because their sender went past the link's window
+    /// (`KRCORE_LINK_WINDOW_BYTES`), and grants of more than was sent.
+    KRCORE_STAT_MSGS_OVERRUN,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -269,6 +272,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "mr_check_misses\0",
     "mr_checks_busy\0",
     "ahs_refused\0",
+    "msgs_overrun\0",
 ];
 
 /// A counter's name ("post_send").

@@ -383,6 +383,7 @@ fn requests_naming_unresolvable_gids_do_not_hold_up_other_links() {
                 psn: 7,
                 probe_addr: 0,
                 probe_rkey: 0,
+                window: 1 << 20,
                 link: i,
                 src_gid: nowhere,
                 dst_gid: a_ep.gid,

@@ -89,6 +89,7 @@ fn info(from: Endpoint) -> LinkInfo {
         psn: 0x12_3456,
         probe_addr: 0x7f00_dead_beef_0000,
         probe_rkey: 0x0abc_0def,
+        window: 1 << 20,
         link: 3,
         src_gid: [0x5a; 16],
         dst_gid: GID,
@@ -108,6 +109,7 @@ fn link_seeds() -> Vec<Seed> {
         psn: U24_MAX,
         probe_addr: u64::MAX,
         probe_rkey: u32::MAX,
+        window: u32::MAX,
         link: u16::MAX,
         src_gid: [0xff; 16],
         dst_gid: [0xff; 16],
@@ -207,6 +209,7 @@ fn header_seeds() -> Vec<Seed> {
         ("mr_found", header(Header::link(LinkOp::MrAnswer, 0x0abc_0def, 0x7f00_0000_1000, 7), &MrAnswer::Found(mr).encode())),
         ("mr_absent", header(Header::link(LinkOp::MrAnswer, u32::MAX, u64::MAX, u32::MAX), &MrAnswer::Absent.encode())),
         ("mr_busy", header(Header::link(LinkOp::MrAnswer, 5, 0, 0), &MrAnswer::Busy { retry_ms: 63 }.encode())),
+        ("grant", header(Header::grant(1 << 19), b"")),
     ]
 }
 

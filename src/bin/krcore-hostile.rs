@@ -176,6 +176,7 @@ impl Target<'_> {
                 psn: r(24),
                 probe_addr: random_u64(),
                 probe_rkey: random_u64() as u32,
+                window: random_u64() as u32,
                 link: random_u64() as u16,
                 src_gid: from.gid,
                 dst_gid: self.victim.gid,

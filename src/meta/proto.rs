@@ -179,6 +179,10 @@ pub struct LinkInfo {
     /// see it alive (a liveness probe); they hold nothing.
     pub probe_addr: u64,
     pub probe_rkey: u32,
+    /// The sender's receive window on the link: the bytes of messages
+    /// (headers included) its peer may have sent it and not had granted
+    /// back (`crate::service::credit`).
+    pub window: u32,
     /// Which of the links per peer this is.
     pub link: u16,
     /// The link's two GIDs, as the sender sees them: its own end (its
@@ -193,7 +197,7 @@ pub struct LinkInfo {
 ///
 /// 4: link (u16), 8: req_id, 12: status (in a request: flags, bit 0
 /// [`LINK_OPTIONAL`]), 16: rc_qpn, 20: psn, 24: probe_addr (u64),
-/// 32: probe_rkey, 36: zero, 40: from (endpoint),
+/// 32: probe_rkey, 36: window, 40: from (endpoint),
 /// 80: src_gid[16], 96: dst_gid[16].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkRequest {
@@ -448,10 +452,8 @@ impl LinkMessage {
             psn: r.u24()?,
             probe_addr: r.u64()?,
             probe_rkey: r.u32()?,
-            from: {
-                r.reserved(4)?;
-                r.endpoint()?
-            },
+            window: r.u32()?,
+            from: r.endpoint()?,
             src_gid: r.bytes()?,
             dst_gid: r.bytes()?,
         };
@@ -478,7 +480,7 @@ fn encode_link(out: &mut [u8; LINK_LEN], kind: u8, req_id: u32, status: u32, inf
     w.u24(info.psn);
     w.u64(info.probe_addr);
     w.u32(info.probe_rkey);
-    w.skip(4);
+    w.u32(info.window);
     w.endpoint(&info.from);
     w.bytes(&info.src_gid);
     w.bytes(&info.dst_gid);
@@ -623,6 +625,7 @@ mod tests {
             psn: 0x0012_3456,
             probe_addr: 0x7f00_dead_beef_0000,
             probe_rkey: 0x0abc_0def,
+            window: 0x0010_2030,
             link: 3,
             src_gid: [0x5a; 16],
             dst_gid: GID,
@@ -636,6 +639,7 @@ mod tests {
             psn: MAX_U24,
             probe_addr: u64::MAX,
             probe_rkey: u32::MAX,
+            window: u32::MAX,
             link: u16::MAX,
             src_gid: [0xff; 16],
             dst_gid: [0xff; 16],
@@ -643,7 +647,17 @@ mod tests {
     }
 
     fn info_zero() -> LinkInfo {
-        LinkInfo { from: endpoint_zero(), rc_qpn: 0, psn: 0, probe_addr: 0, probe_rkey: 0, link: 0, src_gid: [0; 16], dst_gid: [0; 16] }
+        LinkInfo {
+            from: endpoint_zero(),
+            rc_qpn: 0,
+            psn: 0,
+            probe_addr: 0,
+            probe_rkey: 0,
+            window: 0,
+            link: 0,
+            src_gid: [0; 16],
+            dst_gid: [0; 16],
+        }
     }
 
     fn welcome() -> Welcome {
@@ -770,6 +784,7 @@ mod tests {
                     (20, &[0x56, 0x34, 0x12, 0]),
                     (24, &[0, 0, 0xef, 0xbe, 0xad, 0xde, 0, 0x7f]),
                     (32, &[0xef, 0x0d, 0xbc, 0x0a]),
+                    (36, &[0x30, 0x20, 0x10, 0]),
                     (40, &[0x77; 16]),
                     (56, ep),
                     (80, &[0x5a; 16]),
@@ -787,10 +802,6 @@ mod tests {
         as_request[12] = 1;
         assert_eq!(link(&LinkMessage::Request(LinkRequest { req_id, info, optional: true })), as_request);
         assert_eq!(LinkMessage::decode(&as_request), Ok(LinkMessage::Request(LinkRequest { req_id, info, optional: true })));
-        // Bytes 36..40 (an MR table's slots once) are zero.
-        let mut reserved = as_request.clone();
-        reserved[37] = 1;
-        assert_eq!(LinkMessage::decode(&reserved), Err(EBADMSG));
         // LINK_READY: the request's layout, its own kind, status 0 only.
         let mut as_ready = as_request.clone();
         as_ready[3] = 7;

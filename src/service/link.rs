@@ -3,6 +3,7 @@
 //! (closing, failed, LRU use), and the table that finds links by peer, by
 //! QP number and by the peer's request.
 
+use super::credit::{LinkCredit, MIN_WINDOW};
 use crate::meta::proto::LinkInfo;
 use crate::meta::Endpoint;
 use crate::rdma::{Gid, Qp};
@@ -63,6 +64,8 @@ pub struct Link {
     pub(super) last_used: AtomicU64,
     /// When it began closing (`coarse_ms`).
     pub(super) close_started: AtomicU64,
+    /// The messages' flow control, both directions (`credit`).
+    pub credit: LinkCredit,
 }
 
 impl Link {
@@ -74,7 +77,13 @@ impl Link {
         theirs: &LinkInfo,
         initiated: bool,
         psn: u32,
+        recv_window: u32,
+        grants_due: &Arc<AtomicBool>,
     ) -> crate::error::Result<Link> {
+        if theirs.window < MIN_WINDOW {
+            // A window no message fits in twice could stall us for good.
+            return Err(crate::error::Errno(libc::EPROTO));
+        }
         let qp_depth = qp.caps.send_wr;
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
@@ -97,6 +106,7 @@ impl Link {
             used: AtomicBool::new(false),
             last_used: AtomicU64::new(crate::clock::coarse_ms()),
             close_started: AtomicU64::new(0),
+            credit: LinkCredit::new(theirs.window, recv_window, Arc::clone(grants_due)),
         })
     }
 

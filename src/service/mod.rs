@@ -29,6 +29,7 @@
 //! and an eventfd (refill, stop), never spinning.
 
 mod ahs;
+pub mod credit;
 mod gate;
 mod link;
 mod link_side;
@@ -85,12 +86,21 @@ pub struct Options {
     pub max_gid_links: usize,
     /// `KRCORE_MAX_AHS`: address handles kept.
     pub max_ahs: usize,
+    /// `KRCORE_LINK_WINDOW_BYTES`: our receive window on each link.
+    pub window: u32,
 }
 
 impl Default for Options {
     fn default() -> Self {
         let cfg = crate::config::get();
-        Options { warm_qps: 4, link_send_wr: 256, srq_wr: 256, max_gid_links: cfg.max_gid_links, max_ahs: cfg.max_ahs }
+        Options {
+            warm_qps: 4,
+            link_send_wr: 256,
+            srq_wr: 256,
+            max_gid_links: cfg.max_gid_links,
+            max_ahs: cfg.max_ahs,
+            window: cfg.link_window,
+        }
     }
 }
 
@@ -182,6 +192,8 @@ struct Shared {
     link_msgs: Mutex<Vec<(LinkMessage, Source)>>,
     /// Address handles to peers' GIDs (from ours), for UD sends.
     ahs: Mutex<ahs::Bounded<Path, Arc<Ah>>>,
+    /// A grant is due on some link (`credit`): its VQPs let messages go.
+    grants_due: Arc<AtomicBool>,
     /// Indexes of our GIDs that link requests were sent to.
     gid_indexes: Mutex<HashMap<Gid, u32>>,
     /// The links' CQs, SRQ and probe target, made with the first link (or
@@ -364,6 +376,7 @@ impl Service {
             ud_turn: Mutex::new(()),
             link_msgs: Mutex::new(Vec::new()),
             ahs: Mutex::new(ahs::Bounded::new(opts.max_ahs)),
+            grants_due: Arc::default(),
             gid_indexes: Mutex::new(HashMap::new()),
             link_side: once_cell::sync::OnceCell::new(),
             link_side_ready: AtomicBool::new(false),
@@ -435,6 +448,12 @@ impl Service {
     /// send buffer in flight it is dropped (EAGAIN; the tier retransmits).
     pub fn send_datagram(&self, path: Path, qpn: u32, qkey: u32, bytes: &[u8]) -> Result<()> {
         self.shared.send_datagram(path, qpn, qkey, bytes)
+    }
+
+    /// Whether a grant may be due on some link, clearing the flag (the
+    /// caller looks at every link).
+    pub fn take_grants_due(&self) -> bool {
+        self.shared.grants_due.swap(false, Ordering::AcqRel)
     }
 
     /// Address handles kept (`KRCORE_MAX_AHS` at most).
@@ -772,7 +791,7 @@ impl Shared {
     fn info(&self, rc_qpn: u32, psn: u32, index: u16, src_gid: Gid, dst_gid: Gid) -> LinkInfo {
         // Made with the link's QP (a refusal carries none).
         let (addr, rkey) = self.link_side.get().map_or((0, 0), LinkSide::probe);
-        LinkInfo { from: self.me, rc_qpn, psn, probe_addr: addr, probe_rkey: rkey, link: index, src_gid, dst_gid }
+        LinkInfo { from: self.me, rc_qpn, psn, probe_addr: addr, probe_rkey: rkey, window: self.opts.window, link: index, src_gid, dst_gid }
     }
 
     /// The index of our GID `gid` (where a link request was sent to).
@@ -897,7 +916,7 @@ impl Shared {
         if theirs.from.incarnation != peer.incarnation || theirs.from.gid != peer.gid || theirs.src_gid != path.dgid {
             return Err(Errno(libc::ECONNREFUSED));
         }
-        let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn)?);
+        let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn, self.opts.window, &self.grants_due)?);
         // Known by its QP number before RTR, where it starts receiving: the
         // peer may send at once (a message, its LINK_CLOSE of a duplicate),
         // and a completion of a QP not in the table is dropped. Until RTS
@@ -1573,7 +1592,7 @@ impl Shared {
         let psn = rdma::random_psn();
         qp.to_rtr(path.sgid_index, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
         crate::kmark!("link: RTR");
-        let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn)?);
+        let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn, self.opts.window, &self.grants_due)?);
         {
             let _sends_wait = link.sq.lock();
             {

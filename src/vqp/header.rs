@@ -154,6 +154,8 @@ pub enum LinkOp {
     MrCheck = 1,
     /// The answer for `rkey`, in the payload.
     MrAnswer = 2,
+    /// Bytes of the link's window given back (`addr`).
+    Grant = 3,
 }
 
 impl LinkOp {
@@ -162,6 +164,7 @@ impl LinkOp {
             0 => Some(LinkOp::Close),
             1 => Some(LinkOp::MrCheck),
             2 => Some(LinkOp::MrAnswer),
+            3 => Some(LinkOp::Grant),
             _ => None,
         }
     }
@@ -187,6 +190,11 @@ impl Header {
     pub fn link(op: LinkOp, rkey: u32, addr: u64, tag: u32) -> Header {
         let len = if op == LinkOp::MrAnswer { super::mrcheck::ANSWER_LEN as u32 } else { 0 };
         Header { flags: Flags::LINK, dst: op as u32, rkey, addr, imm: tag.to_le(), len, ..Header::default() }
+    }
+
+    /// A GRANT of `n` bytes.
+    pub fn grant(n: u64) -> Header {
+        Header { flags: Flags::LINK, dst: LinkOp::Grant as u32, addr: n, ..Header::default() }
     }
 
     /// An MR_CHECK's or MR_ANSWER's tag.
@@ -311,6 +319,7 @@ impl Header {
             Some(LinkOp::Close) => self.len == 0 && self.rkey == 0 && self.addr == 0 && self.imm == 0,
             Some(LinkOp::MrCheck) => self.len == 0,
             Some(LinkOp::MrAnswer) => self.len == super::mrcheck::ANSWER_LEN as u32,
+            Some(LinkOp::Grant) => self.len == 0 && self.rkey == 0 && self.imm == 0 && self.addr > 0,
             None => false,
         }
     }
@@ -395,7 +404,10 @@ mod tests {
         let link_close = Header::link(LinkOp::Close, 0, 0, 0);
         let mr_check = Header::link(LinkOp::MrCheck, u32::MAX, u64::MAX, u32::MAX);
         let mr_answer = Header::link(LinkOp::MrAnswer, 7, 1, 2);
-        for h in [data, data_imm_port, write_imm, large(), large_min, done, close, link_close, mr_check, mr_answer] {
+        let grant = Header::grant(1 << 20);
+        assert_eq!(grant.link_op(), Some(LinkOp::Grant));
+        assert_eq!(Header::decode(&encoded(Header::grant(0))), Err(EBADMSG), "a grant of nothing");
+        for h in [data, data_imm_port, write_imm, large(), large_min, done, close, link_close, mr_check, mr_answer, grant] {
             assert_eq!(round_trip(h), h);
         }
     }

@@ -221,6 +221,17 @@ struct Held {
     header: Header,
     payload: Vec<u8>,
     origin: Origin,
+    /// Bytes of its link's window it holds (0: it came on the datagram
+    /// tier, or was made here), given back when it goes.
+    cost: u64,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(link) = self.origin.link.as_ref().filter(|_| self.cost > 0) {
+            link.credit.release(self.cost);
+        }
+    }
 }
 
 /// A large message being READ into a posted receive buffer.
@@ -670,7 +681,15 @@ pub(super) fn post_header_with(rt: &Runtime, link: &Link, h: &Header, payload: &
     if new_work && !link.is_open() {
         return false;
     }
-    let Some(d) = sq.try_post(true) else { return false };
+    // A CLOSE is a message the peer's VQP holds: within the link's window.
+    let cost = if h.flags.contains(Flags::CLOSE) { HEADER_LEN as u64 } else { 0 };
+    if cost > 0 && !link.credit.try_send(cost) {
+        return false;
+    }
+    let Some(d) = sq.try_post(true) else {
+        link.credit.unsend(cost);
+        return false;
+    };
     let tag = rt.next_tag();
     rt.large.track(tag, control(d.retired));
     let mut bytes = [0u8; crate::service::LINK_INLINE as usize];
@@ -691,6 +710,7 @@ pub(super) fn post_header_with(rt: &Runtime, link: &Link, h: &Header, payload: &
         // The link is gone: the peer learns it from its own completions.
         klog!(Level::Warn, "vqp: cannot send a {:?} header: {e:?}", h.flags);
         rt.large.take(tag);
+        link.credit.unsend(cost);
     }
     true
 }

@@ -1391,6 +1391,7 @@ impl Runtime {
             }
         }
         super::mrcheck::pump_owed(self);
+        self.pump_grants();
         self.wire.check(self);
     }
 
@@ -1498,6 +1499,12 @@ impl Runtime {
                     let payload = &bytes[HEADER_LEN..HEADER_LEN + h.carried_len() as usize];
                     super::mrcheck::on_answer(self, wc.qp_num, &h, payload);
                 }
+                (Some(link), Some(LinkOp::Grant)) => {
+                    if !link.credit.granted(h.addr) {
+                        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_OVERRUN);
+                        klog!(Level::Debug, "vqp: a grant of {} bytes, more than we sent on QP {}: ignored", h.addr, wc.qp_num);
+                    }
+                }
                 _ => klog!(Level::Warn, "vqp: a {:?} message on no link of ours (QP {})", h.link_op(), wc.qp_num),
             },
             Ok(h) if h.flags.contains(Flags::DONE) => match self.large.on_done(h.addr, wc.qp_num) {
@@ -1511,14 +1518,9 @@ impl Runtime {
             Ok(h) => {
                 // Exactly what arrived (checked by `received`).
                 let payload = &bytes[HEADER_LEN..HEADER_LEN + h.carried_len() as usize];
-                match (vqp::by_vqpn(h.dst), link) {
-                    (Some(v), Some(link)) if v.runs_on(self) => v.on_message(&h, payload, &link),
-                    (Some(_), Some(_)) => {
-                        // A VQP of another PD: never reached from here.
-                        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_REFUSED);
-                        klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} of another PD", h.dst);
-                    }
-                    _ => klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} (none here)", h.dst),
+                match link {
+                    Some(link) => self.on_vqp_message(&h, payload, &link),
+                    None => klog!(Level::Debug, "vqp: dropped a message on no link of ours (QP {})", wc.qp_num),
                 }
             }
             Err(e) => {
@@ -1538,6 +1540,59 @@ impl Runtime {
         }
         if let Err(e) = self.post_recv_buf(bufs, buf) {
             klog!(Level::Warn, "vqp: cannot repost a receive buffer: {e:?}");
+        }
+    }
+}
+
+impl Runtime {
+    /// A VQP's message on `link`: within the peer's share of the link's
+    /// window (`crate::service::credit`), to its VQP, which holds the
+    /// bytes while it holds the message.
+    fn on_vqp_message(&self, h: &Header, payload: &[u8], link: &Arc<crate::service::Link>) {
+        let cost = (HEADER_LEN + payload.len()) as u64;
+        if !link.credit.admit(cost) {
+            crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_OVERRUN);
+            klog!(Level::Debug, "vqp: dropped a message for VQP {:#x}: past the link's window (QP {})", h.dst, link.qp.qpn());
+            return;
+        }
+        let held = match vqp::by_vqpn(h.dst) {
+            Some(v) if v.runs_on(self) => v.on_message(h, payload, link, cost),
+            Some(_) => {
+                // A VQP of another PD: never reached from here.
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_REFUSED);
+                klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} of another PD", h.dst);
+                false
+            }
+            None => {
+                klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} (none here)", h.dst);
+                false
+            }
+        };
+        if !held {
+            link.credit.release(cost);
+        }
+        self.grant(link);
+    }
+
+    /// Give the peer on `link` back what its messages no longer hold here,
+    /// once half the window is owed (when the link has no room, at a
+    /// later progress).
+    pub fn grant(&self, link: &crate::service::Link) {
+        if !link.credit.grant_due() {
+            return;
+        }
+        let n = link.credit.take_grant();
+        if n > 0 && !super::qp::post_header_as(self, link, &Header::grant(n), |retired| Control::Header { retired }) {
+            link.credit.ungrant(n);
+        }
+    }
+
+    /// The grants due on any link (VQPs let held messages go).
+    pub fn pump_grants(&self) {
+        if self.svc.take_grants_due() {
+            for link in self.svc.live_links() {
+                self.grant(&link);
+            }
         }
     }
 }

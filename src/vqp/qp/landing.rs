@@ -61,9 +61,12 @@ impl Vqp {
     }
 
     /// A message for this VQP, arrived on `link` (progress).
-    pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>) {
+    /// It holds `cost` bytes of the link's window (`crate::service::credit`)
+    /// until it leaves this VQP; whether it is held still (else the bytes
+    /// are the caller's to give back).
+    pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>, cost: u64) -> bool {
         let mut st = self.st.lock();
-        self.take_message(&mut st, h, payload, Origin::of(link));
+        self.take_message(&mut st, h, payload, Origin::of(link), cost)
     }
 
     /// Messages of one datagram-tier flow, in its order (progress).
@@ -74,47 +77,55 @@ impl Vqp {
         let mut st = self.st.lock();
         before();
         for (h, payload) in batch {
-            self.take_message(&mut st, &h, &payload, origin.clone());
+            self.take_message(&mut st, &h, &payload, origin.clone(), 0);
         }
     }
 
-    fn take_message(&self, st: &mut State, h: &Header, payload: &[u8], origin: Origin) {
+    /// Whether the message is held (it then keeps its `cost`).
+    fn take_message(&self, st: &mut State, h: &Header, payload: &[u8], origin: Origin, cost: u64) -> bool {
         klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
         if !Self::takes_from(st, &origin.peer, &origin.path.dgid) {
             refused(self.vqpn, &origin.path.dgid, origin.peer.qpn);
-            return;
+            return false;
         }
         if h.flags.contains(Flags::CLOSE) {
             if st.bound.is_none() {
                 // A connected VQP keeps its own state; peer death is reported
                 // by the link.
-                return;
+                return false;
             }
             if st.held.is_empty() && st.reading.is_none() {
                 st.inbox.push_back(Inbox::Closed(origin.sender(h.src_vqpn)));
-            } else {
-                st.held.push_back(Held { header: *h, payload: Vec::new(), origin });
+                return false;
             }
-            return;
+            st.held.push_back(Held { header: *h, payload: Vec::new(), origin, cost });
+            return true;
         }
         // Behind held messages or a large one being READ: RC order. Not
         // connected yet: held until it is, which keeps only its peer's.
         if !st.held.is_empty() || st.reading.is_some() || Self::awaits_peer(st) || self.rq_is_empty(st) {
-            st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin });
-            return;
+            st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin, cost });
+            return true;
         }
         self.land(st, h, payload, &origin);
+        false
     }
 
     /// Land held messages while there are receive buffers (and no large
     /// message is being READ).
     pub fn deliver_held(&self) {
         let mut st = self.st.lock();
+        let had = st.held.len();
         self.drain_held(&mut st);
+        let released = st.held.len() < had;
         let mut out = Vec::new();
         self.flush_receives_if_failed(&mut st, &mut out);
         drop(st);
         out.into_iter().for_each(|c| self.deliver(&self.recv_soft, c));
+        if let Some(rt) = self.rt.get().filter(|_| released) {
+            // Their bytes of the links' windows: the senders may wait.
+            rt.pump_grants();
+        }
     }
 
     /// In the error state (moved to ERR, or its link failed) once every

@@ -41,6 +41,17 @@ impl Vqp {
         let wc_opcode = wc_opcode_of(w.opcode);
         let mut staged = None;
         let mut fetches = 0;
+        // A message's bytes of the link's window (its header, and what it
+        // carries when it fits a receive buffer): the peer holds them
+        // until its VQP lets the message go (`crate::service::credit`).
+        let cost = if is_send && total as usize <= MAX_MSG {
+            (HEADER_LEN + total as usize) as u64
+        } else if is_send || w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM {
+            HEADER_LEN as u64
+        } else {
+            0
+        };
+        let mut credit_wait: Option<std::time::Instant> = None;
         // One pass under the VQP's lock when nothing is missing; what must
         // wait (an MR check with the peer, staging, room on the link) is done
         // without it, and the pass starts over.
@@ -128,8 +139,30 @@ impl Vqp {
                 std::thread::yield_now();
                 continue;
             }
+            if cost > 0 && !link.credit.try_send(cost) {
+                // The peer still holds a window's worth of our messages
+                // (its VQPs have not received them): wait for its grant,
+                // as an RC sender waits out RNR, bounded as the wait for
+                // room on the link is; then as a full send queue.
+                drop(sq);
+                drop(guard);
+                let since = *credit_wait.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() > super::super::runtime::connect_timeout() {
+                    klog!(Level::Warn, "vqp {:#x}: the peer granted nothing back for {:?}: ENOMEM", self.vqpn, since.elapsed());
+                    return Err(Errno::ENOMEM);
+                }
+                rt.progress();
+                std::thread::yield_now();
+                continue;
+            }
             let entry = SendEntry { wr_id: w.wr_id, signaled, opcode: wc_opcode, byte_len: total, awaits_done: staged.is_some() };
-            let seq = st.sq.push(entry)?;
+            let seq = match st.sq.push(entry) {
+                Ok(seq) => seq,
+                Err(e) => {
+                    link.credit.unsend(cost);
+                    return Err(e);
+                }
+            };
             st.sent_msgs |= is_send || w.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
             klog!(Level::Debug, "vqp {:#x}: post opcode {} len {total} seq {seq} to {dst:#x}", self.vqpn, w.opcode);
             let large = staged.as_ref().map(|s| (s.addr(), s.rkey()));
@@ -146,6 +179,7 @@ impl Vqp {
                 if let Some((addr, _)) = large {
                     rt.large.unsend(addr);
                 }
+                link.credit.unsend(cost);
                 self.link_refused(&mut st.sq, seq, e);
             }
             return Ok(());

@@ -144,8 +144,8 @@ impl Vqp {
         let mut unread: Vec<(Arc<Link>, Header)> = st.reading.take().map(|r| (r.link, r.done)).into_iter().collect();
         let held: Vec<_> = st.held.drain(..).collect();
         for m in held.into_iter().filter(|m| m.header.flags.contains(super::Flags::LARGE)) {
-            if let Some(link) = m.origin.link {
-                unread.push((link, self.done_for(&m.header)));
+            if let Some(link) = &m.origin.link {
+                unread.push((Arc::clone(link), self.done_for(&m.header)));
             }
         }
         unread
