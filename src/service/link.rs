@@ -3,7 +3,7 @@
 //! (closing, failed, LRU use), and the table that finds links by peer, by
 //! QP number and by the peer's request.
 
-use super::credit::{LinkCredit, MIN_WINDOW};
+use super::credit::LinkCredit;
 use crate::meta::proto::LinkInfo;
 use crate::meta::Endpoint;
 use crate::rdma::{Gid, Qp};
@@ -69,6 +69,9 @@ pub struct Link {
 }
 
 impl Link {
+    // Every argument is a part of the link its two makers (an accept and
+    // a request) know differently.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         qp: Qp,
         peer: Endpoint,
@@ -77,13 +80,8 @@ impl Link {
         theirs: &LinkInfo,
         initiated: bool,
         psn: u32,
-        recv_window: u32,
-        grants_due: &Arc<AtomicBool>,
+        credit: LinkCredit,
     ) -> crate::error::Result<Link> {
-        if theirs.window < MIN_WINDOW {
-            // A window no message fits in twice could stall us for good.
-            return Err(crate::error::Errno(libc::EPROTO));
-        }
         let qp_depth = qp.caps.send_wr;
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
@@ -106,7 +104,7 @@ impl Link {
             used: AtomicBool::new(false),
             last_used: AtomicU64::new(crate::clock::coarse_ms()),
             close_started: AtomicU64::new(0),
-            credit: LinkCredit::new(theirs.window, recv_window, Arc::clone(grants_due)),
+            credit,
         })
     }
 

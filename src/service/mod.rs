@@ -794,6 +794,16 @@ impl Shared {
         LinkInfo { from: self.me, rc_qpn, psn, probe_addr: addr, probe_rkey: rkey, window: self.opts.window, link: index, src_gid, dst_gid }
     }
 
+    /// A new link's flow control: the peer's window (what we may send)
+    /// and ours. EPROTO when the peer's is too small for two messages (it
+    /// could stall us for good).
+    fn credit(&self, theirs: &LinkInfo) -> Result<credit::LinkCredit> {
+        if theirs.window < credit::MIN_WINDOW {
+            return Err(Errno(libc::EPROTO));
+        }
+        Ok(credit::LinkCredit::new(theirs.window, self.opts.window, Arc::clone(&self.grants_due)))
+    }
+
     /// The index of our GID `gid` (where a link request was sent to).
     fn our_gid_index(&self, gid: &Gid) -> Result<u32> {
         if let Some(&i) = self.gid_indexes.lock().get(gid) {
@@ -916,7 +926,7 @@ impl Shared {
         if theirs.from.incarnation != peer.incarnation || theirs.from.gid != peer.gid || theirs.src_gid != path.dgid {
             return Err(Errno(libc::ECONNREFUSED));
         }
-        let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn, self.opts.window, &self.grants_due)?);
+        let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn, self.credit(&theirs)?)?);
         // Known by its QP number before RTR, where it starts receiving: the
         // peer may send at once (a message, its LINK_CLOSE of a duplicate),
         // and a completion of a QP not in the table is dropped. Until RTS
@@ -1592,7 +1602,7 @@ impl Shared {
         let psn = rdma::random_psn();
         qp.to_rtr(path.sgid_index, &RcPeer { gid: path.dgid, qpn: theirs.rc_qpn, psn: theirs.psn })?;
         crate::kmark!("link: RTR");
-        let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn, self.opts.window, &self.grants_due)?);
+        let link = Arc::new(Link::new(qp, theirs.from, theirs.link, path, theirs, false, psn, self.credit(theirs)?)?);
         {
             let _sends_wait = link.sq.lock();
             {
