@@ -23,6 +23,9 @@
  * that must never deliver a message whose header lies about its length.
  * `vqp_guard stager` is the other side of tests/rdma_staging.rs: a bound
  * VQP answering each request with a large (staged) message.
+ * `vqp_guard holder` and `vqp_guard flooder` are the two sides of its
+ * window test: a bound VQP that posts receives only when told, and an
+ * honest sender that floods it.
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -393,6 +396,119 @@ static int stager(void)
 	}
 }
 
+/* The window test's messages (tests/rdma_staging.rs writes them too):
+ * WIN_LEN bytes, the sequence number (u32, little-endian), then the
+ * number's low byte repeated. */
+#define WIN_LEN 4000
+static void win_fill(uint8_t *p, uint32_t seq)
+{
+	memset(p, (int)(seq & 0xff), WIN_LEN);
+	memcpy(p, &seq, 4);
+}
+
+/* A bound VQP on node 1 (its own meta server, port PORT + 3) that posts
+ * no receive until told. Prints "holder ready <meta> <port>", then reads
+ * commands on stdin: "take <n> <first>" posts receives and takes the
+ * next n messages (sequence numbers first, first + 1, ..., each byte
+ * checked), printing "holder took <n> overrun <msgs_overrun>"; "quit". */
+static int holder(void)
+{
+	struct ct_node n;
+	struct ibv_qp *qp;
+	char line[64];
+	uint8_t want[WIN_LEN];
+
+	ct_watchdog(120);
+	ct_start_meta();
+	ct_node_open(&n, 1, NBUF * SLOT, 64);
+	qp = ct_node_vqp(&n, 4, NBUF);
+	CT_OK(qbind(qp, ct_node_gid(1), PORT + 3));
+	printf("holder ready %s %d\n", getenv("KRCORE_META"), PORT + 3);
+	fflush(stdout);
+	int posted = 0;
+	while (fgets(line, sizeof(line), stdin)) {
+		unsigned k, next;
+
+		if (strncmp(line, "quit", 4) == 0)
+			return 0;
+		int parsed = sscanf(line, "take %u %u", &k, &next);
+
+		CT_CHECK(parsed == 2, "a command: %s", line);
+		if (!posted) {
+			for (int i = 0; i < NBUF; i++)
+				post_recv_slot(qp, &n, i);
+			posted = 1;
+		}
+		for (unsigned got = 0; got < k;) {
+			struct ibv_qp *src;
+			struct ibv_wc wc;
+			int r = qpop_msgs(qp, 1, &src, &wc);
+
+			CT_CHECK(r >= 0, "qpop_msgs: %d", r);
+			if (r == 0) {
+				usleep(200);
+				continue;
+			}
+			CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == WIN_LEN, "message %u: %s, %u bytes", next,
+				 ibv_wc_status_str(wc.status), wc.byte_len);
+			win_fill(want, next);
+			ct_expect_bytes(n.b.p + wc.wr_id * SLOT, want, WIN_LEN, "a held message");
+			post_recv_slot(qp, &n, (int)wc.wr_id);
+			next++;
+			got++;
+		}
+		printf("holder took %u overrun %llu\n", k, (unsigned long long)krcore_stat_get(KRCORE_STAT_MSGS_OVERRUN));
+		fflush(stdout);
+	}
+	return 1;
+}
+
+/* An honest sender on node 2: qconnects to the holder (KRCORE_META, port
+ * PORT + 3) and posts `count` messages; prints "flooder posted <k>" after
+ * the first `first` and "flooder done <count> <longest post, us>" once
+ * every send completed. */
+static int flooder(unsigned first, unsigned count)
+{
+	enum { RING = 32 };
+	struct ct_node n;
+	struct ibv_qp *qp;
+	struct ibv_wc wc[RING];
+	unsigned outstanding = 0;
+	uint64_t longest = 0;
+
+	ct_watchdog(120);
+	ct_node_open(&n, 2, RING * WIN_LEN, 2 * RING);
+	qp = ct_node_vqp(&n, RING, 1);
+	CT_OK(qconnect(qp, ct_node_gid(1), PORT + 3));
+	for (unsigned k = 0; k < count; k++) {
+		struct timespec a, b;
+
+		if (outstanding == RING) {
+			ct_poll_n(n.scq, wc, 1, 60000);
+			CT_CHECK(wc[0].status == IBV_WC_SUCCESS, "send %lu: %s", (unsigned long)wc[0].wr_id,
+				 ibv_wc_status_str(wc[0].status));
+			outstanding--;
+		}
+		win_fill(n.b.p + (k % RING) * WIN_LEN, k);
+		clock_gettime(CLOCK_MONOTONIC, &a);
+		CT_OK(ct_post_send1(qp, k, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, (k % RING) * WIN_LEN, WIN_LEN, 0, 0, 0));
+		clock_gettime(CLOCK_MONOTONIC, &b);
+		uint64_t us = (uint64_t)(((int64_t)(b.tv_sec - a.tv_sec) * 1000000000 + (b.tv_nsec - a.tv_nsec)) / 1000);
+		longest = us > longest ? us : longest;
+		outstanding++;
+		if (k + 1 == first) {
+			printf("flooder posted %u\n", first);
+			fflush(stdout);
+		}
+	}
+	ct_poll_n(n.scq, wc, (int)outstanding, 60000);
+	for (unsigned i = 0; i < outstanding; i++)
+		CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "a send: %s", ibv_wc_status_str(wc[i].status));
+	printf("flooder done %u %llu\n", count, (unsigned long long)longest);
+	fflush(stdout);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	uint64_t info[4];
@@ -404,6 +520,10 @@ int main(int argc, char **argv)
 		return victim();
 	if (argc > 1 && strcmp(argv[1], "stager") == 0)
 		return stager();
+	if (argc > 1 && strcmp(argv[1], "holder") == 0)
+		return holder();
+	if (argc > 3 && strcmp(argv[1], "flooder") == 0)
+		return flooder((unsigned)atoi(argv[2]), (unsigned)atoi(argv[3]));
 	ct_watchdog(300);
 	meta_pid = ct_start_meta();
 	CT_CHECK(pipe(info_pipe) == 0, "pipe");

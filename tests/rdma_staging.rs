@@ -14,6 +14,14 @@
 //! and for one too big for it (a registration of its own). With the
 //! staging's MR rkey (main before the fix) the intruder read it all.
 //!
+//! And a peer cannot make a VQP hold more than its link's window
+//! (`KRCORE_LINK_WINDOW_BYTES`) of messages it has no receive for:
+//! `vqp_guard holder` posts no receive until told; a raw link that
+//! ignores the window sends it more, and the messages past the window are
+//! refused and counted, the others delivered byte for byte and granted
+//! back; then an honest sender (`vqp_guard flooder`, libkrcore) sends it
+//! many windows' worth, which waits for the grants and loses nothing.
+//!
 //! `#[ignore]`d without an RDMA device; the integration suite runs this in
 //! the VM (scripts/rxe-up.sh: 10.77.0.i is GID index i).
 
@@ -22,8 +30,8 @@ use krcore::meta::Key;
 use krcore::rdma::{ipv4_gid, Device, Region};
 use krcore::service::{Link, Options, Service};
 use krcore::sys::*;
-use krcore::vqp::header::{Flags, Header, HEADER_LEN};
-use std::io::{BufRead, BufReader, Lines};
+use krcore::vqp::header::{Flags, Header, LinkOp, HEADER_LEN};
+use std::io::{BufRead, BufReader, Lines, Write};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{ChildStdout, Command, Stdio};
@@ -57,10 +65,15 @@ fn stager_bin() -> PathBuf {
 
 /// The next line of the stager's that starts with "stager ".
 fn stager_line(lines: &mut Lines<BufReader<ChildStdout>>) -> String {
+    role_line(lines, "stager")
+}
+
+/// The next line of a `vqp_guard` role's that starts with its name.
+fn role_line(lines: &mut Lines<BufReader<ChildStdout>>, role: &str) -> String {
     loop {
-        let line = lines.next().expect("the stager exited").unwrap();
-        println!("stager: {line}");
-        if line.starts_with("stager ") {
+        let line = lines.next().unwrap_or_else(|| panic!("the {role} exited")).unwrap();
+        println!("{role}: {line}");
+        if line.starts_with(&format!("{role} ")) {
             return line;
         }
     }
@@ -163,10 +176,15 @@ impl Receives {
     /// The next LARGE header that arrives (LINK_READY and the like are
     /// skipped).
     fn next_large(&self, svc: &Service) -> Header {
+        self.next_where(svc, |h| h.flags.contains(Flags::LARGE))
+    }
+
+    /// The next header `want` takes (the others are skipped).
+    fn next_where(&self, svc: &Service, want: impl Fn(&Header) -> bool) -> Header {
         let (_, recvs) = svc.link_cqs().unwrap();
         let t0 = Instant::now();
         loop {
-            assert!(t0.elapsed() < Duration::from_secs(60), "no LARGE header came");
+            assert!(t0.elapsed() < Duration::from_secs(60), "no such header came");
             let (wr_id, status, byte_len) = poll_one(recvs, "a message to the intended peer");
             assert_eq!(status, ibv_wc_status::IBV_WC_SUCCESS, "a receive of the intended peer");
             let i = wr_id as usize;
@@ -174,7 +192,7 @@ impl Receives {
             let bytes = unsafe { self.bufs.bytes(i * RECV_BUF, byte_len as usize) }.to_vec();
             self.repost(svc, i);
             if let Ok(h) = Header::decode(&bytes) {
-                if h.flags.contains(Flags::LARGE) {
+                if want(&h) {
                     return h;
                 }
             }
@@ -252,4 +270,90 @@ fn a_staged_message_is_readable_only_over_the_link_it_was_announced_on() {
     let quit = [0u8; 8];
     send_header(&peer, &to_peer, &Header { src_vqpn: PEER_VQPN, dst: ep.vqpn, len: 8, ..Header::default() }, &quit);
     assert!(child.wait().unwrap().success(), "the stager failed");
+}
+
+/// `win_fill` of c-tests/vqp_guard.c: the window test's message `seq`.
+const WIN_LEN: usize = 4000;
+fn win_message(seq: u32) -> Vec<u8> {
+    let mut m = vec![seq as u8; WIN_LEN];
+    m[..4].copy_from_slice(&seq.to_le_bytes());
+    m
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_peer_cannot_make_a_vqp_hold_more_than_its_links_window() {
+    const WINDOW: u64 = 1 << 20; // KRCORE_LINK_WINDOW_BYTES, untuned
+    const COST: u64 = (HEADER_LEN + WIN_LEN) as u64;
+    const SENT: u32 = 400;
+    let admitted = (WINDOW / COST) as u32;
+    let mut holder = Command::new(stager_bin())
+        .arg("holder")
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run target/c-tests/vqp_guard holder (make -C c-tests)");
+    let mut to_holder = holder.stdin.take().unwrap();
+    let mut lines = BufReader::new(holder.stdout.take().unwrap()).lines();
+    let ready = role_line(&mut lines, "holder");
+    let f: Vec<&str> = ready.strip_prefix("holder ready ").expect("holder ready").split_whitespace().collect();
+    let (meta, port) = (f[0].to_string(), f[1].parse::<u32>().unwrap());
+    let dev = device();
+    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
+    let mc = MetaClient::connect(&dev, gid_index(&dev, 3), &client::parse_addrs(&meta).unwrap(), opts).expect("the holder's meta server");
+    let ep = mc.lookup(&Key::Port { gid: ipv4_gid(Ipv4Addr::new(10, 77, 0, 1)), port }).expect("lookup").expect("the holder's binding");
+
+    // A raw link that ignores the window: SENT messages to a VQP with no
+    // receive posted.
+    let flood = Service::start(&dev, gid_index(&dev, 3), Options::default()).unwrap();
+    let link = flood.link(&ep, 0, flood.default_path(&ep), Duration::from_secs(10)).expect("a link to the holder");
+    let recvs = Receives::post(&flood, &dev);
+    let buf = Region::new(&dev, HEADER_LEN + WIN_LEN, krcore::rdma::LOCAL_WRITE).unwrap();
+    for seq in 0..SENT {
+        let mut hb = [0u8; HEADER_LEN];
+        Header { src_vqpn: PEER_VQPN, dst: ep.vqpn, len: WIN_LEN as u32, ..Header::default() }.encode(&mut hb);
+        // SAFETY: our own buffer, no WQE in flight on it (each waited for).
+        let bytes = unsafe { buf.bytes_mut(0, HEADER_LEN + WIN_LEN) };
+        bytes[..HEADER_LEN].copy_from_slice(&hb);
+        bytes[HEADER_LEN..].copy_from_slice(&win_message(seq));
+        let mut sge = buf.sge(0, HEADER_LEN + WIN_LEN);
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        assert_eq!(post_and_wait(&flood, &link, &mut wr, "a SEND"), ibv_wc_status::IBV_WC_SUCCESS, "message {seq}");
+    }
+    writeln!(to_holder, "take {admitted} 0").unwrap();
+    assert_eq!(
+        role_line(&mut lines, "holder"),
+        format!("holder took {admitted} overrun {}", SENT - admitted),
+        "the window's worth delivered in order, the rest refused and counted"
+    );
+    // Taken, they were granted back once half the window was owed.
+    let grant = recvs.next_where(&flood, |h| h.link_op() == Some(LinkOp::Grant));
+    let half = WINDOW / 2;
+    assert_eq!(grant.addr, half.div_ceil(COST) * COST, "one GRANT, of the messages taken when half the window was owed");
+    drop((recvs, link, flood));
+
+    // An honest sender, many windows' worth: it waits for the grants.
+    let mut flooder = Command::new(stager_bin())
+        .args(["flooder", "200", "1000"])
+        .env("KRCORE_META", &meta)
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run target/c-tests/vqp_guard flooder");
+    let mut flooder_lines = BufReader::new(flooder.stdout.take().unwrap()).lines();
+    assert_eq!(role_line(&mut flooder_lines, "flooder"), "flooder posted 200");
+    writeln!(to_holder, "take 1000 0").unwrap();
+    assert_eq!(role_line(&mut lines, "holder"), format!("holder took 1000 overrun {}", SENT - admitted), "nothing honest refused");
+    let done = role_line(&mut flooder_lines, "flooder");
+    assert!(done.starts_with("flooder done 1000 "), "{done}");
+    println!("the honest sender's longest ibv_post_send: {} us", done.rsplit(' ').next().unwrap());
+    assert!(flooder.wait().unwrap().success(), "the flooder failed");
+    writeln!(to_holder, "quit").unwrap();
+    assert!(holder.wait().unwrap().success(), "the holder failed");
 }
