@@ -41,6 +41,9 @@
 static int info_pipe[2];  /* server -> parent: given addr, rkey; secret rkey */
 static int done_pipe[2];  /* parent -> server: report your counters */
 static int stats_pipe[2]; /* server -> parent: its counters */
+/* node 3 -> parent: it READ; parent -> node 3: the server counted, go
+ * (a process that exits fails its links at its peers sooner or later). */
+static int by_pipe[2], go_pipe[2];
 
 static int server(int ready_fd)
 {
@@ -134,6 +137,8 @@ static int bystander(int ready_fd)
 	ct_expect_pattern(n.b.p, LEN / 2, 1, "the given MR from node 3");
 	printf("node 3: first READ (its rkey checked) in %.1f ms\n", (ct_now_ns() - t0) / 1e6);
 	CT_CHECK(ct_now_ns() - t0 < 1000000000ull, "node 3's first READ waited for node 2's guesses");
+	CT_CHECK(write(by_pipe[1], "B", 1) == 1, "read");
+	ct_oob_read(go_pipe[0], &t0, 1);
 	close_client(&n, qp);
 	return 0;
 }
@@ -149,7 +154,9 @@ int main(void)
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	ct_watchdog(300);
 	meta_pid = ct_start_meta();
-	CT_CHECK(pipe(info_pipe) == 0 && pipe(done_pipe) == 0 && pipe(stats_pipe) == 0, "pipes");
+	CT_CHECK(pipe(info_pipe) == 0 && pipe(done_pipe) == 0 && pipe(stats_pipe) == 0 && pipe(by_pipe) == 0 &&
+			 pipe(go_pipe) == 0,
+		 "pipes");
 	srv = ct_fork_ready(server, "the server (node 1)");
 	ct_oob_read(info_pipe[0], info, sizeof(info));
 	given_addr = info[0];
@@ -197,13 +204,19 @@ int main(void)
 	CT_CHECK(took >= (uint64_t)((GUESSES + EARLY_MISSES - RATE) * 1000 / RATE - 100) * 1000000ull,
 		 "%d misses in %.0f ms: guessing is not bounded", GUESSES + EARLY_MISSES, took / 1e6);
 	by = ct_fork_ready(bystander, "a client on node 3");
-	fails += ct_wait_child(by, "the client on node 3");
+	{
+		char b;
+
+		ct_oob_read(by_pipe[0], &b, 1);
+	}
 	/* Node 2's own check of a real rkey still works once it waited. */
 	memset(n.b.p, 0, LEN);
 	CT_CHECK(rdma(&n, qp, IBV_WR_RDMA_READ, given_addr, given_rkey, LEN / 2) == 0, "READ after guessing");
 	ct_expect_pattern(n.b.p, LEN / 2, 1, "the given MR after guessing");
 	CT_CHECK(write(done_pipe[1], "D", 1) == 1, "done");
 	ct_oob_read(stats_pipe[0], stats, sizeof(stats));
+	CT_CHECK(write(go_pipe[1], "G", 1) == 1, "go");
+	fails += ct_wait_child(by, "the client on node 3");
 	printf("server: mr_checks %llu, mr_check_misses %llu, mr_checks_busy %llu, links_failed %llu\n",
 	       (unsigned long long)stats[0], (unsigned long long)stats[1], (unsigned long long)stats[2],
 	       (unsigned long long)stats[3]);

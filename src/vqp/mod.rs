@@ -20,6 +20,7 @@ pub mod rc;
 pub mod registry;
 pub mod runtime;
 pub mod srq;
+pub mod window;
 pub mod wire;
 pub mod wr_builder;
 pub mod wrid;

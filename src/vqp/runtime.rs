@@ -1544,59 +1544,6 @@ impl Runtime {
     }
 }
 
-impl Runtime {
-    /// A VQP's message on `link`: within the peer's share of the link's
-    /// window (`crate::service::credit`), to its VQP, which holds the
-    /// bytes while it holds the message.
-    fn on_vqp_message(&self, h: &Header, payload: &[u8], link: &Arc<crate::service::Link>) {
-        let cost = (HEADER_LEN + payload.len()) as u64;
-        if !link.credit.admit(cost) {
-            crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_OVERRUN);
-            klog!(Level::Debug, "vqp: dropped a message for VQP {:#x}: past the link's window (QP {})", h.dst, link.qp.qpn());
-            return;
-        }
-        let held = match vqp::by_vqpn(h.dst) {
-            Some(v) if v.runs_on(self) => v.on_message(h, payload, link, cost),
-            Some(_) => {
-                // A VQP of another PD: never reached from here.
-                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_MSGS_REFUSED);
-                klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} of another PD", h.dst);
-                false
-            }
-            None => {
-                klog!(Level::Debug, "vqp: dropped a message for VQP {:#x} (none here)", h.dst);
-                false
-            }
-        };
-        if !held {
-            link.credit.release(cost);
-        }
-        self.grant(link);
-    }
-
-    /// Give the peer on `link` back what its messages no longer hold here,
-    /// once half the window is owed (when the link has no room, at a
-    /// later progress).
-    pub fn grant(&self, link: &crate::service::Link) {
-        if !link.credit.grant_due() {
-            return;
-        }
-        let n = link.credit.take_grant();
-        if n > 0 && !super::qp::post_header_as(self, link, &Header::grant(n), |retired| Control::Header { retired }) {
-            link.credit.ungrant(n);
-        }
-    }
-
-    /// The grants due on any link (VQPs let held messages go).
-    pub fn pump_grants(&self) {
-        if self.svc.take_grants_due() {
-            for link in self.svc.live_links() {
-                self.grant(&link);
-            }
-        }
-    }
-}
-
 /// When an MR of real `pd` that peers can access may really be
 /// deregistered: after the MR lease (`KRCORE_MR_LEASE_MS`, plus a tenth for
 /// operations in flight) when the PD has a runtime with links; None when
