@@ -207,6 +207,9 @@ enum krcore_stat {
   // Messages refused because their sender went past the link's window
   // (`KRCORE_LINK_WINDOW_BYTES`), and grants of more than was sent.
   KRCORE_STAT_MSGS_OVERRUN,
+  // `Bind`s sent again because the meta server had not seen the proof
+  // of their GID yet (it came after the request, or was lost).
+  KRCORE_STAT_META_PROOF_RETRIES,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

@@ -194,6 +194,9 @@ pub enum krcore_stat {
     /// Messages refused because their sender went past the link's window
     /// (`KRCORE_LINK_WINDOW_BYTES`), and grants of more than was sent.
     KRCORE_STAT_MSGS_OVERRUN,
+    /// `Bind`s sent again because the meta server had not seen the proof
+    /// of their GID yet (it came after the request, or was lost).
+    KRCORE_STAT_META_PROOF_RETRIES,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -273,6 +276,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "mr_checks_busy\0",
     "ahs_refused\0",
     "msgs_overrun\0",
+    "meta_proof_retries\0",
 ];
 
 /// A counter's name ("post_send").

@@ -614,6 +614,9 @@ struct RawClient {
     qp: krcore::rdma::Qp,
     /// `[0, META_LEN)`: what we send; `[META_LEN, 2 * META_LEN)`: the response.
     bufs: krcore::rdma::Region,
+    /// Its `Welcome` (the proof QP, its token).
+    welcome: krcore::meta::proto::Welcome,
+    prover: krcore::meta::proof::Prover,
 }
 
 impl RawClient {
@@ -638,7 +641,27 @@ impl RawClient {
         let w = Welcome::decode(&buf).expect("a Welcome");
         assert_eq!(w.status, 0, "welcomed");
         qp.rc_connect(gi, psn, &RcPeer { gid: w.gid, qpn: w.qpn, psn: w.psn }).expect("RTR, RTS");
-        RawClient { _tcp: tcp, cq, qp, bufs }
+        let mut prover = krcore::meta::proof::Prover::new(dev).expect("a UD QP");
+        prover.aim(&w);
+        RawClient { _tcp: tcp, cq, qp, bufs, welcome: w, prover }
+    }
+
+    /// Send a proof of this connection from our `node`'s GID.
+    fn prove(&mut self, node: u8) {
+        self.prover.prove(&ipv4_gid(Ipv4Addr::new(10, 77, 0, node)), Duration::from_secs(5)).expect("a proof sent");
+    }
+
+    /// Send `req` (whole) until the server has seen our proofs: the first
+    /// answer that is not EAGAIN, or the last after `limit`.
+    fn send_proven(&self, req: &krcore::meta::proto::Request, limit: Duration) -> krcore::meta::proto::Response {
+        let t0 = Instant::now();
+        loop {
+            let r = self.send(req, krcore::meta::proto::META_LEN);
+            if r.status != libc::EAGAIN as u32 || t0.elapsed() > limit {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// SEND the first `len` bytes of `req` (encoded), wait (bounded) for
@@ -709,7 +732,8 @@ fn a_short_request_is_refused_not_read_with_stale_bytes() {
     use krcore::meta::proto::{Op, Request, Response, META_LEN};
     let meta = Meta::start(30_000);
     let dev = device();
-    let c = RawClient::connect(&dev, 2, &meta);
+    let mut c = RawClient::connect(&dev, 2, &meta);
+    c.prove(2);
     let t0 = Instant::now();
     let (a, b, d) = (port_key(2, 7400), port_key(2, 7401), port_key(2, 7402));
     let (ea, eb, ed) = (endpoint(2, 0x401, 50), endpoint(2, 0x402, 50), endpoint(2, 0x403, 50));
@@ -719,7 +743,8 @@ fn a_short_request_is_refused_not_read_with_stale_bytes() {
     // Whole Binds of a (the first binds it, the others renew it), as many
     // as the server has receive slots for this client (8): every slot has
     // held one.
-    for id in 1..=8 {
+    assert_eq!(c.send_proven(&req(Op::Bind, 1, a, ea, sa), Duration::from_secs(2)), ok(1, 1), "a whole Bind");
+    for id in 2..=8 {
         assert_eq!(c.send(&req(Op::Bind, id, a, ea, sa), META_LEN), ok(id, 1), "a whole Bind");
     }
     assert_eq!(query(&[meta.addr], &a, Duration::from_secs(5)), Ok(Some(ea)));
@@ -750,4 +775,82 @@ fn a_short_request_is_refused_not_read_with_stale_bytes() {
     assert_eq!(at_d, Ok(Some(ed)));
     assert_eq!(c.send(&req(Op::Unbind, 13, a, ea, sa), META_LEN), ok(13, 1), "a whole Unbind of a");
     assert_eq!(query(&[meta.addr], &a, t), Ok(None));
+}
+
+/// Item 2 of the trust boundary: a key names a GID, and only a client
+/// whose connection proved that GID (a datagram from it, carrying the
+/// connection's token) binds under it. Before, any client bound under any
+/// GID: a stranger on another host could take a server's (GID, port)
+/// before it bound, or after its lease ran out, and its clients reached
+/// the stranger. A raw client on node 3 plays a stranger that cannot send
+/// from node 2's GID (in the testbed every node is a GID of one device, so
+/// any process could; on a fabric only node 2's host can).
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_key_is_bound_only_under_a_gid_its_client_proved() {
+    use krcore::meta::client::query;
+    use krcore::meta::proof::Prover;
+    use krcore::meta::proto::{Op, Request, Response, Welcome};
+    let meta = Meta::start(30_000);
+    let dev = device();
+    let t = Duration::from_secs(5);
+    let mut stranger = RawClient::connect(&dev, 3, &meta);
+    let (theirs, mine) = (port_key(2, 7500), port_key(3, 7500));
+    let secret = 0x5ec0_0000_0000_0c03u64;
+    let bind = |req_id, key| Request { op: Op::Bind, req_id, lease_ms: 30_000, key, endpoint: endpoint(3, 0x503, 51), secret };
+    let eagain = |req_id| Response { req_id, status: libc::EAGAIN as u32, held: 0 };
+
+    // Nothing proven: neither GID.
+    assert_eq!(stranger.send(&bind(1, theirs), krcore::meta::proto::META_LEN), eagain(1), "node 2's GID, unproven");
+    assert_eq!(stranger.send(&bind(2, mine), krcore::meta::proto::META_LEN), eagain(2), "its own GID, not proven yet");
+    // Forged proofs from node 2's GID prove nothing for it: another
+    // token, and its own token naming another client.
+    let node2 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 2));
+    let w = stranger.welcome;
+    let mut forged = Prover::new(&dev).unwrap();
+    forged.aim(&Welcome { token: w.token ^ 1, ..w });
+    forged.prove(&node2, t).unwrap();
+    let mut elsewhere = Prover::new(&dev).unwrap();
+    elsewhere.aim(&Welcome { qpn: w.qpn ^ 1, ..w });
+    elsewhere.prove(&node2, t).unwrap();
+    // Its own GID, proven: its own key binds (once the datagram is in).
+    stranger.prove(3);
+    let t0 = Instant::now();
+    let bound = stranger.send_proven(&bind(3, mine), Duration::from_secs(2));
+    println!("measure: own GID proven, Bind answered {} after {:?}", bound.status, t0.elapsed());
+    assert_eq!(bound.status, 0, "a key under the GID it proved");
+    // Node 2's GID is still not proven for it, whatever came from there.
+    let refused = stranger.send(&bind(4, theirs), krcore::meta::proto::META_LEN);
+    println!("measure: a Bind under node 2's GID, after the forged proofs: status {}", refused.status);
+    assert_eq!(refused.status, libc::EAGAIN as u32, "node 2's GID: the forged proofs proved nothing");
+    assert_eq!(query(&[meta.addr], &theirs, t), Ok(None), "nothing bound under node 2's GID");
+
+    // The process on node 2 binds its own port: its client proved its GID
+    // at connect; no retry.
+    let retries = || krcore::stats::get(krcore::stats::Stat::KRCORE_STAT_META_PROOF_RETRIES as usize).unwrap();
+    let before = retries();
+    let owner = client(&dev, 2, &meta, Duration::from_secs(10));
+    let t0 = Instant::now();
+    owner.bind(&theirs, &endpoint(2, 0x502, 52)).expect("node 2 binds under its GID");
+    println!("measure: the library's first Bind after connect took {:?}", t0.elapsed());
+    assert_eq!(query(&[meta.addr], &theirs, t), Ok(Some(endpoint(2, 0x502, 52))));
+    // Another GID of its device: proven when first used.
+    let node4 = port_key(4, 7500);
+    owner.bind(&node4, &endpoint(2, 0x502, 52)).expect("a key under another GID of its device");
+    println!("measure: proof retries of the two Binds: {}", retries() - before);
+    // A GID that is not on its device: refused before asking the server.
+    let nowhere = Key::Port { gid: ipv4_gid(Ipv4Addr::new(10, 99, 0, 9)), port: 7500 };
+    assert_eq!(owner.bind(&nowhere, &endpoint(2, 0x502, 52)).unwrap_err(), Errno(libc::EADDRNOTAVAIL));
+
+    // A server that takes one GID per client: the library's client proved
+    // its own at connect, so a second GID's proof is dropped; its Bind is
+    // retried for a second (proving again), then fails EACCES.
+    let strict = Meta::start_with(30_000, &["--max-gids-per-client", "1"]);
+    let c = client(&dev, 2, &strict, Duration::from_secs(10));
+    c.bind(&port_key(2, 7501), &endpoint(2, 0x502, 52)).expect("under its proven GID");
+    let (t0, before) = (Instant::now(), retries());
+    assert_eq!(c.bind(&port_key(4, 7501), &endpoint(2, 0x502, 52)).unwrap_err(), Errno(libc::EACCES));
+    println!("measure: a GID beyond the server's bound: EACCES after {:?}, {} retries", t0.elapsed(), retries() - before);
+    assert!(t0.elapsed() < Duration::from_secs(3), "bounded by PROOF_WAIT");
+    assert_eq!(query(&[strict.addr], &port_key(4, 7501), t), Ok(None));
 }

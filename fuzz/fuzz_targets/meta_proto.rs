@@ -1,4 +1,4 @@
-//! The boot (TCP) and meta (RC SEND) protocols with `krcore-meta` on
+//! The boot (TCP), meta (RC SEND) and proof (UD) protocols with `krcore-meta` on
 //! arbitrary bytes: no decoder panics; what one decodes re-encodes to
 //! exactly the input; kinds are unique across families, so at most one
 //! message type accepts a buffer (the link family included); and the
@@ -6,7 +6,9 @@
 //! decoders of the two messages it accepts.
 #![no_main]
 
-use krcore::meta::proto::{Answer, BootMessage, Hello, LinkMessage, Query, Request, Response, Welcome, BOOT_LEN, META_LEN};
+use krcore::meta::proto::{
+    Answer, BootMessage, Hello, LinkMessage, Proof, Query, Request, Response, Welcome, BOOT_LEN, META_LEN, PROOF_LEN,
+};
 use libfuzzer_sys::fuzz_target;
 
 /// Re-encodes a decoded message into a buffer pre-filled with garbage (the
@@ -25,6 +27,7 @@ fuzz_target!(|data: &[u8]| {
     let request = Request::decode(data);
     let response = Response::decode(data);
     let link = LinkMessage::decode(data);
+    let proof = Proof::decode(data);
     let boot = BootMessage::decode(data);
 
     if let Ok(m) = &hello {
@@ -45,8 +48,12 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(m) = &response {
         recode::<_, META_LEN>(data, m, Response::encode);
     }
+    if let Ok(m) = &proof {
+        recode::<_, PROOF_LEN>(data, m, Proof::encode);
+    }
 
-    let accepted = [hello.is_ok(), welcome.is_ok(), query.is_ok(), answer.is_ok(), request.is_ok(), response.is_ok(), link.is_ok()];
+    let accepted =
+        [hello.is_ok(), welcome.is_ok(), query.is_ok(), answer.is_ok(), request.is_ok(), response.is_ok(), link.is_ok(), proof.is_ok()];
     assert!(accepted.iter().filter(|&&ok| ok).count() <= 1, "{accepted:?}");
     match boot {
         Ok(BootMessage::Hello(m)) => assert_eq!(hello, Ok(m)),

@@ -4,7 +4,8 @@
 //! that the committed files are still these bytes).
 
 use krcore::meta::proto::{
-    Answer, Hello, LinkInfo, LinkReady, LinkReply, LinkRequest, Op, Query, Request, Response, Welcome, BOOT_LEN, LINK_LEN, META_LEN,
+    Answer, Hello, LinkInfo, LinkReady, LinkReply, LinkRequest, Op, Proof, Query, Request, Response, Welcome, BOOT_LEN, LINK_LEN, META_LEN,
+    PROOF_LEN,
 };
 use krcore::meta::table::{EndpointSchema, RemoteTable, Schema, Table, HEADER_SIZE};
 use krcore::meta::{Endpoint, Key};
@@ -135,6 +136,9 @@ fn meta_seeds() -> Vec<Seed> {
         table_rkey: 0xdd,
         table_slots: 1 << 16,
         incarnation: 0x0123_4567_89ab_cdef,
+        proof_qpn: 0x12_3456,
+        token: 0x0a0b_0c0d,
+        gid6: [0xfe; 16],
     };
     let request = |op, key| Request { op, req_id: 42, lease_ms: 1000, key, endpoint: endpoint(), secret: 0x5ec2_e7f0_0d15_ea5e };
     vec![
@@ -150,6 +154,7 @@ fn meta_seeds() -> Vec<Seed> {
         ("request_renew", encoded::<META_LEN>(|b| request(Op::Renew, port).encode(b))),
         ("request_renew_all", encoded::<META_LEN>(|b| request(Op::RenewAll, vqpn).encode(b))),
         ("response", encoded::<META_LEN>(|b| Response { req_id: 42, status: EADDRINUSE, held: 3 }.encode(b))),
+        ("proof", encoded::<PROOF_LEN>(|b| Proof { conn_qpn: 0x12_3456, token: 0x0a0b_0c0d }.encode(b))),
     ]
 }
 

@@ -32,6 +32,7 @@ fn decodes(target: &str, name: &str, seed: &[u8]) -> bool {
                 || krcore::meta::proto::Answer::decode(seed).is_ok()
                 || Request::decode(seed).is_ok()
                 || Response::decode(seed).is_ok()
+                || krcore::meta::proto::Proof::decode(seed).is_ok()
         }
         "meta_table" => {
             let key = table_input::endpoint_key(seed[HEADER_SIZE..].first_chunk().unwrap());

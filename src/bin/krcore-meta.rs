@@ -55,6 +55,11 @@ fn main() {
         ))
         .arg(bound("max-pending", d.pending, "connections owing their Hello (queriers included); one beyond is reset"))
         .arg(bound("max-entries-per-client", d.entries_per_client, "entries one client holds; a Bind beyond is answered EDQUOT"))
+        .arg(bound(
+            "max-gids-per-client",
+            d.gids_per_client as u32,
+            "GIDs one client proves (it binds keys under proven GIDs only); a proof beyond is dropped",
+        ))
         .get_matches();
     let n = |name: &str| *m.get_one::<u32>(name).expect("defaulted");
     let limits = Limits {
@@ -62,6 +67,7 @@ fn main() {
         clients_per_ip: n("max-clients-per-ip") as usize,
         pending: n("max-pending") as usize,
         entries_per_client: n("max-entries-per-client"),
+        gids_per_client: n("max-gids-per-client") as usize,
     };
     let cfg = Config {
         listen: *m.get_one::<SocketAddrV4>("listen").expect("required"),

@@ -38,6 +38,7 @@
 //! the background thread sleeps in poll(2) on the TCP connections and an
 //! eventfd, and on the replicas' completion channels, never spinning.
 
+use super::proof::Prover;
 use super::proto::{self, Hello, Op, Request, Response, Welcome};
 use super::table::{Lookup, RemoteEndpointTable, HEADER_SIZE, NEIGHBORHOOD};
 use super::{Endpoint, Key};
@@ -91,6 +92,11 @@ fn send_off(i: usize) -> usize {
         BATCH_OFF + (PIPELINE - 1 + i - 1) * proto::META_LEN
     }
 }
+
+/// How long a `Bind` under a GID whose proof the server has not seen is
+/// retried (the proof sent again each time) before it fails EACCES: a
+/// proof is one datagram, lost only when the server's receives are full.
+const PROOF_WAIT: Duration = Duration::from_secs(1);
 
 /// The longest sleep of a request's wait between looks at its replica's
 /// state (only while a request is outstanding).
@@ -161,6 +167,14 @@ struct Conn {
     refused: HashSet<Key>,
     /// A transport failure: the QP may hold work we no longer track.
     broken: bool,
+    /// Proves to the server the GIDs we bind keys under.
+    prover: Prover,
+    /// The GIDs proven (whose proof was sent) on this connection.
+    proven: HashSet<rdma::Gid>,
+    /// The GIDs whose last `Bind` failed for want of a proof: the server
+    /// never saw one (the datagram cannot reach it from there, such as a
+    /// link-local GID across a router) or cannot (EADDRNOTAVAIL).
+    unprovable: HashSet<rdma::Gid>,
 }
 
 pub struct MetaClient {
@@ -459,6 +473,12 @@ impl MetaClient {
         }
         bound.insert(*key, *ep);
         Ok(())
+    }
+
+    /// Whether keys under `gid` may be bound: no connected replica found
+    /// that it cannot be proven there (see [`Conn::requests`]).
+    pub fn provable(&self, gid: &rdma::Gid) -> bool {
+        self.replicas.iter().all(|r| r.conn.lock().as_ref().is_none_or(|c| !c.unprovable.contains(gid)))
     }
 
     /// Bind every key of `keys` to `ep`, all or none: as [`bind`] does
@@ -852,6 +872,8 @@ impl Conn {
         let mut out = [0u8; proto::BOOT_LEN];
         hello.encode(&mut out);
         tcp.write_all(&out)?;
+        // Made while the server brings its QP up.
+        let mut prover = Prover::new(dev)?;
         let mut buf = [0u8; proto::BOOT_LEN];
         tcp.read_exact(&mut buf)?;
         crate::kmark!("meta: welcome received (TCP round trip)");
@@ -859,8 +881,12 @@ impl Conn {
         if w.status != 0 {
             return Err(Errno(w.status as i32));
         }
+        // Our GID first: the keys of a `qbind` are under it, and the proof
+        // is there before our first `Bind` can be.
+        prover.aim(&w);
+        prover.prove(&hello.gid, timeout)?;
         qp.rc_connect(sgid_index, psn, &RcPeer { gid: w.gid, qpn: w.qpn, psn: w.psn })?;
-        crate::kmark!("meta: QP RTR + RTS");
+        crate::kmark!("meta: proof sent, QP RTR + RTS");
         let mut c = Conn {
             tcp,
             cq,
@@ -873,6 +899,9 @@ impl Conn {
             next_req: 1,
             refused: HashSet::new(),
             broken: false,
+            prover,
+            proven: HashSet::from([hello.gid]),
+            unprovable: HashSet::new(),
         };
         c.post_recv()?;
         // The header, once: it says how to find a key's neighborhood.
@@ -950,12 +979,94 @@ impl Conn {
         self.requests(op, lease_ms, std::slice::from_ref(key), ep, timeout, state)?.remove(0)
     }
 
-    /// Up to [`PIPELINE`] requests (one per key, all with `ep`) sent at
-    /// once and their responses, in order: each one's `held` or the
-    /// server's verdict; the outer error is a transport failure
-    /// (`broken`). The server answers a client's requests in order, and
-    /// holds [`PIPELINE`] receives for it.
+    /// Up to [`PIPELINE`] requests (one per key, all with `ep`) and their
+    /// responses, in order: each one's `held` or the server's verdict; the
+    /// outer error is a transport failure (`broken`). The GIDs of the keys
+    /// a `Bind` names are proven first; one the server answers EAGAIN (it
+    /// has not seen the proof: the datagram may come after the request, or
+    /// be lost) is proven again and retried, for [`PROOF_WAIT`] at most,
+    /// then fails EACCES (EADDRNOTAVAIL: a GID that is not ours).
     fn requests(
+        &mut self,
+        op: Op,
+        lease_ms: u32,
+        keys: &[Key],
+        ep: &Endpoint,
+        timeout: Duration,
+        state: &AtomicU8,
+    ) -> Result<Vec<Result<u32>>> {
+        if !matches!(op, Op::Bind | Op::Renew) {
+            return self.send_requests(op, lease_ms, keys, ep, timeout, state);
+        }
+        let mut out: Vec<Result<u32>> = vec![Err(Errno(libc::EAGAIN)); keys.len()];
+        for (i, key) in keys.iter().enumerate() {
+            if self.proven.contains(key.gid()) {
+                continue;
+            }
+            match self.prover.prove(key.gid(), timeout) {
+                Ok(()) => {
+                    self.proven.insert(*key.gid());
+                }
+                Err(e) if e.0 == libc::EADDRNOTAVAIL => out[i] = Err(e),
+                // The server says EAGAIN, and it is proven again below.
+                Err(e) => klog!(Level::Warn, "meta: cannot prove GID {}: {e:?}", std::net::Ipv6Addr::from(*key.gid())),
+            }
+        }
+        let deadline = Instant::now() + PROOF_WAIT.min(timeout);
+        let mut pause = Duration::from_micros(50);
+        let mut first = true;
+        loop {
+            let todo: Vec<usize> = (0..keys.len()).filter(|&i| out[i] == Err(Errno(libc::EAGAIN))).collect();
+            if todo.is_empty() {
+                return Ok(out);
+            }
+            if !first {
+                if Instant::now() + pause > deadline {
+                    for i in todo {
+                        out[i] = Err(Errno(libc::EACCES));
+                    }
+                    break;
+                }
+                stats::inc(Stat::KRCORE_STAT_META_PROOF_RETRIES);
+                std::thread::sleep(pause);
+                pause = (pause * 4).min(Duration::from_millis(100));
+                for gid in todo.iter().map(|&i| *keys[i].gid()).collect::<HashSet<_>>() {
+                    if let Err(e) = self.prover.prove(&gid, timeout) {
+                        klog!(Level::Warn, "meta: cannot prove GID {}: {e:?}", std::net::Ipv6Addr::from(gid));
+                    }
+                }
+            }
+            first = false;
+            let batch: Vec<Key> = todo.iter().map(|&i| keys[i]).collect();
+            for (i, r) in todo.into_iter().zip(self.send_requests(op, lease_ms, &batch, ep, timeout, state)?) {
+                out[i] = r;
+            }
+        }
+        for (key, r) in keys.iter().zip(&out) {
+            match r {
+                Err(e) if e.0 == libc::EACCES || e.0 == libc::EADDRNOTAVAIL => {
+                    if self.unprovable.insert(*key.gid()) {
+                        klog!(
+                            Level::Info,
+                            "meta: GID {} cannot be proven to the server ({e:?}): no key is bound under it on this connection",
+                            std::net::Ipv6Addr::from(*key.gid())
+                        );
+                    }
+                }
+                Ok(_) => {
+                    self.unprovable.remove(key.gid());
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`requests`] sent as they are, at once. The server answers a
+    /// client's requests in order, and holds [`PIPELINE`] receives for it.
+    ///
+    /// [`requests`]: Conn::requests
+    fn send_requests(
         &mut self,
         op: Op,
         lease_ms: u32,

@@ -2,9 +2,11 @@
 //! (GID, virtual QPN) -> endpoint table that `krcore-meta` serves from
 //! registered memory and processes look up with one-sided READs (`table`),
 //! and the messages of the bootstrap, registration and link-setup
-//! protocols (`proto`).
+//! protocols (`proto`), and how a client proves the GIDs it binds keys
+//! under (`proof`).
 
 pub mod client;
+pub mod proof;
 pub mod proto;
 pub mod server;
 pub mod table;
@@ -16,6 +18,15 @@ pub enum Key {
     Port { gid: [u8; 16], port: u32 },
     /// Transparent mode: a virtual QPN published on a GID.
     Vqpn { gid: [u8; 16], vqpn: u32 },
+}
+
+impl Key {
+    /// The GID the key is published under.
+    pub fn gid(&self) -> &[u8; 16] {
+        match self {
+            Key::Port { gid, .. } | Key::Vqpn { gid, .. } => gid,
+        }
+    }
 }
 
 /// A process's service endpoint (where link requests go), and the VQP a

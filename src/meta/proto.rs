@@ -9,6 +9,7 @@
 //! | boot | TCP, process <-> `krcore-meta` | [`Hello`] (client), [`Welcome`] (server); [`Query`] (client), [`Answer`] (server) | [`BOOT_LEN`] |
 //! | meta | RC SEND, process <-> `krcore-meta` | [`Request`], [`Response`] | [`META_LEN`] |
 //! | link | UD, service endpoint <-> service endpoint | [`LinkRequest`], [`LinkReply`], [`LinkReady`] | [`LINK_LEN`] |
+//! | proof | UD, process -> `krcore-meta`'s proof QP | [`Proof`] | [`PROOF_LEN`] |
 //!
 //! Every message starts with magic [`MAGIC`] (u16), [`VERSION`] (u8) and a
 //! kind byte that is unique across families, so a message that reaches the
@@ -32,10 +33,10 @@ use crate::error::Result;
 
 /// `b"MK"` read as a little-endian u16.
 pub const MAGIC: u16 = 0x4b4d;
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 
 /// Length of [`Hello`] and [`Welcome`].
-pub const BOOT_LEN: usize = 64;
+pub const BOOT_LEN: usize = 128;
 /// Length of [`Request`] and [`Response`]: the server's receive buffers.
 /// Two cache lines, with room for a larger key.
 pub const META_LEN: usize = 128;
@@ -45,6 +46,8 @@ pub const LINK_LEN: usize = 128;
 /// The smallest IB path MTU: a link message fits in any UD datagram.
 const UD_MIN_MTU: usize = 256;
 const _: () = assert!(LINK_LEN <= UD_MIN_MTU);
+/// Length of [`Proof`] (UD payload, GRH excluded).
+pub const PROOF_LEN: usize = 32;
 
 const KIND_HELLO: u8 = 1;
 const KIND_WELCOME: u8 = 2;
@@ -55,6 +58,7 @@ const KIND_LINK_REPLY: u8 = 6;
 const KIND_LINK_READY: u8 = 7;
 const KIND_QUERY: u8 = 8;
 const KIND_ANSWER: u8 = 9;
+const KIND_PROOF: u8 = 10;
 
 const KEY_PORT: u8 = 1;
 const KEY_VQPN: u8 = 2;
@@ -74,10 +78,12 @@ pub struct Hello {
 }
 
 /// Meta server -> client over TCP: the server's RC QP, where its table
-/// lives in its registered memory, and its incarnation.
+/// lives in its registered memory, its incarnation, and where to prove
+/// the GIDs the client binds keys under ([`Proof`]).
 ///
 /// 4: status, 8: qpn, 12: psn, 16: gid[16], 32: table_addr (u64),
-/// 40: table_rkey, 44: table_slots, 48: incarnation (u64).
+/// 40: table_rkey, 44: table_slots, 48: incarnation (u64), 56: proof_qpn,
+/// 60: token, 64: gid6[16].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Welcome {
     /// 0, or the errno that refused the client.
@@ -90,6 +96,27 @@ pub struct Welcome {
     pub table_slots: u32,
     /// Changes when the server restarts: cached lookups are then stale.
     pub incarnation: u64,
+    /// The server's UD QP that takes [`Proof`]s (qkey `rdma::QKEY`).
+    pub proof_qpn: u32,
+    /// What this connection's proofs carry: random, told to no one else.
+    pub token: u32,
+    /// The server's IPv6 GID, where proofs from the client's IPv6 GIDs go
+    /// (`gid` is IPv4: the address it listens on); zero when it has none.
+    pub gid6: [u8; 16],
+}
+
+/// Process -> meta server, a UD datagram to its proof QP sent from the GID
+/// at which the process binds keys: the datagram's GRH names that GID, so
+/// the server learns that this client's connection comes from it. A
+/// `Bind` of a key under a GID its connection has not proven is answered
+/// EAGAIN (the proof may still be on its way).
+///
+/// 4: conn_qpn (the server's QP of the client's connection, its
+/// `Welcome`'s qpn), 8: token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Proof {
+    pub conn_qpn: u32,
+    pub token: u32,
 }
 
 /// Client -> meta server over TCP, before (or instead of) a [`Hello`]:
@@ -270,6 +297,9 @@ impl Welcome {
         w.u32(self.table_rkey);
         w.u32(self.table_slots);
         w.u64(self.incarnation);
+        w.u24(self.proof_qpn);
+        w.u32(self.token);
+        w.bytes(&self.gid6);
     }
 
     pub fn decode(buf: &[u8]) -> Result<Welcome> {
@@ -283,9 +313,27 @@ impl Welcome {
             table_rkey: r.u32()?,
             table_slots: r.u32()?,
             incarnation: r.u64()?,
+            proof_qpn: r.u24()?,
+            token: r.u32()?,
+            gid6: r.bytes()?,
         };
         r.finish_zeroed()?;
         Ok(welcome)
+    }
+}
+
+impl Proof {
+    pub fn encode(&self, out: &mut [u8; PROOF_LEN]) {
+        let mut w = Writer::new(out, KIND_PROOF);
+        w.u24(self.conn_qpn);
+        w.u32(self.token);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Proof> {
+        let (mut r, _) = open(buf, PROOF_LEN, &[KIND_PROOF])?;
+        let proof = Proof { conn_qpn: r.u24()?, token: r.u32()? };
+        r.finish_zeroed()?;
+        Ok(proof)
     }
 }
 
@@ -670,7 +718,16 @@ mod tests {
             table_rkey: 0xdd,
             table_slots: 1 << 16,
             incarnation: 0x0123_4567_89ab_cdef,
+            proof_qpn: 0x12_3456,
+            token: 0x0a0b_0c0d,
+            gid6: [0x6a; 16],
         }
+    }
+
+    fn proof(p: &Proof) -> Vec<u8> {
+        let mut b = [0xee; PROOF_LEN];
+        p.encode(&mut b);
+        b.to_vec()
     }
 
     fn request(op: Op, key: Key) -> Request {
@@ -730,9 +787,14 @@ mod tests {
                     (40, &[0xdd, 0, 0, 0]),
                     (44, &[0, 0, 1, 0]),
                     (48, &[0xef, 0xcd, 0xab, 0x89, 0x67, 0x45, 0x23, 0x01]),
+                    (56, &[0x56, 0x34, 0x12, 0]),
+                    (60, &[0x0d, 0x0c, 0x0b, 0x0a]),
+                    (64, &[0x6a; 16]),
                 ]
             )
         );
+        let p = Proof { conn_qpn: 0xab_cdef, token: 0x0102_0304 };
+        assert_eq!(proof(&p), image(PROOF_LEN, &[(0, &[0x4d, 0x4b, VERSION, 10]), (4, &[0xef, 0xcd, 0xab, 0]), (8, &[4, 3, 2, 1])]));
         let ep: &[u8] = &[
             0x56, 0x34, 0x12, 0, // qpn
             0x11, 0x11, 0x11, 0x11, // qkey
@@ -864,6 +926,10 @@ mod tests {
         Answer::decode(b).map(|m| boot(Answer::encode, &m))
     }
 
+    fn re_proof(b: &[u8]) -> Result<Vec<u8>> {
+        Proof::decode(b).map(|m| proof(&m))
+    }
+
     /// Every message at its field boundaries (zero, max, both key kinds,
     /// every op, every status extreme), with its decoder.
     fn all_messages() -> Vec<(Vec<u8>, Recode)> {
@@ -882,8 +948,23 @@ mod tests {
                 table_rkey: u32::MAX,
                 table_slots: u32::MAX,
                 incarnation: u64::MAX,
+                proof_qpn: MAX_U24,
+                token: u32::MAX,
+                gid6: [0xff; 16],
             },
-            Welcome { status: 0, gid: [0; 16], qpn: 0, psn: 0, table_addr: 0, table_rkey: 0, table_slots: 0, incarnation: 0 },
+            Welcome {
+                status: 0,
+                gid: [0; 16],
+                qpn: 0,
+                psn: 0,
+                table_addr: 0,
+                table_rkey: 0,
+                table_slots: 0,
+                incarnation: 0,
+                proof_qpn: 0,
+                token: 0,
+                gid6: [0; 16],
+            },
         ];
         for w in welcomes {
             all.push((boot(Welcome::encode, &w), re_welcome));
@@ -920,13 +1001,16 @@ mod tests {
                 }
             }
         }
+        for (conn_qpn, token) in [(0, 0), (MAX_U24, u32::MAX), (7, 0x5eed)] {
+            all.push((proof(&Proof { conn_qpn, token }), re_proof));
+        }
         all
     }
 
     #[test]
     fn round_trips_every_message_at_its_boundaries() {
         let all = all_messages();
-        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 2 + 3 + 3 * 2 * 5);
+        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 2 + 3 + 3 * 2 * 5 + 3);
         for (bytes, re) in &all {
             assert_eq!(re(bytes).as_ref(), Ok(bytes));
         }
@@ -1004,9 +1088,10 @@ mod tests {
             assert_eq!(Hello::decode(&set(hello.clone(), at, &too_big)), Err(EBADMSG));
         }
         let w = boot(Welcome::encode, &welcome());
-        for at in [8, 12] {
+        for at in [8, 12, 56] {
             assert_eq!(Welcome::decode(&set(w.clone(), at, &too_big)), Err(EBADMSG));
         }
+        assert_eq!(Proof::decode(&set(proof(&Proof { conn_qpn: 1, token: 2 }), 4, &too_big)), Err(EBADMSG));
         assert_eq!(Welcome::decode(&set(w, 4, &not_errno)), Err(EBADMSG));
 
         let r = meta(Request::encode, &request(Op::Bind, Key::Port { gid: GID, port: 1 }));
@@ -1038,12 +1123,13 @@ mod tests {
     #[test]
     fn every_bit_flip_is_refused_or_canonical() {
         // (kind, [start, end) of each reserved run)
-        let reserved: [(u8, &[(usize, usize)]); 9] = [
+        let reserved: [(u8, &[(usize, usize)]); 10] = [
             (KIND_QUERY, &[(5, 8), (28, BOOT_LEN)]),
             // Found: the endpoint's reserved word; absent: all of it.
             (KIND_ANSWER, &[(52, BOOT_LEN)]),
             (KIND_HELLO, &[(12, 16), (32, BOOT_LEN)]),
-            (KIND_WELCOME, &[(56, BOOT_LEN)]),
+            (KIND_WELCOME, &[(80, BOOT_LEN)]),
+            (KIND_PROOF, &[(12, PROOF_LEN)]),
             (KIND_REQUEST, &[(6, 8), (36, 40), (76, 80), (88, META_LEN)]),
             (KIND_RESPONSE, &[(16, META_LEN)]),
             // Byte 12 of a request holds its flag (bit 0).
@@ -1077,14 +1163,15 @@ mod tests {
     /// decodes re-encodes to the input.
     #[test]
     fn random_garbage_never_panics() {
-        let decoders: [Recode; 7] = [re_hello, re_welcome, re_request, re_response, re_link, re_query, re_answer];
+        let decoders: [Recode; 8] = [re_hello, re_welcome, re_request, re_response, re_link, re_query, re_answer, re_proof];
         let mut rng = Rng(0xd1b5_4a32_d192_ed03);
         let mut decoded = 0;
         for _ in 0..20_000 {
             let r = rng.next();
-            let len = match r % 4 {
+            let len = match r % 5 {
                 0 => (r >> 8) as usize % 300,
                 1 => BOOT_LEN,
+                2 => PROOF_LEN,
                 _ => META_LEN,
             };
             let density = 1 + (r >> 20) % 64;
@@ -1099,7 +1186,7 @@ mod tests {
                 })
                 .collect();
             if r & (1 << 40) != 0 && len >= 4 {
-                b[..4].copy_from_slice(&[0x4d, 0x4b, VERSION, 1 + (r >> 41) as u8 % 9]);
+                b[..4].copy_from_slice(&[0x4d, 0x4b, VERSION, 1 + (r >> 41) as u8 % 10]);
             }
             for decode in decoders {
                 if let Ok(again) = decode(&b) {

@@ -37,7 +37,12 @@
 //! beyond a bound is reset at once, a `Hello` beyond the clients' bound is
 //! answered `EUSERS`, a `Bind` beyond a client's entries `EDQUOT`; each is
 //! counted ([`Refused`]) and logged at warn level (at most once a second).
+//!
+//! A key is bound only under a GID its client proved to come from
+//! (`super::proof`): a `Bind` under another is answered EAGAIN, and the
+//! GIDs a client proves are bounded too.
 
+use super::proof::ProofQp;
 use super::proto::{self, Answer, BootMessage, Hello, Op, Query, Request, Response, Welcome};
 use super::table::EndpointTable;
 use super::{Endpoint, Key};
@@ -81,6 +86,8 @@ pub struct Limits {
     pub pending: usize,
     /// Entries one client (one connection) holds.
     pub entries_per_client: u32,
+    /// GIDs one client proves (keys are bound under proven GIDs only).
+    pub gids_per_client: usize,
 }
 
 impl Default for Limits {
@@ -88,7 +95,7 @@ impl Default for Limits {
     /// replica and PD runtime, and one entry per `qbind` and per
     /// transparent QP and usable GID (1,000 QPs on 10 GIDs: 10,000).
     fn default() -> Limits {
-        Limits { clients: 1024, clients_per_ip: 256, pending: 512, entries_per_client: 16384 }
+        Limits { clients: 1024, clients_per_ip: 256, pending: 512, entries_per_client: 16384, gids_per_client: 64 }
     }
 }
 
@@ -107,6 +114,9 @@ enum Refusal {
     Descriptors,
     /// A message that does not decode.
     Malformed,
+    /// A proof that proves nothing: no client has its token, or its
+    /// client proved [`Limits::gids_per_client`] GIDs.
+    Proof,
 }
 
 /// What the server refused so far, by bound.
@@ -128,6 +138,14 @@ pub struct Refused {
     /// closed) and requests on a client's QP, a whole `META_LEN` bytes or
     /// not (answered `EBADMSG`).
     pub malformed: u64,
+    /// Proof datagrams that proved nothing: malformed or without a GRH,
+    /// naming no client or with another client's token, or beyond their
+    /// client's bound of GIDs.
+    pub proofs: u64,
+    /// `Bind`s (and `Renew`s) under a GID their client had not proven,
+    /// answered EAGAIN (an honest client's proof may still be on its way:
+    /// it proves again and retries).
+    pub unproven: u64,
 }
 
 impl Refused {
@@ -139,6 +157,7 @@ impl Refused {
             Refusal::Entries => &mut self.entries,
             Refusal::Descriptors => &mut self.descriptors,
             Refusal::Malformed => &mut self.malformed,
+            Refusal::Proof => &mut self.proofs,
         } += 1;
     }
 }
@@ -194,6 +213,10 @@ struct Client {
     qp: Qp,
     /// CREDITS receive slots, then CREDITS send slots, of `proto::META_LEN`.
     bufs: Region,
+    /// What its proofs carry ([`Welcome::token`]).
+    token: u32,
+    /// The GIDs it proved: it binds keys under these only.
+    proven: Vec<rdma::Gid>,
 }
 
 /// How long a client that connected may take to send its `Hello`.
@@ -327,7 +350,11 @@ pub struct Server {
     dev: Arc<Device>,
     sgid_index: u32,
     gid: rdma::Gid,
+    /// Our IPv6 GID for the clients' IPv6 proofs ([`Welcome::gid6`]).
+    gid6: rdma::Gid,
     cq: Arc<Cq>,
+    /// Takes the clients' proofs of their GIDs (completes on `cq`).
+    proofs: ProofQp,
     slots: u32,
     incarnation: u64,
     listener: TcpListener,
@@ -366,7 +393,9 @@ impl Server {
             crate::klog!(crate::log::Level::Warn, "meta: {} clients at most (the device's CQ size)", max_cqe / CQES_PER_CLIENT);
             limits.clients = max_cqe / CQES_PER_CLIENT;
         }
-        let cq = Arc::new(Cq::new(&dev, (limits.clients * CQES_PER_CLIENT).clamp(4096, max_cqe) as u32)?);
+        let cq = Arc::new(Cq::new(&dev, (limits.clients * CQES_PER_CLIENT + ProofQp::CQES).clamp(4096, max_cqe) as u32)?);
+        let proofs = ProofQp::new(&dev, &cq)?;
+        let gid6 = ipv6_gid(&dev);
         let bytes = EndpointTable::bytes_for(cfg.slots);
         let table_mem = Region::new(&dev, bytes, rdma::LOCAL_WRITE | rdma::REMOTE_READ)?;
         let incarnation = rdma::random_u64();
@@ -389,8 +418,10 @@ impl Server {
             table_mem,
             dev,
             sgid_index,
+            gid6,
             gid,
             cq,
+            proofs,
             slots: cfg.slots,
             incarnation,
             listener,
@@ -665,7 +696,8 @@ impl Server {
 
     fn admit_client(&mut self, c: Connecting, qp: Qp) -> Result<()> {
         let (qpn, psn) = (qp.qpn(), c.psn);
-        let client = Client { tcp: c.tcp, ip: c.peer.ip(), qp, bufs: c.bufs };
+        let token = rdma::random_u64() as u32;
+        let client = Client { tcp: c.tcp, ip: c.peer.ip(), qp, bufs: c.bufs, token, proven: Vec::new() };
         for slot in 0..CREDITS {
             client.post_recv(slot)?;
         }
@@ -678,6 +710,9 @@ impl Server {
             table_rkey: self.table_mem.rkey(),
             table_slots: self.slots,
             incarnation: self.incarnation,
+            proof_qpn: self.proofs.qpn(),
+            token,
+            gid6: self.gid6,
         };
         let mut out = [0u8; proto::BOOT_LEN];
         welcome.encode(&mut out);
@@ -707,6 +742,9 @@ impl Server {
 
     fn on_completion(&mut self, wc: &ibv_wc) {
         let qpn = wc.qp_num;
+        if qpn == self.proofs.qpn() {
+            return self.on_proof(wc);
+        }
         if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
             // Flushes after a client left, or a broken QP: drop the client.
             if self.clients.contains_key(&qpn) {
@@ -743,11 +781,39 @@ impl Server {
         }
     }
 
+    /// A proof datagram came: its GID is proven for the client whose token
+    /// it carries.
+    fn on_proof(&mut self, wc: &ibv_wc) {
+        let (proof, gid) = match self.proofs.take(wc) {
+            Ok(Ok(got)) => got,
+            Ok(Err(e)) => return self.refuse(Refusal::Proof, &format_args!("a proof datagram ({e:?})")),
+            Err(e) => {
+                // Its receives can no longer be posted: no client proves
+                // again, and binds are refused (EAGAIN, then EACCES).
+                crate::klog!(crate::log::Level::Error, "meta: the proof QP failed: {e:?}");
+                return;
+            }
+        };
+        let limit = self.limits.gids_per_client;
+        match self.clients.get_mut(&proof.conn_qpn) {
+            Some(c) if c.token == proof.token && c.proven.contains(&gid) => {}
+            Some(c) if c.token == proof.token && c.proven.len() < limit => c.proven.push(gid),
+            Some(c) if c.token == proof.token => {
+                self.refuse(Refusal::Proof, &format_args!("a proof of client qp {}: {limit} GIDs proven", proof.conn_qpn))
+            }
+            _ => self.refuse(Refusal::Proof, &format_args!("a proof naming client qp {} (not its token)", proof.conn_qpn)),
+        }
+    }
+
     /// Carry out one request of client `qpn`; the errno to answer (0: done).
     fn apply(&mut self, qpn: u32, r: &Request) -> Errno {
         let lease = Duration::from_millis(r.lease_ms as u64).min(self.max_lease);
         let now = Instant::now();
         match r.op {
+            Op::Bind | Op::Renew if !self.clients.get(&qpn).is_some_and(|c| c.proven.contains(r.key.gid())) => {
+                self.refused.unproven += 1;
+                Errno(libc::EAGAIN)
+            }
             Op::Bind | Op::Renew if !self.leases.may_change(&r.key, r.secret) => Errno(libc::EADDRINUSE),
             Op::Bind | Op::Renew if !self.leases.may_take(&r.key, qpn, self.limits.entries_per_client) => {
                 self.refuse(Refusal::Entries, &format_args!("a Bind of client qp {qpn}"));
@@ -863,6 +929,14 @@ impl Client {
     }
 }
 
+/// The GID of `dev` that clients prove their IPv6 GIDs to: a global one
+/// (routed) rather than a link-local one; zero when it has none.
+fn ipv6_gid(dev: &Device) -> rdma::Gid {
+    let v6: Vec<rdma::Gid> = dev.usable_gids().into_iter().filter(|g| !rdma::is_ipv4_gid(g)).collect();
+    let link_local = |g: &rdma::Gid| g[0] == 0xfe && g[1] & 0xc0 == 0x80;
+    v6.iter().find(|g| !link_local(g)).or(v6.first()).copied().unwrap_or([0; 16])
+}
+
 /// Close a connection refused at accept at once, with a reset: its peer
 /// learns at once (ECONNRESET), and nothing of it stays (no TIME_WAIT).
 fn reset(tcp: TcpStream) {
@@ -881,16 +955,27 @@ fn reset(tcp: TcpStream) {
 
 /// Answer a `Hello` beyond [`Limits::clients`]: a `Welcome` that says
 /// EUSERS (the client's caller sees that errno), then the connection
-/// closes. Non-blocking: 64 bytes into a socket that never sent a reply.
+/// closes. Non-blocking: one message into a socket that never sent a reply.
 fn refuse_hello(tcp: &TcpStream) {
-    let w =
-        Welcome { status: libc::EUSERS as u32, gid: [0; 16], qpn: 0, psn: 0, table_addr: 0, table_rkey: 0, table_slots: 0, incarnation: 0 };
+    let w = Welcome {
+        status: libc::EUSERS as u32,
+        gid: [0; 16],
+        qpn: 0,
+        psn: 0,
+        table_addr: 0,
+        table_rkey: 0,
+        table_slots: 0,
+        incarnation: 0,
+        proof_qpn: 0,
+        token: 0,
+        gid6: [0; 16],
+    };
     let mut out = [0u8; proto::BOOT_LEN];
     w.encode(&mut out);
     let _ = (&*tcp).write(&out);
 }
 
-/// A connection's next boot message. It is readable (one 64-byte
+/// A connection's next boot message. It is readable (one 128-byte
 /// segment): the short timeout only guards a partial one. ECONNRESET when
 /// the peer closed.
 /// Append what `tcp` (non-blocking) has to `got`, never waiting; false
@@ -1001,7 +1086,7 @@ mod tests {
 
     #[test]
     fn connections_beyond_a_bound_are_refused() {
-        let lim = Limits { clients: 4, clients_per_ip: 2, pending: 3, entries_per_client: 1 };
+        let lim = Limits { clients: 4, clients_per_ip: 2, pending: 3, entries_per_client: 1, gids_per_client: 1 };
         assert_eq!(admit(&lim, 0, 0, 0), None);
         assert_eq!(admit(&lim, 3, 2, 1), None, "each one below its bound");
         assert_eq!(admit(&lim, 0, 0, 2), Some(Refusal::PerIp));
@@ -1013,7 +1098,7 @@ mod tests {
         for why in [Refusal::PerIp, Refusal::PerIp, Refusal::Clients, Refusal::Pending, Refusal::Entries] {
             r.count(why);
         }
-        assert_eq!(r, Refused { clients: 1, per_ip: 2, pending: 1, entries: 1, descriptors: 0, malformed: 0 });
+        assert_eq!(r, Refused { clients: 1, per_ip: 2, pending: 1, entries: 1, ..Refused::default() });
     }
 
     #[test]

@@ -830,6 +830,35 @@ impl Drop for Qp {
     }
 }
 
+/// Where a UD receive came from: the GRH's source and destination GIDs
+/// (RoCE v2 over IPv4 puts an IPv4 header in the GRH's last 20 bytes: the
+/// GIDs are then the addresses, IPv4-mapped).
+pub fn grh_gids(grh: &[u8]) -> Option<(Gid, Gid)> {
+    let mut src = [0u8; 16];
+    let mut dst = [0u8; 16];
+    if grh.first()? >> 4 == 6 {
+        src.copy_from_slice(grh.get(8..24)?);
+        dst.copy_from_slice(grh.get(24..40)?);
+    } else if grh.get(20)? >> 4 == 4 {
+        src[10..12].copy_from_slice(&[0xff, 0xff]);
+        dst[10..12].copy_from_slice(&[0xff, 0xff]);
+        src[12..].copy_from_slice(grh.get(32..36)?);
+        dst[12..].copy_from_slice(grh.get(36..40)?);
+    } else {
+        return None;
+    }
+    Some((src, dst))
+}
+
+/// Whether `gid` is an IPv4 address (IPv4-mapped: a RoCE v2 GID of an
+/// IPv4 address).
+pub fn is_ipv4_gid(gid: &Gid) -> bool {
+    gid[..10] == [0; 10] && gid[10..12] == [0xff, 0xff]
+}
+
+/// The length of the GRH a UD receive buffer starts with.
+pub const GRH_LEN: usize = 40;
+
 /// The Q_Key of the library's UD QPs.
 pub const QKEY: u32 = 0x4b52_0001;
 

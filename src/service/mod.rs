@@ -66,7 +66,7 @@ const MAX_ACCEPTS_PER_GID: usize = 2;
 /// Datagrams of the tier in flight on the UD QP (each holds a send buffer
 /// until its completion is reaped).
 const UD_SENDS: usize = 128;
-const GRH: usize = 40;
+const GRH: usize = rdma::GRH_LEN;
 /// wr_id bit of a datagram's send (the rest: its send buffer).
 const TX_TAG: u64 = 1 << 63;
 
@@ -308,26 +308,6 @@ impl Tx {
 fn port_mtu(dev: &Device) -> usize {
     use crate::transport::dgram::wire::{MAX_MTU, MIN_MTU};
     (128usize << dev.port_attr.active_mtu.clamp(1, 5)).clamp(MIN_MTU, MAX_MTU)
-}
-
-/// Where a UD receive came from: the GRH's source and destination GIDs
-/// (RoCE v2 over IPv4 puts an IPv4 header in the GRH's last 20 bytes: the
-/// GIDs are then the addresses, IPv4-mapped).
-fn grh_gids(grh: &[u8]) -> Option<(Gid, Gid)> {
-    let mut src = [0u8; 16];
-    let mut dst = [0u8; 16];
-    if grh.first()? >> 4 == 6 {
-        src.copy_from_slice(grh.get(8..24)?);
-        dst.copy_from_slice(grh.get(24..40)?);
-    } else if grh.get(20)? >> 4 == 4 {
-        src[10..12].copy_from_slice(&[0xff, 0xff]);
-        dst[10..12].copy_from_slice(&[0xff, 0xff]);
-        src[12..].copy_from_slice(grh.get(32..36)?);
-        dst[12..].copy_from_slice(grh.get(36..40)?);
-    } else {
-        return None;
-    }
-    Some((src, dst))
 }
 
 /// A PD's service endpoint: what peers address, and what makes links.
@@ -1328,7 +1308,7 @@ impl Shared {
         // SAFETY: this slot's receive completed; it is reposted below.
         let bytes = unsafe { self.ud_bufs.bytes(slot * self.ud_slot, len) };
         if wc.status == ibv_wc_status::IBV_WC_SUCCESS && crate::transport::dgram::wire::is_dgram(&bytes[GRH..]) {
-            let gids = (wc.wc_flags & ibv_wc_flags::IBV_WC_GRH.0 != 0).then(|| grh_gids(&bytes[..GRH])).flatten();
+            let gids = (wc.wc_flags & ibv_wc_flags::IBV_WC_GRH.0 != 0).then(|| rdma::grh_gids(&bytes[..GRH])).flatten();
             match (gids, self.on_datagram.lock().as_ref()) {
                 (Some((gid, to_gid)), Some(f)) => f(&bytes[GRH..], &Source { gid, to_gid, qpn: wc.src_qp }),
                 _ => crate::stats::inc(crate::stats::Stat::KRCORE_STAT_DGRAM_DROPPED),
@@ -1336,7 +1316,7 @@ impl Shared {
         } else if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
             // SAFETY: as above (the slot holds at least a link message).
             let msg = LinkMessage::decode(unsafe { self.ud_bufs.bytes(slot * self.ud_slot + GRH, LINK_LEN) });
-            let gids = (wc.wc_flags & ibv_wc_flags::IBV_WC_GRH.0 != 0).then(|| grh_gids(&bytes[..GRH])).flatten();
+            let gids = (wc.wc_flags & ibv_wc_flags::IBV_WC_GRH.0 != 0).then(|| rdma::grh_gids(&bytes[..GRH])).flatten();
             match (msg, gids) {
                 (Ok(m), Some((gid, to_gid))) => {
                     let src = Source { gid, to_gid, qpn: wc.src_qp };

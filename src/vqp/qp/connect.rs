@@ -148,12 +148,17 @@ impl Vqp {
         let ep = Endpoint { vqpn: self.vqpn, ..rt.svc.endpoint() };
         'draw: for _ in 0..32 {
             let qpn = real_qpn.unwrap_or_else(|| 0x80_0000 | (rdma::random_u64() as u32 & 0x7f_ffff));
-            let keys: Vec<_> = rt.gids().iter().map(|&gid| crate::meta::Key::Vqpn { gid, vqpn: qpn }).collect();
+            // Not under a GID the meta server cannot see ours (a link-local
+            // one across a router): tried once, then left out.
+            let keys: Vec<_> =
+                rt.gids().iter().filter(|g| meta.provable(g)).map(|&gid| crate::meta::Key::Vqpn { gid, vqpn: qpn }).collect();
             match meta.bind_all(&keys, &ep) {
                 Ok(()) => {}
                 // Taken on a GID (by another process), or its place in the
                 // table is full: draw again.
                 Err(e) if real_qpn.is_none() && (e.0 == libc::EADDRINUSE || e.0 == libc::ENOSPC) => continue 'draw,
+                // A GID found unprovable: again without it.
+                Err(e) if e.0 == libc::EACCES || e.0 == libc::EADDRNOTAVAIL => continue 'draw,
                 Err(e) => return Err(e),
             }
             let mut st = self.st.lock();
