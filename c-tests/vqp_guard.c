@@ -410,7 +410,10 @@ static void win_fill(uint8_t *p, uint32_t seq)
  * no receive until told. Prints "holder ready <meta> <port>", then reads
  * commands on stdin: "take <n> <first>" posts receives and takes the
  * next n messages (sequence numbers first, first + 1, ..., each byte
- * checked), printing "holder took <n> overrun <msgs_overrun>"; "quit". */
+ * checked), printing "holder took <n> overrun <msgs_overrun>";
+ * "wait-rnr <n>" waits (bounded) until the datagram tier answered n
+ * packets RNR (their sender's GID held what it may here), printing
+ * "holder rnr <dgram_rnr>"; "quit". */
 static int holder(void)
 {
 	struct ct_node n;
@@ -431,6 +434,17 @@ static int holder(void)
 
 		if (strncmp(line, "quit", 4) == 0)
 			return 0;
+		unsigned long long rnrs;
+
+		if (sscanf(line, "wait-rnr %llu", &rnrs) == 1) {
+			for (int i = 0; krcore_stat_get(KRCORE_STAT_DGRAM_RNR) < rnrs; i++) {
+				CT_CHECK(i < 60000, "no RNR within 60 s");
+				usleep(1000);
+			}
+			printf("holder rnr %llu\n", (unsigned long long)krcore_stat_get(KRCORE_STAT_DGRAM_RNR));
+			fflush(stdout);
+			continue;
+		}
 		int parsed = sscanf(line, "take %u %u", &k, &next);
 
 		CT_CHECK(parsed == 2, "a command: %s", line);

@@ -210,6 +210,10 @@ enum krcore_stat {
   // `Bind`s sent again because the meta server had not seen the proof
   // of their GID yet (it came after the request, or was lost).
   KRCORE_STAT_META_PROOF_RETRIES,
+  // Datagram-tier packets answered RNR: what their source GID may make
+  // this process hold was spent (`KRCORE_LINK_WINDOW_BYTES`); their
+  // senders wait and send them again.
+  KRCORE_STAT_DGRAM_RNR,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

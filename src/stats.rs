@@ -197,6 +197,10 @@ pub enum krcore_stat {
     /// `Bind`s sent again because the meta server had not seen the proof
     /// of their GID yet (it came after the request, or was lost).
     KRCORE_STAT_META_PROOF_RETRIES,
+    /// Datagram-tier packets answered RNR: what their source GID may make
+    /// this process hold was spent (`KRCORE_LINK_WINDOW_BYTES`); their
+    /// senders wait and send them again.
+    KRCORE_STAT_DGRAM_RNR,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -277,6 +281,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "ahs_refused\0",
     "msgs_overrun\0",
     "meta_proof_retries\0",
+    "dgram_rnr\0",
 ];
 
 /// A counter's name ("post_send").

@@ -21,6 +21,9 @@
 //! refused and counted, the others delivered byte for byte and granted
 //! back; then an honest sender (`vqp_guard flooder`, libkrcore) sends it
 //! many windows' worth, which waits for the grants and loses nothing.
+//! The same through the datagram tier (the sender never moves onto a
+//! link): past what its GID may make the holder's process hold, its
+//! packets are answered RNR, and it waits and loses nothing.
 //!
 //! `#[ignore]`d without an RDMA device; the integration suite runs this in
 //! the VM (scripts/rxe-up.sh: 10.77.0.i is GID index i).
@@ -356,4 +359,69 @@ fn a_peer_cannot_make_a_vqp_hold_more_than_its_links_window() {
     assert!(flooder.wait().unwrap().success(), "the flooder failed");
     writeln!(to_holder, "quit").unwrap();
     assert!(holder.wait().unwrap().success(), "the holder failed");
+}
+
+/// What a peer can make a VQP hold through the datagram tier (first
+/// contact, before its move onto a link) is bounded too: an honest
+/// sender kept on the tier (`KRCORE_LINK_AFTER` past its messages) sends
+/// 1,000 messages of 4,000 bytes to a bound VQP that posts no receive
+/// until told; once its GID's share (`KRCORE_LINK_WINDOW_BYTES`, 1 MiB:
+/// 262 of them) is held, its packets are answered RNR and it waits (its
+/// 32 sends in flight stay posted, none fails, past its 2 s retry limit);
+/// when the VQP receives, all 1,000 arrive byte for byte and in order.
+/// Before, the tier delivered every message it was sent into the VQP's
+/// queue of held messages, whatever their number.
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_peer_on_the_datagram_tier_cannot_make_a_vqp_hold_more_than_its_share() {
+    let mut holder = Command::new(stager_bin())
+        .arg("holder")
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run target/c-tests/vqp_guard holder (make -C c-tests)");
+    let mut to_holder = holder.stdin.take().unwrap();
+    let mut lines = BufReader::new(holder.stdout.take().unwrap()).lines();
+    let ready = role_line(&mut lines, "holder");
+    let meta = ready.strip_prefix("holder ready ").expect("holder ready").split_whitespace().next().unwrap().to_string();
+    let mut flooder = Command::new(stager_bin())
+        .args(["flooder", "1", "1000"])
+        .env("KRCORE_META", &meta)
+        .env("KRCORE_LINK_AFTER", "1000000")
+        .env("KRCORE_STATS", "1")
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run target/c-tests/vqp_guard flooder");
+    let mut flooder_lines = BufReader::new(flooder.stdout.take().unwrap()).lines();
+    assert_eq!(role_line(&mut flooder_lines, "flooder"), "flooder posted 1");
+    let t0 = std::time::Instant::now();
+    // 100 RNR answers: ten times the tier's retry limit (10 timeouts),
+    // had they counted as retries.
+    writeln!(to_holder, "wait-rnr 100").unwrap();
+    let rnr = role_line(&mut lines, "holder");
+    println!("measure: the holder answered RNR 100 times within {:?}: {rnr}", t0.elapsed());
+    assert!(rnr.starts_with("holder rnr "), "{rnr}");
+    assert!(flooder.try_wait().unwrap().is_none(), "the sender waits, it does not fail");
+    writeln!(to_holder, "take 1000 0").unwrap();
+    assert_eq!(role_line(&mut lines, "holder"), "holder took 1000 overrun 0", "all of it, in order, byte for byte");
+    let done = role_line(&mut flooder_lines, "flooder");
+    assert!(done.starts_with("flooder done 1000 "), "{done}");
+    let out = flooder.wait_with_output().unwrap();
+    let stats = String::from_utf8_lossy(&out.stderr);
+    println!("measure: flooder: {done}; links it opened: {}", stat_of(&stats, "links_opened"));
+    assert!(out.status.success(), "the flooder failed");
+    assert_eq!(stat_of(&stats, "links_opened"), 0, "it stayed on the datagram tier");
+    writeln!(to_holder, "quit").unwrap();
+    assert!(holder.wait().unwrap().success(), "the holder failed");
+}
+
+/// A counter of a `KRCORE_STATS=1` exit line (`"name":N`).
+fn stat_of(stats: &str, name: &str) -> u64 {
+    let key = format!("\"{name}\":");
+    let at = stats.find(&key).unwrap_or_else(|| panic!("no {name} in {stats}")) + key.len();
+    stats[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
 }

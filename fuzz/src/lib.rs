@@ -237,9 +237,9 @@ fn dgram_seeds() -> Vec<Seed> {
     let data = |opcode, imm, total_len, seg, nsegs, payload| {
         Message::Data(Data { route, seq: 9, nonce: 0x5555_6666, ack_req: true, msg: 3, total_len, seg, nsegs, opcode, imm, payload })
     };
-    let ack = Message::Ack(Ack { route: route.reverse(), next: 10, nonce: 0x5555_6666, sack: 0b101 });
+    let ack = Message::Ack(Ack { route: route.reverse(), next: 10, nonce: 0x5555_6666, sack: 0b101, rnr: false });
     let mut close_acks = ack.to_vec();
-    close_acks.extend(Message::Ack(Ack { route: route.reverse(), next: 0, nonce: 0, sack: 0 }).to_vec());
+    close_acks.extend(Message::Ack(Ack { route: route.reverse(), next: 0, nonce: 0, sack: 0, rnr: false }).to_vec());
     let request = |op, length, offset, compare_add, swap, resp_seg, payload| {
         let mut r = wire::Request::new(route, 11, 0xfeed, op, 0xabcd, 0x7f00_0000_1000, length);
         r = wire::Request { offset, compare_add, swap, resp_seg, payload, ..r };
@@ -254,6 +254,7 @@ fn dgram_seeds() -> Vec<Seed> {
         ("data_imm", data(SendOp::SendImm, 0xdead_beef, 3, 0, 1, &b"abc"[..])),
         ("data_close", data(SendOp::Close, 0, close_acks.len() as u32, 0, 1, &close_acks[..])),
         ("ack", ack),
+        ("ack_rnr", Message::Ack(Ack { route: route.reverse(), next: 10, nonce: 0x5555_6666, sack: 0x7777_8888, rnr: true })),
         ("request_read", request(OneSided::Read, 4096, 0, 0, 0, 900, &[][..])),
         ("request_write", request(OneSided::Write, 200, 16, 0, 0, 0, &big[..])),
         ("request_cmp_swp", request(OneSided::CmpSwp, wire::ATOMIC_LEN, 0, 0x1111, 0x2222, 0, &[][..])),

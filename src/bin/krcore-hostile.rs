@@ -317,7 +317,7 @@ impl Target<'_> {
             };
             let ack = |route: Route| {
                 let next = seq(1).max(1);
-                Message::Ack(Ack { route, next, nonce: random_u64() | 1, sack: random_u64() }).to_vec()
+                Message::Ack(Ack { route, next, nonce: random_u64() | 1, sack: random_u64(), rnr: false }).to_vec()
             };
             let request = |route: Route, seq: u64| {
                 let op = OneSided::ALL[(random_u64() % 4) as usize];

@@ -224,6 +224,9 @@ struct Held {
     /// Bytes of its link's window it holds (0: it came on the datagram
     /// tier, or was made here), given back when it goes.
     cost: u64,
+    /// Came on the datagram tier: its bytes held against its source GID
+    /// (`crate::transport::dgram::budget`), given back when it goes.
+    _tier: Option<crate::transport::dgram::budget::Reservation>,
 }
 
 impl Drop for Held {

@@ -9,6 +9,8 @@
 //!   retransmission with backoff, the retry limit, completions; the
 //!   receiver's duplicate suppression, in-order delivery, reassembly and
 //!   ACKs.
+//! - [`budget`]: what the messages of one source GID may hold in the
+//!   process (RNR beyond).
 //! - [`serve`]: the target of one-sided requests: checks against the
 //!   application's registered MRs, the memory operation, the cache of
 //!   answers that keeps a retransmitted WRITE or atomic from running twice.
@@ -16,6 +18,7 @@
 //! docs/vqp.md, "The datagram tier (core)", describes the protocol and its
 //! limits.
 
+pub mod budget;
 pub mod port;
 pub mod reliable;
 pub mod serve;

@@ -115,6 +115,9 @@ pub struct Arrived {
     pub opcode: SendOp,
     pub imm: u32,
     pub data: Vec<u8>,
+    /// Its bytes, held against its source GID until it leaves the VQP
+    /// that takes it (`super::budget`).
+    pub held: Option<super::budget::Reservation>,
 }
 
 /// A work request on the datagram tier (the caller's `id` comes back in
@@ -238,6 +241,7 @@ impl Port {
             retry_limit: 10,
             first_contact_us,
             max_queued: crate::vqp::queue::MAX_DEPTH as usize,
+            hold_bytes: crate::config::get().link_window.into(),
             ..base
         };
         Sender::new(cfg, ZERO_ROUTE, 0)?; // validates the config
@@ -547,7 +551,7 @@ impl Port {
             }
             drop(inbound);
             let Some((pd, peer)) = host.admit(&route, from) else { return dropped() };
-            let receiver = match Receiver::new(self.cfg, route) {
+            let receiver = match Receiver::new(self.cfg, route).map(|r| r.with_source(key.gid)) {
                 Ok(r) => r,
                 Err(_) => return dropped(),
             };
@@ -585,6 +589,8 @@ impl Port {
         let mut answered = None;
         match f.receiver.on_message(now, m) {
             Received::Dropped => dropped(),
+            // Its ACK says RNR: the sender waits and sends it again.
+            Received::Rnr => stats::inc(Stat::KRCORE_STAT_DGRAM_RNR),
             Received::DuplicateRequest => {
                 if let Message::Request(req) = m {
                     answers = crate::vqp::mrs::with(pd, |mrs| f.responder.serve_duplicate(req, &Registered(mrs), &mut ProcessMemory));
@@ -593,7 +599,7 @@ impl Port {
             Received::Taken => {
                 while let Some(d) = f.receiver.pop() {
                     match d {
-                        Delivery::Message { opcode, imm, data } => messages.push(Arrived { opcode, imm, data }),
+                        Delivery::Message { opcode, imm, data, held } => messages.push(Arrived { opcode, imm, data, held }),
                         Delivery::Request(_) => {
                             let Some(req) = d.request() else { continue };
                             let served = crate::vqp::mrs::with(pd, |mrs| f.responder.serve(&req, &Registered(mrs), &mut ProcessMemory));
@@ -709,7 +715,7 @@ impl Port {
             closed.remove(key);
             return Late::No;
         }
-        let ack = Message::Ack(wire::Ack { route: key.route.reverse(), next: c.next, nonce: c.nonce, sack: 0 }).to_vec();
+        let ack = Message::Ack(wire::Ack { route: key.route.reverse(), next: c.next, nonce: c.nonce, sack: 0, rnr: false }).to_vec();
         Late::Answer(c.peer, ack)
     }
 

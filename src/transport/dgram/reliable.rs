@@ -20,7 +20,15 @@
 //! `retry_limit` such timeouts the flow fails as RC does: the oldest
 //! unfinished work request completes with `IBV_WC_RETRY_EXC_ERR`, the rest
 //! flushed.
+//!
+//! A receiver with a source ([`Receiver::with_source`]) admits a message
+//! at its first segment only within what that GID may make the process
+//! hold ([`super::budget`], `hold_bytes`); a segment it cannot take yet is
+//! answered with an RNR ACK, and its sender waits a timeout and sends it
+//! again without counting a retry (the peer answered: it is alive), as
+//! an RC sender waits out RNR NAKs.
 
+use super::budget::Reservation;
 use super::wire::{self, Ack, Data, Message, OneSided, Request, Response, Route, SendOp, Status, ATOMIC_LEN};
 use crate::error::{Errno, Result};
 use std::collections::{BTreeMap, VecDeque};
@@ -29,6 +37,9 @@ use std::collections::{BTreeMap, VecDeque};
 /// the ACK's bitmap (64 bits past the gap) and the target's cache of
 /// answers are all sized for it.
 pub const WINDOW: u64 = 64;
+
+/// The longest wait of a sender refused with RNR before it sends again.
+const RNR_MAX_US: u64 = 10_000;
 
 /// A flow's parameters (both ends must agree on none of them but
 /// [`WINDOW`]).
@@ -61,6 +72,9 @@ pub struct Config {
     /// packet left (0: only `retry_limit` bounds it): first contact with
     /// a process that is gone or stopped ends as a handshake would.
     pub first_contact_us: u64,
+    /// What the messages of one source GID may hold in this process
+    /// (bytes; 0: no bound), for receivers with a source.
+    pub hold_bytes: u64,
 }
 
 impl Default for Config {
@@ -77,6 +91,7 @@ impl Default for Config {
             ack_delay_us: 200,
             ack_every: 8,
             first_contact_us: 0,
+            hold_bytes: 0,
         }
     }
 }
@@ -221,6 +236,9 @@ pub struct Drops {
     /// Well-formed messages that break the protocol (a segment out of
     /// its message, a READ segment off its grid).
     pub malformed: u64,
+    /// Receiver: packets answered RNR (their source's budget was spent).
+    /// Sender: RNR ACKs taken (the peer was not ready).
+    pub rnr: u64,
 }
 
 /// The source end of a flow.
@@ -254,6 +272,9 @@ pub struct Sender {
     unanswered_since: Option<u64>,
     /// When the peer last answered (µs).
     heard_at: Option<u64>,
+    /// The peer refused our oldest packet for now (RNR): the next timeout
+    /// resends it without counting a retry.
+    rnr_wait: bool,
     failed: bool,
     pub drops: Drops,
 }
@@ -284,6 +305,7 @@ impl Sender {
             deadline: None,
             unanswered_since: None,
             heard_at: None,
+            rnr_wait: false,
             failed: false,
             drops: Drops::default(),
         })
@@ -476,7 +498,10 @@ impl Sender {
     /// The timer expired: fail after `retry_limit` timeouts in a row, else
     /// resend what the peer has not shown it has, and back off.
     fn timeout(&mut self, now: u64, out: &mut Vec<Vec<u8>>) {
-        self.retries += 1;
+        let rnr = std::mem::take(&mut self.rnr_wait);
+        if !rnr {
+            self.retries += 1;
+        }
         let first_contact_over =
             self.cfg.first_contact_us > 0 && self.unanswered_since.is_some_and(|t| now >= t + self.cfg.first_contact_us);
         if self.retries > self.cfg.retry_limit || first_contact_over {
@@ -492,7 +517,9 @@ impl Sender {
                 out.push(p.bytes.clone());
             }
         }
-        self.rto_us = (self.rto_us * 2).min(self.cfg.rto_max_us);
+        // Not ready is not lost: look again soon (RC's RNR timer).
+        let cap = if rnr { RNR_MAX_US.max(self.base_rto_us) } else { self.cfg.rto_max_us };
+        self.rto_us = (self.rto_us * 2).min(cap);
         self.arm(now);
     }
 
@@ -556,6 +583,25 @@ impl Sender {
         let genuine = a.next == 0 || (a.next <= sent_to && self.nonce_of(a.next - 1) == Some(a.nonce));
         if !genuine {
             self.drops.unmatched += 1;
+            return;
+        }
+        if a.rnr {
+            // Only who saw packet `next` can refuse it.
+            let refused = self.packets.iter().find(|p| p.seq == a.next).is_some_and(|p| p.sent && p.nonce == a.sack);
+            if !refused {
+                self.drops.unmatched += 1;
+                return;
+            }
+            self.drops.rnr += 1;
+            self.acked(now, a.next);
+            // Alive but not ready: wait a timeout (backing off as for a
+            // loss), then send it again; no retry is counted.
+            self.retries = 0;
+            self.heard_at = Some(now);
+            self.unanswered_since = None;
+            self.rnr_wait = true;
+            self.rto_us = self.rto_us.min(RNR_MAX_US.max(self.base_rto_us));
+            self.arm(now);
             return;
         }
         for p in self.packets.iter_mut().filter(|p| p.seq > a.next && p.seq <= a.next + 64) {
@@ -680,10 +726,11 @@ impl Sender {
 }
 
 /// What a receiver hands up, in flow order.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub enum Delivery {
-    /// A whole two-sided message.
-    Message { opcode: SendOp, imm: u32, data: Vec<u8> },
+    /// A whole two-sided message, and its bytes held against its source
+    /// GID while it is held here (a receiver with a source).
+    Message { opcode: SendOp, imm: u32, data: Vec<u8>, held: Option<Reservation> },
     /// A one-sided request packet, encoded ([`Delivery::request`]), for
     /// [`super::serve::Responder::serve`].
     Request(Vec<u8>),
@@ -712,10 +759,15 @@ pub enum Received {
     DuplicateRequest,
     /// Dropped and counted in [`Receiver::drops`].
     Dropped,
+    /// Not taken for now: its source's budget is spent (the next ACK says
+    /// RNR; counted in `drops.rnr`).
+    Rnr,
 }
 
 #[derive(Debug)]
 struct Partial {
+    /// Its bytes, held against its source GID (a receiver with a source).
+    held: Option<Reservation>,
     msg: u32,
     opcode: SendOp,
     imm: u32,
@@ -739,6 +791,10 @@ pub struct Receiver {
     ahead: BTreeMap<u64, Vec<u8>>,
     partial: Option<Partial>,
     ready: VecDeque<Delivery>,
+    /// The GID whose budget admits messages ([`Receiver::with_source`]).
+    source: Option<[u8; 16]>,
+    /// (seq, nonce) of the packet refused for now: the next ACK says RNR.
+    rnr: Option<(u64, u64)>,
     unacked: u32,
     ack_now: bool,
     ack_deadline: Option<u64>,
@@ -761,12 +817,21 @@ impl Receiver {
             ahead: BTreeMap::new(),
             partial: None,
             ready: VecDeque::new(),
+            source: None,
+            rnr: None,
             unacked: 0,
             ack_now: false,
             ack_deadline: None,
             failed: false,
             drops: Drops::default(),
         })
+    }
+
+    /// Messages are admitted within the budget of the GID `gid` they come
+    /// from ([`super::budget`], `hold_bytes`).
+    pub fn with_source(mut self, gid: [u8; 16]) -> Receiver {
+        self.source = Some(gid);
+        self
     }
 
     /// A DATA or REQUEST packet of the flow.
@@ -805,23 +870,41 @@ impl Receiver {
             }
             return Received::Taken;
         }
-        self.deliver(now, m);
+        if !self.deliver(now, m) {
+            return Received::Rnr;
+        }
         while let Some(bytes) = self.ahead.remove(&self.next) {
             // Encoded from a decoded message: it decodes again.
-            if let Ok(m) = Message::decode(&bytes) {
-                self.deliver(now, &m);
+            let taken = Message::decode(&bytes).is_ok_and(|m| self.deliver(now, &m));
+            if !taken && self.rnr.is_some() {
+                self.ahead.insert(self.next, bytes);
+                break;
             }
         }
         Received::Taken
     }
 
-    fn deliver(&mut self, now: u64, m: &Message) {
+    /// Whether `m` was delivered; false when its message's first segment
+    /// does not fit its source's budget (then the next ACK says RNR).
+    fn deliver(&mut self, now: u64, m: &Message) -> bool {
         match m {
             Message::Data(d) => {
+                let held = match (self.source, d.seg) {
+                    (Some(gid), 0) => match super::budget::reserve(&gid, d.total_len.into(), self.cfg.hold_bytes) {
+                        Some(r) => Some(r),
+                        None => {
+                            self.drops.rnr += 1;
+                            self.rnr = Some((d.seq, d.nonce));
+                            self.ack_now = true;
+                            return false;
+                        }
+                    },
+                    _ => None,
+                };
                 self.next = d.seq + 1;
                 self.last_nonce = d.nonce;
                 self.first_nonce.get_or_insert(d.nonce);
-                self.reassemble(d);
+                self.reassemble(d, held);
             }
             Message::Request(r) => {
                 self.next = r.seq + 1;
@@ -829,7 +912,7 @@ impl Receiver {
                 self.first_nonce.get_or_insert(r.nonce);
                 self.ready.push_back(Delivery::Request(m.to_vec()));
             }
-            Message::Ack(_) | Message::Response(_) => return,
+            Message::Ack(_) | Message::Response(_) => return false,
         }
         self.unacked += 1;
         if self.unacked >= self.cfg.ack_every {
@@ -837,12 +920,13 @@ impl Receiver {
         } else if self.ack_deadline.is_none() {
             self.ack_deadline = Some(now + self.cfg.ack_delay_us);
         }
+        true
     }
 
     /// Appends a segment to its message; a message ends at its last
     /// segment with exactly its length. A segment out of place drops the
     /// message it would belong to.
-    fn reassemble(&mut self, d: &Data) {
+    fn reassemble(&mut self, d: &Data, held: Option<Reservation>) {
         if d.seg == 0 {
             if self.partial.take().is_some() {
                 self.drops.malformed += 1;
@@ -852,6 +936,7 @@ impl Receiver {
                 return;
             }
             self.partial = Some(Partial {
+                held,
                 msg: d.msg,
                 opcode: d.opcode,
                 imm: d.imm,
@@ -876,7 +961,7 @@ impl Receiver {
         if p.next_seg == p.nsegs {
             let p = self.partial.take().expect("just used");
             if p.data.len() == p.total_len as usize {
-                self.ready.push_back(Delivery::Message { opcode: p.opcode, imm: p.imm, data: p.data });
+                self.ready.push_back(Delivery::Message { opcode: p.opcode, imm: p.imm, data: p.data, held: p.held });
             } else {
                 self.drops.malformed += 1;
             }
@@ -966,10 +1051,13 @@ impl Receiver {
         self.ack_now = false;
         self.ack_deadline = None;
         self.unacked = 0;
+        let nonce = if self.next == 0 { 0 } else { self.last_nonce };
+        if let Some((_, refused)) = self.rnr.take().filter(|&(seq, _)| seq == self.next) {
+            return Some(Message::Ack(Ack { route: self.route.reverse(), next: self.next, nonce, sack: refused, rnr: true }).to_vec());
+        }
         // Held packets are past `next` (the gap).
         let sack = self.ahead.keys().filter_map(|s| s.checked_sub(self.next + 1)).filter(|&i| i < 64).fold(0u64, |b, i| b | 1 << i);
-        let nonce = if self.next == 0 { 0 } else { self.last_nonce };
-        Some(Message::Ack(Ack { route: self.route.reverse(), next: self.next, nonce, sack }).to_vec())
+        Some(Message::Ack(Ack { route: self.route.reverse(), next: self.next, nonce, sack, rnr: false }).to_vec())
     }
 }
 

@@ -70,7 +70,7 @@ fn window_and_queue_are_bounded_and_completion_waits_for_the_ack() {
     // The window slid by three.
     assert_eq!(s.poll(301).iter().map(|b| seq_of(b)).collect::<Vec<_>>(), [8, 9, 10]);
     for (id, d) in std::iter::from_fn(|| r.pop()).enumerate() {
-        assert_eq!(d, Delivery::Message { opcode: SendOp::Send, imm: 0, data: vec![id as u8; 10] });
+        assert_eq!(d, Delivery::Message { opcode: SendOp::Send, imm: 0, data: vec![id as u8; 10], held: None });
     }
 }
 
@@ -260,7 +260,7 @@ impl Node {
                 }
                 while let Some(d) = self.rx.pop() {
                     match &d {
-                        Delivery::Message { opcode, imm, data } => self.got.push((*opcode, *imm, data.clone())),
+                        Delivery::Message { opcode, imm, data, .. } => self.got.push((*opcode, *imm, data.clone())),
                         Delivery::Request(_) => {
                             let served = self.responder.serve(&d.request().unwrap(), &self.mrs, &mut self.mem);
                             out.extend(served.responses);
@@ -636,4 +636,76 @@ fn an_answered_request_needs_no_ack_but_what_follows_it_does() {
     let ack = r.poll_ack(3 + cfg().ack_delay_us).unwrap();
     let Message::Ack(a) = decode(&ack) else { panic!() };
     assert_eq!(a.next, seq_of(&two[1]) + 1);
+}
+
+/// What one source GID may make the receiver's process hold: a message
+/// beyond it is answered RNR, its sender waits (past its retry limit:
+/// the peer answers, it is alive) and sends it again once the held one
+/// went; nothing is lost, nothing fails, a forged RNR changes nothing.
+#[test]
+fn a_receiver_past_its_sources_budget_answers_rnr_and_the_sender_waits() {
+    use crate::transport::dgram::budget;
+    let gid = [0xc5; 16];
+    let c = Config { rto_initial_us: 100, rto_max_us: 1000, retry_limit: 3, hold_bytes: 100, ..cfg() };
+    let mut s = Sender::new(c, A_TO_B, 7).unwrap();
+    let mut r = Receiver::new(c, A_TO_B).unwrap().with_source(gid);
+    for id in 0..3 {
+        s.post_send(id, SendOp::Send, 0, &[id as u8; 80]).unwrap();
+    }
+    let burst = s.poll(0);
+    assert_eq!(burst.len(), 3);
+    // The first is taken (and held: the application posted no receive).
+    assert_eq!(r.on_message(1, &decode(&burst[0])), Received::Taken);
+    let Some(Delivery::Message { data, held: Some(first), .. }) = r.pop() else { panic!("the first message") };
+    assert_eq!((data, first.bytes(), budget::held(&gid)), (vec![0; 80], 80, 80));
+    // The second does not fit: RNR; the third waits past the gap.
+    assert_eq!(r.on_message(2, &decode(&burst[1])), Received::Rnr);
+    assert_eq!(r.on_message(3, &decode(&burst[2])), Received::Taken);
+    assert!(r.pop().is_none());
+    let rnr = r.poll_ack(3).expect("an RNR ACK at once");
+    let Message::Ack(a) = decode(&rnr) else { panic!() };
+    assert!(a.rnr && a.next == 1);
+    // A forged RNR (another nonce) is not taken.
+    s.on_message(4, &Message::Ack(Ack { sack: a.sack ^ 1, ..a }));
+    assert_eq!((s.drops.unmatched, s.drops.rnr), (1, 0));
+    s.on_message(4, &decode(&rnr));
+    assert_eq!(s.drops.rnr, 1);
+    assert_eq!(s.pop_completion(), Some(Completion { id: 0, outcome: Outcome::Done }), "the first was acknowledged");
+    // Ten RNR rounds (the retry limit is 3): the sender keeps waiting.
+    let mut now = 4;
+    for round in 0..10 {
+        let d = s.next_deadline().expect("waiting to send again");
+        assert!(d - now <= RNR_MAX_US.max(c.rto_max_us), "round {round}: waits {} µs", d - now);
+        now = d;
+        let again = s.poll(now);
+        assert!(!s.failed(), "round {round}");
+        assert_eq!(seq_of(&again[0]), 1);
+        for b in &again {
+            r.on_message(now, &decode(b));
+        }
+        s.on_message(now, &decode(&r.poll_ack(now).expect("an ACK")));
+    }
+    assert!(r.drops.rnr >= 10 && s.pop_completion().is_none());
+    // The held message leaves its VQP: the next try is taken; the third,
+    // past the gap, waits for the second to leave in turn (both do not fit
+    // at once); in order, once each, and all complete.
+    drop(first);
+    assert_eq!(budget::held(&gid), 0);
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        now = s.next_deadline().expect("a packet left to send");
+        for b in s.poll(now) {
+            r.on_message(now, &decode(&b));
+        }
+        s.on_message(now, &decode(&r.final_ack()));
+        got.extend(std::iter::from_fn(|| r.pop()).map(|d| match d {
+            Delivery::Message { data, .. } => data,
+            Delivery::Request(_) => panic!(),
+        }));
+    }
+    assert_eq!(got, [vec![1; 80], vec![2; 80]]);
+    let done: Vec<_> = std::iter::from_fn(|| s.pop_completion()).collect();
+    assert_eq!(done, [Completion { id: 1, outcome: Outcome::Done }, Completion { id: 2, outcome: Outcome::Done }]);
+    assert!(!s.failed() && s.outstanding() == 0);
+    assert_eq!(budget::held(&gid), 0, "delivered and dropped: nothing held");
 }

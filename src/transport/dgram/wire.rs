@@ -8,7 +8,7 @@
 //!
 //! | at | head field |
 //! | --- | --- |
-//! | 0 | magic [`MAGIC`] (u16), 2: [`VERSION`] (u8), 3: kind (u8), 4: flags (u8: [`ACK_REQ`] on DATA and REQUEST) |
+//! | 0 | magic [`MAGIC`] (u16), 2: [`VERSION`] (u8), 3: kind (u8), 4: flags (u8: [`ACK_REQ`] on DATA and REQUEST, [`RNR`] on ACK) |
 //! | 8 | src incarnation (u64): the sending endpoint's |
 //! | 16 | dst incarnation (u64): the endpoint the sender believes it addresses |
 //! | 24 | src vqpn, 28: dst vqpn |
@@ -18,7 +18,7 @@
 //! | kind | part (from 48) | head + part |
 //! | --- | --- | --- |
 //! | 1 DATA | 48: msg, 52: total_len, 56: seg, 60: nsegs, 64: opcode (u8: 1 SEND, 2 SEND_WITH_IMM, 3 CLOSE: empty), 68: imm, 72: payload_len | [`DATA_HDR`] = 80 |
-//! | 2 ACK | 48: sack (u64): bit i = packet seq + 1 + i arrived | [`ACK_LEN`] = 56 |
+//! | 2 ACK | 48: sack (u64): bit i = packet seq + 1 + i arrived; with [`RNR`], the nonce of packet seq | [`ACK_LEN`] = 56 |
 //! | 3 REQUEST | 48: op (u8: 1 READ, 2 WRITE, 3 CMP_SWP, 4 FETCH_ADD), 52: rkey, 56: remote_addr (u64), 64: length, 68: offset (WRITE), 72: compare_add (u64), 80: swap (u64), 88: payload_len (WRITE), 92: resp_seg (READ) | [`REQUEST_HDR`] = 96 |
 //! | 4 RESPONSE | 48: status (u8), 49: op (u8), 56: length (READ), 60: offset (READ), 64: value (u64, atomics), 72: payload_len (READ) | [`RESPONSE_HDR`] = 80 |
 //!
@@ -38,7 +38,7 @@ use crate::error::Result;
 
 /// `b"KD"` read as a little-endian u16.
 pub const MAGIC: u16 = 0x444b;
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 
 /// The head every message starts with.
 pub const HEAD_LEN: usize = 48;
@@ -59,6 +59,11 @@ pub const MAX_MTU: usize = 4096;
 /// DATA and REQUEST flag: the sender wants an ACK now (the last packet it
 /// has to send, or a retransmission).
 pub const ACK_REQ: u8 = 1;
+
+/// ACK flag: the receiver cannot take packet `seq` now (what the flow's
+/// source may make it hold is spent: receiver not ready, as RC's RNR
+/// NAK). The sender waits and sends it again, without counting a retry.
+pub const RNR: u8 = 2;
 
 const KIND_DATA: u8 = 1;
 const KIND_ACK: u8 = 2;
@@ -145,7 +150,11 @@ pub struct Ack {
     /// The nonce of packet `next - 1` (0 when `next` is 0): only who saw
     /// that packet can acknowledge it.
     pub nonce: u64,
+    /// Which packets after `next` arrived; with `rnr`, the nonce of packet
+    /// `next` (only who saw it can refuse it).
     pub sack: u64,
+    /// Packet `next` is refused for now ([`RNR`]).
+    pub rnr: bool,
 }
 
 /// A one-sided operation.
@@ -326,6 +335,9 @@ impl Message<'_> {
             Message::Ack(a) => {
                 debug_assert!(a.next > 0 || a.nonce == 0);
                 head(out, KIND_ACK, false, &a.route, a.next, a.nonce);
+                if a.rnr {
+                    out[FLAGS_AT] = RNR;
+                }
                 put64(out, a.sack);
             }
             Message::Request(r) => {
@@ -370,9 +382,10 @@ impl Message<'_> {
         let route = Route { src_incarnation: r.u64()?, dst_incarnation: r.u64()?, src_vqpn: r.u32()?, dst_vqpn: r.u32()? };
         let seq = r.u64()?;
         let nonce = r.u64()?;
-        let ack_req = match (kind, flags) {
-            (_, 0) => false,
-            (KIND_DATA | KIND_REQUEST, ACK_REQ) => true,
+        let (ack_req, rnr) = match (kind, flags) {
+            (_, 0) => (false, false),
+            (KIND_DATA | KIND_REQUEST, ACK_REQ) => (true, false),
+            (KIND_ACK, RNR) => (false, true),
             _ => return Err(EBADMSG),
         };
         let m = match kind {
@@ -382,7 +395,7 @@ impl Message<'_> {
                 if seq == 0 && nonce != 0 {
                     return Err(EBADMSG);
                 }
-                Message::Ack(Ack { route, next: seq, nonce, sack })
+                Message::Ack(Ack { route, next: seq, nonce, sack, rnr })
             }
             KIND_REQUEST => Message::Request(decode_request(&mut r, route, seq, nonce, ack_req)?),
             KIND_RESPONSE => Message::Response(decode_response(&mut r, route, seq, nonce)?),

@@ -100,11 +100,14 @@ fn layouts_are_exact() {
             ]
         )
     );
-    let a = Message::Ack(Ack { route: ROUTE, next: 5, nonce: 0x99, sack: 0x8000_0000_0000_0001 }).to_vec();
+    let a = Message::Ack(Ack { route: ROUTE, next: 5, nonce: 0x99, sack: 0x8000_0000_0000_0001, rnr: false }).to_vec();
     assert_eq!(
         a,
         image(ACK_LEN, &[(0, &[0x4b, 0x44, VERSION, 2]), (8, HEAD), (32, &[5]), (40, &[0x99]), (48, &[1, 0, 0, 0, 0, 0, 0, 0x80])])
     );
+    // RNR: flag 2, the refused packet's nonce where the bitmap was.
+    let rnr = Message::Ack(Ack { route: ROUTE, next: 5, nonce: 0x99, sack: 0x77, rnr: true }).to_vec();
+    assert_eq!(rnr, image(ACK_LEN, &[(0, &[0x4b, 0x44, VERSION, 2, RNR]), (8, HEAD), (32, &[5]), (40, &[0x99]), (48, &[0x77])]));
     let r = Message::Request(request(OneSided::CmpSwp, &[])).to_vec();
     assert_eq!(
         r,
@@ -187,7 +190,9 @@ fn all_messages() -> Vec<Vec<u8>> {
         }
         for next in [0, 1, u64::MAX] {
             for sack in [0, 1, u64::MAX] {
-                all.push(Message::Ack(Ack { route, next, nonce: if next == 0 { 0 } else { next ^ 0x77 }, sack }).to_vec());
+                for rnr in [false, true] {
+                    all.push(Message::Ack(Ack { route, next, nonce: if next == 0 { 0 } else { next ^ 0x77 }, sack, rnr }).to_vec());
+                }
             }
         }
         for op in OneSided::ALL {
@@ -207,7 +212,7 @@ fn all_messages() -> Vec<Vec<u8>> {
 #[test]
 fn round_trips_every_message_at_its_boundaries() {
     let all = all_messages();
-    assert_eq!(all.len(), 3 * (3 * 6 + 9 + 4 * 5 + 2));
+    assert_eq!(all.len(), 3 * (3 * 6 + 18 + 4 * 5 + 2));
     for (i, bytes) in all.iter().enumerate() {
         assert!(recode(bytes).as_ref() == Ok(bytes), "message {i}: {:?}", recode(bytes).map(|_| ()));
     }
@@ -252,11 +257,14 @@ fn rejects_wrong_magic_version_kind_and_flags() {
         for k in [0, 5, 0xff] {
             assert_eq!(with(3, k), Err(EBADMSG));
         }
-        for f in [2, 0x80, 0xff] {
+        for f in [3, 4, 0x80, 0xff] {
             assert_eq!(with(4, f), Err(EBADMSG));
         }
         if matches!(bytes[3], KIND_ACK | KIND_RESPONSE) {
             assert_eq!(with(4, ACK_REQ), Err(EBADMSG));
+        }
+        if bytes[3] != KIND_ACK {
+            assert_eq!(with(4, RNR), Err(EBADMSG));
         }
     }
 }
@@ -285,7 +293,7 @@ fn rejects_inconsistent_fields() {
     assert_eq!(Message::decode(&Message::Data(close3).to_vec()), Err(EBADMSG), "a CLOSE with too many ACKs");
     assert_eq!(set(d, 72, &4u32.to_le_bytes()), Err(EBADMSG), "payload_len past the end");
     assert_eq!(set(d, 72, &u32::MAX.to_le_bytes()), Err(EBADMSG), "payload_len huge");
-    let ack = Message::Ack(Ack { route: ROUTE, next: 0, nonce: 0, sack: 3 });
+    let ack = Message::Ack(Ack { route: ROUTE, next: 0, nonce: 0, sack: 3, rnr: false });
     assert_eq!(set(ack, 40, &[1]), Err(EBADMSG), "a nonce for packet -1");
     let w = Message::Request(request(OneSided::Write, b"abcd"));
     assert_eq!(set(w, 64, &19u32.to_le_bytes()), Err(EBADMSG), "segment past the request");

@@ -379,7 +379,7 @@ impl Vqp {
                     st.inbox.push_back(Inbox::Closed(s));
                 } else {
                     let header = Header { flags: Flags::CLOSE, src_vqpn: s.vqpn, dst: self.vqpn, ..Header::default() };
-                    st.held.push_back(Held { header, payload: Vec::new(), origin: Origin::of_sender(from, s), cost: 0 });
+                    st.held.push_back(Held { header, payload: Vec::new(), origin: Origin::of_sender(from, s), cost: 0, _tier: None });
                 }
             }
         }

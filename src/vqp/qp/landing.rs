@@ -4,6 +4,7 @@
 //! the message up as RC would.
 
 use super::*;
+use crate::transport::dgram::budget::Reservation;
 
 impl Vqp {
     /// `ibv_post_recv`.
@@ -66,23 +67,26 @@ impl Vqp {
     /// are the caller's to give back).
     pub fn on_message(&self, h: &Header, payload: &[u8], link: &Arc<Link>, cost: u64) -> bool {
         let mut st = self.st.lock();
-        self.take_message(&mut st, h, payload, Origin::of(link), cost)
+        self.take_message(&mut st, h, payload, Origin::of(link), cost, None)
     }
 
     /// Messages of one datagram-tier flow, in its order (progress).
     /// `before` runs first under the VQP's lock, so that what it does (send
     /// the flow's ACK of them) happens before the application can see any
     /// of them and before anything the sender sends after it can land.
-    pub(super) fn on_messages_from(&self, batch: Vec<(Header, Vec<u8>)>, origin: &Origin, before: impl FnOnce()) {
+    /// Each holds its reservation of its source GID's budget while it is
+    /// held here.
+    pub(super) fn on_messages_from(&self, batch: Vec<(Header, Vec<u8>, Option<Reservation>)>, origin: &Origin, before: impl FnOnce()) {
         let mut st = self.st.lock();
         before();
-        for (h, payload) in batch {
-            self.take_message(&mut st, &h, &payload, origin.clone(), 0);
+        for (h, payload, tier) in batch {
+            self.take_message(&mut st, &h, &payload, origin.clone(), 0, tier);
         }
     }
 
-    /// Whether the message is held (it then keeps its `cost`).
-    fn take_message(&self, st: &mut State, h: &Header, payload: &[u8], origin: Origin, cost: u64) -> bool {
+    /// Whether the message is held (it then keeps its `cost` and `tier`
+    /// reservation; else they are given back).
+    fn take_message(&self, st: &mut State, h: &Header, payload: &[u8], origin: Origin, cost: u64, tier: Option<Reservation>) -> bool {
         klog!(Level::Debug, "vqp {:#x}: message from {:#x}, {} bytes, {:?}", self.vqpn, h.src_vqpn, h.len, h.flags);
         if !Self::takes_from(st, &origin.peer, &origin.path.dgid) {
             refused(self.vqpn, &origin.path.dgid, origin.peer.qpn);
@@ -98,13 +102,13 @@ impl Vqp {
                 st.inbox.push_back(Inbox::Closed(origin.sender(h.src_vqpn)));
                 return false;
             }
-            st.held.push_back(Held { header: *h, payload: Vec::new(), origin, cost });
+            st.held.push_back(Held { header: *h, payload: Vec::new(), origin, cost, _tier: tier });
             return true;
         }
         // Behind held messages or a large one being READ: RC order. Not
         // connected yet: held until it is, which keeps only its peer's.
         if !st.held.is_empty() || st.reading.is_some() || Self::awaits_peer(st) || self.rq_is_empty(st) {
-            st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin, cost });
+            st.held.push_back(Held { header: *h, payload: payload.to_vec(), origin, cost, _tier: tier });
             return true;
         }
         self.land(st, h, payload, &origin);

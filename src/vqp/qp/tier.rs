@@ -477,7 +477,7 @@ impl Host for Runtime {
                     }
                     SendOp::Close => h.flags |= Flags::CLOSE,
                 }
-                (h, m.data)
+                (h, m.data, m.held)
             })
             .collect();
         let peer = Endpoint { gid: from.dgid, qpn: from.qpn, qkey: from.qkey, incarnation: route.src_incarnation, vqpn: 0 };
