@@ -214,6 +214,10 @@ enum krcore_stat {
   // this process hold was spent (`KRCORE_LINK_WINDOW_BYTES`); their
   // senders wait and send them again.
   KRCORE_STAT_DGRAM_RNR,
+  // Messages dropped because their bound VQP took messages from
+  // `KRCORE_MAX_SENDERS` senders (or `KRCORE_MAX_SENDERS_PER_GID` of
+  // their GID) and theirs was a new one.
+  KRCORE_STAT_SENDERS_REFUSED,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

@@ -201,6 +201,10 @@ pub enum krcore_stat {
     /// this process hold was spent (`KRCORE_LINK_WINDOW_BYTES`); their
     /// senders wait and send them again.
     KRCORE_STAT_DGRAM_RNR,
+    /// Messages dropped because their bound VQP took messages from
+    /// `KRCORE_MAX_SENDERS` senders (or `KRCORE_MAX_SENDERS_PER_GID` of
+    /// their GID) and theirs was a new one.
+    KRCORE_STAT_SENDERS_REFUSED,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -282,6 +286,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "msgs_overrun\0",
     "meta_proof_retries\0",
     "dgram_rnr\0",
+    "senders_refused\0",
 ];
 
 /// A counter's name ("post_send").

@@ -183,6 +183,48 @@ impl Sender {
     }
 }
 
+/// The senders of a bound VQP, and how many per source GID: a stranger
+/// that invents VQPs makes it make src_qps only up to
+/// `KRCORE_MAX_SENDERS` (`KRCORE_MAX_SENDERS_PER_GID` of one GID).
+#[derive(Default)]
+struct Senders {
+    all: std::collections::HashSet<Sender>,
+    per_gid: HashMap<[u8; 16], usize>,
+    /// Messages refused so far (the first is logged at warn level).
+    refused: u64,
+}
+
+impl Senders {
+    /// Whether a message of `s` is taken: a sender already known, or a
+    /// new one within the bounds (then known from now on).
+    fn admit(&mut self, s: Sender) -> bool {
+        if self.all.contains(&s) {
+            return true;
+        }
+        let cfg = crate::config::get();
+        let of_gid = self.per_gid.get(&s.gid).copied().unwrap_or(0);
+        if self.all.len() >= cfg.max_senders || of_gid >= cfg.max_senders_per_gid {
+            self.refused += 1;
+            return false;
+        }
+        self.all.insert(s);
+        self.per_gid.insert(s.gid, of_gid + 1);
+        true
+    }
+
+    /// `s` was reported closed, or its src_qp destroyed.
+    fn forget(&mut self, s: &Sender) {
+        if self.all.remove(s) {
+            if let Some(n) = self.per_gid.get_mut(&s.gid) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_gid.remove(&s.gid);
+                }
+            }
+        }
+    }
+}
+
 /// Where a received message came from: its sender's process, which of
 /// the links to it and on which path, and the link it came on (None: the
 /// datagram tier).
@@ -269,6 +311,9 @@ struct State {
     reading: Option<Reading>,
     /// VQPs connected back to senders (bound VQPs), by sender.
     src_qps: HashMap<Sender, *mut ibv_qp>,
+    /// The senders a bound VQP takes messages from: each gets a src_qp
+    /// at `qpop_msgs`, until it is reported closed (bounded: `senders`).
+    senders: Senders,
     /// src_qps whose sender is gone, reported by the last `qpop_msgs`
     /// and destroyed at the next.
     retired: Vec<*mut ibv_qp>,
@@ -386,6 +431,7 @@ impl Vqp {
             held: VecDeque::new(),
             reading: None,
             src_qps: HashMap::new(),
+            senders: Senders::default(),
             retired: Vec::new(),
             answering: None,
             pop_error: None,
@@ -612,7 +658,9 @@ impl Vqp {
         if let Some((parent, key)) = self.parent.get() {
             // The application destroyed a src_qp itself.
             if let Some(p) = parent.upgrade() {
-                p.st.lock().src_qps.remove(key);
+                let mut pst = p.st.lock();
+                pst.src_qps.remove(key);
+                pst.senders.forget(key);
             }
         }
         // RC's promise: once destroy returns, nothing touches the memory of
@@ -737,4 +785,30 @@ fn header_bytes(h: &Header) -> [u8; HEADER_LEN] {
     let mut b = [0u8; HEADER_LEN];
     h.encode(&mut b);
     b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sender(gid: u8, vqpn: u32) -> Sender {
+        Sender { gid: [gid; 16], qpn: 7, incarnation: 9, vqpn }
+    }
+
+    #[test]
+    fn a_bound_vqp_takes_at_most_its_senders_per_gid_and_closed_ones_make_room() {
+        let per_gid = crate::config::get().max_senders_per_gid as u32;
+        let mut s = Senders::default();
+        for v in 0..per_gid {
+            assert!(s.admit(sender(1, v)));
+        }
+        assert!(!s.admit(sender(1, per_gid)), "one more of that GID");
+        assert!(s.admit(sender(1, 0)), "a known sender is still taken");
+        assert!(s.admit(sender(2, 0)), "another GID is not held up");
+        s.forget(&sender(1, 3));
+        s.forget(&sender(1, 3));
+        assert!(s.admit(sender(1, per_gid)), "a closed sender made room");
+        assert!(!s.admit(sender(1, per_gid + 1)));
+        assert_eq!((s.refused, s.all.len(), s.per_gid[&[1; 16]]), (2, per_gid as usize + 1, per_gid as usize));
+    }
 }

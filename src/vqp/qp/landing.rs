@@ -105,6 +105,17 @@ impl Vqp {
             st.held.push_back(Held { header: *h, payload: Vec::new(), origin, cost, _tier: tier });
             return true;
         }
+        if st.bound.is_some() && !st.senders.admit(origin.sender(h.src_vqpn)) {
+            crate::stats::inc(crate::stats::Stat::KRCORE_STAT_SENDERS_REFUSED);
+            klog!(
+                if st.senders.refused == 1 { Level::Warn } else { Level::Debug },
+                "vqp {:#x}: dropped a message of a new sender from {:02x?}: it takes messages from KRCORE_MAX_SENDERS senders ({} of that GID at most: KRCORE_MAX_SENDERS_PER_GID)",
+                self.vqpn,
+                origin.path.dgid,
+                crate::config::get().max_senders_per_gid
+            );
+            return false;
+        }
         // Behind held messages or a large one being READ: RC order. Not
         // connected yet: held until it is, which keeps only its peer's.
         if !st.held.is_empty() || st.reading.is_some() || Self::awaits_peer(st) || self.rq_is_empty(st) {

@@ -50,6 +50,7 @@ impl Vqp {
             let (origin, src, wc) = match entry {
                 Inbox::Msg(origin, src, wc) => (origin, src, wc),
                 Inbox::Closed(sender) => {
+                    st.senders.forget(&sender);
                     // A sender we never answered has no src_qp to retire.
                     if let Some(qp) = st.src_qps.remove(&sender) {
                         st.retired.push(qp);
