@@ -287,6 +287,23 @@ impl Hello {
 }
 
 impl Welcome {
+    /// A `Welcome` that refuses the client with `status`: nothing else set.
+    pub fn refusal(status: u32) -> Welcome {
+        Welcome {
+            status,
+            gid: [0; 16],
+            qpn: 0,
+            psn: 0,
+            table_addr: 0,
+            table_rkey: 0,
+            table_slots: 0,
+            incarnation: 0,
+            proof_qpn: 0,
+            token: 0,
+            gid6: [0; 16],
+        }
+    }
+
     pub fn encode(&self, out: &mut [u8; BOOT_LEN]) {
         let mut w = Writer::new(out, KIND_WELCOME);
         w.status(self.status);
@@ -952,19 +969,7 @@ mod tests {
                 token: u32::MAX,
                 gid6: [0xff; 16],
             },
-            Welcome {
-                status: 0,
-                gid: [0; 16],
-                qpn: 0,
-                psn: 0,
-                table_addr: 0,
-                table_rkey: 0,
-                table_slots: 0,
-                incarnation: 0,
-                proof_qpn: 0,
-                token: 0,
-                gid6: [0; 16],
-            },
+            Welcome::refusal(0),
         ];
         for w in welcomes {
             all.push((boot(Welcome::encode, &w), re_welcome));

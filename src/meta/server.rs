@@ -957,19 +957,7 @@ fn reset(tcp: TcpStream) {
 /// EUSERS (the client's caller sees that errno), then the connection
 /// closes. Non-blocking: one message into a socket that never sent a reply.
 fn refuse_hello(tcp: &TcpStream) {
-    let w = Welcome {
-        status: libc::EUSERS as u32,
-        gid: [0; 16],
-        qpn: 0,
-        psn: 0,
-        table_addr: 0,
-        table_rkey: 0,
-        table_slots: 0,
-        incarnation: 0,
-        proof_qpn: 0,
-        token: 0,
-        gid6: [0; 16],
-    };
+    let w = Welcome::refusal(libc::EUSERS as u32);
     let mut out = [0u8; proto::BOOT_LEN];
     w.encode(&mut out);
     let _ = (&*tcp).write(&out);
