@@ -133,13 +133,6 @@ struct Asking<'a> {
     key: LinkKey,
 }
 
-impl<'a> Asking<'a> {
-    fn new(shared: &'a Shared, key: LinkKey) -> Asking<'a> {
-        shared.links.lock().asking.insert(key);
-        Asking { shared, key }
-    }
-}
-
 impl Drop for Asking<'_> {
     fn drop(&mut self) {
         self.shared.links.lock().asking.remove(&self.key);
@@ -500,10 +493,9 @@ impl Service {
         crate::kmark!("link: the connecting lock taken");
         // The peer's request for this key may be being accepted now: that
         // link serves (a request of ours would make a second).
-        let found = self.shared.link_when(&key, Instant::now() + timeout, |links| links.accepting.contains(&key));
-        let link = match found {
-            Some(l) => l,
-            None => self.shared.connect(peer, index, path, timeout, optional)?,
+        let link = match self.shared.link_or_ask(&key, Instant::now() + timeout) {
+            Ok(l) => l,
+            Err(asking) => self.shared.connect(peer, index, path, timeout, optional, asking)?,
         };
         Ok(self.shared.when_ready(link))
     }
@@ -875,7 +867,27 @@ impl Shared {
         }
     }
 
-    fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration, optional: bool) -> Result<Arc<Link>> {
+    /// The link that serves `key` (waited for while the peer's request for
+    /// it is being accepted), or, with none, our request marked out for
+    /// it, in the same hold of the lock: a peer's request that comes after
+    /// is a crossing one (`Links::crossed`), never a second link accepted
+    /// while ours is about to leave.
+    fn link_or_ask(&self, key: &LinkKey, deadline: Instant) -> std::result::Result<Arc<Link>, Asking<'_>> {
+        let mut links = self.links.lock();
+        while !links.by_key.contains_key(key) && links.accepting.contains(key) && Instant::now() < deadline {
+            self.link_ready.wait_until(&mut links, deadline);
+        }
+        match links.by_key.get(key) {
+            Some(l) => Ok(Arc::clone(l)),
+            None => {
+                links.asking.insert(*key);
+                Err(Asking { shared: self, key: *key })
+            }
+        }
+    }
+
+    /// Our request for the link `key` (out: `asking`), and its handshake.
+    fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration, optional: bool, asking: Asking<'_>) -> Result<Arc<Link>> {
         let _refill_later = Connecting::new(self);
         let deadline = Instant::now() + timeout;
         let src_gid = self.dev.gid(path.sgid_index).map_err(|_| Errno::EINVAL)?;
@@ -886,9 +898,8 @@ impl Shared {
         let req = LinkRequest { req_id, info: self.info(qp.qpn(), psn, index, src_gid, path.dgid), optional };
         let mut msg = [0u8; LINK_LEN];
         req.encode(&mut msg);
-        let key = LinkKey::of(peer, index, path);
+        let key = asking.key;
         self.replies.lock().insert(req_id, Awaited { from: *peer, reply: None });
-        let _asking = Asking::new(self, key);
         let reply = self.await_reply(peer, req_id, &msg, deadline);
         self.replies.lock().remove(&req_id);
         let reply = reply?;
