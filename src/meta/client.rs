@@ -1018,7 +1018,7 @@ impl Conn {
         loop {
             let todo: Vec<usize> = (0..keys.len()).filter(|&i| out[i] == Err(Errno(libc::EAGAIN))).collect();
             if todo.is_empty() {
-                return Ok(out);
+                break;
             }
             if !first {
                 if Instant::now() + pause > deadline {
