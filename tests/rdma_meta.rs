@@ -343,9 +343,11 @@ fn connect_from(src: Ipv4Addr, to: SocketAddr) -> std::net::TcpStream {
         assert!(fd >= 0, "socket");
         let s = std::net::TcpStream::from_raw_fd(fd);
         let me = sa(src, 0);
-        assert_eq!(libc::bind(fd, (&me as *const libc::sockaddr_in).cast(), len), 0, "bind to {src}");
+        let bound = libc::bind(fd, (&me as *const libc::sockaddr_in).cast(), len);
+        assert_eq!(bound, 0, "bind to {src}: {}", std::io::Error::last_os_error());
         let them = sa(*to.ip(), to.port());
-        assert_eq!(libc::connect(fd, (&them as *const libc::sockaddr_in).cast(), len), 0, "connect from {src}");
+        let connected = libc::connect(fd, (&them as *const libc::sockaddr_in).cast(), len);
+        assert_eq!(connected, 0, "connect from {src}: {}", std::io::Error::last_os_error());
         s
     }
 }
