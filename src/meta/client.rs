@@ -1000,16 +1000,13 @@ impl Conn {
         }
         let mut out: Vec<Result<u32>> = vec![Err(Errno(libc::EAGAIN)); keys.len()];
         for (i, key) in keys.iter().enumerate() {
-            if self.proven.contains(key.gid()) {
-                continue;
-            }
-            match self.prover.prove(key.gid(), timeout) {
-                Ok(()) => {
-                    self.proven.insert(*key.gid());
+            if !self.proven.contains(key.gid()) {
+                // Another error: the server says EAGAIN, and it is proven
+                // again below.
+                match self.prove(key.gid(), timeout) {
+                    Err(e) if e.0 == libc::EADDRNOTAVAIL => out[i] = Err(e),
+                    _ => {}
                 }
-                Err(e) if e.0 == libc::EADDRNOTAVAIL => out[i] = Err(e),
-                // The server says EAGAIN, and it is proven again below.
-                Err(e) => klog!(Level::Warn, "meta: cannot prove GID {}: {e:?}", std::net::Ipv6Addr::from(*key.gid())),
             }
         }
         let deadline = Instant::now() + PROOF_WAIT.min(timeout);
@@ -1031,9 +1028,7 @@ impl Conn {
                 std::thread::sleep(pause);
                 pause = (pause * 4).min(Duration::from_millis(100));
                 for gid in todo.iter().map(|&i| *keys[i].gid()).collect::<HashSet<_>>() {
-                    if let Err(e) = self.prover.prove(&gid, timeout) {
-                        klog!(Level::Warn, "meta: cannot prove GID {}: {e:?}", std::net::Ipv6Addr::from(gid));
-                    }
+                    let _ = self.prove(&gid, timeout);
                 }
             }
             first = false;
@@ -1060,6 +1055,20 @@ impl Conn {
             }
         }
         Ok(out)
+    }
+
+    /// Send a proof of `gid` (then proven here); an error other than
+    /// EADDRNOTAVAIL (not a GID we can prove from) is logged.
+    fn prove(&mut self, gid: &rdma::Gid, timeout: Duration) -> Result<()> {
+        let r = self.prover.prove(gid, timeout);
+        match &r {
+            Ok(()) => {
+                self.proven.insert(*gid);
+            }
+            Err(e) if e.0 == libc::EADDRNOTAVAIL => {}
+            Err(e) => klog!(Level::Warn, "meta: cannot prove GID {}: {e:?}", std::net::Ipv6Addr::from(*gid)),
+        }
+        r
     }
 
     /// [`requests`] sent as they are, at once. The server answers a

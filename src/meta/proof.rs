@@ -59,8 +59,8 @@ impl Prover {
         self.proof = Proof { conn_qpn: w.qpn, token: w.token };
     }
 
-    /// Send one proof from our `gid` and wait, up to `timeout`, for it to
-    /// leave. EADDRNOTAVAIL: not a GID of our device, or an IPv6 one and
+    /// Send one proof from our `gid` and wait (asleep on the completion
+    /// channel), up to `timeout`, for it to leave. EADDRNOTAVAIL: not a GID of our device, or an IPv6 one and
     /// the server has no IPv6 GID (a datagram goes from one family to the
     /// same).
     pub fn prove(&mut self, gid: &Gid, timeout: Duration) -> Result<()> {
@@ -98,10 +98,11 @@ impl Prover {
                     _ => Err(Errno(libc::EIO)),
                 };
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(Errno(libc::ETIMEDOUT));
             }
-            std::thread::yield_now();
+            self.cq.wait(Some(deadline - now))?;
         }
     }
 }
