@@ -582,15 +582,16 @@ impl Port {
         if f.receiver.would_hold(m) && self.ahead.load(Ordering::Relaxed) >= MAX_AHEAD {
             return dropped();
         }
-        let ahead_before = f.receiver.ahead();
+        let (ahead_before, rnr_before) = (f.receiver.ahead(), f.receiver.drops.rnr);
         let (peer, pd) = (f.peer, f.pd);
         let mut answers = Vec::new();
         let mut messages = Vec::new();
         let mut answered = None;
         match f.receiver.on_message(now, m) {
             Received::Dropped => dropped(),
-            // Its ACK says RNR: the sender waits and sends it again.
-            Received::Rnr => stats::inc(Stat::KRCORE_STAT_DGRAM_RNR),
+            // Its ACK says RNR (counted below): the sender waits and sends
+            // it again.
+            Received::Rnr => {}
             Received::DuplicateRequest => {
                 if let Message::Request(req) = m {
                     answers = crate::vqp::mrs::with(pd, |mrs| f.responder.serve_duplicate(req, &Registered(mrs), &mut ProcessMemory));
@@ -625,6 +626,8 @@ impl Port {
                 }
             }
         }
+        // Refused now, or one held past the gap that it let through.
+        stats::add(Stat::KRCORE_STAT_DGRAM_RNR, f.receiver.drops.rnr - rnr_before);
         let ahead_after = f.receiver.ahead();
         if ahead_after >= ahead_before {
             self.ahead.fetch_add(ahead_after - ahead_before, Ordering::Relaxed);

@@ -875,8 +875,8 @@ impl Receiver {
         }
         while let Some(bytes) = self.ahead.remove(&self.next) {
             // Encoded from a decoded message: it decodes again.
-            let taken = Message::decode(&bytes).is_ok_and(|m| self.deliver(now, &m));
-            if !taken && self.rnr.is_some() {
+            // (Only a first segment that does not fit is not delivered.)
+            if !Message::decode(&bytes).is_ok_and(|m| self.deliver(now, &m)) {
                 self.ahead.insert(self.next, bytes);
                 break;
             }
