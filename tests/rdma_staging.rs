@@ -37,7 +37,7 @@ use krcore::vqp::header::{Flags, Header, LinkOp, HEADER_LEN};
 use std::io::{BufRead, BufReader, Lines, Write};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::process::{ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -283,6 +283,44 @@ fn win_message(seq: u32) -> Vec<u8> {
     m
 }
 
+/// `vqp_guard holder` (a bound VQP on node 1 that posts no receive until
+/// told), ready: its stdin, its output, its meta server and port.
+struct Holder {
+    child: Child,
+    to: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+    meta: String,
+    port: u32,
+}
+
+fn start_holder() -> Holder {
+    let mut child = Command::new(stager_bin())
+        .arg("holder")
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run target/c-tests/vqp_guard holder (make -C c-tests)");
+    let to = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = role_line(&mut lines, "holder");
+    let f: Vec<&str> = ready.strip_prefix("holder ready ").expect("holder ready").split_whitespace().collect();
+    let (meta, port) = (f[0].to_string(), f[1].parse::<u32>().unwrap());
+    Holder { child, to, lines, meta, port }
+}
+
+/// `vqp_guard flooder <first> 1000` (an honest libkrcore sender on node
+/// 2) to the holder behind `meta`, its output piped.
+fn flooder_cmd(meta: &str, first: &str) -> Command {
+    let mut cmd = Command::new(stager_bin());
+    cmd.args(["flooder", first, "1000"])
+        .env("KRCORE_META", meta)
+        .env("ASAN_OPTIONS", "detect_leaks=0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    cmd
+}
+
 #[test]
 #[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
 fn a_peer_cannot_make_a_vqp_hold_more_than_its_links_window() {
@@ -290,18 +328,7 @@ fn a_peer_cannot_make_a_vqp_hold_more_than_its_links_window() {
     const COST: u64 = (HEADER_LEN + WIN_LEN) as u64;
     const SENT: u32 = 400;
     let admitted = (WINDOW / COST) as u32;
-    let mut holder = Command::new(stager_bin())
-        .arg("holder")
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run target/c-tests/vqp_guard holder (make -C c-tests)");
-    let mut to_holder = holder.stdin.take().unwrap();
-    let mut lines = BufReader::new(holder.stdout.take().unwrap()).lines();
-    let ready = role_line(&mut lines, "holder");
-    let f: Vec<&str> = ready.strip_prefix("holder ready ").expect("holder ready").split_whitespace().collect();
-    let (meta, port) = (f[0].to_string(), f[1].parse::<u32>().unwrap());
+    let Holder { child: mut holder, to: mut to_holder, mut lines, meta, port } = start_holder();
     let dev = device();
     let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
     let mc = MetaClient::connect(&dev, gid_index(&dev, 3), &client::parse_addrs(&meta).unwrap(), opts).expect("the holder's meta server");
@@ -341,14 +368,7 @@ fn a_peer_cannot_make_a_vqp_hold_more_than_its_links_window() {
     drop((recvs, link, flood));
 
     // An honest sender, many windows' worth: it waits for the grants.
-    let mut flooder = Command::new(stager_bin())
-        .args(["flooder", "200", "1000"])
-        .env("KRCORE_META", &meta)
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run target/c-tests/vqp_guard flooder");
+    let mut flooder = flooder_cmd(&meta, "200").spawn().expect("run target/c-tests/vqp_guard flooder");
     let mut flooder_lines = BufReader::new(flooder.stdout.take().unwrap()).lines();
     assert_eq!(role_line(&mut flooder_lines, "flooder"), "flooder posted 200");
     writeln!(to_holder, "take 1000 0").unwrap();
@@ -374,25 +394,10 @@ fn a_peer_cannot_make_a_vqp_hold_more_than_its_links_window() {
 #[test]
 #[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
 fn a_peer_on_the_datagram_tier_cannot_make_a_vqp_hold_more_than_its_share() {
-    let mut holder = Command::new(stager_bin())
-        .arg("holder")
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run target/c-tests/vqp_guard holder (make -C c-tests)");
-    let mut to_holder = holder.stdin.take().unwrap();
-    let mut lines = BufReader::new(holder.stdout.take().unwrap()).lines();
-    let ready = role_line(&mut lines, "holder");
-    let meta = ready.strip_prefix("holder ready ").expect("holder ready").split_whitespace().next().unwrap().to_string();
-    let mut flooder = Command::new(stager_bin())
-        .args(["flooder", "1", "1000"])
-        .env("KRCORE_META", &meta)
+    let Holder { child: mut holder, to: mut to_holder, mut lines, meta, .. } = start_holder();
+    let mut flooder = flooder_cmd(&meta, "1")
         .env("KRCORE_LINK_AFTER", "1000000")
         .env("KRCORE_STATS", "1")
-        .env("ASAN_OPTIONS", "detect_leaks=0")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run target/c-tests/vqp_guard flooder");
