@@ -218,6 +218,15 @@ enum krcore_stat {
   // `KRCORE_MAX_SENDERS` senders (or `KRCORE_MAX_SENDERS_PER_GID` of
   // their GID) and theirs was a new one.
   KRCORE_STAT_SENDERS_REFUSED,
+  // Lookups answered by the host's agent (`krcore-node`, `KRCORE_NODE`).
+  KRCORE_STAT_NODE_LOOKUPS,
+  // Lookups the agent could not answer (gone, too slow, or its meta
+  // server unreachable): made by the process itself instead.
+  KRCORE_STAT_NODE_FALLBACKS,
+  // Connections to the meta server this process made (its runtime's
+  // own; none while the host's agent looks up for it and it binds
+  // nothing).
+  KRCORE_STAT_META_CONNECTIONS,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };
@@ -238,6 +247,14 @@ uint64_t krcore_stat_get(uint32_t stat);
 // The snake_case name of a counter ("post_send"), a static string; NULL
 // for a value outside `enum krcore_stat`.
 const char *krcore_stat_name(uint32_t stat);
+
+// 1 when this process is attached to its host's agent (`krcore-node`
+// listening at `KRCORE_NODE`, run by this user or root, serving the meta
+// servers of `KRCORE_META`), else 0. Attaches first when it is not and
+// has not looked within the last second; the library also attaches by
+// itself at the start of a PD's runtime (the first `ibv_alloc_pd` with
+// `KRCORE_META` set, or the first extended verb). Thread-safe.
+int krcore_node_attached(void);
 
 // Write all counters as one JSON object into `buf` (NUL-terminated,
 // truncated to `len`). Returns the length the full JSON needs, excluding

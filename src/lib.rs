@@ -26,6 +26,7 @@ pub mod error;
 pub mod log;
 pub mod meta;
 pub mod mr;
+pub mod node;
 pub mod obj;
 pub mod rdma;
 pub mod real;

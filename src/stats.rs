@@ -205,6 +205,15 @@ pub enum krcore_stat {
     /// `KRCORE_MAX_SENDERS` senders (or `KRCORE_MAX_SENDERS_PER_GID` of
     /// their GID) and theirs was a new one.
     KRCORE_STAT_SENDERS_REFUSED,
+    /// Lookups answered by the host's agent (`krcore-node`, `KRCORE_NODE`).
+    KRCORE_STAT_NODE_LOOKUPS,
+    /// Lookups the agent could not answer (gone, too slow, or its meta
+    /// server unreachable): made by the process itself instead.
+    KRCORE_STAT_NODE_FALLBACKS,
+    /// Connections to the meta server this process made (its runtime's
+    /// own; none while the host's agent looks up for it and it binds
+    /// nothing).
+    KRCORE_STAT_META_CONNECTIONS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -287,6 +296,9 @@ const NAMES_NUL: [&str; COUNT] = [
     "meta_proof_retries\0",
     "dgram_rnr\0",
     "senders_refused\0",
+    "node_lookups\0",
+    "node_fallbacks\0",
+    "meta_connections\0",
 ];
 
 /// A counter's name ("post_send").

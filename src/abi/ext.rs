@@ -34,6 +34,17 @@ pub extern "C" fn krcore_stat_name(stat: u32) -> *const c_char {
     boundary::value("krcore_stat_name", std::ptr::null(), || stats::name_c(stat as usize).unwrap_or(std::ptr::null()))
 }
 
+/// 1 when this process is attached to its host's agent (`krcore-node`
+/// listening at `KRCORE_NODE`, run by this user or root, serving the meta
+/// servers of `KRCORE_META`), else 0. Attaches first when it is not and
+/// has not looked within the last second; the library also attaches by
+/// itself at the start of a PD's runtime (the first `ibv_alloc_pd` with
+/// `KRCORE_META` set, or the first extended verb). Thread-safe.
+#[no_mangle]
+pub extern "C" fn krcore_node_attached() -> c_int {
+    boundary::value("krcore_node_attached", 0, || crate::node::client::attach() as c_int)
+}
+
 /// Copy `text` snprintf-style into `buf`; returns the full length.
 ///
 /// # Safety

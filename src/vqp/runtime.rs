@@ -608,9 +608,9 @@ fn connect_meta(dev: &Arc<Device>, gid_index: u32, addrs: &[std::net::SocketAddr
     crate::kmark!("meta: connecting");
     let c = MetaClient::connect(dev, gid_index, addrs, opts);
     crate::kmark!("meta: connected");
-    if c.is_err() {
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_CONNECT_FAILURES);
-    }
+    let stat =
+        if c.is_ok() { crate::stats::Stat::KRCORE_STAT_META_CONNECTIONS } else { crate::stats::Stat::KRCORE_STAT_META_CONNECT_FAILURES };
+    crate::stats::inc(stat);
     c
 }
 
@@ -641,7 +641,12 @@ impl Runtime {
             return Err(Errno(libc::EADDRNOTAVAIL));
         }
         crate::kmark!("runtime: device borrowed, GID index {gi}");
-        let meta_start = start_meta(&dev, gi);
+        // Attached to the host's agent, a process that binds nothing needs
+        // no meta-server connection of its own (lookups go through the
+        // agent; a bind makes it then). A transparent QP publishes its QPN
+        // at creation: made now.
+        let own_meta = crate::config::get().virtualize != crate::config::Virtualize::Off || !crate::node::client::attach();
+        let meta_start = if own_meta { start_meta(&dev, gi) } else { None };
         let svc = Service::start(&dev, gi, service::Options::default())?;
         // What only links use (header arena, scratch, probe buffer) is
         // made with the links' side, in the background (`prepare_links`):
@@ -1128,12 +1133,25 @@ impl Runtime {
 
     /// The meta-server client (`KRCORE_META`), connected at first use.
     /// Who is bound at `key`, for a connect (`fresh`: the DCCache bypassed,
-    /// [`MetaClient::lookup_fresh`]). While the meta-server connection made
+    /// [`MetaClient::lookup_fresh`]). Without a meta-server connection of
+    /// our own, the host's agent answers (`src/node/`); with no agent, our
+    /// connection is made (in the background). While the one made
     /// at the start is still on its way (its RC QP and handshake take
     /// milliseconds), the key is asked over TCP instead (one round trip, no
     /// QP on the connect's path: [`client::query`]); if that fails, the
     /// lookup waits for the connection as before.
     pub fn resolve(&self, key: &crate::meta::Key, fresh: bool) -> Result<Option<crate::meta::Endpoint>> {
+        if self.meta.get().is_none() {
+            if let Some(found) = crate::node::client::lookup(key, fresh) {
+                return Ok(found);
+            }
+            // No agent (any more): this process's own connection, asked by
+            // query meanwhile.
+            let mut start = self.meta_start.lock();
+            if start.is_none() {
+                *start = start_meta(self.svc.device(), self.svc.gid_index());
+            }
+        }
         let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|h| !h.is_finished());
         if let (true, Some(spec)) = (starting, crate::config::get().meta.as_deref()) {
             crate::kmark!("meta: lookup by query (TCP)");
@@ -1151,6 +1169,13 @@ impl Runtime {
             meta.lookup_fresh(key)
         } else {
             meta.lookup(key)
+        }
+    }
+
+    /// Forget what is cached of `key` here (its endpoint did not answer).
+    pub fn forget(&self, key: &crate::meta::Key) {
+        if let Some(m) = self.meta.get() {
+            m.invalidate(key);
         }
     }
 

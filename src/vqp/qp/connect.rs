@@ -80,10 +80,8 @@ impl Vqp {
                     rt.forgive(ep.incarnation);
                     continue;
                 }
-                let meta = rt.meta()?;
-                meta.invalidate(&key);
                 looked_again = true;
-                ep = meta.lookup(&key)?.ok_or(Errno(libc::ECONNREFUSED))?;
+                ep = rt.resolve(&key, true)?.ok_or(Errno(libc::ECONNREFUSED))?;
                 continue;
             }
             if crate::config::get().dgram {
@@ -114,13 +112,12 @@ impl Vqp {
                     // again. Gone: ECONNREFUSED; another process bound
                     // there now: try it (once); the same one, bound but
                     // not answering: ETIMEDOUT.
-                    let meta = rt.meta()?;
-                    meta.invalidate(&key);
                     if looked_again {
+                        rt.forget(&key);
                         return Err(e);
                     }
                     looked_again = true;
-                    match meta.lookup(&key)? {
+                    match rt.resolve(&key, true)? {
                         None => return Err(Errno(libc::ECONNREFUSED)),
                         Some(now) if now == ep => return Err(Errno(libc::ETIMEDOUT)),
                         Some(now) => ep = now,

@@ -1,0 +1,392 @@
+//! The agent's loop: a unix `SOCK_SEQPACKET` listener at its socket path,
+//! each process checked with `SO_PEERCRED` when it connects, and lookups
+//! answered from the host's one meta-server connection and DCCache.
+//!
+//! One thread, asleep in `poll(2)` until a process connects, sends or
+//! hangs up (or half a second passes, to see a stop asked from another
+//! thread's signal). A wake-up reads what every ready process sent, then
+//! answers the lookups with one look at the meta server per distinct key:
+//! a burst of new processes asking for one address costs one READ.
+
+use super::proto::Message;
+use crate::error::{Errno, Result};
+use crate::meta::client::{MetaClient, Options};
+use crate::meta::{Endpoint, Key};
+use crate::rdma::Device;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the agent runs (`krcore-node`'s command line).
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub socket: PathBuf,
+    pub meta: Vec<SocketAddr>,
+    pub device: Option<String>,
+    /// GID of the meta-server connection (default: the one the kernel
+    /// routes to the first meta server from, else the first usable one).
+    pub gid_index: Option<u32>,
+    /// Processes attached at once; one beyond is refused (closed).
+    pub max_clients: usize,
+    /// Bound on every wait for the meta server.
+    pub timeout: Duration,
+}
+
+/// What the agent did, for its statistics line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub attached: u64,
+    /// Processes of another user, or beyond `max_clients`.
+    pub refused: u64,
+    /// Processes dropped for a malformed message or one out of turn.
+    pub dropped: u64,
+    pub lookups: u64,
+    /// Looks at the meta server (one per distinct key of a wake-up).
+    pub meta_lookups: u64,
+    pub failed_lookups: u64,
+}
+
+struct Process {
+    fd: OwnedFd,
+    pid: i32,
+    welcomed: bool,
+}
+
+/// The host's meta-server connection, made at the start and again (at
+/// most once a second) at a lookup while it is missing.
+struct Meta {
+    dev: Arc<Device>,
+    gid_index: u32,
+    addrs: Vec<SocketAddr>,
+    timeout: Duration,
+    client: Option<Arc<MetaClient>>,
+    tried: Option<Instant>,
+}
+
+impl Meta {
+    fn client(&mut self) -> Result<Arc<MetaClient>> {
+        if let Some(c) = &self.client {
+            return Ok(Arc::clone(c));
+        }
+        if self.tried.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return Err(Errno(libc::ECONNREFUSED));
+        }
+        self.tried = Some(Instant::now());
+        // Lookups only: the lease is the library's default, unused.
+        let opts = Options { timeout: self.timeout, lease: Duration::from_millis(3000) };
+        match MetaClient::connect(&self.dev, self.gid_index, &self.addrs, opts) {
+            Ok(c) => {
+                self.client = Some(Arc::clone(&c));
+                Ok(c)
+            }
+            Err(e) => {
+                eprintln!("krcore-node: meta server {:?}: cannot connect: {e:?} (tried again at a lookup, once a second)", self.addrs);
+                Err(e)
+            }
+        }
+    }
+}
+
+pub struct Agent {
+    listener: OwnedFd,
+    path: PathBuf,
+    processes: Vec<Process>,
+    max_clients: usize,
+    meta: Meta,
+    incarnation: u64,
+    fingerprint: u64,
+    counts: Counts,
+}
+
+impl Agent {
+    /// Open the device, listen at the socket path (EADDRINUSE when an
+    /// agent answers there; a stale socket file is replaced), and connect
+    /// to the meta server (a failure is logged and tried again later).
+    pub fn new(cfg: &Config) -> Result<Agent> {
+        if cfg.meta.is_empty() {
+            return Err(Errno::EINVAL);
+        }
+        let dev = Device::open(cfg.device.as_deref())?;
+        let gid_index = match cfg.gid_index {
+            Some(i) => i,
+            None => dev.route_gid_index(&cfg.meta[0]).map_or_else(|| dev.default_gid_index(), Ok)?,
+        };
+        let listener = listen(&cfg.socket)?;
+        let mut meta = Meta { dev, gid_index, addrs: cfg.meta.clone(), timeout: cfg.timeout, client: None, tried: None };
+        let _ = meta.client();
+        Ok(Agent {
+            listener,
+            path: cfg.socket.clone(),
+            processes: Vec::new(),
+            max_clients: cfg.max_clients,
+            meta,
+            incarnation: crate::rdma::random_u64(),
+            fingerprint: super::meta_fingerprint(&cfg.meta),
+            counts: Counts::default(),
+        })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.meta.dev.name
+    }
+
+    pub fn gid_index(&self) -> u32 {
+        self.meta.gid_index
+    }
+
+    pub fn meta_connected(&self) -> bool {
+        self.meta.client.is_some()
+    }
+
+    pub fn counts(&self) -> Counts {
+        self.counts
+    }
+
+    /// Processes attached now.
+    pub fn attached(&self) -> usize {
+        self.processes.len()
+    }
+
+    /// Serve until `stop` says so; `tick` runs at every wake-up (the
+    /// binary prints its statistics there when asked).
+    pub fn run(&mut self, stop: &dyn Fn() -> bool, tick: &mut dyn FnMut(&Agent)) -> Result<()> {
+        while !stop() {
+            let mut fds: Vec<libc::pollfd> = std::iter::once(self.listener.as_raw_fd())
+                .chain(self.processes.iter().map(|p| p.fd.as_raw_fd()))
+                .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
+                .collect();
+            // SAFETY: `fds` is a live array of fds.len() pollfds.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 500) };
+            if n < 0 {
+                let e = Errno::last();
+                if e.0 == libc::EINTR {
+                    continue;
+                }
+                return Err(e);
+            }
+            let mut asked = Vec::new();
+            let mut gone = Vec::new();
+            for (i, pfd) in fds.iter().enumerate().skip(1).filter(|(_, p)| p.revents != 0) {
+                if !self.read_from(i - 1, &mut asked) || pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0 && !readable(pfd) {
+                    gone.push(i - 1);
+                }
+            }
+            self.answer(&asked, &mut gone);
+            gone.sort_unstable();
+            gone.dedup();
+            for i in gone.into_iter().rev() {
+                self.processes.swap_remove(i);
+            }
+            if fds[0].revents & libc::POLLIN != 0 {
+                self.accept_all();
+            }
+            tick(self);
+        }
+        Ok(())
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            // SAFETY: plain syscall; the fd returned is owned below.
+            let fd = unsafe {
+                libc::accept4(
+                    self.listener.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                )
+            };
+            if fd < 0 {
+                return;
+            }
+            // SAFETY: a new fd that nothing else owns.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let Ok(cred) = peer_cred(fd.as_raw_fd()) else {
+                self.counts.refused += 1;
+                continue;
+            };
+            if !same_user(cred.uid) {
+                self.counts.refused += 1;
+                eprintln!("krcore-node: refused pid {} of uid {}: it serves only its own user's processes", cred.pid, cred.uid);
+                continue;
+            }
+            if self.processes.len() >= self.max_clients {
+                self.counts.refused += 1;
+                eprintln!("krcore-node: refused pid {}: {} processes attached (--max-clients)", cred.pid, self.processes.len());
+                continue;
+            }
+            self.processes.push(Process { fd, pid: cred.pid, welcomed: false });
+        }
+    }
+
+    /// Read what process `i` sent; false when it must go (hung up, or
+    /// sent what it must not).
+    fn read_from(&mut self, i: usize, asked: &mut Vec<(usize, u32, Key, bool)>) -> bool {
+        let mut buf = [0u8; super::proto::LEN + 1];
+        // A bounded batch per wake-up, so one process cannot starve the others.
+        for _ in 0..64 {
+            let p = &mut self.processes[i];
+            // SAFETY: `buf` is a live buffer of its length.
+            let n = unsafe { libc::recv(p.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+            if n == 0 {
+                return false;
+            }
+            if n < 0 {
+                return Errno::last().0 == libc::EAGAIN;
+            }
+            let m = Message::decode(&buf[..n as usize]);
+            match (m, p.welcomed) {
+                (Ok(Message::Hello { .. }), false) => {
+                    p.welcomed = true;
+                    self.counts.attached += 1;
+                    let w = Message::Welcome { incarnation: self.incarnation, fingerprint: self.fingerprint };
+                    if !send(p.fd.as_raw_fd(), &w) {
+                        return false;
+                    }
+                }
+                (Ok(Message::Lookup { id, key, fresh }), true) => asked.push((i, id, key, fresh)),
+                (m, _) => {
+                    self.counts.dropped += 1;
+                    eprintln!("krcore-node: pid {}: dropped for {:?}", p.pid, m.map(|m| format!("{m:?} out of turn")));
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Answer `asked`: each distinct key looked at once (fresh when any
+    /// asker wants it fresh).
+    fn answer(&mut self, asked: &[(usize, u32, Key, bool)], gone: &mut Vec<usize>) {
+        let mut keys: HashMap<Key, bool> = HashMap::new();
+        for &(_, _, key, fresh) in asked {
+            *keys.entry(key).or_default() |= fresh;
+        }
+        let mut found: HashMap<Key, std::result::Result<Option<Endpoint>, u32>> = HashMap::new();
+        for (key, fresh) in keys {
+            self.counts.meta_lookups += 1;
+            let r = self.meta.client().and_then(|m| if fresh { m.lookup_fresh(&key) } else { m.lookup(&key) });
+            if r.is_err() {
+                self.counts.failed_lookups += 1;
+            }
+            found.insert(key, r.map_err(|e| e.0 as u32));
+        }
+        for &(i, id, key, _) in asked {
+            self.counts.lookups += 1;
+            if !send(self.processes[i].fd.as_raw_fd(), &Message::Found { id, result: found[&key] }) {
+                gone.push(i);
+            }
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(m) = &self.meta.client {
+            m.shutdown();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn readable(p: &libc::pollfd) -> bool {
+    p.revents & libc::POLLIN != 0
+}
+
+/// Send `m`; false when the process cannot take it (gone, or not reading
+/// its answers: its socket buffer is full).
+fn send(fd: RawFd, m: &Message) -> bool {
+    let b = m.encode();
+    // SAFETY: `b` is a live buffer of its length.
+    let n = unsafe { libc::send(fd, b.as_ptr().cast(), b.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    n == b.len() as isize
+}
+
+/// A socket's peer as the kernel saw it connect.
+pub fn peer_cred(fd: RawFd) -> Result<libc::ucred> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a live ucred and `len` its size.
+    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    if r != 0 {
+        return Err(Errno::last());
+    }
+    Ok(cred)
+}
+
+/// Whether a peer of `uid` is one this process serves or trusts: its own
+/// user, or root.
+pub fn same_user(uid: libc::uid_t) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    uid == unsafe { libc::geteuid() } || uid == 0
+}
+
+/// A unix address for `path` (ENAMETOOLONG past sun_path).
+pub fn unix_addr(path: &Path) -> Result<(libc::sockaddr_un, libc::socklen_t)> {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: a plain C struct; all zeroes is valid.
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.is_empty() || bytes.len() >= a.sun_path.len() || bytes.contains(&0) {
+        return Err(Errno(libc::ENAMETOOLONG));
+    }
+    a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in a.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    Ok((a, std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t))
+}
+
+/// A new `SOCK_SEQPACKET` unix socket.
+pub fn seqpacket() -> Result<OwnedFd> {
+    // SAFETY: plain syscall; the fd is checked and then owned.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Listen at `path`, readable and writable by this user only. A socket
+/// file nobody answers at (an agent that was killed) is replaced; one an
+/// agent answers at is EADDRINUSE.
+fn listen(path: &Path) -> Result<OwnedFd> {
+    let (addr, len) = unix_addr(path)?;
+    if path.exists() {
+        let probe = seqpacket()?;
+        // SAFETY: `addr` is a live sockaddr_un of `len` bytes.
+        if unsafe { libc::connect(probe.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) } == 0 {
+            return Err(Errno(libc::EADDRINUSE));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let fd = seqpacket()?;
+    // The mode comes from the umask at bind: owner only. The agent binds
+    // before it starts any thread, so the umask is nobody else's meanwhile.
+    // SAFETY: umask has no preconditions.
+    let old = unsafe { libc::umask(0o177) };
+    // SAFETY: as above.
+    let r = unsafe { libc::bind(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
+    // SAFETY: umask has no preconditions.
+    unsafe { libc::umask(old) };
+    if r != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: plain syscalls on our fd.
+    unsafe {
+        if libc::listen(fd.as_raw_fd(), 1024) != 0 {
+            return Err(Errno::last());
+        }
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+    Ok(fd)
+}
