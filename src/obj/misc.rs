@@ -58,7 +58,9 @@ impl Pd {
         if let Some(cache) = crate::mr::cache() {
             cache.flush_pd(pd.real);
         }
-        ok_or_errno(call_real!(ibv_dealloc_pd(pd.real))?)?;
+        ok_or_errno(call_real!(ibv_dealloc_pd(pd.real))?).inspect_err(|e| {
+            crate::klog!(crate::log::Level::Debug, "ibv_dealloc_pd: the real verb failed ({e:?}): objects are left on the PD");
+        })?;
         // SAFETY: the real PD is gone; nobody may use the wrapper now.
         unsafe { Pd::free(p) };
         Ok(())

@@ -668,8 +668,12 @@ impl Vqp {
         let unread = self.quiesce();
         let mut st = self.st.lock();
         let keys: Vec<_> = st.bound.take().into_iter().chain(std::mem::take(&mut st.published)).collect();
-        if let (false, Some(Ok(meta))) = (keys.is_empty(), self.rt.get().map(|rt| rt.meta())) {
-            meta.unbind_all(&keys);
+        // Only a VQP that bound or published asks for the meta connection
+        // (which a process attached to its host's agent may not have).
+        if let (false, Some(rt)) = (keys.is_empty(), self.rt.get()) {
+            if let Ok(meta) = rt.meta() {
+                meta.unbind_all(&keys);
+            }
         }
         let mut out = Vec::new();
         st.sq.flush(&mut |c| out.push(c));

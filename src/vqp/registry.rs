@@ -125,7 +125,9 @@ pub fn release_pd(pd: *mut ibv_pd) -> Result<()> {
         drop(g);
         let used = vqp::live().iter().any(|v| v.runtime_is(&rt));
         if used || Instant::now() > deadline {
-            if !used {
+            if used {
+                klog!(Level::Debug, "vqp: ibv_dealloc_pd: a VQP of the PD is alive: EBUSY");
+            } else {
                 // Not expected: something held the runtime for the whole wait.
                 klog!(
                     Level::Warn,

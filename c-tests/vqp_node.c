@@ -1,0 +1,460 @@
+/*
+ * vqp_node: the host's agent (krcore-node) and the processes that attach
+ * to it (KRCORE_NODE).
+ *
+ * - a fresh process attaches, resolves its peer through the agent and
+ *   makes no meta-server connection of its own: a SEND echoed by a bound
+ *   VQP and a READ of the server's buffer, checked byte for byte;
+ *   node_lookups >= 1, meta_connections 0, meta_queries 0;
+ * - the socket is its user's only (mode 0600), and a process of another
+ *   user cannot attach;
+ * - a process that sends a malformed message is dropped, and the agent
+ *   serves the next one;
+ * - the agent killed with SIGKILL: a process attached to it looks up by
+ *   itself at its next qconnect (node_fallbacks 1, its own meta
+ *   connection) and moves data; a new process finds no agent and works
+ *   as without one; a restarted agent (its stale socket replaced) serves
+ *   a new process at once;
+ * - 1,000 processes attach and are killed with SIGKILL: the agent holds
+ *   none of them afterwards (attached=0), its descriptors are as before
+ *   and its memory is flat (VmRSS).
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PORT 7501
+#define MSG 64
+#define SERVER_NODE 3
+#define CLIENT_NODE 5
+#define TARGET 2048
+#define SEED 91
+#define CYCLES 1000
+
+static char sock_path[108];
+static int info_pipe[2];
+static uint64_t target[2];
+
+/* ---- the agent --------------------------------------------------------- */
+
+static pid_t agent_pid;
+static int agent_out = -1;	/* its stdout */
+
+/* Start krcore-node at sock_path and wait (bounded) for its "serving" line. */
+static void start_agent(void)
+{
+	static char path[4096];
+	const char *bin = ct_release_bin("KRCORE_NODE_BIN", "krcore-node", path, sizeof(path));
+	char line[1024];
+	size_t used = 0;
+	struct pollfd pfd;
+	int p[2];
+
+	CT_CHECK(pipe(p) == 0, "pipe");
+	agent_pid = fork();
+	CT_CHECK(agent_pid >= 0, "fork");
+	if (agent_pid == 0) {
+		dup2(p[1], 1);
+		close(p[0]);
+		execl(bin, "krcore-node", "--meta", getenv("KRCORE_META"), "--socket", sock_path, (char *)NULL);
+		_exit(127);
+	}
+	close(p[1]);
+	agent_out = p[0];
+	pfd.fd = p[0];
+	pfd.events = POLLIN;
+	while (!memchr(line, '\n', used)) {
+		ssize_t k;
+
+		CT_CHECK(poll(&pfd, 1, 30000) == 1, "krcore-node did not start (%s)", bin);
+		k = read(p[0], line + used, sizeof(line) - 1 - used);
+		CT_CHECK(k > 0, "krcore-node exited (%s)", bin);
+		used += (size_t)k;
+	}
+	line[used] = 0;
+	CT_CHECK(strstr(line, "serving at") != NULL && strstr(line, "meta server connected"),
+		 "krcore-node said: %s", line);
+}
+
+static void kill_agent(int sig)
+{
+	kill(agent_pid, sig);
+	CT_CHECK(waitpid(agent_pid, NULL, 0) == agent_pid, "waitpid agent");
+	close(agent_out);
+	agent_out = -1;
+}
+
+/* The agent's statistics line (SIGUSR1), waited for (bounded): the value
+ * of `attached=` and of "attached: " (processes attached since its start). */
+static void agent_stats(long *now, long *ever)
+{
+	char buf[4096];
+	size_t used = 0;
+	struct pollfd pfd = { .fd = agent_out, .events = POLLIN };
+	char *l;
+	int got;
+
+	CT_CHECK(kill(agent_pid, SIGUSR1) == 0, "SIGUSR1");
+	for (;;) {
+		ssize_t k;
+
+		CT_CHECK(poll(&pfd, 1, 10000) == 1, "no statistics line from the agent within 10 s");
+		k = read(agent_out, buf + used, sizeof(buf) - 1 - used);
+		CT_CHECK(k > 0, "the agent's stdout closed");
+		used += (size_t)k;
+		buf[used] = 0;
+		l = strstr(buf, "stats attached=");
+		if (l && strchr(l, '\n'))
+			break;
+	}
+	got = sscanf(l, "stats attached=%ld Counts { attached: %ld", now, ever);
+	CT_CHECK(got == 2, "statistics line: %s", l);
+}
+
+static long agent_rss_kib(void)
+{
+	char path[64], line[256];
+	long kib = -1;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", agent_pid);
+	f = fopen(path, "r");
+	CT_CHECK(f != NULL, "%s", path);
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
+			break;
+	fclose(f);
+	return kib;
+}
+
+static int agent_fds(void)
+{
+	char path[64];
+	struct dirent *e;
+	int n = 0;
+	DIR *d;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", agent_pid);
+	d = opendir(path);
+	CT_CHECK(d != NULL, "%s", path);
+	while ((e = readdir(d)))
+		n += e->d_name[0] != '.';
+	closedir(d);
+	return n;
+}
+
+/* A raw connection to the agent's socket; -1 and errno when refused. */
+static int raw_connect(void)
+{
+	struct sockaddr_un a;
+	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+
+	CT_CHECK(fd >= 0, "socket");
+	memset(&a, 0, sizeof(a));
+	a.sun_family = AF_UNIX;
+	strcpy(a.sun_path, sock_path);
+	if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+		int e = errno;
+
+		close(fd);
+		errno = e;
+		return -1;
+	}
+	return fd;
+}
+
+/* ---- the server --------------------------------------------------------- */
+
+/* A bound VQP echoing every message; TARGET of its buffer holds a pattern
+ * (address and rkey through info_pipe). Runs until killed. */
+static int server(int ready_fd)
+{
+	struct ct_node n;
+	struct ibv_qp *q;
+	uint64_t tgt[2];
+
+	ct_begin("vqp_node: server");
+	ct_node_open(&n, SERVER_NODE, 4096, 64);
+	ct_fill(n.b.p + TARGET, 64, SEED);
+	q = ct_node_vqp(&n, 16, 16);
+	for (int i = 0; i < 8; i++)
+		ct_post_recv1(q, (uint64_t)i, &n.b, (size_t)i * MSG, MSG);
+	CT_OK(qbind(q, ct_node_gid(SERVER_NODE), PORT));
+	tgt[0] = (uint64_t)(uintptr_t)(n.b.p + TARGET);
+	tgt[1] = n.b.mr->rkey;
+	ct_oob_write(info_pipe[1], tgt, sizeof(tgt));
+	CT_CHECK(write(ready_fd, "r", 1) == 1, "ready");
+	for (;;) {
+		struct ibv_qp *src[8];
+		struct ibv_wc wc[8];
+		int k = qpop_msgs(q, 8, src, wc);
+
+		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+		for (int i = 0; i < k; i++) {
+			uint64_t buf = wc[i].wr_id;
+			struct ibv_wc s;
+
+			if (wc[i].status == IBV_WC_WR_FLUSH_ERR)
+				continue; /* a client went */
+			CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "receive status %d", wc[i].status);
+			CT_OK(ct_post_send1(src[i], buf, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b,
+					    buf * MSG, wc[i].byte_len, 0, 0, 0));
+			s = ct_poll1(n.scq);
+			CT_CHECK(s.status == IBV_WC_SUCCESS, "echo status %d", s.status);
+			ct_post_recv1(q, buf, &n.b, buf * MSG, MSG);
+		}
+		if (k == 0)
+			usleep(200);
+	}
+	return 0;
+}
+
+/* ---- clients ------------------------------------------------------------ */
+
+/* A new VQP of `n`: qconnect to the server, a SEND echoed and a READ of
+ * its target, every byte checked. */
+static void exchange(struct ct_node *n, uint32_t id)
+{
+	struct ibv_qp *q = ct_node_vqp(n, 16, 16);
+	struct ibv_wc wc;
+
+	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
+	ct_fill_msg(n->b.p, MSG, id, 1);
+	ct_post_recv1(q, 1, &n->b, 1024, MSG);
+	CT_OK(ct_post_send1(q, 2, IBV_WR_SEND, IBV_SEND_SIGNALED, &n->b, 0, MSG, 0, 0, 0));
+	wc = ct_poll1(n->scq);
+	ct_expect_wc(&wc, 2, IBV_WC_SEND, "the SEND");
+	wc = ct_poll1(n->rcq);
+	ct_expect_wc(&wc, 1, IBV_WC_RECV, "the echo");
+	ct_expect_msg(n->b.p + 1024, MSG, id, 1);
+	memset(n->b.p + 2048, 0, 64);
+	CT_OK(ct_post_send1(q, 3, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n->b, 2048, 64,
+			    target[0], (uint32_t)target[1], 0));
+	wc = ct_poll1(n->scq);
+	ct_expect_wc(&wc, 3, IBV_WC_RDMA_READ, "the READ");
+	ct_expect_pattern(n->b.p + 2048, 64, SEED, "the READ's bytes");
+	CT_OK(ibv_destroy_qp(q));
+}
+
+/* Everything of `n` freed, the PD and device included (asserted). */
+static void node_close(struct ct_node *n)
+{
+	ct_buf_free(&n->b);
+	CT_OK(ibv_destroy_cq(n->scq));
+	CT_OK(ibv_destroy_cq(n->rcq));
+	ct_close(&n->d);
+}
+
+static uint64_t stat_of(enum krcore_stat s)
+{
+	return krcore_stat_get(s);
+}
+
+static int attached_client(void)
+{
+	struct ct_node n;
+
+	ct_begin("vqp_node: a fresh process resolves through the agent");
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	CT_CHECK(krcore_node_attached() == 1, "not attached to the agent at %s", sock_path);
+	exchange(&n, 1);
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_LOOKUPS) >= 1, "node_lookups %llu",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_LOOKUPS));
+	CT_CHECK(stat_of(KRCORE_STAT_META_CONNECTIONS) == 0, "meta_connections %llu: the process connected itself",
+		 (unsigned long long)stat_of(KRCORE_STAT_META_CONNECTIONS));
+	CT_CHECK(stat_of(KRCORE_STAT_META_QUERIES) == 0, "meta_queries %llu",
+		 (unsigned long long)stat_of(KRCORE_STAT_META_QUERIES));
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_FALLBACKS) == 0, "node_fallbacks %llu",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_FALLBACKS));
+	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
+static int no_agent_client(void)
+{
+	struct ct_node n;
+
+	ct_begin("vqp_node: no agent: the process connects by itself");
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	CT_CHECK(krcore_node_attached() == 0, "attached with no agent running");
+	exchange(&n, 2);
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_LOOKUPS) == 0, "node_lookups with no agent");
+	CT_CHECK(stat_of(KRCORE_STAT_META_CONNECTIONS) == 1, "meta_connections %llu",
+		 (unsigned long long)stat_of(KRCORE_STAT_META_CONNECTIONS));
+	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
+/* Attached, then the agent is killed (by the parent, between the two
+ * pipes' messages): the next qconnect looks up by itself. */
+static int killed_pipe[2], go_pipe[2];
+
+static int survivor_client(void)
+{
+	struct ct_node n;
+	char c;
+
+	ct_begin("vqp_node: the agent killed under an attached process");
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	exchange(&n, 3);
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_LOOKUPS) >= 1, "not served by the agent first");
+	ct_oob_write(killed_pipe[1], "k", 1);
+	ct_oob_read(go_pipe[0], &c, 1);
+	exchange(&n, 4);
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_FALLBACKS) == 1, "node_fallbacks %llu",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_FALLBACKS));
+	CT_CHECK(stat_of(KRCORE_STAT_META_CONNECTIONS) + stat_of(KRCORE_STAT_META_QUERIES) >= 1,
+		 "looked up how, with the agent gone?");
+	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
+static int other_user(void)
+{
+	ct_begin("vqp_node: a process of another user cannot attach");
+	CT_CHECK(setgid(65534) == 0 && setuid(65534) == 0, "setuid: %s", strerror(errno));
+	CT_CHECK(raw_connect() < 0 && errno == EACCES, "connect as uid 65534: %s", strerror(errno));
+	CT_CHECK(krcore_node_attached() == 0, "attached as another user");
+	ct_pass();
+	return 0;
+}
+
+static int run_child(int (*f)(void), const char *what)
+{
+	pid_t pid = fork();
+
+	CT_CHECK(pid >= 0, "fork");
+	if (pid == 0)
+		_exit(f());
+	return ct_wait_child(pid, what);
+}
+
+static void malformed_is_dropped(void)
+{
+	struct pollfd pfd;
+	char junk[40], c;
+	int fd;
+
+	ct_begin("vqp_node: a malformed message drops its sender only");
+	fd = raw_connect();
+	CT_CHECK(fd >= 0, "connect: %s", strerror(errno));
+	memset(junk, 0x5a, sizeof(junk));
+	CT_CHECK(send(fd, junk, sizeof(junk), 0) == (ssize_t)sizeof(junk), "send");
+	pfd.fd = fd;
+	pfd.events = POLLIN;
+	CT_CHECK(poll(&pfd, 1, 10000) == 1, "the agent kept a sender of junk for 10 s");
+	CT_CHECK(recv(fd, &c, 1, 0) == 0, "the agent answered junk");
+	close(fd);
+	ct_pass();
+}
+
+static int attach_and_wait(int ready_fd)
+{
+	if (krcore_node_attached() != 1)
+		_exit(3);
+	if (write(ready_fd, "a", 1) != 1)
+		_exit(4);
+	pause();
+	return 0;
+}
+
+/* Processes attach and are killed; returns the agent's RSS growth (KiB). */
+static void cycles(int n)
+{
+	for (int i = 0; i < n; i++) {
+		pid_t p = ct_fork_ready(attach_and_wait, "an attaching process");
+
+		kill(p, SIGKILL);
+		CT_CHECK(waitpid(p, NULL, 0) == p, "waitpid");
+	}
+}
+
+static void attach_kill_cycles(void)
+{
+	long rss0, rss1, now = -1, ever0, ever1;
+	int fds0, fds1;
+
+	ct_begin("vqp_node: 1,000 processes attach and are killed");
+	cycles(50); /* the agent's buffers and tables at their working size */
+	for (int i = 0; i < 100 && now != 0; i++)
+		agent_stats(&now, &ever0);
+	CT_CHECK(now == 0, "%ld processes still attached after 50 killed", now);
+	rss0 = agent_rss_kib();
+	fds0 = agent_fds();
+	cycles(CYCLES);
+	now = -1;
+	for (int i = 0; i < 100 && now != 0; i++)
+		agent_stats(&now, &ever1);
+	CT_CHECK(now == 0, "%ld of %d killed processes still attached", now, CYCLES);
+	CT_CHECK(ever1 - ever0 == CYCLES, "%ld attached, %d expected", ever1 - ever0, CYCLES);
+	rss1 = agent_rss_kib();
+	fds1 = agent_fds();
+	ct_note("agent VmRSS %ld KiB -> %ld KiB over %d attach/kill cycles; descriptors %d -> %d",
+		rss0, rss1, CYCLES, fds0, fds1);
+	CT_CHECK(fds1 == fds0, "descriptors %d -> %d", fds0, fds1);
+	CT_CHECK(rss1 - rss0 <= 256, "the agent grew %ld KiB over %d cycles", rss1 - rss0, CYCLES);
+	ct_pass();
+}
+
+int main(void)
+{
+	struct stat st;
+	pid_t meta, srv, child;
+	int fails = 0;
+	char c;
+
+	ct_watchdog(300);
+	meta = ct_start_meta();
+	snprintf(sock_path, sizeof(sock_path), "/tmp/ct-node-%d.sock", getpid());
+	setenv("KRCORE_NODE", sock_path, 1);
+	setenv("KRCORE_PRESTART", "1", 1);
+	CT_CHECK(pipe(info_pipe) == 0, "pipe");
+	srv = ct_fork_ready(server, "server");
+	ct_oob_read(info_pipe[0], target, sizeof(target));
+	fails += run_child(no_agent_client, "no agent yet");
+	start_agent();
+
+	fails += run_child(attached_client, "attached client");
+	CT_CHECK(stat(sock_path, &st) == 0 && (st.st_mode & 0777) == 0600, "socket mode %o", st.st_mode & 0777);
+	fails += run_child(other_user, "another user");
+	malformed_is_dropped();
+	fails += run_child(attached_client, "attached client after junk");
+	attach_kill_cycles();
+
+	CT_CHECK(pipe(killed_pipe) == 0 && pipe(go_pipe) == 0, "pipe");
+	child = fork();
+	CT_CHECK(child >= 0, "fork");
+	if (child == 0)
+		_exit(survivor_client());
+	ct_oob_read(killed_pipe[0], &c, 1);
+	kill_agent(SIGKILL);
+	ct_oob_write(go_pipe[1], "g", 1);
+	fails += ct_wait_child(child, "agent killed");
+	fails += run_child(no_agent_client, "no agent");
+	start_agent(); /* over the stale socket file */
+	fails += run_child(attached_client, "restarted agent");
+	kill_agent(SIGTERM);
+	CT_CHECK(access(sock_path, F_OK) != 0, "the agent left its socket behind at SIGTERM");
+
+	kill(srv, SIGKILL);
+	waitpid(srv, NULL, 0);
+	kill(meta, SIGTERM);
+	waitpid(meta, NULL, 0);
+	CT_CHECK(fails == 0, "%d case(s) failed", fails);
+	return 0;
+}
