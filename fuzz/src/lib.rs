@@ -16,7 +16,7 @@ use krcore::vqp::precheck::MrInfo;
 use krcore::vqp::wrid::{SendId, WrId};
 
 /// The fuzz targets, as named in Cargo.toml and under `corpus/`.
-pub const TARGETS: [&str; 6] = ["dgram_wire", "link_msg", "meta_proto", "meta_table", "vqp_header", "wrid"];
+pub const TARGETS: [&str; 7] = ["dgram_wire", "link_msg", "meta_proto", "meta_table", "node_msg", "vqp_header", "wrid"];
 
 /// `meta_table`'s input: the meta server's endpoint table's header as READ
 /// from it ([`HEADER_SIZE`] bytes), the key looked up (`KEY_LEN` bytes, as
@@ -62,6 +62,7 @@ pub fn seeds(target: &str) -> Vec<Seed> {
         "link_msg" => link_seeds(),
         "meta_proto" => meta_seeds(),
         "meta_table" => table_seeds(),
+        "node_msg" => node_seeds(),
         "vqp_header" => header_seeds(),
         "wrid" => wrid_seeds(),
         _ => panic!("no target {target}"),
@@ -122,6 +123,21 @@ fn link_seeds() -> Vec<Seed> {
         ("reply_refused", encoded::<LINK_LEN>(|b| LinkReply { req_id: 8, status: EBUSY, info: info(endpoint()) }.encode(b))),
         ("ready", encoded::<LINK_LEN>(|b| LinkReady { req_id: 7, info: info(endpoint()) }.encode(b))),
     ]
+}
+
+fn node_seeds() -> Vec<Seed> {
+    use krcore::node::proto::Message;
+    let key = Key::Port { gid: GID, port: 18515 };
+    let all = [
+        ("hello", Message::Hello { pid: 4242 }),
+        ("welcome", Message::Welcome { incarnation: u64::MAX, fingerprint: 0x0123_4567_89ab_cdef }),
+        ("lookup_fresh", Message::Lookup { id: 7, key, fresh: true }),
+        ("lookup_cached", Message::Lookup { id: u32::MAX, key: Key::Vqpn { gid: [0xff; 16], vqpn: u32::MAX }, fresh: false }),
+        ("found", Message::Found { id: 7, result: Ok(Some(endpoint_max())) }),
+        ("found_none", Message::Found { id: 8, result: Ok(None) }),
+        ("found_error", Message::Found { id: 9, result: Err(EBUSY) }),
+    ];
+    all.into_iter().map(|(n, m)| (n, m.encode().to_vec())).collect()
 }
 
 fn meta_seeds() -> Vec<Seed> {

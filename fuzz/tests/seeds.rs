@@ -43,6 +43,7 @@ fn decodes(target: &str, name: &str, seed: &[u8]) -> bool {
                 None => false,
             }
         }
+        "node_msg" => krcore::node::proto::Message::decode(seed).is_ok(),
         "vqp_header" => Header::decode(seed).is_ok_and(|h| {
             let payload = &seed[krcore::vqp::header::HEADER_LEN..];
             payload.len() == h.carried_len() as usize
