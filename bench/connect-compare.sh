@@ -29,10 +29,12 @@
 #     KRCORE_GID_INDEX=1), then from GID index 2 (KRCORE_GID_INDEX=2) the
 #     warm client (ROUNDS VQPs create + qconnect + first READ over a live
 #     link, READS steady READs on a VQP) and the cold client (COLD_ROUNDS
-#     fresh processes of each kind, see bench/connect.c), then stops both
-#     servers.
+#     fresh processes of each kind, see bench/connect.c), then, when the
+#     snapshot has krcore-node, the same cold client again with the host's
+#     agent running (KRCORE_NODE; the run without it has KRCORE_NODE=off),
+#     then stops the servers.
 # Results in target/bench/connect: raw-N.txt, raw-fresh-N.txt, server-N.txt, krcore-warm-N.txt,
-# krcore-cold-N.txt, krcore-server-N.txt, meta-N.txt, and table.md (by
+# krcore-cold-N.txt, krcore-agent-N.txt, krcore-server-N.txt, meta-N.txt, node-N.txt, and table.md (by
 # bench/connect_report.py): medians and min-max over the repeats of each
 # run's medians, the ratios raw/krcore per repeat (connect cost) and
 # krcore/raw (steady READ).
@@ -132,8 +134,22 @@ run_krcore() {
     KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m warm -g "$client_gid" \
         -p "$port" -n "$rounds" -r "$reads" >"$out/krcore-warm-$i.txt" || wrc=$?
     if ((!wrc)); then
-        env ${dgram:+KRCORE_DGRAM="$dgram"} ${link_after:+KRCORE_LINK_AFTER="$link_after"} KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -b "$addr2" -g "$client_gid" \
+        env ${dgram:+KRCORE_DGRAM="$dgram"} ${link_after:+KRCORE_LINK_AFTER="$link_after"} KRCORE_NODE=off KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -b "$addr2" -g "$client_gid" \
             -p "$port" -n "$cold_rounds" -r "$reads" >"$out/krcore-cold-$i.txt" || crc=$?
+    fi
+    if ((!wrc && !crc)) && [[ -x "$klib/krcore-node" ]]; then
+        # The same fresh processes attached to the host's agent.
+        local npid sock=/tmp/connect-compare-node.sock
+        "$klib/krcore-node" --meta "$KRCORE_META" --socket "$sock" >"$out/node-$i.txt" 2>&1 &
+        npid=$!
+        if wait_ready "$out/node-$i.txt" "$npid" '/serving at/p' >/dev/null; then
+            env ${dgram:+KRCORE_DGRAM="$dgram"} ${link_after:+KRCORE_LINK_AFTER="$link_after"} KRCORE_NODE="$sock" KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -b "$addr2" -g "$client_gid" \
+                -p "$port" -n "$cold_rounds" -r "$reads" >"$out/krcore-agent-$i.txt" || crc=$?
+        else
+            crc=1
+        fi
+        kill -TERM "$npid" 2>/dev/null || true
+        wait "$npid" || true
     fi
     kill -TERM "$spid" "$spid2" 2>/dev/null || true
     wait "$spid2" || true
@@ -141,7 +157,7 @@ run_krcore() {
     kill -TERM "$mpid" 2>/dev/null || true
     wait "$mpid" || mrc=$?
     unset KRCORE_META
-    grep -v -e '^round ' -e '^cold ' "$out/krcore-warm-$i.txt" "$out/krcore-cold-$i.txt" 2>/dev/null || true
+    grep -v -e '^round ' -e '^cold ' "$out/krcore-warm-$i.txt" "$out/krcore-cold-$i.txt" "$out/krcore-agent-$i.txt" 2>/dev/null || true
     if ((wrc || crc || src)); then
         echo "connect-compare: krcore repeat $i failed (warm client exit $wrc, cold client exit $crc, server exit $src, krcore-meta exit $mrc); server and meta output:" >&2
         cat "$out/krcore-server-$i.txt" "$out/meta-$i.txt" >&2

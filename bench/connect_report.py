@@ -47,7 +47,7 @@ def fmt_ratio(v):
 def main():
     out, repeats = Path(sys.argv[1]), int(sys.argv[2])
     raw, warm, cold, first, warm_h, cold_h = [], [], [], [], [], []
-    raw_fresh, kr_fresh, peer = [], [], []
+    raw_fresh, kr_fresh, peer, agent = [], [], [], []
     for i in range(1, repeats + 1):
         raw.append(summary(out / f"raw-{i}.txt", "connect_raw_us="))
         raw_fresh.append(summary(out / f"raw-fresh-{i}.txt", "fresh_process "))
@@ -58,6 +58,10 @@ def main():
         first.append(summary(out / f"krcore-cold-{i}.txt", "first_verb "))
         warm_h.append(header(out / f"krcore-warm-{i}.txt"))
         cold_h.append(header(out / f"krcore-cold-{i}.txt"))
+        agent_file = out / f"krcore-agent-{i}.txt"
+        if agent_file.exists():
+            agent.append({"cold": summary(agent_file, "connect_krcore_us="), "first": summary(agent_file, "first_verb "),
+                          "fresh": summary(agent_file, "fresh_process "), "peer": last_line(agent_file, "new_peer ")})
 
     n_raw, n_warm, n_cold = int(raw[0]["rounds"]), int(warm[0]["rounds"]), int(cold[0]["rounds"])
     # The connect cost: minus the round's own second READ (same QP, same
@@ -107,6 +111,17 @@ def main():
         rp = [ratio(r[cmr], p[old]) for r, p in zip(raw, peer)]
         ok = "met" if all(x >= 10 for x in rp) else "**not met**"
         print(f"| first contact with a new peer, process warm | {fmt_ratio(rp)} | ≥ 10x (issue 19): {ok} |")
+    if len(agent) == repeats:
+        print()
+        print("With the host's agent (`krcore-node`, `KRCORE_NODE`): the same fresh processes, attached; "
+              "lookups through the agent, no meta-server connection of their own:\n")
+        print("| with the agent | connect cost, µs: median over repeats | min – max | raw / krcore: median | min – max |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for key, label in (("cold", "cold (fresh process, library up)"), ("first", "first extended verb of the process")):
+            print(f"| {label} | {spread([a[key][old] for a in agent])} | {fmt_ratio([ratio(r[cmr], a[key][old]) for r, a in zip(raw, agent)])} |")
+        if all(a["peer"] for a in agent):
+            print(f"| first contact with a new peer, process warm | {spread([a['peer'][old] for a in agent])} | "
+                  f"{fmt_ratio([ratio(r[cmr], a['peer'][old]) for r, a in zip(raw, agent)])} |")
     print()
     ex = "exec_to_read_us"
     print("What a user sees of a **new process** (each a fresh process, spawned one after the other: "
@@ -118,6 +133,9 @@ def main():
     print(f"| raw verbs, new process | {spread([r[ex] for r in raw_fresh])} |")
     print(f"| krcore, new process | {spread([k[ex] for k in kr_fresh])} |")
     print(f"| raw / krcore (per repeat; target ≥ 1x) | {fmt_ratio([ratio(r[ex], k[ex]) for r, k in zip(raw_fresh, kr_fresh)])} |")
+    if len(agent) == repeats:
+        print(f"| krcore with the agent, new process | {spread([a['fresh'][ex] for a in agent])} |")
+        print(f"| raw / krcore with the agent (per repeat) | {fmt_ratio([ratio(r[ex], a['fresh'][ex]) for r, a in zip(raw_fresh, agent)])} |")
     print()
     sr = [ratio(w["steady_read_us"], r["steady_read_us"]) for r, w in zip(raw, warm)]
     ok = "met" if all(x <= READ_TARGET for x in sr) else "**not met**"

@@ -43,7 +43,7 @@ gid_ipv4() {
     printf '%d.%d.%d.%d\n' "0x${g:30:2}" "0x${g:32:2}" "0x${g:35:2}" "0x${g:37:2}"
 }
 
-# Snapshot target/release's library and krcore-meta into $4 (so that a
+# Snapshot target/release's library, krcore-meta and krcore-node into $4 (so that a
 # cargo build during a run cannot change them) and build the benchmark
 # source $1 twice: $2 linked -libverbs (raw), $3 with -DKRCORE against
 # the snapshot.
@@ -51,6 +51,7 @@ build_pair() {
     local src="$1" bin="$2" kbin="$3" klib="$4"
     mkdir -p "$(dirname "$bin")" "$klib"
     cp target/release/libkrcore.so target/release/krcore-meta "$klib/"
+    [[ ! -f target/release/krcore-node ]] || cp target/release/krcore-node "$klib/"
     cc -O2 -std=gnu11 -Wall -Wextra -Werror "$src" -libverbs -o "$bin"
     cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include "$src" \
         -L "$klib" -lkrcore -Wl,-rpath,"$PWD/$klib" -o "$kbin"
