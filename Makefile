@@ -9,7 +9,7 @@
 #   $(LIBDIR)        libkrcore.so           /usr/local/lib/x86_64-linux-gnu
 #   $(INCLUDEDIR)    krcore.h               /usr/local/include
 #   $(PKGCONFIGDIR)  krcore.pc              $(LIBDIR)/pkgconfig
-#   $(BINDIR)        the crate's binaries   /usr/local/bin (src/bin/*: krcore-meta; not krcore-hostile, a test tool)
+#   $(BINDIR)        the crate's binaries   /usr/local/bin (src/bin/*: krcore-meta, krcore-node; not krcore-hostile, a test tool)
 # Then: cc app.c $(pkg-config --cflags --libs krcore). After a system-wide
 # install run ldconfig (as for any new library in a system directory).
 #
