@@ -283,6 +283,64 @@ static int attached_client(void)
 	return 0;
 }
 
+/* The first READ and WRITE of a process whose runtime is not up go
+ * through the agent; a SEND makes the move; a READ after it is the
+ * process's own. */
+static int through_agent(void)
+{
+	struct ct_node n;
+	struct ibv_qp *q;
+	struct ibv_wc wc;
+	uint64_t wrs;
+
+	ct_begin("vqp_node: first one-sided work through the agent, then the move");
+	setenv("KRCORE_PRESTART", "0", 1); /* the runtime starts at qconnect, in the background */
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	q = ct_node_vqp(&n, 16, 16);
+	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 1, "node_connects %llu: not connected through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
+	CT_OK(ct_post_send1(q, 1, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
+			    target[0], (uint32_t)target[1], 0));
+	wc = ct_poll1(n.scq);
+	ct_expect_wc(&wc, 1, IBV_WC_RDMA_READ, "the READ through the agent");
+	CT_CHECK(wc.byte_len == 64, "byte_len %u", wc.byte_len);
+	ct_expect_pattern(n.b.p + 2048, 64, SEED, "the READ's bytes");
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) >= 1, "node_wrs 0: the READ did not go through the agent");
+	/* An unsignaled WRITE, then a READ of what it wrote: one completion. */
+	ct_fill(n.b.p + 3072, 64, SEED + 1);
+	CT_OK(ct_post_send1(q, 2, IBV_WR_RDMA_WRITE, 0, &n.b, 3072, 64, target[0] + 64, (uint32_t)target[1], 0));
+	memset(n.b.p + 2048, 0, 64);
+	CT_OK(ct_post_send1(q, 3, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
+			    target[0] + 64, (uint32_t)target[1], 0));
+	wc = ct_poll1(n.scq);
+	ct_expect_wc(&wc, 3, IBV_WC_RDMA_READ, "the READ of the WRITE");
+	ct_expect_pattern(n.b.p + 2048, 64, SEED + 1, "the WRITE's bytes, read back");
+	wrs = stat_of(KRCORE_STAT_NODE_WRS);
+	/* A SEND: the move onto the process's own path, then the echo. */
+	ct_fill_msg(n.b.p, MSG, 9, 1);
+	ct_post_recv1(q, 4, &n.b, 1024, MSG);
+	CT_OK(ct_post_send1(q, 5, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 0, MSG, 0, 0, 0));
+	wc = ct_poll1(n.scq);
+	ct_expect_wc(&wc, 5, IBV_WC_SEND, "the SEND after the move");
+	wc = ct_poll1(n.rcq);
+	ct_expect_wc(&wc, 4, IBV_WC_RECV, "the echo");
+	ct_expect_msg(n.b.p + 1024, MSG, 9, 1);
+	memset(n.b.p + 2048, 0, 64);
+	CT_OK(ct_post_send1(q, 6, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
+			    target[0], (uint32_t)target[1], 0));
+	wc = ct_poll1(n.scq);
+	ct_expect_wc(&wc, 6, IBV_WC_RDMA_READ, "a READ after the move");
+	ct_expect_pattern(n.b.p + 2048, 64, SEED, "its bytes");
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == wrs, "node_wrs %llu -> %llu: the agent carried work after the move",
+		 (unsigned long long)wrs, (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
+	ct_expect_quiet(n.scq, 50, "the send CQ after the last READ");
+	CT_OK(ibv_destroy_qp(q));
+	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
 static int no_agent_client(void)
 {
 	struct ct_node n;
@@ -434,6 +492,7 @@ int main(void)
 	fails += run_child(other_user, "another user");
 	malformed_is_dropped();
 	fails += run_child(attached_client, "attached client after junk");
+	fails += run_child(through_agent, "through the agent");
 	attach_kill_cycles();
 
 	CT_CHECK(pipe(killed_pipe) == 0 && pipe(go_pipe) == 0, "pipe");

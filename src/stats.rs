@@ -214,6 +214,11 @@ pub enum krcore_stat {
     /// own; none while the host's agent looks up for it and it binds
     /// nothing).
     KRCORE_STAT_META_CONNECTIONS,
+    /// VQPs connected through the host's agent (their first one-sided
+    /// work goes through it until the process's runtime is up).
+    KRCORE_STAT_NODE_CONNECTS,
+    /// Work requests the agent carried for this process.
+    KRCORE_STAT_NODE_WRS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -299,6 +304,8 @@ const NAMES_NUL: [&str; COUNT] = [
     "node_lookups\0",
     "node_fallbacks\0",
     "meta_connections\0",
+    "node_connects\0",
+    "node_wrs\0",
 ];
 
 /// A counter's name ("post_send").

@@ -75,7 +75,12 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let socket = m.get_one::<PathBuf>("socket").cloned().unwrap_or_else(|| match std::env::var_os("KRCORE_NODE") {
+    // The agent's own VQPs (the library in this process) use these meta
+    // servers, and never look for an agent.
+    std::env::set_var("KRCORE_META", &spec);
+    let node_env = std::env::var_os("KRCORE_NODE");
+    std::env::set_var("KRCORE_NODE", "off");
+    let socket = m.get_one::<PathBuf>("socket").cloned().unwrap_or_else(|| match node_env {
         Some(p) if !p.is_empty() && p != "off" => p.into(),
         _ => krcore::node::default_socket(),
     });

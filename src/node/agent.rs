@@ -13,6 +13,7 @@ use crate::error::{Errno, Result};
 use crate::meta::client::{MetaClient, Options};
 use crate::meta::{Endpoint, Key};
 use crate::rdma::Device;
+use libc::c_int;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -47,12 +48,18 @@ pub struct Counts {
     /// Looks at the meta server (one per distinct key of a wake-up).
     pub meta_lookups: u64,
     pub failed_lookups: u64,
+    /// VQPs of the agent's connected for processes.
+    pub connects: u64,
 }
 
 struct Process {
     fd: OwnedFd,
     pid: i32,
     welcomed: bool,
+    /// Names the process in its work requests' wr_ids (never reused).
+    serial: u32,
+    /// Its staging region and VQPs, once it sent `STAGE`.
+    staging: Option<super::path::Staging>,
 }
 
 /// The host's meta-server connection, made at the start and again (at
@@ -99,6 +106,16 @@ pub struct Agent {
     incarnation: u64,
     fingerprint: u64,
     counts: Counts,
+    /// The device of the agent's own VQPs, opened at the first `STAGE`.
+    device: Option<String>,
+    verbs: Option<super::path::Verbs>,
+    serials: u32,
+}
+
+/// What a process asked in one wake-up, answered after the reads.
+enum Asked {
+    Lookup(u32, Key, bool),
+    Connect(u32, Key),
 }
 
 impl Agent {
@@ -126,6 +143,9 @@ impl Agent {
             incarnation: crate::rdma::random_u64(),
             fingerprint: super::meta_fingerprint(&cfg.meta),
             counts: Counts::default(),
+            device: cfg.device.clone(),
+            verbs: None,
+            serials: 0,
         })
     }
 
@@ -158,8 +178,10 @@ impl Agent {
     /// binary prints its statistics there when asked).
     pub fn run(&mut self, stop: &dyn Fn() -> bool, tick: &mut dyn FnMut(&Agent)) -> Result<()> {
         while !stop() {
+            let events = self.verbs.as_ref().map(super::path::Verbs::event_fd);
             let mut fds: Vec<libc::pollfd> = std::iter::once(self.listener.as_raw_fd())
                 .chain(self.processes.iter().map(|p| p.fd.as_raw_fd()))
+                .chain(events)
                 .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
                 .collect();
             // SAFETY: `fds` is a live array of fds.len() pollfds.
@@ -173,7 +195,11 @@ impl Agent {
             }
             let mut asked = Vec::new();
             let mut gone = Vec::new();
-            for (i, pfd) in fds.iter().enumerate().skip(1).filter(|(_, p)| p.revents != 0) {
+            if events.is_some() && fds.last().is_some_and(|p| p.revents != 0) {
+                self.complete(&mut gone);
+            }
+            let n_proc = self.processes.len();
+            for (i, pfd) in fds.iter().enumerate().skip(1).take(n_proc).filter(|(_, p)| p.revents != 0) {
                 if !self.read_from(i - 1, &mut asked) || pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0 && !readable(pfd) {
                     gone.push(i - 1);
                 }
@@ -222,52 +248,114 @@ impl Agent {
                 eprintln!("krcore-node: refused pid {}: {} processes attached (--max-clients)", cred.pid, self.processes.len());
                 continue;
             }
-            self.processes.push(Process { fd, pid: cred.pid, welcomed: false });
+            self.serials = self.serials.wrapping_add(1);
+            self.processes.push(Process { fd, pid: cred.pid, welcomed: false, serial: self.serials, staging: None });
         }
     }
 
     /// Read what process `i` sent; false when it must go (hung up, or
     /// sent what it must not).
-    fn read_from(&mut self, i: usize, asked: &mut Vec<(usize, u32, Key, bool)>) -> bool {
-        let mut buf = [0u8; super::proto::LEN + 1];
+    fn read_from(&mut self, i: usize, asked: &mut Vec<(usize, Asked)>) -> bool {
         // A bounded batch per wake-up, so one process cannot starve the others.
         for _ in 0..64 {
+            let (m, fd) = match receive(self.processes[i].fd.as_raw_fd()) {
+                Received::Nothing => return true,
+                Received::Gone => return false,
+                Received::Message(m, fd) => (m, fd),
+            };
             let p = &mut self.processes[i];
-            // SAFETY: `buf` is a live buffer of its length.
-            let n = unsafe { libc::recv(p.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-            if n == 0 {
-                return false;
-            }
-            if n < 0 {
-                return Errno::last().0 == libc::EAGAIN;
-            }
-            let m = Message::decode(&buf[..n as usize]);
-            match (m, p.welcomed) {
-                (Ok(Message::Hello { .. }), false) => {
+            let ok = match (m, p.welcomed, fd) {
+                (Ok(Message::Hello { .. }), false, None) => {
                     p.welcomed = true;
                     self.counts.attached += 1;
                     let w = Message::Welcome { incarnation: self.incarnation, fingerprint: self.fingerprint };
-                    if !send(p.fd.as_raw_fd(), &w) {
-                        return false;
+                    send(p.fd.as_raw_fd(), &w)
+                }
+                (Ok(Message::Lookup { id, key, fresh }), true, None) => {
+                    asked.push((i, Asked::Lookup(id, key, fresh)));
+                    true
+                }
+                (Ok(Message::Stage { len }), true, Some(fd)) if p.staging.is_none() => self.stage(i, fd, len),
+                (Ok(Message::Connect { id, key }), true, None) if p.staging.is_some() => {
+                    asked.push((i, Asked::Connect(id, key)));
+                    true
+                }
+                (Ok(Message::Post(post)), true, None) if p.staging.is_some() => self.post(i, &post),
+                (Ok(Message::Close { handle }), true, None) if p.staging.is_some() => {
+                    if let Some(s) = p.staging.as_mut() {
+                        s.close(handle);
                     }
+                    true
                 }
-                (Ok(Message::Lookup { id, key, fresh }), true) => asked.push((i, id, key, fresh)),
-                (m, _) => {
-                    self.counts.dropped += 1;
+                (m, _, _) => {
                     eprintln!("krcore-node: pid {}: dropped for {:?}", p.pid, m.map(|m| format!("{m:?} out of turn")));
-                    return false;
+                    false
                 }
+            };
+            if !ok {
+                self.counts.dropped += 1;
+                return false;
             }
         }
         true
     }
 
+    /// `STAGE`: map and register the process's region (the agent's own
+    /// verbs opened first, once).
+    fn stage(&mut self, i: usize, fd: OwnedFd, len: u64) -> bool {
+        if self.verbs.is_none() {
+            match super::path::Verbs::open(self.device.as_deref()) {
+                Ok(v) => self.verbs = Some(v),
+                Err(e) => eprintln!("krcore-node: its own VQPs: cannot open the device: {e:?}"),
+            }
+        }
+        let r = self.verbs.as_ref().ok_or(Errno(libc::ENODEV)).and_then(|v| super::path::Staging::new(v, fd, len));
+        let p = &mut self.processes[i];
+        let status = match r {
+            Ok(s) => {
+                p.staging = Some(s);
+                0
+            }
+            Err(e) => e.0 as u32,
+        };
+        send(p.fd.as_raw_fd(), &Message::Staged { status })
+    }
+
+    /// `POST`: on the process's VQP; one it cannot take is answered DONE
+    /// at once with a local error.
+    fn post(&mut self, i: usize, post: &super::proto::Post) -> bool {
+        let p = &self.processes[i];
+        let wr_id = (p.serial as u64) << 32 | post.token as u64;
+        let Some(s) = p.staging.as_ref() else { return false };
+        if s.post(post, wr_id).is_ok() {
+            return true;
+        }
+        let status = crate::sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR;
+        send(p.fd.as_raw_fd(), &Message::Done { token: post.token, status, byte_len: 0 })
+    }
+
+    /// The agent's VQPs completed work: each completion to its process.
+    fn complete(&mut self, gone: &mut Vec<usize>) {
+        let Some(v) = self.verbs.as_ref() else { return };
+        for (wr_id, status, byte_len) in v.completions() {
+            let serial = (wr_id >> 32) as u32;
+            // A process that went meanwhile: nothing to tell.
+            if let Some(i) = self.processes.iter().position(|p| p.serial == serial) {
+                if !send(self.processes[i].fd.as_raw_fd(), &Message::Done { token: wr_id as u32, status, byte_len }) {
+                    gone.push(i);
+                }
+            }
+        }
+    }
+
     /// Answer `asked`: each distinct key looked at once (fresh when any
-    /// asker wants it fresh).
-    fn answer(&mut self, asked: &[(usize, u32, Key, bool)], gone: &mut Vec<usize>) {
+    /// asker wants it fresh); connects in order.
+    fn answer(&mut self, asked: &[(usize, Asked)], gone: &mut Vec<usize>) {
         let mut keys: HashMap<Key, bool> = HashMap::new();
-        for &(_, _, key, fresh) in asked {
-            *keys.entry(key).or_default() |= fresh;
+        for (_, a) in asked {
+            if let Asked::Lookup(_, key, fresh) = a {
+                *keys.entry(*key).or_default() |= fresh;
+            }
         }
         let mut found: HashMap<Key, std::result::Result<Option<Endpoint>, u32>> = HashMap::new();
         for (key, fresh) in keys {
@@ -278,10 +366,24 @@ impl Agent {
             }
             found.insert(key, r.map_err(|e| e.0 as u32));
         }
-        for &(i, id, key, _) in asked {
-            self.counts.lookups += 1;
-            if !send(self.processes[i].fd.as_raw_fd(), &Message::Found { id, result: found[&key] }) {
-                gone.push(i);
+        for (i, a) in asked {
+            let m = match a {
+                Asked::Lookup(id, key, _) => {
+                    self.counts.lookups += 1;
+                    Message::Found { id: *id, result: found[key] }
+                }
+                Asked::Connect(id, key) => {
+                    self.counts.connects += 1;
+                    let (v, p) = (self.verbs.as_ref(), &mut self.processes[*i]);
+                    let r = match (v, p.staging.as_mut()) {
+                        (Some(v), Some(s)) => s.connect(v, key),
+                        _ => Err(Errno(libc::ENODEV)),
+                    };
+                    Message::Connected { id: *id, result: r.map_err(|e| e.0 as u32) }
+                }
+            };
+            if !send(self.processes[*i].fd.as_raw_fd(), &m) {
+                gone.push(*i);
             }
         }
     }
@@ -298,6 +400,60 @@ impl Drop for Agent {
 
 fn readable(p: &libc::pollfd) -> bool {
     p.revents & libc::POLLIN != 0
+}
+
+enum Received {
+    Nothing,
+    Gone,
+    /// A message (or why it is not one) and the descriptor passed with it.
+    Message(Result<Message>, Option<OwnedFd>),
+}
+
+/// The next message of `fd`, with a descriptor passed with it
+/// (`SCM_RIGHTS`, at most one).
+fn receive(fd: RawFd) -> Received {
+    let mut buf = [0u8; super::proto::LEN + 1];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // Room for one descriptor's control message (u64 words: aligned).
+    let mut ctl = [0u64; 4];
+    // SAFETY: a plain C struct, filled below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctl.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&ctl);
+    // SAFETY: `msg` points at live buffers of the lengths it gives.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+    if n == 0 {
+        return Received::Gone;
+    }
+    if n < 0 {
+        return if Errno::last().0 == libc::EAGAIN { Received::Nothing } else { Received::Gone };
+    }
+    let mut passed = None;
+    let mut extra = false;
+    // SAFETY: the control buffer the kernel filled, walked with its macros.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<c_int>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<c_int>();
+                for k in 0..count {
+                    let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(k)));
+                    if passed.is_none() {
+                        passed = Some(fd);
+                    } else {
+                        extra = true;
+                    }
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    let truncated = msg.msg_flags & (libc::MSG_CTRUNC | libc::MSG_TRUNC) != 0;
+    let m = if extra || truncated { Err(crate::codec::EBADMSG) } else { Message::decode(&buf[..n as usize]) };
+    Received::Message(m, passed)
 }
 
 /// Send `m`; false when the process cannot take it (gone, or not reading

@@ -136,6 +136,21 @@ fn connect(path: &std::path::Path) -> std::result::Result<Attached, String> {
         // thread of the child holds.
         unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
     });
+    Ok(Attached { fd: open(path)?, pid: pid(), next_id: 0 })
+}
+
+/// A second connection to the agent this process is attached to (the
+/// data path's: `transport::agent`), welcomed. None when not attached.
+pub fn open_another() -> Option<OwnedFd> {
+    let path = crate::config::get().node.as_ref()?;
+    if !attach() {
+        return None;
+    }
+    open(path).inspect_err(|why| klog!(Level::Info, "node: a second connection to the agent: {why}")).ok()
+}
+
+/// A connection to the agent at `path`, its user checked, welcomed.
+fn open(path: &std::path::Path) -> std::result::Result<OwnedFd, String> {
     let fd = seqpacket().map_err(|e| format!("socket: {e:?}"))?;
     let (addr, len) = unix_addr(path).map_err(|e| format!("{e:?}"))?;
     // SAFETY: `addr` is a live sockaddr_un of `len` bytes.
@@ -156,10 +171,10 @@ fn connect(path: &std::path::Path) -> std::result::Result<Attached, String> {
     if ours.as_deref().map(super::meta_fingerprint) != Some(fingerprint) {
         return Err("it serves other meta servers than KRCORE_META".into());
     }
-    Ok(Attached { fd, pid: pid(), next_id: 0 })
+    Ok(fd)
 }
 
-fn send(fd: &OwnedFd, m: &Message) -> Result<()> {
+pub(crate) fn send(fd: &OwnedFd, m: &Message) -> Result<()> {
     let b = m.encode();
     // SAFETY: `b` is a live buffer of its length.
     let n = unsafe { libc::send(fd.as_raw_fd(), b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) };
@@ -173,7 +188,7 @@ fn send(fd: &OwnedFd, m: &Message) -> Result<()> {
 }
 
 /// The next message, waited for until `deadline` (ETIMEDOUT), asleep.
-fn receive(fd: &OwnedFd, deadline: Instant) -> Result<Message> {
+pub(crate) fn receive(fd: &OwnedFd, deadline: Instant) -> Result<Message> {
     let mut buf = [0u8; LEN + 1];
     loop {
         let left = deadline.saturating_duration_since(Instant::now());

@@ -15,6 +15,7 @@
 
 pub mod agent;
 pub mod client;
+pub mod path;
 pub mod proto;
 
 /// Where the agent listens and a process looks for it when `KRCORE_NODE`

@@ -15,7 +15,18 @@
 //! - `FOUND` (agent): status 0 and the body a meta-server [`Answer`]
 //!   (found, or ENOENT: nothing bound), or the errno of a lookup that
 //!   failed (ETIMEDOUT, ECONNREFUSED: no meta server reached) and a zero
-//!   body.
+//!   body;
+//! - `STAGE` (process, a memfd passed with it, `SCM_RIGHTS`): 16 its
+//!   length (u64): the staging region of its work through the agent;
+//!   `STAGED` (agent): status 0 once registered, else an errno;
+//! - `CONNECT` (process): a `Query` body: connect a VQP of the agent's to
+//!   that key; `CONNECTED` (agent): status, 16 the VQP's handle (u32);
+//! - `POST` (process), the request id its token: 16 handle (u32), 20 the
+//!   opcode (u32: `IBV_WR_RDMA_READ` or `IBV_WR_RDMA_WRITE`), 24 length
+//!   (u32), 28 rkey (u32), 32 offset in the staging region (u64), 40
+//!   remote address (u64); `DONE` (agent), the token as id: 16 the work
+//!   completion's status (u32), 20 its byte_len (u32);
+//! - `CLOSE` (process): 16 handle (u32): that VQP goes.
 
 use crate::codec::{Reader, EBADMSG};
 use crate::error::Result;
@@ -23,7 +34,7 @@ use crate::meta::proto::{Answer, Query, BOOT_LEN};
 use crate::meta::{Endpoint, Key};
 
 pub const MAGIC: u16 = 0x4e4b;
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 pub const BODY_LEN: usize = BOOT_LEN;
 pub const LEN: usize = 16 + BODY_LEN;
 
@@ -31,6 +42,17 @@ const HELLO: u8 = 1;
 const WELCOME: u8 = 2;
 const LOOKUP: u8 = 3;
 const FOUND: u8 = 4;
+const STAGE: u8 = 5;
+const STAGED: u8 = 6;
+const CONNECT: u8 = 7;
+const CONNECTED: u8 = 8;
+const POST: u8 = 9;
+const DONE: u8 = 10;
+const CLOSE: u8 = 11;
+
+/// Opcodes a `POST` carries (`ibv_wr_opcode`).
+pub const OP_WRITE: u32 = 0;
+pub const OP_READ: u32 = 4;
 
 /// `LOOKUP`: read the meta server's table now, whatever is cached (an
 /// address may have been bound anew since).
@@ -55,6 +77,43 @@ pub enum Message {
         id: u32,
         result: std::result::Result<Option<Endpoint>, u32>,
     },
+    Stage {
+        len: u64,
+    },
+    Staged {
+        status: u32,
+    },
+    Connect {
+        id: u32,
+        key: Key,
+    },
+    /// `Err(errno)`: no VQP (the key unbound, the agent's own path down).
+    Connected {
+        id: u32,
+        result: std::result::Result<u32, u32>,
+    },
+    Post(Post),
+    Done {
+        token: u32,
+        status: u32,
+        byte_len: u32,
+    },
+    Close {
+        handle: u32,
+    },
+}
+
+/// One work request through the agent: its bytes at `offset` of the
+/// staging region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Post {
+    pub token: u32,
+    pub handle: u32,
+    pub opcode: u32,
+    pub len: u32,
+    pub rkey: u32,
+    pub offset: u64,
+    pub remote: u64,
 }
 
 impl Message {
@@ -81,6 +140,39 @@ impl Message {
                 }
                 Err(errno) => (FOUND, id, errno, 0),
             },
+            Message::Stage { len } => {
+                out[16..24].copy_from_slice(&len.to_le_bytes());
+                (STAGE, 0, 0, 0)
+            }
+            Message::Staged { status } => (STAGED, 0, status, 0),
+            Message::Connect { id, key } => {
+                Query { key }.encode(body(&mut out));
+                (CONNECT, id, 0, 0)
+            }
+            Message::Connected { id, result } => match result {
+                Ok(handle) => {
+                    out[16..20].copy_from_slice(&handle.to_le_bytes());
+                    (CONNECTED, id, 0, 0)
+                }
+                Err(errno) => (CONNECTED, id, errno, 0),
+            },
+            Message::Post(p) => {
+                for (at, v) in [(16, p.handle), (20, p.opcode), (24, p.len), (28, p.rkey)] {
+                    out[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                }
+                out[32..40].copy_from_slice(&p.offset.to_le_bytes());
+                out[40..48].copy_from_slice(&p.remote.to_le_bytes());
+                (POST, p.token, 0, 0)
+            }
+            Message::Done { token, status, byte_len } => {
+                out[16..20].copy_from_slice(&status.to_le_bytes());
+                out[20..24].copy_from_slice(&byte_len.to_le_bytes());
+                (DONE, token, 0, 0)
+            }
+            Message::Close { handle } => {
+                out[16..20].copy_from_slice(&handle.to_le_bytes());
+                (CLOSE, 0, 0, 0)
+            }
         };
         out[0..2].copy_from_slice(&MAGIC.to_le_bytes());
         out[2] = VERSION;
@@ -136,9 +228,64 @@ impl Message {
                 };
                 Message::Found { id, result }
             }
+            STAGE => {
+                quiet(id, status, flags)?;
+                let len = r.u64()?;
+                r.finish_zeroed()?;
+                Message::Stage { len }
+            }
+            STAGED => {
+                quiet(id, errno_or_zero(status)?, flags)?;
+                r.finish_zeroed()?;
+                Message::Staged { status }
+            }
+            CONNECT => {
+                quiet(0, status, flags)?;
+                Message::Connect { id, key: Query::decode(body)?.key }
+            }
+            CONNECTED => {
+                quiet(0, errno_or_zero(status)?, flags)?;
+                let handle = r.u32()?;
+                if status != 0 && handle != 0 {
+                    return Err(EBADMSG);
+                }
+                r.finish_zeroed()?;
+                Message::Connected { id, result: if status == 0 { Ok(handle) } else { Err(status) } }
+            }
+            POST => {
+                quiet(0, status, flags)?;
+                let (handle, opcode, len, rkey) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+                if opcode != OP_READ && opcode != OP_WRITE {
+                    return Err(EBADMSG);
+                }
+                let (offset, remote) = (r.u64()?, r.u64()?);
+                r.finish_zeroed()?;
+                Message::Post(Post { token: id, handle, opcode, len, rkey, offset, remote })
+            }
+            DONE => {
+                quiet(0, status, flags)?;
+                let (wc_status, byte_len) = (r.u32()?, r.u32()?);
+                r.finish_zeroed()?;
+                Message::Done { token: id, status: wc_status, byte_len }
+            }
+            CLOSE => {
+                quiet(id, status, flags)?;
+                let handle = r.u32()?;
+                r.finish_zeroed()?;
+                Message::Close { handle }
+            }
             _ => return Err(EBADMSG),
         };
         Ok(m)
+    }
+}
+
+/// A status that is 0 or an errno (for the quiet check: 0 when it is).
+fn errno_or_zero(status: u32) -> Result<u32> {
+    if status < 4096 {
+        Ok(0)
+    } else {
+        Err(EBADMSG)
     }
 }
 
@@ -166,6 +313,17 @@ mod tests {
             Message::Found { id: 9, result: Ok(Some(endpoint())) },
             Message::Found { id: 10, result: Ok(None) },
             Message::Found { id: 11, result: Err(libc::ETIMEDOUT as u32) },
+            Message::Stage { len: 4 << 20 },
+            Message::Staged { status: 0 },
+            Message::Staged { status: libc::ENOMEM as u32 },
+            Message::Connect { id: 12, key },
+            Message::Connected { id: 12, result: Ok(7) },
+            Message::Connected { id: 13, result: Err(libc::ECONNREFUSED as u32) },
+            Message::Post(Post { token: 14, handle: 7, opcode: OP_READ, len: 64, rkey: 0x1234, offset: 4096, remote: u64::MAX }),
+            Message::Post(Post { token: 15, handle: 7, opcode: OP_WRITE, len: 0, rkey: 1, offset: 0, remote: 0 }),
+            Message::Done { token: 14, status: 0, byte_len: 64 },
+            Message::Done { token: 15, status: 5, byte_len: 0 },
+            Message::Close { handle: 7 },
         ]
     }
 
@@ -187,7 +345,7 @@ mod tests {
         v[2] = VERSION + 1;
         assert_eq!(Message::decode(&v), Err(EPROTO), "another version");
         let mut k = hello;
-        k[3] = 9;
+        k[3] = 99;
         assert_eq!(Message::decode(&k), Err(EBADMSG), "unknown kind");
         let mut r = hello;
         r[LEN - 1] = 1;
@@ -204,6 +362,12 @@ mod tests {
         let mut h = hello;
         h[4] = 1;
         assert_eq!(Message::decode(&h), Err(EBADMSG), "an id on a hello");
+        let mut p = Message::Post(Post { token: 1, handle: 1, opcode: OP_READ, len: 8, rkey: 1, offset: 0, remote: 0 }).encode();
+        p[20] = 2;
+        assert_eq!(Message::decode(&p), Err(EBADMSG), "an opcode the agent does not carry");
+        let mut c = Message::Connected { id: 1, result: Err(5) }.encode();
+        c[16] = 1;
+        assert_eq!(Message::decode(&c), Err(EBADMSG), "a handle with an error");
     }
 
     #[test]

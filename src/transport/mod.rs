@@ -1,5 +1,8 @@
 //! Transports under the VQPs: how a VQP's work requests reach its peer.
 //!
+//! The agent's path ([`agent`], issue 21): a new process's first one-sided
+//! work carried by the host's agent until its own runtime is up.
+//!
 //! Two tiers (issue 19): the RC link (today in `src/service/` and
 //! `src/vqp/runtime.rs`, one physical RC QP per peer process, shared by
 //! VQPs), and the datagram tier ([`dgram`]), usable at first contact over
@@ -9,4 +12,5 @@
 //! This room holds the transports' own logic; `src/vqp/` keeps VQP
 //! semantics (queues, pre-checks, completions) and sends through it.
 
+pub mod agent;
 pub mod dgram;

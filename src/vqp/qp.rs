@@ -46,6 +46,7 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 
+mod agent;
 mod connect;
 mod landing;
 mod popmsgs;
@@ -396,6 +397,12 @@ pub struct Vqp {
     /// `qpop_msgs` callers one at a time (a bound VQP's inbox has one
     /// consumer: a sender's src_qp is made once, before its CLOSE).
     popping: Mutex<()>,
+    /// Its first work through the host's agent, until the move (agent.rs).
+    agent: Mutex<Option<agent::AgentLeg>>,
+    /// `agent` is set (a post looks at it only then: no lock otherwise).
+    on_agent: std::sync::atomic::AtomicBool,
+    /// A completion on the agent's path came (room, or the move may go on).
+    agent_moved: parking_lot::Condvar,
 }
 
 // SAFETY: the raw pointers are the application's objects, only passed
@@ -478,6 +485,9 @@ impl Vqp {
             app_qpn: OnceCell::new(),
             srq: OnceCell::new(),
             popping: Mutex::new(()),
+            agent: Mutex::new(None),
+            on_agent: std::sync::atomic::AtomicBool::new(false),
+            agent_moved: parking_lot::Condvar::new(),
         });
         slots.entries[slot as usize] = (gen, Arc::downgrade(&v));
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_VQPS);
@@ -665,6 +675,7 @@ impl Vqp {
         }
         // RC's promise: once destroy returns, nothing touches the memory of
         // its WRs; they may still be on the link (teardown.rs).
+        self.leave_agent();
         let unread = self.quiesce();
         let mut st = self.st.lock();
         let keys: Vec<_> = st.bound.take().into_iter().chain(std::mem::take(&mut st.published)).collect();

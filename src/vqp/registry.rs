@@ -64,7 +64,18 @@ pub fn prestart(ctx: *mut ibv_context, pd: *mut ibv_pd) {
     if !cfg.prestart || cfg.meta.is_none() || !FIRST.swap(false, Ordering::AcqRel) {
         return;
     }
+    start_soon(ctx, pd);
+}
+
+/// Start the runtime of real `pd` on a thread, unless it is started or
+/// its start is under way (a VQP on the agent's path moves onto it).
+pub fn start_soon(ctx: *mut ibv_context, pd: *mut ibv_pd) {
     let (c, p) = (ctx as usize, pd as usize);
+    // Held until the start is recorded: one start per PD.
+    let mut starts = PRESTARTS.lock();
+    if of(p).is_some() || starts.as_ref().is_some_and(|m| m.contains_key(&p)) {
+        return;
+    }
     let body = move || {
         // SAFETY: the PD and its context outlive this thread:
         // ibv_dealloc_pd and ibv_close_device join it first.
@@ -73,14 +84,14 @@ pub fn prestart(ctx: *mut ibv_context, pd: *mut ibv_pd) {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_RUNTIMES_PRESTARTED);
                 crate::kmark!("runtime: started in the background");
             }
-            Err(e) => klog!(Level::Info, "vqp: the runtime's start at ibv_alloc_pd: {e:?} (tried again at the first extended verb)"),
+            Err(e) => klog!(Level::Info, "vqp: the runtime's start in the background: {e:?} (tried again at the first extended verb)"),
         }
     };
     match std::thread::Builder::new().name("krcore-prestart".into()).spawn(body) {
         Ok(t) => {
             // SAFETY: getpid has no preconditions.
             let pid = unsafe { libc::getpid() };
-            PRESTARTS.lock().get_or_insert_with(HashMap::new).insert(p, (c, pid, t));
+            starts.get_or_insert_with(HashMap::new).insert(p, (c, pid, t));
         }
         Err(e) => klog!(Level::Info, "vqp: no thread to start the runtime at ibv_alloc_pd: {e}"),
     }

@@ -30,11 +30,15 @@ impl Vqp {
     pub fn connect(&self, gid: [u8; 16], port: u32) -> Result<()> {
         {
             let st = self.st.lock();
-            if st.conn.is_some() || st.bound.is_some() || st.rc.is_some() {
+            if st.conn.is_some() || st.bound.is_some() || st.rc.is_some() || self.agent.lock().is_some() {
                 return Err(Errno::EINVAL);
             }
         }
-        self.connect_to(&crate::meta::Key::Port { gid, port }, None)
+        let key = crate::meta::Key::Port { gid, port };
+        if self.connect_via_agent(&key) {
+            return Ok(());
+        }
+        self.connect_to(&key, None)
     }
 
     /// Look `key` up and attach to the link to the process it names, from

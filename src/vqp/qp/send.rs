@@ -31,6 +31,10 @@ impl Vqp {
         if let Some(done) = unsafe { self.post_one_sided_fast(w) } {
             return done;
         }
+        // SAFETY: caller contract.
+        if let Some(done) = unsafe { self.post_via_agent(w) } {
+            return done;
+        }
         let Some(rt) = self.rt.get() else { return Err(Errno::EINVAL) };
         // SAFETY: caller contract.
         let sw = unsafe { self.send_wr(w) }?;

@@ -1,0 +1,256 @@
+//! The agent's side of a new process's first work requests: the agent is
+//! itself a krcore application (its verbs are this library's, so its VQPs
+//! use the host's links and datagram tier), with one VQP per VQP a process
+//! connected through it, and the process's staging region (a memfd the
+//! process made and passed with `STAGE`) mapped and registered here.
+//!
+//! A `POST` names a range of that region: the agent's VQP READs into it
+//! or WRITEs from it, and the completion goes back as `DONE` with the
+//! process's token. Nothing of a process outlives its connection: its
+//! VQPs are destroyed, its region deregistered and unmapped.
+
+use super::proto::{Post, OP_READ};
+use crate::error::{Errno, Result};
+use crate::meta::Key;
+use crate::sys::*;
+use libc::{c_int, c_void};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+
+// The library's own verbs (this binary links it: these are its exports).
+extern "C" {
+    fn ibv_get_device_list(num: *mut c_int) -> *mut *mut ibv_device;
+    fn ibv_free_device_list(list: *mut *mut ibv_device);
+    fn ibv_get_device_name(dev: *mut ibv_device) -> *const libc::c_char;
+    fn ibv_open_device(dev: *mut ibv_device) -> *mut ibv_context;
+    fn ibv_alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd;
+    fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel;
+    fn ibv_create_cq(ctx: *mut ibv_context, cqe: c_int, cq_ctx: *mut c_void, ch: *mut ibv_comp_channel, vector: c_int) -> *mut ibv_cq;
+    fn ibv_get_cq_event(ch: *mut ibv_comp_channel, cq: *mut *mut ibv_cq, ctx: *mut *mut c_void) -> c_int;
+    fn ibv_ack_cq_events(cq: *mut ibv_cq, n: libc::c_uint);
+    fn ibv_create_qp(pd: *mut ibv_pd, attr: *mut ibv_qp_init_attr) -> *mut ibv_qp;
+    fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int;
+    fn ibv_reg_mr(pd: *mut ibv_pd, addr: *mut c_void, len: usize, access: c_int) -> *mut ibv_mr;
+    fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int;
+}
+
+/// Work requests one agent VQP has outstanding at most (the process keeps
+/// fewer in flight: `transport::agent::WINDOW`).
+const SQ_DEPTH: u32 = 128;
+
+/// The agent's device objects, made at the first `STAGE` (an agent used
+/// only for lookups starts no runtime).
+/// Kept for the agent's life (freed at its exit).
+pub struct Verbs {
+    pd: *mut ibv_pd,
+    channel: *mut ibv_comp_channel,
+    cq: *mut ibv_cq,
+}
+
+// SAFETY: the objects are used by the agent's one thread only; the type
+// is moved into it once.
+unsafe impl Send for Verbs {}
+
+impl Verbs {
+    /// Open `device` (the first when None) through the library.
+    pub fn open(device: Option<&str>) -> Result<Verbs> {
+        let mut n: c_int = 0;
+        // SAFETY: the library's verbs; the list is freed below.
+        let list = unsafe { ibv_get_device_list(&mut n) };
+        if list.is_null() {
+            return Err(Errno::last());
+        }
+        let mut ctx = std::ptr::null_mut();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: the list holds n devices; names are NUL-terminated.
+            let (dev, name) = unsafe {
+                let dev = *list.add(i);
+                (dev, std::ffi::CStr::from_ptr(ibv_get_device_name(dev)).to_string_lossy().into_owned())
+            };
+            if device.is_none_or(|d| d == name) {
+                // SAFETY: a device of the live list.
+                ctx = unsafe { ibv_open_device(dev) };
+                break;
+            }
+        }
+        // SAFETY: the list from above, freed once.
+        unsafe { ibv_free_device_list(list) };
+        if ctx.is_null() {
+            return Err(Errno(libc::ENODEV));
+        }
+        // SAFETY: a live context; each result is checked.
+        unsafe {
+            let pd = ibv_alloc_pd(ctx);
+            let channel = ibv_create_comp_channel(ctx);
+            if pd.is_null() || channel.is_null() {
+                return Err(Errno::last());
+            }
+            let cq = ibv_create_cq(ctx, 4096, std::ptr::null_mut(), channel, 0);
+            if cq.is_null() {
+                return Err(Errno::last());
+            }
+            let v = Verbs { pd, channel, cq };
+            v.arm()?;
+            Ok(v)
+        }
+    }
+
+    /// The completion channel's descriptor (readable: completions).
+    pub fn event_fd(&self) -> RawFd {
+        // SAFETY: a live channel.
+        unsafe { (*self.channel).fd }
+    }
+
+    fn arm(&self) -> Result<()> {
+        // SAFETY: ibv_req_notify_cq is inline in verbs.h: the context's op.
+        let r = unsafe { ((*(*self.cq).context).ops.req_notify_cq.ok_or(Errno::EINVAL)?)(self.cq, 0) };
+        if r != 0 {
+            return Err(Errno(r));
+        }
+        Ok(())
+    }
+
+    /// After the channel was readable: take its event, arm again, and
+    /// return every completion (wr_id, status, byte_len).
+    pub fn completions(&self) -> Vec<(u64, u32, u32)> {
+        let mut out = Vec::new();
+        let mut cq = std::ptr::null_mut();
+        let mut cq_ctx = std::ptr::null_mut();
+        // SAFETY: the live channel, found readable: the event is there.
+        if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut cq_ctx) } == 0 {
+            // SAFETY: the CQ the event named (ours).
+            unsafe { ibv_ack_cq_events(cq, 1) };
+        }
+        let _ = self.arm();
+        // SAFETY: a plain C struct array, filled by the poll.
+        let mut wc: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
+        loop {
+            // SAFETY: ibv_poll_cq is inline in verbs.h: the context's op.
+            let n = unsafe { ((*(*self.cq).context).ops.poll_cq.expect("poll_cq"))(self.cq, wc.len() as c_int, wc.as_mut_ptr()) };
+            if n <= 0 {
+                break;
+            }
+            out.extend(wc[..n as usize].iter().map(|w| (w.wr_id, w.status, w.byte_len)));
+        }
+        out
+    }
+}
+
+/// One process's side: its staging region and its VQPs here.
+pub struct Staging {
+    map: *mut u8,
+    len: usize,
+    mr: *mut ibv_mr,
+    _fd: OwnedFd,
+    qps: HashMap<u32, *mut ibv_qp>,
+    next: u32,
+}
+
+// SAFETY: as `Verbs`.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    /// Map `fd` (`len` bytes, the process's memfd) and register it.
+    pub fn new(v: &Verbs, fd: OwnedFd, len: u64) -> Result<Staging> {
+        let len = usize::try_from(len).map_err(|_| Errno::EINVAL)?;
+        // SAFETY: fstat on our fd.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < len as u64 || len == 0 || len > 1 << 30 {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: a shared mapping of the process's memfd, unmapped in Drop.
+        let map = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if map == libc::MAP_FAILED {
+            return Err(Errno::last());
+        }
+        let access = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0) as c_int;
+        // SAFETY: the live PD and the mapping above.
+        let mr = unsafe { ibv_reg_mr(v.pd, map, len, access) };
+        if mr.is_null() {
+            let e = Errno::last();
+            // SAFETY: the mapping above.
+            unsafe { libc::munmap(map, len) };
+            return Err(e);
+        }
+        Ok(Staging { map: map.cast(), len, mr, _fd: fd, qps: HashMap::new(), next: 1 })
+    }
+
+    /// A VQP of the agent's, connected to `key` (a `qconnect`): its handle.
+    pub fn connect(&mut self, v: &Verbs, key: &Key) -> Result<u32> {
+        let Key::Port { gid, port } = *key else { return Err(Errno::EINVAL) };
+        // SAFETY: a plain C struct.
+        let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        a.send_cq = v.cq;
+        a.recv_cq = v.cq;
+        a.qp_type = crate::abi::ext::KRCORE_VQP;
+        a.sq_sig_all = 1;
+        a.cap = ibv_qp_cap { max_send_wr: SQ_DEPTH, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        // SAFETY: the live PD.
+        let qp = unsafe { ibv_create_qp(v.pd, &mut a) };
+        if qp.is_null() {
+            return Err(Errno::last());
+        }
+        // SAFETY: a VQP of ours; the GID is plain bytes.
+        let r = unsafe { crate::abi::ext::qconnect(qp, ibv_gid { raw: gid }, port as c_int) };
+        if r != 0 {
+            // SAFETY: the QP above, not handed out.
+            unsafe { ibv_destroy_qp(qp) };
+            return Err(Errno(r));
+        }
+        let h = self.next;
+        self.next = self.next.wrapping_add(1).max(1);
+        self.qps.insert(h, qp);
+        Ok(h)
+    }
+
+    /// Post `p` with wr_id `wr_id`; an errno when it cannot be (its handle
+    /// unknown, its range outside the region, the VQP's queue full).
+    pub fn post(&self, p: &Post, wr_id: u64) -> Result<()> {
+        let qp = *self.qps.get(&p.handle).ok_or(Errno::EINVAL)?;
+        let end = p.offset.checked_add(p.len as u64).ok_or(Errno::EINVAL)?;
+        if end > self.len as u64 {
+            return Err(Errno::EINVAL);
+        }
+        // SAFETY: the live MR over the mapping; the range is inside it.
+        let mut sge = ibv_sge { addr: self.map as u64 + p.offset, length: p.len, lkey: unsafe { (*self.mr).lkey } };
+        // SAFETY: a plain C struct.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = if p.opcode == OP_READ { ibv_wr_opcode::IBV_WR_RDMA_READ } else { ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.rdma.remote_addr = p.remote;
+        wr.wr.rdma.rkey = p.rkey;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: ibv_post_send is inline in verbs.h: the context's op, on
+        // our live VQP with a WR whose SGE lies in our MR.
+        let r = unsafe { ((*(*qp).context).ops.post_send.ok_or(Errno::EINVAL)?)(qp, &mut wr, &mut bad) };
+        if r != 0 {
+            return Err(Errno(r));
+        }
+        Ok(())
+    }
+
+    pub fn close(&mut self, handle: u32) {
+        if let Some(qp) = self.qps.remove(&handle) {
+            // SAFETY: our VQP, removed from the table.
+            unsafe { ibv_destroy_qp(qp) };
+        }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        for (_, qp) in self.qps.drain() {
+            // SAFETY: our VQPs; destroy waits for what they have on the wire.
+            unsafe { ibv_destroy_qp(qp) };
+        }
+        // SAFETY: our MR and mapping, once.
+        unsafe {
+            ibv_dereg_mr(self.mr);
+            libc::munmap(self.map.cast(), self.len);
+        }
+    }
+}

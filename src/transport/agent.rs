@@ -1,0 +1,299 @@
+//! The agent's path: a VQP's first one-sided work requests carried by the
+//! host's agent (`krcore-node`, `src/node/`) while this process's own
+//! runtime is not up yet.
+//!
+//! One per process, made at the first need: a connection of its own to
+//! the agent, and a staging region (a memfd, passed with `STAGE`) that the
+//! agent mapped and registered. A work request takes a slot of the region:
+//! a WRITE's bytes are copied in before its `POST`, a READ's copied out
+//! when its `DONE` comes back. A thread of its own, asleep in `recv`,
+//! takes the agent's answers and hands each completion to the VQP that
+//! posted it ([`User`]). Should the agent go (its connection closes),
+//! everything outstanding completes with `IBV_WC_RETRY_EXC_ERR`, as work on
+//! an RC QP whose peer went, and the path is not used again.
+
+use crate::error::{Errno, Result};
+use crate::klog;
+use crate::log::Level;
+use crate::meta::Key;
+use crate::node::proto::{Message, Post};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+/// The largest work request the path carries (a larger one waits for the
+/// process's own runtime).
+pub const SLOT: usize = 16 << 10;
+const SLOTS: usize = 128;
+/// Work requests one VQP keeps outstanding on the path (the agent's VQP
+/// holds twice that).
+pub const WINDOW: usize = 64;
+
+/// What posted work on the path: told of its completions, in order.
+pub trait User: Send + Sync {
+    fn done(&self, token: u32, status: u32, byte_len: u32);
+}
+
+pub struct AgentPath {
+    fd: OwnedFd,
+    map: *mut u8,
+    free: Mutex<Vec<u16>>,
+    /// Work outstanding: token -> who posted it.
+    pending: Mutex<HashMap<u32, Weak<dyn User>>>,
+    /// Answers to `CONNECT`s, by request id.
+    answers: Mutex<HashMap<u32, std::result::Result<u32, u32>>>,
+    answered: Condvar,
+    next: AtomicU32,
+    dead: AtomicBool,
+    pid: libc::pid_t,
+}
+
+// SAFETY: `map` is a shared mapping owned by the path for its life; slots
+// are handed to one work request at a time (the free list's lock).
+unsafe impl Send for AgentPath {}
+// SAFETY: as above.
+unsafe impl Sync for AgentPath {}
+
+static PATH: Mutex<Option<Arc<AgentPath>>> = Mutex::new(None);
+/// Made once per process: a failure is not tried again.
+static TRIED: Mutex<Option<libc::pid_t>> = Mutex::new(None);
+
+fn pid() -> libc::pid_t {
+    // SAFETY: getpid has no preconditions.
+    unsafe { libc::getpid() }
+}
+
+impl AgentPath {
+    /// The process's path, made at the first call when the process is
+    /// attached to an agent; None otherwise, once it went, or in a forked
+    /// child of the process that made it.
+    pub fn get() -> Option<Arc<AgentPath>> {
+        let mut p = PATH.lock();
+        if let Some(a) = p.as_ref() {
+            if a.pid == pid() && !a.dead.load(Ordering::Acquire) {
+                return Some(Arc::clone(a));
+            }
+            if a.pid != pid() {
+                *p = None;
+            } else {
+                return None;
+            }
+        }
+        let mut tried = TRIED.lock();
+        if *tried == Some(pid()) {
+            return None;
+        }
+        *tried = Some(pid());
+        match AgentPath::open() {
+            Ok(a) => {
+                *p = Some(Arc::clone(&a));
+                Some(a)
+            }
+            Err(e) => {
+                klog!(Level::Info, "node: no path through the agent ({e:?}): first operations wait for this process's runtime");
+                None
+            }
+        }
+    }
+
+    fn open() -> Result<Arc<AgentPath>> {
+        let fd = crate::node::client::open_another().ok_or(Errno(libc::ENOTCONN))?;
+        let len = SLOT * SLOTS;
+        let mem = memfd(len)?;
+        // SAFETY: a shared mapping of our memfd, for the path's life.
+        let map =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, mem.as_raw_fd(), 0) };
+        if map == libc::MAP_FAILED {
+            return Err(Errno::last());
+        }
+        let path = Arc::new(AgentPath {
+            fd,
+            map: map.cast(),
+            free: Mutex::new((0..SLOTS as u16).rev().collect()),
+            pending: Mutex::new(HashMap::new()),
+            answers: Mutex::new(HashMap::new()),
+            answered: Condvar::new(),
+            next: AtomicU32::new(1),
+            dead: AtomicBool::new(false),
+            pid: pid(),
+        });
+        send_with_fd(&path.fd, &Message::Stage { len: len as u64 }, mem.as_raw_fd())?;
+        let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
+        match crate::node::client::receive(&path.fd, deadline)? {
+            Message::Staged { status: 0 } => {}
+            Message::Staged { status } => return Err(Errno(status as i32)),
+            _ => return Err(Errno(libc::EPROTO)),
+        }
+        let reader = Arc::downgrade(&path);
+        std::thread::Builder::new().name("krcore-node-path".into()).spawn(move || read_answers(reader)).map_err(|_| Errno(libc::EAGAIN))?;
+        Ok(path)
+    }
+
+    /// Connect a VQP of the agent's to `key`: its handle.
+    pub fn connect(&self, key: &Key) -> Result<u32> {
+        let id = self.token();
+        crate::node::client::send(&self.fd, &Message::Connect { id, key: *key })?;
+        let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
+        let mut a = self.answers.lock();
+        loop {
+            if let Some(r) = a.remove(&id) {
+                return r.map_err(|e| Errno(e as i32));
+            }
+            if self.dead.load(Ordering::Acquire) {
+                return Err(Errno(libc::ECONNRESET));
+            }
+            if self.answered.wait_until(&mut a, deadline).timed_out() {
+                return Err(Errno(libc::ETIMEDOUT));
+            }
+        }
+    }
+
+    pub fn token(&self) -> u32 {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A free slot of the staging region, if any.
+    pub fn slot(&self) -> Option<u16> {
+        self.free.lock().pop()
+    }
+
+    pub fn release(&self, slot: u16) {
+        self.free.lock().push(slot);
+    }
+
+    /// The bytes of `slot`.
+    ///
+    /// # Safety
+    /// The caller holds `slot` (from [`Self::slot`], not released) and no
+    /// work request of it is with the agent while the slice is used.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes(&self, slot: u16) -> &mut [u8] {
+        // SAFETY: the slot lies inside the mapping; its holder is the only user.
+        unsafe { std::slice::from_raw_parts_mut(self.map.add(slot as usize * SLOT), SLOT) }
+    }
+
+    /// Hand `post` (its slot's bytes in place) to the agent; `user` hears
+    /// of its completion.
+    pub fn post(&self, post: Post, slot: u16, user: Weak<dyn User>) -> Result<()> {
+        if self.dead.load(Ordering::Acquire) {
+            return Err(Errno(libc::ECONNRESET));
+        }
+        self.pending.lock().insert(post.token, user);
+        let r = crate::node::client::send(&self.fd, &Message::Post(Post { offset: (slot as usize * SLOT) as u64, ..post }));
+        if r.is_err() {
+            self.pending.lock().remove(&post.token);
+        }
+        r
+    }
+
+    /// Forget `tokens` (their VQP went: no completion for them).
+    pub fn forget(&self, tokens: impl Iterator<Item = u32>) {
+        let mut p = self.pending.lock();
+        for t in tokens {
+            p.remove(&t);
+        }
+    }
+
+    pub fn close(&self, handle: u32) {
+        let _ = crate::node::client::send(&self.fd, &Message::Close { handle });
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for AgentPath {
+    fn drop(&mut self) {
+        // SAFETY: our mapping, once.
+        unsafe { libc::munmap(self.map.cast(), SLOT * SLOTS) };
+    }
+}
+
+/// The reader thread: the agent's answers until its connection closes
+/// (or the path is dropped), then every outstanding work request fails.
+fn read_answers(path: Weak<AgentPath>) {
+    let fd = match path.upgrade() {
+        // SAFETY: dup of a live descriptor; owned below.
+        Some(p) => unsafe { libc::dup(p.fd.as_raw_fd()) },
+        None => return,
+    };
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: the new descriptor from dup, owned here.
+    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let far = Instant::now() + std::time::Duration::from_secs(1 << 30);
+    loop {
+        let m = crate::node::client::receive(&fd, far);
+        let Some(p) = path.upgrade() else { return };
+        match m {
+            Ok(Message::Done { token, status, byte_len }) => {
+                let user = p.pending.lock().remove(&token).and_then(|w| w.upgrade());
+                if let Some(u) = user {
+                    u.done(token, status, byte_len);
+                }
+            }
+            Ok(Message::Connected { id, result }) => {
+                p.answers.lock().insert(id, result);
+                p.answered.notify_all();
+            }
+            r => {
+                klog!(Level::Warn, "node: the agent's path closed ({r:?}): its outstanding work fails");
+                p.dead.store(true, Ordering::Release);
+                p.answered.notify_all();
+                let all: Vec<(u32, Weak<dyn User>)> = p.pending.lock().drain().collect();
+                for (token, w) in all {
+                    if let Some(u) = w.upgrade() {
+                        u.done(token, crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR, 0);
+                    }
+                }
+                return;
+            }
+        }
+    }
+}
+
+fn memfd(len: usize) -> Result<OwnedFd> {
+    // SAFETY: plain syscalls; the fd is checked and then owned.
+    unsafe {
+        let fd = libc::memfd_create(c"krcore-staging".as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 {
+            return Err(Errno::last());
+        }
+        let fd = <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 {
+            return Err(Errno::last());
+        }
+        Ok(fd)
+    }
+}
+
+/// Send `m` with descriptor `pass` (`SCM_RIGHTS`).
+fn send_with_fd(fd: &OwnedFd, m: &Message, pass: std::os::fd::RawFd) -> Result<()> {
+    let b = m.encode();
+    let mut iov = libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() };
+    let mut ctl = [0u64; 4];
+    // SAFETY: a plain C struct; the control buffer holds one descriptor's
+    // message (CMSG_SPACE of an int is 24 bytes here), filled with the
+    // kernel's macros.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = ctl.as_mut_ptr().cast();
+        msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), pass);
+        if libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) != b.len() as isize {
+            return Err(Errno::last());
+        }
+    }
+    Ok(())
+}

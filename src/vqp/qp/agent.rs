@@ -1,0 +1,266 @@
+//! A VQP's first one-sided work through the host's agent
+//! (`src/transport/agent.rs`), and the move onto the process's own path.
+//!
+//! A `qconnect` in a process whose runtime is not up yet (its start is
+//! under way, from `ibv_alloc_pd`, or started now in the background), and
+//! that is attached to an agent, connects a VQP of the agent's instead of
+//! waiting, and returns. Its RDMA READs and WRITEs (up to
+//! [`agent::SLOT`] bytes, not inline) go through the agent from then on,
+//! copied through the staging region, their completions delivered in
+//! order into the VQP's send CQ. The move: the first post that finds the
+//! process's runtime up, or that the path cannot carry (a SEND, an atomic,
+//! a larger one), waits until everything on the agent's path completed,
+//! then connects the VQP itself (`connect_to`) and goes on there: nothing
+//! posted after can overtake what went through the agent.
+//!
+//! Not taken when the send CQ has a completion channel (events on it need
+//! the process's runtime), for transparent VQPs, or for bound ones.
+
+use super::*;
+use crate::transport::agent::{self, AgentPath};
+use std::sync::atomic::Ordering;
+
+/// A VQP on the agent's path.
+pub(super) struct AgentLeg {
+    path: Arc<AgentPath>,
+    handle: u32,
+    key: crate::meta::Key,
+    inflight: VecDeque<InFlight>,
+    /// A completion in error came: the VQP is in the error state (what
+    /// follows is flushed, as on RC).
+    failed: bool,
+}
+
+struct InFlight {
+    token: u32,
+    wr_id: u64,
+    signaled: bool,
+    read: bool,
+    len: u32,
+    slot: u16,
+    /// A READ's destination: the application's SGEs.
+    sges: Vec<ibv_sge>,
+}
+
+impl agent::User for Vqp {
+    fn done(&self, token: u32, status: u32, byte_len: u32) {
+        let mut g = self.agent.lock();
+        let Some(leg) = g.as_mut() else { return };
+        let Some(pos) = leg.inflight.iter().position(|f| f.token == token) else { return };
+        // In order: the agent's VQP completes in order, and what its
+        // connection carries stays in order.
+        debug_assert_eq!(pos, 0, "the agent's completions come in order");
+        let f = leg.inflight.remove(pos).expect("found");
+        if status == ibv_wc_status::IBV_WC_SUCCESS && f.read {
+            // SAFETY: the slot is this work request's, back from the agent;
+            // the SGEs were checked against the application's MRs at post.
+            let src = unsafe { leg.path.bytes(f.slot) };
+            let mut at = 0;
+            for s in &f.sges {
+                let n = (s.length as usize).min(byte_len as usize - at.min(byte_len as usize));
+                // SAFETY: inside a registered MR of the application's (checked at post).
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(at), s.addr as *mut u8, n) };
+                at += n;
+            }
+        }
+        leg.path.release(f.slot);
+        if status != ibv_wc_status::IBV_WC_SUCCESS {
+            leg.failed = true;
+        }
+        if f.signaled || status != ibv_wc_status::IBV_WC_SUCCESS {
+            let opcode = if f.read { ibv_wc_opcode::IBV_WC_RDMA_READ } else { ibv_wc_opcode::IBV_WC_RDMA_WRITE };
+            let byte_len = if f.read && status == ibv_wc_status::IBV_WC_SUCCESS { f.len } else { 0 };
+            let wc = super::super::queue::Completion { wr_id: f.wr_id, status, opcode, byte_len }.to_wc(self.qpn());
+            self.send_soft.push(wc);
+        }
+        drop(g);
+        self.agent_moved.notify_all();
+    }
+}
+
+impl Vqp {
+    /// `qconnect` through the agent, when it applies (see the module
+    /// doc): true when connected that way.
+    pub(super) fn connect_via_agent(&self, key: &crate::meta::Key) -> bool {
+        // SAFETY: the application's live CQ (a VQP's CQs outlive it).
+        let evented = unsafe { !(*self.app.send_cq).channel.is_null() };
+        if evented || crate::vqp::registry::of(self.app.real_pd as usize).is_some() {
+            return false;
+        }
+        let Some(path) = AgentPath::get() else { return false };
+        crate::kmark!("qconnect: through the agent");
+        let handle = match path.connect(key) {
+            Ok(h) => h,
+            Err(e) => {
+                klog!(Level::Debug, "vqp {:#x}: the agent could not connect ({e:?}): connecting by itself", self.qpn());
+                return false;
+            }
+        };
+        *self.agent.lock() = Some(AgentLeg { path, handle, key: *key, inflight: VecDeque::new(), failed: false });
+        self.on_agent.store(true, Ordering::Release);
+        // The move needs the process's own runtime: under way from now.
+        crate::vqp::registry::start_soon(self.app.real_ctx, self.app.real_pd);
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_NODE_CONNECTS);
+        true
+    }
+
+    /// Post `w` on the agent's path: None when the VQP is not on it (any
+    /// more: the move was made), else the post's result.
+    ///
+    /// # Safety
+    /// `w` and its SGE list are the application's valid WR.
+    pub(super) unsafe fn post_via_agent(&self, w: &ibv_send_wr) -> Option<Result<()>> {
+        if !self.on_agent.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut g = self.agent.lock();
+        let leg = g.as_mut()?;
+        let signaled = self.sq_sig_all || w.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
+        // SAFETY: caller contract.
+        let sges: &[ibv_sge] = unsafe { sge_list(w) };
+        let total: u64 = sges.iter().map(|s| s.length as u64).sum();
+        if leg.failed {
+            // As an RC QP in the error state: accepted, then flushed.
+            let opcode = wc_opcode_of(w.opcode);
+            let wc = super::super::queue::Completion { wr_id: w.wr_id, status: ibv_wc_status::IBV_WC_WR_FLUSH_ERR, opcode, byte_len: 0 }
+                .to_wc(self.qpn());
+            self.send_soft.push(wc);
+            return Some(Ok(()));
+        }
+        let carried = matches!(w.opcode, ibv_wr_opcode::IBV_WR_RDMA_READ | ibv_wr_opcode::IBV_WR_RDMA_WRITE)
+            && w.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 == 0
+            && total <= agent::SLOT as u64
+            && !leg.path.is_dead()
+            && self.local_ok(sges, w.opcode == ibv_wr_opcode::IBV_WR_RDMA_READ);
+        let own_ready = crate::vqp::registry::of(self.app.real_pd as usize).is_some();
+        if !carried || own_ready {
+            drop(g);
+            return match self.move_off_agent() {
+                Ok(()) => None,
+                Err(e) => Some(Err(e)),
+            };
+        }
+        if leg.inflight.len() >= self.sq_cap as usize {
+            return Some(Err(Errno::ENOMEM));
+        }
+        // Room on the path: a window per VQP and a staging slot.
+        let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout();
+        let slot = loop {
+            let leg = g.as_mut().expect("on the path");
+            if leg.inflight.len() < agent::WINDOW {
+                if let Some(s) = leg.path.slot() {
+                    break s;
+                }
+            }
+            if self.agent_moved.wait_until(&mut g, deadline).timed_out() {
+                return Some(Err(Errno::ENOMEM));
+            }
+            if g.is_none() {
+                return None;
+            }
+        };
+        let leg = g.as_mut().expect("on the path");
+        let read = w.opcode == ibv_wr_opcode::IBV_WR_RDMA_READ;
+        if !read {
+            // SAFETY: the slot is ours until its completion.
+            let dst = unsafe { leg.path.bytes(slot) };
+            let mut at = 0;
+            for s in sges {
+                // SAFETY: inside a registered MR of the application's (local_ok).
+                unsafe { std::ptr::copy_nonoverlapping(s.addr as *const u8, dst.as_mut_ptr().add(at), s.length as usize) };
+                at += s.length as usize;
+            }
+        }
+        let token = leg.path.token();
+        // SAFETY: a plain union read: RDMA opcodes use `rdma`.
+        let (remote, rkey) = unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
+        let post = crate::node::proto::Post {
+            token,
+            handle: leg.handle,
+            opcode: if read { crate::node::proto::OP_READ } else { crate::node::proto::OP_WRITE },
+            len: total as u32,
+            rkey,
+            offset: 0,
+            remote,
+        };
+        let Some(me) = lookup(self.slot, self.gen) else { return Some(Err(Errno::EINVAL)) };
+        let me: Weak<dyn agent::User> = Arc::downgrade(&me) as Weak<dyn agent::User>;
+        leg.inflight.push_back(InFlight { token, wr_id: w.wr_id, signaled, read, len: total as u32, slot, sges: sges.to_vec() });
+        if let Err(e) = leg.path.post(post, slot, me) {
+            leg.inflight.pop_back();
+            leg.path.release(slot);
+            return Some(Err(e));
+        }
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_NODE_WRS);
+        Some(Ok(()))
+    }
+
+    /// Whether `sges` lie in the application's MRs of our PD, with local
+    /// write access for a READ (else the process's own path reports the
+    /// error as RC does).
+    fn local_ok(&self, sges: &[ibv_sge], read: bool) -> bool {
+        let pd = self.app.real_pd as usize;
+        sges.iter().all(|s| {
+            send::registry_local(pd, s.lkey).is_some_and(|m| {
+                let write = m.access & ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 != 0;
+                s.addr >= m.addr && s.addr + s.length as u64 <= m.addr + m.len && (!read || write)
+            })
+        })
+    }
+
+    /// The move: wait (bounded) until the agent's path has nothing of ours
+    /// outstanding, close its VQP, and connect by ourselves.
+    fn move_off_agent(&self) -> Result<()> {
+        let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout().max(crate::vqp::runtime::TRANSPORT_WAIT);
+        let mut g = self.agent.lock();
+        while g.as_ref().is_some_and(|l| !l.inflight.is_empty()) {
+            if self.agent_moved.wait_until(&mut g, deadline).timed_out() {
+                return Err(Errno(libc::ETIMEDOUT));
+            }
+        }
+        let Some(leg) = g.take() else { return Ok(()) };
+        self.on_agent.store(false, Ordering::Release);
+        drop(g);
+        leg.path.close(leg.handle);
+        if leg.failed {
+            // Stays in the error state on its own path too.
+            self.st.lock().failed = true;
+        }
+        crate::kmark!("vqp: moving off the agent's path");
+        self.connect_to(&leg.key, None)
+    }
+
+    /// Destroy: the agent's VQP goes, after what it still has of ours
+    /// (bounded: its slots are the agent's to write until then); no
+    /// completion of ours is delivered after.
+    pub(super) fn leave_agent(&self) {
+        let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout();
+        let mut g = self.agent.lock();
+        while g.as_ref().is_some_and(|l| !l.inflight.is_empty() && !l.path.is_dead()) {
+            if self.agent_moved.wait_until(&mut g, deadline).timed_out() {
+                break;
+            }
+        }
+        let Some(leg) = g.take() else { return };
+        self.on_agent.store(false, Ordering::Release);
+        drop(g);
+        leg.path.forget(leg.inflight.iter().map(|f| f.token));
+        if !leg.inflight.is_empty() {
+            // Still with the agent: their slots are not reused.
+            klog!(Level::Warn, "vqp {:#x}: destroyed with {} work requests still with the agent", self.qpn(), leg.inflight.len());
+        }
+        leg.path.close(leg.handle);
+    }
+}
+
+/// The SGEs of `w`.
+///
+/// # Safety
+/// `w` is a valid WR whose `sg_list` holds `num_sge` entries.
+unsafe fn sge_list(w: &ibv_send_wr) -> &[ibv_sge] {
+    if w.num_sge <= 0 || w.sg_list.is_null() {
+        return &[];
+    }
+    // SAFETY: caller contract.
+    unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
+}
