@@ -40,10 +40,13 @@
  *   -O           object: READ the server's 64 KiB object once, check it
  *                byte for byte and exit (the "serverless" fetch)
  *   -T           print a line of absolute CLOCK_MONOTONIC times (us) for
- *                benchmarks: "kv_times main_us=.. connected_us=..
- *                first_get_us=.. get_start_us=.. get_end_us=.. gets=..
- *                torn=.. object_us=.." (0: did not happen), and right
- *                after the first GET "kv_first first_get_us=.."
+ *                benchmarks: "kv_times main_us=.. setup_us=.. path_us=..
+ *                connected_us=.. first_get_us=.. get_start_us=..
+ *                get_end_us=.. gets=.. torn=.. object_us=.." (0: did not
+ *                happen; setup: device, PD, CQ and MR done; path: raw, the
+ *                server's QP address received over TCP, krcore, qconnect
+ *                returned; connected: table address known, QP ready), and
+ *                right after the first GET "kv_first first_get_us=.."
  *   -W FD        after the first GET, wait until FD reaches end-of-file
  *                (at most 300 s) before the other GETs (a benchmark starts
  *                many clients and lets them go at once)
@@ -116,6 +119,9 @@ struct client {
 	uint64_t seq;
 	unsigned long torn;
 	int fd;			/* raw: the TCP connection to the server */
+	double t_setup;		/* device, PD, CQ, MR done (CLOCK_MONOTONIC us) */
+	double t_path;		/* raw: the server's answer over TCP received;
+				 * krcore: qconnect returned */
 };
 
 /* ---- waiting for completions ------------------------------------------ */
@@ -404,6 +410,7 @@ static void connect_server(struct client *c, const char *addr, int port,
 	memcpy(req.gid, gid.raw, 16);
 	full_io(c->fd, &req, sizeof(req), 1, "sending the QP's address");
 	full_io(c->fd, &rep, sizeof(rep), 0, "receiving the server's QP address");
+	c->t_path = kv_now_us();
 	if (rep.magic != KV_CONN_MAGIC)
 		fail("the server's answer has a bad magic (%#x): not kv_server?",
 		     rep.magic);
@@ -479,6 +486,7 @@ static void connect_server(struct client *c, const char *addr, int port,
 		die("ibv_create_qp(KRCORE_VQP)", errno);
 	if ((rc = qconnect(c->qp, gid, port)))
 		die_connect(rc, addr, port);
+	c->t_path = kv_now_us();
 	memset(tx, 0, sizeof(*tx));
 	tx->type = KV_HELLO;
 	rx = call(c, "HELLO");
@@ -611,6 +619,7 @@ int main(int argc, char **argv)
 	if (!c.mr)
 		die("ibv_reg_mr", errno);
 
+	c.t_setup = kv_now_us();
 	connect_server(&c, addr, port, (int)gid_index);
 	check_info(&c);
 	t_conn = kv_now_us();
@@ -665,9 +674,10 @@ int main(int argc, char **argv)
 		       t_conn - t_main, gets ? t_first - t_conn : 0,
 		       gets > 1 ? (gets - 1) / ((t_end - t_start) / 1e6) : 0, TRANSPORT);
 	if (times)
-		printf("kv_times main_us=%.0f connected_us=%.0f first_get_us=%.0f "
-		       "get_start_us=%.0f get_end_us=%.0f gets=%ld torn=%lu "
-		       "object_us=%.0f\n", t_main, t_conn, t_first,
+		printf("kv_times main_us=%.0f setup_us=%.0f path_us=%.0f "
+		       "connected_us=%.0f first_get_us=%.0f get_start_us=%.0f "
+		       "get_end_us=%.0f gets=%ld torn=%lu object_us=%.0f\n",
+		       t_main, c.t_setup, c.t_path, t_conn, t_first,
 		       gets ? t_start : 0, gets ? t_end : 0, gets > 1 ? gets - 1 : 0,
 		       c.torn, t_object);
 
