@@ -22,7 +22,7 @@
  *     the local GID (default: the one routed to the meta server).
  *
  *   kv_client -a ADDR [-P PORT] [-d DEV] [-g GID_INDEX] [-k KEYS]
- *             [-L] [-G GEN|any] [-n GETS] [-O] [-T] [-W FD]
+ *             [-L [-U ROUNDS]] [-G GEN|any] [-n GETS] [-O] [-T] [-W FD]
  *
  *   -a ADDR      the server's address (IPv4, i.e. GID ::ffff:ADDR, or a
  *                GID in IPv6 notation; raw: IPv4 only, its TCP address)
@@ -33,6 +33,9 @@
  *   -k KEYS      the keys are 1..KEYS (1000)
  *   -L           load: PUT every key 1..KEYS with generation GEN, then
  *                GET each one back (checked) before the GETs below
+ *   -U ROUNDS    with -L: load ROUNDS times, with generations GEN, GEN+1,
+ *                ... (a writer, for a test of GETs racing PUTs: run the
+ *                readers with -G any; they count torn READs)
  *   -G GEN       the generation every GET must find (1); "any": any whole
  *                value of the key (for runs with a concurrent writer)
  *   -n GETS      GETs of random keys in 1..KEYS after connecting (and
@@ -51,9 +54,13 @@
  *                (at most 300 s) before the other GETs (a benchmark starts
  *                many clients and lets them go at once)
  *
- * Output: one line, e.g.
+ * Output: one line per phase, e.g.
  *
- *   kv_client: 1000 GETs verified (0 torn reads retried) from 10.77.0.1 port 18800: connect 5321 us, first GET 812 us, 2150 GETs/s (raw verbs)
+ *   kv_client: 1000 keys loaded from 10.77.0.1 port 18800 (1000 PUTs, each read back and checked): connect 283112 us, 1544 PUTs/s (raw verbs)
+ *   kv_client: 1000 GETs verified (0 torn reads retried) from 10.77.0.1 port 18800: connect 283112 us, first GET 812 us later, 9150 GETs/s (raw verbs)
+ *
+ * (connect: from main() to the QP ready with the table's address: device,
+ * PD, CQ, MR and the connection; "later": after that, or after the load).
  *
  * Exit status 0 when every operation succeeded and every value was right,
  * 1 otherwise (the reason on stderr), 2 for a usage error.
@@ -534,7 +541,7 @@ static void usage(void)
 {
 	fprintf(stderr,
 		"usage: kv_client -a ADDR [-P PORT] [-d DEV] [-g GID_INDEX] "
-		"[-k KEYS] [-L] [-G GEN|any] [-n GETS] [-O] [-T] [-W FD]\n"
+		"[-k KEYS] [-L [-U ROUNDS]] [-G GEN|any] [-n GETS] [-O] [-T] [-W FD]\n"
 #ifdef KRCORE
 		"  (KRCORE_META=ip:port of krcore-meta must be set; "
 		"KRCORE_GID_INDEX picks the local GID)\n"
@@ -560,15 +567,15 @@ static long parse_num(const char *s, long lo, long hi, const char *what)
 
 int main(int argc, char **argv)
 {
-	double t_main = kv_now_us(), t_conn, t_first = 0, t_start = 0,
-	       t_end = 0, t_object = 0;
+	double t_main = kv_now_us(), t_conn, t_loaded, t_first = 0,
+	       t_start = 0, t_end = 0, t_object = 0;
 	const char *devname = NULL, *addr = NULL;
-	long keys = 1000, gets = 1000, gid_index = -1, wait_fd = -1;
+	long keys = 1000, gets = 1000, gid_index = -1, wait_fd = -1, rounds = 1;
 	int port = KV_DEFAULT_PORT, load = 0, object = 0, times = 0, opt, rc;
 	uint64_t gen = 1, rng;
 	struct client c;
 
-	while ((opt = getopt(argc, argv, "a:P:d:g:k:LG:n:OTW:")) != -1) {
+	while ((opt = getopt(argc, argv, "a:P:d:g:k:LU:G:n:OTW:")) != -1) {
 		switch (opt) {
 		case 'a': addr = optarg; break;
 		case 'P': port = (int)parse_num(optarg, 1, 65535, "-P"); break;
@@ -576,6 +583,7 @@ int main(int argc, char **argv)
 		case 'g': gid_index = parse_num(optarg, 0, 65535, "-g"); break;
 		case 'k': keys = parse_num(optarg, 1, 1L << 30, "-k"); break;
 		case 'L': load = 1; break;
+		case 'U': rounds = parse_num(optarg, 1, 1L << 30, "-U"); break;
 		case 'G':
 			gen = strcmp(optarg, "any") ?
 				      (uint64_t)parse_num(optarg, 0, 1L << 62, "-G") :
@@ -588,7 +596,8 @@ int main(int argc, char **argv)
 		default: usage();
 		}
 	}
-	if (!addr || optind != argc || (load && gen == GEN_ANY))
+	if (!addr || optind != argc || (load && gen == GEN_ANY) ||
+	    (rounds > 1 && !load))
 		usage();
 #ifdef KRCORE
 	if (gid_index >= 0) {
@@ -636,12 +645,13 @@ int main(int argc, char **argv)
 		t_object = kv_now_us();
 		gets = 0;
 	}
-	if (load) {
+	for (long r = 0; load && r < rounds; r++) {
 		for (long k = 1; k <= keys; k++)
-			put(&c, (uint64_t)k, gen);
+			put(&c, (uint64_t)k, gen + (uint64_t)r);
 		for (long k = 1; k <= keys; k++)
-			get_checked(&c, (uint64_t)k, gen);
+			get_checked(&c, (uint64_t)k, gen + (uint64_t)r);
 	}
+	t_loaded = kv_now_us();
 	for (long i = 0; i < gets; i++) {
 		uint64_t key;
 
@@ -666,13 +676,21 @@ int main(int argc, char **argv)
 		       "connect %.0f us, READ %.0f us, %.0f us since main (%s)\n",
 		       KV_OBJECT_LEN, addr, port, t_conn - t_main, t_object - t_conn,
 		       t_object - t_main, TRANSPORT);
-	else
-		printf("kv_client: %ld GETs verified%s (%lu torn reads retried) "
-		       "from %s port %d: connect %.0f us, first GET %.0f us, "
-		       "%.0f GETs/s (%s)\n", gets + (load ? keys : 0),
-		       load ? ", after a PUT of each key" : "", c.torn, addr, port,
-		       t_conn - t_main, gets ? t_first - t_conn : 0,
+	if (load)
+		printf("kv_client: %ld keys loaded from %s port %d (%ld PUTs, each "
+		       "read back and checked): connect %.0f us, %.0f PUTs/s (%s)\n",
+		       keys, addr, port, keys * rounds, t_conn - t_main,
+		       (double)keys * (double)rounds / ((t_loaded - t_conn) / 1e6),
+		       TRANSPORT);
+	if (gets)
+		printf("kv_client: %ld GETs verified (%lu torn reads retried) from "
+		       "%s port %d: connect %.0f us, first GET %.0f us later, "
+		       "%.0f GETs/s (%s)\n", gets, c.torn, addr, port,
+		       t_conn - t_main, t_first - t_loaded,
 		       gets > 1 ? (gets - 1) / ((t_end - t_start) / 1e6) : 0, TRANSPORT);
+	if (!object && !load && !gets)
+		printf("kv_client: connected to %s port %d in %.0f us, nothing else "
+		       "to do (-n 0) (%s)\n", addr, port, t_conn - t_main, TRANSPORT);
 	if (times)
 		printf("kv_times main_us=%.0f setup_us=%.0f path_us=%.0f "
 		       "connected_us=%.0f first_get_us=%.0f get_start_us=%.0f "
