@@ -45,7 +45,7 @@
 #
 # Environment:
 #   KRCORE_BENCH_NS            the Ns of the bootstrap (default "8 32 64")
-#   KRCORE_BENCH_GETS          GETs per client after all are served (200)
+#   KRCORE_BENCH_GETS          GETs per client after all are served (1000)
 #   KRCORE_BENCH_KEYS          keys loaded (1000)
 #   KRCORE_BENCH_SERVERLESS    serverless processes per mode and repeat (20)
 #   KRCORE_BENCH_CLIENT_GIDS   the clients' GID indexes (2,3,4,5,6,7,8,9)
@@ -70,7 +70,7 @@ bindir=target/bench/bin
 klib=target/bench/elastic-lib
 libdir="${KRCORE_BENCH_LIB_DIR:-target/release}"
 ns="${KRCORE_BENCH_NS:-8 32 64}"
-gets="${KRCORE_BENCH_GETS:-200}"
+gets="${KRCORE_BENCH_GETS:-1000}"
 keys="${KRCORE_BENCH_KEYS:-1000}"
 serverless="${KRCORE_BENCH_SERVERLESS:-20}"
 client_gids="${KRCORE_BENCH_CLIENT_GIDS:-2,3,4,5,6,7,8,9}"
@@ -291,6 +291,12 @@ if ((!report_only)); then
         echo "host load average before the run: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPU(s)"
         echo "NS=$ns GETS=$gets KEYS=$keys SERVERLESS=$serverless CLIENT_GIDS=$client_gids"
     } >"$out/lib.txt"
+    # The host's load while the VM runs (its CPUs run the VM's emulated
+    # ones: another VM or a build on the host slows both modes).
+    (while :; do echo "$(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"; sleep 5; done) \
+        >"$out/host-load.txt" 2>/dev/null &
+    sampler=$!
+    trap 'kill "$sampler" 2>/dev/null || true' EXIT
     if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
         KRCORE_IN_VM=1 bash "$0" "$repeats" || vm_rc=$?
     else
@@ -304,6 +310,7 @@ if ((!report_only)); then
             ${KRCORE_BENCH_AGENT_READY:+KRCORE_BENCH_AGENT_READY="$KRCORE_BENCH_AGENT_READY"} \
             bash bench/elastic-compare.sh "$repeats" || vm_rc=$?
     fi
+    kill "$sampler" 2>/dev/null || true
 fi
 
 python3 bench/elastic_report.py "$out" "$repeats" | tee "$out/table.md"

@@ -36,19 +36,18 @@ def ratio_cell(v):
     return f"{st.median(v):.2f}x | {min(v):.2f}x – {max(v):.2f}x"
 
 
-def tier_share(d):
-    """Per client of a burst's stats directory: the share of its work
-    requests posted on the datagram tier (dgram_wrs / post_send), median
-    over the clients; None without stats."""
+def tier_wrs(d):
+    """The work requests each client of a burst posted on the datagram
+    tier (its counters at exit, dgram_wrs), median over the clients; None
+    without stats."""
     v = []
     for f in sorted(d.glob("*.json")) if d.is_dir() else []:
         try:
-            j = json.loads(f.read_text())
+            c = json.loads(f.read_text()).get("counters", {})
         except (OSError, ValueError):
             continue
-        c = j.get("counters", {})
-        if c.get("post_send"):
-            v.append(c.get("dgram_wrs", 0) / c["post_send"])
+        if "dgram_wrs" in c:
+            v.append(c["dgram_wrs"])
     return st.median(v) if v else None
 
 
@@ -108,8 +107,9 @@ def main():
           "QP address received over TCP (the server created and connected a QP for it), "
           "krcore, `qconnect` returned; *connected*: raw, RTR + RTS done, krcore, the "
           "HELLO's answer (the table's address) received; *first GET*: its READ done. "
-          "*tier*: krcore, the share of a client's work requests posted on the datagram tier "
-          "(its counters at exit; median over the clients, then over the repeats).\n")
+          "*tier*: krcore, the work requests a client posted on the datagram tier before its "
+          "link was up (its counters at exit; median over the clients, then over the "
+          "repeats; of the HELLO, the first GET and the GETs after the go).\n")
     print("| N | mode | main | set-up | path | connected | first GET | tier |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in ns:
@@ -117,8 +117,8 @@ def main():
             rows = [r for r in burst[m, n] if r]
             med = lambda k: f"{st.median([r[k] for r in rows]):.1f}" if rows and k in rows[0] else "–"
             tiers = [t for r in range(1, repeats + 1)
-                     if (t := tier_share(out / f"stats-{m}-n{n}-{r}")) is not None]
-            tier = f"{100 * st.median(tiers):.0f} %" if tiers else "–"
+                     if (t := tier_wrs(out / f"stats-{m}-n{n}-{r}")) is not None]
+            tier = f"{st.median(tiers):.0f}" if tiers else "–"
             print(f"| {n} | {label} | {med('main_med_ms')} | {med('setup_med_ms')} | "
                   f"{med('path_med_ms')} | {med('connected_med_ms')} | {med('first_med_ms')} | {tier} |")
     print()
@@ -167,6 +167,14 @@ def main():
         cell = ratio_cell(rr).split(" | ")
         print(f"| raw / {label} (per repeat; above 1: krcore sooner) | {cell[0]} | {cell[1]} | | | | |")
     print()
+    hl = out / "host-load.txt"
+    if hl.exists():
+        loads = [float(l.split()[1]) for l in hl.read_text().splitlines() if len(l.split()) > 1]
+        if loads:
+            print(f"Host load average (1 min) during the run, sampled every 5 s: "
+                  f"{min(loads):.2f} – {max(loads):.2f} (median {st.median(loads):.2f}) on a "
+                  f"host whose CPUs run the VM's two emulated ones: other work on the host "
+                  f"slows both modes.\n")
     if lib.exists():
         print("Library measured:\n")
         print("```")
