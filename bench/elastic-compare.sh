@@ -227,7 +227,9 @@ run_serverless() {
 }
 
 if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
-    # Inside the VM (or on a host with an RDMA device): the measuring loop.
+    # Inside the VM (or on a host with an RDMA device): the measuring loop,
+    # its progress and failures also kept in run.log.
+    exec > >(tee -a "$out/run.log") 2>&1
     if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
         bash scripts/rxe-up.sh "$nodes"
     fi

@@ -78,7 +78,7 @@ def main():
               "snapshot).\n")
     if params:
         print(f"Parameters: `{params}`.\n")
-    print("**Elastic bootstrap** (paper §5.3.1): N new `kv_client` processes started at "
+    print("**Elastic bootstrap** (paper §5.3.1): N new `kv_client` processes started "
           "at once against a running `kv_server` with a loaded table (forked first, each "
           "waiting before its `exec`, then all released at one instant, their start). "
           "*first GET*: the start to a process's first GET (one READ of a bucket) "
@@ -167,6 +167,24 @@ def main():
         cell = ratio_cell(rr).split(" | ")
         print(f"| raw / {label} (per repeat; above 1: krcore sooner) | {cell[0]} | {cell[1]} | | | | |")
     print()
+    fails = []
+    for f in sorted(out.glob("*.err")):
+        text = f.read_text(errors="replace")
+        summary = [l for l in text.splitlines() if re.search(r"children failed|did not finish|FAILED", l)]
+        if not summary:
+            continue
+        errs = {}
+        for l in text.splitlines():
+            if l.startswith("kv_client: "):
+                k = re.sub(r"key \d+", "key K", l)
+                errs[k] = errs.get(k, 0) + 1
+        fails.append((f.stem, summary[-1].replace("elastic_launch: ", ""), errs))
+    if fails:
+        print("**Runs that failed** (left out of the figures above; their clients' errors, "
+              "with how many clients gave each):\n")
+        for name, summ, errs in fails:
+            print(f"- `{name}`: {summ}" + "".join(f"; {n} x `{e}`" for e, n in errs.items()))
+        print()
     hl = out / "host-load.txt"
     if hl.exists():
         loads = [float(l.split()[1]) for l in hl.read_text().splitlines() if len(l.split()) > 1]
