@@ -51,6 +51,21 @@ def tier_wrs(d):
     return st.median(v) if v else None
 
 
+def meta_failures(d):
+    """Failed connections to the meta server, summed over a burst's
+    clients (their counters at exit, meta_connect_failures); None without
+    stats."""
+    tot, seen = 0, False
+    for f in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            c = json.loads(f.read_text()).get("counters", {})
+        except (OSError, ValueError):
+            continue
+        seen = True
+        tot += c.get("meta_connect_failures", 0)
+    return tot if seen else None
+
+
 def main():
     out, repeats = Path(sys.argv[1]), int(sys.argv[2])
     ns = sorted({int(m.group(1)) for p in out.glob("burst-*-n*-*.txt")
@@ -109,9 +124,11 @@ def main():
           "HELLO's answer (the table's address) received; *first GET*: its READ done. "
           "*tier*: krcore, the work requests a client posted on the datagram tier before its "
           "link was up (its counters at exit; median over the clients, then over the "
-          "repeats; of the HELLO, the first GET and the GETs after the go).\n")
-    print("| N | mode | main | set-up | path | connected | first GET | tier |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "repeats; of the HELLO, the first GET and the GETs after the go). *meta failures*: "
+          "krcore, connections to krcore-meta that failed (timed out) and were tried again, "
+          "summed over the N clients, per repeat (failed runs included).\n")
+    print("| N | mode | main | set-up | path | connected | first GET | tier | meta failures |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in ns:
         for m, label in present:
             rows = [r for r in burst[m, n] if r]
@@ -119,8 +136,10 @@ def main():
             tiers = [t for r in range(1, repeats + 1)
                      if (t := tier_wrs(out / f"stats-{m}-n{n}-{r}")) is not None]
             tier = f"{st.median(tiers):.0f}" if tiers else "–"
+            mf = [meta_failures(out / f"stats-{m}-n{n}-{r}") for r in range(1, repeats + 1)]
+            mfs = ", ".join(str(x) for x in mf if x is not None) or "–"
             print(f"| {n} | {label} | {med('main_med_ms')} | {med('setup_med_ms')} | "
-                  f"{med('path_med_ms')} | {med('connected_med_ms')} | {med('first_med_ms')} | {tier} |")
+                  f"{med('path_med_ms')} | {med('connected_med_ms')} | {med('first_med_ms')} | {tier} | {mfs} |")
     print()
 
     others = [(m, label) for m, label in present if m != "raw"]
@@ -174,16 +193,19 @@ def main():
         if not summary:
             continue
         errs = {}
-        for l in text.splitlines():
-            if l.startswith("kv_client: "):
-                k = re.sub(r"key \d+", "key K", l)
-                errs[k] = errs.get(k, 0) + 1
+        # Concurrent clients' messages may be interleaved on the shared
+        # stderr (before kv_client wrote each in one piece): split on
+        # every "kv_client: " and keep the whole messages.
+        for m in re.findall(r"kv_client: ((?:(?!kv_client: ).)+?\))(?=kv_client: |\n|$)", text):
+            k = re.sub(r"key \d+", "key K", m.strip())
+            errs[k] = errs.get(k, 0) + 1
         fails.append((f.stem, summary[-1].replace("elastic_launch: ", ""), errs))
     if fails:
         print("**Runs that failed** (left out of the figures above; their clients' errors, "
               "with how many clients gave each):\n")
         for name, summ, errs in fails:
-            print(f"- `{name}`: {summ}" + "".join(f"; {n} x `{e}`" for e, n in errs.items()))
+            print(f"- `{name}`: {summ}" + "".join(f"; {n} x `{e}`" for e, n in
+                                                   sorted(errs.items(), key=lambda x: -x[1])))
         print()
     hl = out / "host-load.txt"
     if hl.exists():

@@ -94,25 +94,34 @@
 #define OFF_OBJECT 4096
 #define LOCAL_LEN (OFF_OBJECT + KV_OBJECT_LEN)
 
-static void die(const char *what, int err)
-{
-	fprintf(stderr, "kv_client: %s: %s\n", what, strerror(err));
-	exit(1);
-}
-
+/*
+ * Errors go out in one write(2): many clients may share one stderr (a
+ * benchmark starts dozens at once), and a message written in pieces would
+ * interleave with theirs.
+ */
 static void fail(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
 static void fail(const char *fmt, ...)
 {
+	char msg[512];
 	va_list ap;
+	int n = snprintf(msg, sizeof(msg), "kv_client: ");
 
 	fflush(stdout);
-	fprintf(stderr, "kv_client: ");
 	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
+	n += vsnprintf(msg + n, sizeof(msg) - (size_t)n - 1, fmt, ap);
 	va_end(ap);
-	fprintf(stderr, "\n");
+	if (n > (int)sizeof(msg) - 2)
+		n = (int)sizeof(msg) - 2;
+	msg[n++] = '\n';
+	if (write(2, msg, (size_t)n) < 0)
+		exit(1);
 	exit(1);
+}
+
+static void die(const char *what, int err)
+{
+	fail("%s: %s", what, strerror(err));
 }
 
 struct client {
