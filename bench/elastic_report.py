@@ -102,7 +102,7 @@ def main():
           "one was served (each then does the same number of checked GETs; from the go to "
           "the last one's end). Each figure: median over the repeats | min – max.\n")
     print("| N | mode | first GET, median (ms) | min – max | first GET, max (ms) | min – max "
-          "| all served (ms) | min – max | GETs/s | min – max | spawn → connected, median (ms) | min – max |")
+          "| all served (ms) | min – max | GETs/s | min – max | start → connected, median (ms) | min – max |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in ns:
         for m, label in present:
