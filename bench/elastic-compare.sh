@@ -1,0 +1,319 @@
+#!/usr/bin/env bash
+# The paper's elastic experiments (issue 21; KRCORE paper §5.3.1 and
+# §5.3.2), raw verbs and krcore side by side in one VM boot, on the
+# key-value store of examples-c/ (kv_server, kv_client; GETs are one-sided
+# READs of a hash bucket, PUTs messages):
+#   bench/elastic-compare.sh [REPEATS]         (default 2)
+#   bench/elastic-compare.sh --report REPEATS  (the table again, no new runs)
+#
+# Elastic bootstrap: for each N in NS (8 32 64) and each mode, a fresh
+# server (and, for krcore, a fresh krcore-meta) on node 1 (GID index 1,
+# 10.77.0.1), its table loaded with KEYS keys by one client's PUTs (each
+# read back), then N new kv_client processes started at once by
+# bench/elastic_launch.c on nodes 2-9 (GID indexes in turn; forked first,
+# each waiting before its exec, then all released at one instant, their
+# start): each connects, GETs a random key (checked), waits until all N
+# have, then does GETS more (checked). Reported: the start to each
+# process's first GET served (median, max over the N), the start to the
+# last process's first GET ("all served"), and the GET throughput of all
+# N together after they were all served.
+# Serverless fetch: SERVERLESS fresh processes one after the other, each
+# connecting and READing the server's 64 KiB object (checked byte for
+# byte): start to data verified.
+#
+# Modes (their order alternates per repeat, so that neither always runs
+# first after boot):
+#   raw     kv_server / kv_client built -libverbs: an RC QP per client over
+#           a TCP exchange (the server creates and connects a QP for each).
+#   krcore  built -DKRCORE against a snapshot of target/release/libkrcore.so:
+#           one VQP bound with qbind, clients qconnect + HELLO. KRCORE_META
+#           and KRCORE_GID_INDEX set, every other knob at the library's
+#           default.
+#   agent   krcore with the per-host krcore-node agent (issue 21): only when
+#           the snapshot has a krcore-node binary; see the HOOK below.
+#
+# The library is not built here: run `cargo build --release` first. The
+# library, krcore-meta (and krcore-node) are copied to
+# target/bench/elastic-lib so that a build during the run cannot change
+# them; their sha256 and the git commit go to target/bench/elastic/lib.txt.
+# Results in target/bench/elastic: burst-MODE-nN-R.txt (elastic_launch's
+# per-process lines and its summary), serverless-MODE-R.txt, the servers',
+# meta's and loaders' logs, the krcore processes' counters at exit
+# (KRCORE_STATS_FILE: stats-MODE-nN-R/PID.json of the burst's clients,
+# server-MODE-nN-R.json; they change nothing before the exit), and table.md (bench/elastic_report.py: medians
+# over the repeats and the ratios raw / krcore computed per repeat).
+#
+# Environment:
+#   KRCORE_BENCH_NS            the Ns of the bootstrap (default "8 32 64")
+#   KRCORE_BENCH_GETS          GETs per client after all are served (1000)
+#   KRCORE_BENCH_KEYS          keys loaded (1000)
+#   KRCORE_BENCH_SERVERLESS    serverless processes per mode and repeat (20)
+#   KRCORE_BENCH_CLIENT_GIDS   the clients' GID indexes (2,3,4,5,6,7,8,9)
+#   KRCORE_BENCH_PORT          kv_server's TCP / VQP port (18800)
+#   KRCORE_BENCH_META_PORT     krcore-meta's TCP port (18791)
+#   KRCORE_BENCH_READY_S       wait for a server's ready line (60 s)
+#   KRCORE_BENCH_BURST_S       bound on one burst, spawn to the last exit (300 s)
+#   KRCORE_BENCH_LIB_DIR       where libkrcore.so, krcore-meta and krcore-node
+#                              are taken from (target/release)
+#   KRCORE_BENCH_AGENT_ARGS    krcore-node's arguments (see the HOOK)
+#   KRCORE_BENCH_AGENT_READY   sed expression of krcore-node's ready line
+#   KRCORE_VM_MEMORY           the VM's memory (scripts/vm-run.sh; this
+#                              script's default 3G: 64 clients and a server)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+report_only=0
+if [[ "${1:-}" == --report ]]; then report_only=1; shift; fi
+repeats="${1:-2}"
+[[ "$repeats" =~ ^[1-9][0-9]*$ ]] || { echo "elastic-compare: REPEATS must be a positive integer" >&2; exit 2; }
+out=target/bench/elastic
+bindir=target/bench/bin
+klib=target/bench/elastic-lib
+libdir="${KRCORE_BENCH_LIB_DIR:-target/release}"
+ns="${KRCORE_BENCH_NS:-8 32 64}"
+gets="${KRCORE_BENCH_GETS:-1000}"
+keys="${KRCORE_BENCH_KEYS:-1000}"
+serverless="${KRCORE_BENCH_SERVERLESS:-20}"
+client_gids="${KRCORE_BENCH_CLIENT_GIDS:-2,3,4,5,6,7,8,9}"
+port="${KRCORE_BENCH_PORT:-18800}"
+meta_port="${KRCORE_BENCH_META_PORT:-18791}"
+ready_s="${KRCORE_BENCH_READY_S:-60}"
+burst_s="${KRCORE_BENCH_BURST_S:-300}"
+agent_sock=/tmp/krcore-node-bench.sock
+agent_args="${KRCORE_BENCH_AGENT_ARGS:---listen-unix $agent_sock}"
+agent_ready="${KRCORE_BENCH_AGENT_READY:-/ready\|listening\|serving/p}"
+server_gid=1
+nodes=10
+
+me=elastic-compare
+source bench/vm-helpers.sh
+
+# Stops process $1 (SIGTERM, then SIGKILL after 10 s); its exit status.
+stop_pid() {
+    local pid="$1" deadline=$((SECONDS + 10)) rc=0
+    kill -TERM "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.05; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" || rc=$?
+    return "$rc"
+}
+
+# ---- HOOK: the krcore-node agent (issue 21) --------------------------------
+# krcore-node is being built on another branch and its command line is not
+# settled. This hook starts "$klib/krcore-node $KRCORE_BENCH_AGENT_ARGS"
+# (default: --listen-unix /tmp/krcore-node-bench.sock) with KRCORE_META
+# set, waits (bounded) for a line matching KRCORE_BENCH_AGENT_READY, and
+# runs the agent mode's clients with KRCORE_NODE=that socket. Adjust
+# start_agent when the agent's interface is final. Without a krcore-node
+# binary in the snapshot the mode is skipped (with a message).
+agent_pid=
+have_agent() { [[ -x "$klib/krcore-node" ]]; }
+start_agent() {
+    local tag="$1"
+    rm -f "$agent_sock"
+    # shellcheck disable=SC2086  # the arguments are meant to split
+    "$klib/krcore-node" $agent_args >"$out/agent-$tag.log" 2>&1 &
+    agent_pid=$!
+    wait_ready "$out/agent-$tag.log" "$agent_pid" "$agent_ready" >/dev/null
+}
+stop_agent() {
+    [[ -n "$agent_pid" ]] || return 0
+    stop_pid "$agent_pid" || true
+    agent_pid=
+}
+# ---- end of the HOOK ----------------------------------------------------------
+
+meta_pid=
+server_pid=
+addr=
+
+# Starts mode $1's servers (tag $2): krcore-meta (krcore, agent), the
+# agent (agent), kv_server; sets addr, server_pid, and for the krcore
+# modes exports KRCORE_META.
+start_servers() {
+    local mode="$1" tag="$2" sbin=kv_server
+    addr="$(gid_ipv4 "$server_gid")" || return 1
+    if [[ "$mode" != raw ]]; then
+        "$klib/krcore-meta" --listen "$addr:$meta_port" >"$out/meta-$tag.log" 2>&1 &
+        meta_pid=$!
+        wait_ready "$out/meta-$tag.log" "$meta_pid" '/serving on/p' >/dev/null || return 1
+        export KRCORE_META="$addr:$meta_port"
+        sbin=kv_server-krcore
+    fi
+    if [[ "$mode" == agent ]]; then
+        start_agent "$tag" || return 1
+    fi
+    KRCORE_GID_INDEX="$server_gid" KRCORE_STATS_FILE="$PWD/$out/server-$tag.json" \
+        "$bindir/$sbin" -a "$addr" -P "$port" >"$out/server-$tag.log" 2>&1 &
+    server_pid=$!
+    wait_ready "$out/server-$tag.log" "$server_pid" '/^kv_server: ready:/p' >/dev/null
+}
+
+# Stops whatever start_servers started (tag $1); 1 if the server did not
+# exit 0.
+stop_servers() {
+    local tag="$1" rc=0
+    if [[ -n "$server_pid" ]]; then stop_pid "$server_pid" || rc=$?; fi
+    server_pid=
+    stop_agent
+    if [[ -n "$meta_pid" ]]; then stop_pid "$meta_pid" || true; fi
+    meta_pid=
+    unset KRCORE_META KRCORE_NODE
+    if ((rc)); then
+        echo "$me: kv_server exited with status $rc:" >&2
+        cat "$out/server-$tag.log" >&2
+        return 1
+    fi
+}
+
+# The client binary and its per-mode arguments (raw: -g %g, the GID index
+# elastic_launch gives each child; krcore: KRCORE_GID_INDEX, which the
+# launcher sets for every child).
+client_cmd() {
+    case "$1" in
+        raw) echo "$bindir/kv_client -g %g" ;;
+        *) echo "$bindir/kv_client-krcore" ;;
+    esac
+}
+
+# One burst: mode $1, N $2, repeat $3.
+run_burst() {
+    local mode="$1" n="$2" i="$3" tag="$1-n$2-$3" rc=0 cmd
+    cmd="$(client_cmd "$mode")"
+    start_servers "$mode" "$tag" || { stop_servers "$tag" || true; return 1; }
+    # The load: one client PUTs every key and reads each back (checked).
+    # shellcheck disable=SC2086
+    KRCORE_GID_INDEX=2 timeout "$burst_s" ${cmd//%g/2} -a "$addr" -P "$port" \
+        -k "$keys" -L -n 0 >"$out/load-$tag.txt" 2>&1 || rc=$?
+    if ((rc)); then
+        echo "$me: loading the table failed ($rc):" >&2
+        cat "$out/load-$tag.txt" >&2
+        stop_servers "$tag" || true
+        return 1
+    fi
+    if [[ "$mode" == agent ]]; then export KRCORE_NODE="$agent_sock"; fi
+    # Each krcore client writes its counters at exit (observation only:
+    # which of its work requests went on the datagram tier).
+    mkdir -p "$out/stats-$tag"
+    # shellcheck disable=SC2086
+    KRCORE_STATS_FILE="$PWD/$out/stats-$tag/%p.json" "$bindir/elastic_launch" burst -n "$n" -g "$client_gids" -t "$burst_s" -- \
+        $cmd -a "$addr" -P "$port" -k "$keys" -n $((gets + 1)) -T -W 3 \
+        >"$out/burst-$tag.txt" 2>"$out/burst-$tag.err" || rc=$?
+    stop_servers "$tag" || rc=1
+    grep '^burst ' "$out/burst-$tag.txt" || true
+    if ((rc)); then
+        echo "$me: burst $tag failed; its errors (first 20 lines):" >&2
+        head -20 "$out/burst-$tag.err" >&2
+        return 1
+    fi
+}
+
+# The serverless fetch: mode $1, repeat $2.
+run_serverless() {
+    local mode="$1" i="$2" tag="$1-sl-$2" rc=0 cmd
+    cmd="$(client_cmd "$mode")"
+    start_servers "$mode" "$tag" || { stop_servers "$tag" || true; return 1; }
+    if [[ "$mode" == agent ]]; then export KRCORE_NODE="$agent_sock"; fi
+    # shellcheck disable=SC2086
+    "$bindir/elastic_launch" serial -n "$serverless" -g "$client_gids" -t 60 -- \
+        $cmd -a "$addr" -P "$port" -O -T \
+        >"$out/serverless-$mode-$i.txt" 2>"$out/serverless-$mode-$i.err" || rc=$?
+    stop_servers "$tag" || rc=1
+    grep '^serial ' "$out/serverless-$mode-$i.txt" || true
+    if ((rc)); then
+        echo "$me: serverless $tag failed; its errors (first 20 lines):" >&2
+        head -20 "$out/serverless-$mode-$i.err" >&2
+        return 1
+    fi
+}
+
+if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
+    # Inside the VM (or on a host with an RDMA device): the measuring loop,
+    # its progress and failures also kept in run.log.
+    exec > >(tee -a "$out/run.log") 2>&1
+    if [[ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
+        bash scripts/rxe-up.sh "$nodes"
+    fi
+    modes=(raw krcore)
+    if have_agent; then
+        modes+=(agent)
+    else
+        echo "== $me: no krcore-node in $libdir: the \"krcore + agent\" mode is skipped"
+    fi
+    failed=0
+    for i in $(seq 1 "$repeats"); do
+        # Odd repeats: raw first; even: reversed.
+        order=("${modes[@]}")
+        if ((i % 2 == 0)); then
+            order=()
+            for ((k = ${#modes[@]} - 1; k >= 0; k--)); do order+=("${modes[k]}"); done
+        fi
+        for n in $ns; do
+            for mode in "${order[@]}"; do
+                echo "== repeat $i/$repeats: N=$n $mode ($(date +%T))"
+                run_burst "$mode" "$n" "$i" || { failed=$((failed + 1)); echo "$me: FAILED: burst $mode N=$n repeat $i" >&2; }
+            done
+        done
+        for mode in "${order[@]}"; do
+            echo "== repeat $i/$repeats: serverless $mode ($(date +%T))"
+            run_serverless "$mode" "$i" || { failed=$((failed + 1)); echo "$me: FAILED: serverless $mode repeat $i" >&2; }
+        done
+    done
+    echo "== done ($(date +%T)), $failed run(s) failed"
+    exit $((failed > 0))
+fi
+
+vm_rc=0
+if ((!report_only)); then
+    for tool in cc python3; do
+        command -v "$tool" >/dev/null || { echo "$me: $tool not found (scripts/install-deps.sh)" >&2; exit 2; }
+    done
+    for f in "$libdir/libkrcore.so" "$libdir/krcore-meta"; do
+        [[ -f "$f" ]] || { echo "$me: $f is missing: run cargo build --release first" >&2; exit 2; }
+    done
+    if [[ "$libdir" == target/release && -n "$(find src Cargo.toml -newer target/release/libkrcore.so -print -quit)" ]]; then
+        echo "$me: warning: src/ has changes newer than target/release/libkrcore.so (cargo build --release?)" >&2
+    fi
+    rm -rf "$klib" && mkdir -p "$klib" "$bindir"
+    cp "$libdir/libkrcore.so" "$libdir/krcore-meta" "$klib/"
+    if [[ -x "$libdir/krcore-node" ]]; then cp "$libdir/krcore-node" "$klib/"; fi
+    cflags=(-O2 -std=gnu11 -Wall -Wextra -Werror)
+    cc "${cflags[@]}" examples-c/kv_server.c -libverbs -o "$bindir/kv_server"
+    cc "${cflags[@]}" examples-c/kv_client.c -libverbs -o "$bindir/kv_client"
+    for p in kv_server kv_client; do
+        cc "${cflags[@]}" -DKRCORE -I include "examples-c/$p.c" -L "$klib" -lkrcore \
+            -Wl,-rpath,"$PWD/$klib" -o "$bindir/$p-krcore"
+    done
+    cc "${cflags[@]}" bench/elastic_launch.c -o "$bindir/elastic_launch"
+    rm -rf "$out" && mkdir -p "$out"
+    {
+        echo "library: $libdir/libkrcore.so, copied $(date -u +%FT%TZ)"
+        echo "built: $(date -u -r "$libdir/libkrcore.so" +%FT%TZ)"
+        (cd "$klib" && sha256sum ./*)
+        echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?'), uncommitted changes in src/: $(git --no-optional-locks status --porcelain -- src 2>/dev/null | wc -l) file(s)"
+        echo "host load average before the run: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPU(s)"
+        echo "NS=$ns GETS=$gets KEYS=$keys SERVERLESS=$serverless CLIENT_GIDS=$client_gids"
+    } >"$out/lib.txt"
+    # The host's load while the VM runs (its CPUs run the VM's emulated
+    # ones: another VM or a build on the host slows both modes).
+    (while :; do echo "$(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"; sleep 5; done) \
+        >"$out/host-load.txt" 2>/dev/null &
+    sampler=$!
+    trap 'kill "$sampler" 2>/dev/null || true' EXIT
+    if [[ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]]; then
+        KRCORE_IN_VM=1 bash "$0" "$repeats" || vm_rc=$?
+    else
+        KRCORE_VM_MEMORY="${KRCORE_VM_MEMORY:-3G}" scripts/vm-run.sh "$out" env KRCORE_IN_VM=1 \
+            KRCORE_BENCH_NS="$ns" KRCORE_BENCH_GETS="$gets" KRCORE_BENCH_KEYS="$keys" \
+            KRCORE_BENCH_SERVERLESS="$serverless" KRCORE_BENCH_CLIENT_GIDS="$client_gids" \
+            KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
+            KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_BURST_S="$burst_s" \
+            KRCORE_BENCH_LIB_DIR="$libdir" \
+            ${KRCORE_BENCH_AGENT_ARGS:+KRCORE_BENCH_AGENT_ARGS="$KRCORE_BENCH_AGENT_ARGS"} \
+            ${KRCORE_BENCH_AGENT_READY:+KRCORE_BENCH_AGENT_READY="$KRCORE_BENCH_AGENT_READY"} \
+            bash bench/elastic-compare.sh "$repeats" || vm_rc=$?
+    fi
+    kill "$sampler" 2>/dev/null || true
+fi
+
+python3 bench/elastic_report.py "$out" "$repeats" | tee "$out/table.md"
+exit "$vm_rc"
