@@ -30,7 +30,8 @@
 #           and KRCORE_GID_INDEX set, every other knob at the library's
 #           default.
 #   agent   krcore with the per-host krcore-node agent (issue 21): only when
-#           the snapshot has a krcore-node binary; see the HOOK below.
+#           the snapshot has a krcore-node binary (one agent on the clients' first
+#           GID, their KRCORE_NODE its socket).
 #
 # The library is not built here: run `cargo build --release` first. The
 # library, krcore-meta (and krcore-node) are copied to
@@ -55,7 +56,7 @@
 #   KRCORE_BENCH_BURST_S       bound on one burst, spawn to the last exit (300 s)
 #   KRCORE_BENCH_LIB_DIR       where libkrcore.so, krcore-meta and krcore-node
 #                              are taken from (target/release)
-#   KRCORE_BENCH_AGENT_ARGS    krcore-node's arguments (see the HOOK)
+#   KRCORE_BENCH_AGENT_ARGS    krcore-node's arguments (default: --socket SOCK --gid-index 2)
 #   KRCORE_BENCH_AGENT_READY   sed expression of krcore-node's ready line
 #   KRCORE_VM_MEMORY           the VM's memory (scripts/vm-run.sh; this
 #                              script's default 3G: 64 clients and a server)
@@ -79,8 +80,8 @@ meta_port="${KRCORE_BENCH_META_PORT:-18791}"
 ready_s="${KRCORE_BENCH_READY_S:-60}"
 burst_s="${KRCORE_BENCH_BURST_S:-300}"
 agent_sock=/tmp/krcore-node-bench.sock
-agent_args="${KRCORE_BENCH_AGENT_ARGS:---listen-unix $agent_sock}"
-agent_ready="${KRCORE_BENCH_AGENT_READY:-/ready\|listening\|serving/p}"
+agent_args="${KRCORE_BENCH_AGENT_ARGS:---socket $agent_sock --gid-index 2}"
+agent_ready="${KRCORE_BENCH_AGENT_READY:-/serving at/p}"
 server_gid=1
 nodes=10
 
@@ -97,21 +98,21 @@ stop_pid() {
     return "$rc"
 }
 
-# ---- HOOK: the krcore-node agent (issue 21) --------------------------------
-# krcore-node is being built on another branch and its command line is not
-# settled. This hook starts "$klib/krcore-node $KRCORE_BENCH_AGENT_ARGS"
-# (default: --listen-unix /tmp/krcore-node-bench.sock) with KRCORE_META
-# set, waits (bounded) for a line matching KRCORE_BENCH_AGENT_READY, and
-# runs the agent mode's clients with KRCORE_NODE=that socket. Adjust
-# start_agent when the agent's interface is final. Without a krcore-node
-# binary in the snapshot the mode is skipped (with a message).
+# ---- the krcore-node agent (issue 21) ----------------------------------------
+# The agent mode starts "$klib/krcore-node --socket $agent_sock" (its meta
+# servers from KRCORE_META) on the clients' first GID (all clients share one
+# agent: one emulated device, so one host in this testbed), waits (bounded)
+# for its "serving at" line, and runs the clients with KRCORE_NODE=that
+# socket. KRCORE_BENCH_AGENT_ARGS / KRCORE_BENCH_AGENT_READY override the
+# command line and the ready line. Without a krcore-node binary in the
+# snapshot the mode is skipped (with a message).
 agent_pid=
 have_agent() { [[ -x "$klib/krcore-node" ]]; }
 start_agent() {
     local tag="$1"
     rm -f "$agent_sock"
     # shellcheck disable=SC2086  # the arguments are meant to split
-    "$klib/krcore-node" $agent_args >"$out/agent-$tag.log" 2>&1 &
+    KRCORE_GID_INDEX=2 "$klib/krcore-node" $agent_args >"$out/agent-$tag.log" 2>&1 &
     agent_pid=$!
     wait_ready "$out/agent-$tag.log" "$agent_pid" "$agent_ready" >/dev/null
 }
@@ -120,7 +121,6 @@ stop_agent() {
     stop_pid "$agent_pid" || true
     agent_pid=
 }
-# ---- end of the HOOK ----------------------------------------------------------
 
 meta_pid=
 server_pid=
