@@ -341,6 +341,60 @@ static int through_agent(void)
 	return 0;
 }
 
+/* Work outstanding on the agent's path when the agent dies: the agent is
+ * stopped (SIGSTOP) while 8 READs are posted, then killed; each completes
+ * once, in order, with IBV_WC_RETRY_EXC_ERR; the VQP is in the error
+ * state (the next post is flushed). The process's own runtime cannot
+ * start (KRCORE_GID_INDEX names no GID), so the VQP stays on the agent's
+ * path whatever the timing. */
+static int stop_pipe[2], stopped_pipe[2];
+
+static int agent_dies_under_work(void)
+{
+	struct ibv_wc wc[8], one;
+	struct ct_node n;
+	struct ibv_qp *q;
+	char c;
+
+	ct_begin("vqp_node: the agent killed with work on its path");
+	setenv("KRCORE_PRESTART", "0", 1);
+	setenv("CT_GID_A", "5", 1);
+	setenv("KRCORE_GID_INDEX", "250", 1);
+	ct_open(&n.d);
+	n.scq = CT_PTR(ibv_create_cq(n.d.ctx, 64, NULL, NULL, 0));
+	n.rcq = CT_PTR(ibv_create_cq(n.d.ctx, 64, NULL, NULL, 0));
+	ct_buf_alloc(&n.b, n.d.pd, 4096);
+	q = ct_node_vqp(&n, 16, 16);
+	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
+	CT_OK(ct_post_send1(q, 1, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
+			    target[0], (uint32_t)target[1], 0));
+	one = ct_poll1(n.scq);
+	ct_expect_wc(&one, 1, IBV_WC_RDMA_READ, "the READ through the agent");
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 1, "node_wrs %llu", (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
+	ct_oob_write(stop_pipe[1], "s", 1);
+	ct_oob_read(stopped_pipe[0], &c, 1); /* the agent is stopped */
+	for (int i = 0; i < 8; i++)
+		CT_OK(ct_post_send1(q, 10 + (uint64_t)i, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b,
+				    (size_t)i * 64, 64, target[0], (uint32_t)target[1], 0));
+	ct_oob_write(stop_pipe[1], "k", 1);
+	ct_oob_read(stopped_pipe[0], &c, 1); /* the agent is dead */
+	ct_poll_n(n.scq, wc, 8, 10000);
+	for (int i = 0; i < 8; i++)
+		CT_CHECK(wc[i].wr_id == 10 + (uint64_t)i && wc[i].status == IBV_WC_RETRY_EXC_ERR,
+			 "completion %d: wr_id %llu status %d (%s)", i, (unsigned long long)wc[i].wr_id,
+			 wc[i].status, ibv_wc_status_str(wc[i].status));
+	CT_OK(ct_post_send1(q, 20, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
+			    target[0], (uint32_t)target[1], 0));
+	one = ct_poll1(n.scq);
+	CT_CHECK(one.wr_id == 20 && one.status == IBV_WC_WR_FLUSH_ERR, "after the error: wr_id %llu status %d",
+		 (unsigned long long)one.wr_id, one.status);
+	ct_expect_quiet(n.scq, 100, "the send CQ: each work request once");
+	CT_OK(ibv_destroy_qp(q));
+	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
 static int no_agent_client(void)
 {
 	struct ct_node n;
@@ -494,6 +548,20 @@ int main(void)
 	fails += run_child(attached_client, "attached client after junk");
 	fails += run_child(through_agent, "through the agent");
 	attach_kill_cycles();
+
+	CT_CHECK(pipe(stop_pipe) == 0 && pipe(stopped_pipe) == 0, "pipe");
+	child = fork();
+	CT_CHECK(child >= 0, "fork");
+	if (child == 0)
+		_exit(agent_dies_under_work());
+	ct_oob_read(stop_pipe[0], &c, 1);
+	CT_CHECK(kill(agent_pid, SIGSTOP) == 0, "SIGSTOP");
+	ct_oob_write(stopped_pipe[1], "s", 1);
+	ct_oob_read(stop_pipe[0], &c, 1);
+	kill_agent(SIGKILL);
+	ct_oob_write(stopped_pipe[1], "k", 1);
+	fails += ct_wait_child(child, "agent killed under work");
+	start_agent(); /* over the stale socket file */
 
 	CT_CHECK(pipe(killed_pipe) == 0 && pipe(go_pipe) == 0, "pipe");
 	child = fork();

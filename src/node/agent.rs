@@ -106,7 +106,8 @@ pub struct Agent {
     incarnation: u64,
     fingerprint: u64,
     counts: Counts,
-    /// The device of the agent's own VQPs, opened at the first `STAGE`.
+    /// The device of the agent's own VQPs, opened at the start (else at
+    /// the first `STAGE`).
     device: Option<String>,
     verbs: Option<super::path::Verbs>,
     serials: u32,
@@ -134,6 +135,11 @@ impl Agent {
         let listener = listen(&cfg.socket)?;
         let mut meta = Meta { dev, gid_index, addrs: cfg.meta.clone(), timeout: cfg.timeout, client: None, tried: None };
         let _ = meta.client();
+        // Pre-initialized: the agent's own verbs (their runtime starts in
+        // the background at this PD) before any process needs them.
+        let verbs = super::path::Verbs::open(cfg.device.as_deref())
+            .inspect_err(|e| eprintln!("krcore-node: its own VQPs: cannot open the device: {e:?} (tried again at a process's STAGE)"))
+            .ok();
         Ok(Agent {
             listener,
             path: cfg.socket.clone(),
@@ -144,7 +150,7 @@ impl Agent {
             fingerprint: super::meta_fingerprint(&cfg.meta),
             counts: Counts::default(),
             device: cfg.device.clone(),
-            verbs: None,
+            verbs,
             serials: 0,
         })
     }

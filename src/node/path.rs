@@ -38,8 +38,8 @@ extern "C" {
 /// fewer in flight: `transport::agent::WINDOW`).
 const SQ_DEPTH: u32 = 128;
 
-/// The agent's device objects, made at the first `STAGE` (an agent used
-/// only for lookups starts no runtime).
+/// The agent's device objects, made at its start (the library's runtime
+/// of their PD starts then, in the background: pre-initialized).
 /// Kept for the agent's life (freed at its exit).
 pub struct Verbs {
     pd: *mut ibv_pd,

@@ -27,10 +27,11 @@ use std::time::Instant;
 /// The largest work request the path carries (a larger one waits for the
 /// process's own runtime).
 pub const SLOT: usize = 16 << 10;
-const SLOTS: usize = 128;
+/// 1 MiB: what the agent registers per process, at its attachment.
+const SLOTS: usize = 64;
 /// Work requests one VQP keeps outstanding on the path (the agent's VQP
-/// holds twice that).
-pub const WINDOW: usize = 64;
+/// holds more).
+pub const WINDOW: usize = 16;
 
 /// What posted work on the path: told of its completions, in order.
 pub trait User: Send + Sync {
@@ -245,7 +246,10 @@ fn read_answers(path: Weak<AgentPath>) {
                 klog!(Level::Warn, "node: the agent's path closed ({r:?}): its outstanding work fails");
                 p.dead.store(true, Ordering::Release);
                 p.answered.notify_all();
-                let all: Vec<(u32, Weak<dyn User>)> = p.pending.lock().drain().collect();
+                let mut all: Vec<(u32, Weak<dyn User>)> = p.pending.lock().drain().collect();
+                // In the order they were posted (tokens grow; a VQP's
+                // completions are delivered in order).
+                all.sort_unstable_by_key(|(token, _)| token.wrapping_sub(p.next.load(Ordering::Relaxed)));
                 for (token, w) in all {
                     if let Some(u) = w.upgrade() {
                         u.done(token, crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR, 0);

@@ -645,7 +645,14 @@ impl Runtime {
         // no meta-server connection of its own (lookups go through the
         // agent; a bind makes it then). A transparent QP publishes its QPN
         // at creation: made now.
-        let own_meta = crate::config::get().virtualize != crate::config::Virtualize::Off || !crate::node::client::attach();
+        let attached = crate::node::client::attach();
+        if attached {
+            // The agent's path ready before the first qconnect (its staging
+            // registered by the agent): made here, off the caller's path
+            // when this start is in the background.
+            let _ = crate::transport::agent::AgentPath::get();
+        }
+        let own_meta = crate::config::get().virtualize != crate::config::Virtualize::Off || !attached;
         let meta_start = if own_meta { start_meta(&dev, gi) } else { None };
         let svc = Service::start(&dev, gi, service::Options::default())?;
         // What only links use (header arena, scratch, probe buffer) is

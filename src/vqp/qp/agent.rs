@@ -1,17 +1,20 @@
 //! A VQP's first one-sided work through the host's agent
 //! (`src/transport/agent.rs`), and the move onto the process's own path.
 //!
-//! A `qconnect` in a process whose runtime is not up yet (its start is
-//! under way, from `ibv_alloc_pd`, or started now in the background), and
-//! that is attached to an agent, connects a VQP of the agent's instead of
-//! waiting, and returns. Its RDMA READs and WRITEs (up to
+//! A `qconnect` in a process attached to an agent whose runtime is not up
+//! yet (its start is under way, from `ibv_alloc_pd`, or started now in the
+//! background) connects a VQP of the agent's instead of waiting, and
+//! returns. Its RDMA READs and WRITEs (up to
 //! [`agent::SLOT`] bytes, not inline) go through the agent from then on,
 //! copied through the staging region, their completions delivered in
-//! order into the VQP's send CQ. The move: the first post that finds the
-//! process's runtime up, or that the path cannot carry (a SEND, an atomic,
-//! a larger one), waits until everything on the agent's path completed,
-//! then connects the VQP itself (`connect_to`) and goes on there: nothing
-//! posted after can overtake what went through the agent.
+//! order into the VQP's send CQ. A `qconnect` in a process whose runtime
+//! is up but has no open link to that peer goes through the agent too
+//! (warm there), until that link is. The move: the first post that finds
+//! the process's own link to the peer open (asked for once the runtime is
+//! up), or that the path cannot carry (a SEND, an atomic, a larger one),
+//! waits until everything on the agent's path completed, then connects the
+//! VQP itself (`connect_to`) and goes on there: nothing posted after can
+//! overtake what went through the agent.
 //!
 //! Not taken when the send CQ has a completion channel (events on it need
 //! the process's runtime), for transparent VQPs, or for bound ones.
@@ -29,6 +32,8 @@ pub(super) struct AgentLeg {
     /// A completion in error came: the VQP is in the error state (what
     /// follows is flushed, as on RC).
     failed: bool,
+    /// Our own link to that peer, once asked for: (incarnation, path).
+    own: Option<(u64, crate::service::Path)>,
 }
 
 struct InFlight {
@@ -84,10 +89,23 @@ impl Vqp {
     pub(super) fn connect_via_agent(&self, key: &crate::meta::Key) -> bool {
         // SAFETY: the application's live CQ (a VQP's CQs outlive it).
         let evented = unsafe { !(*self.app.send_cq).channel.is_null() };
-        if evented || crate::vqp::registry::of(self.app.real_pd as usize).is_some() {
+        if evented {
             return false;
         }
         let Some(path) = AgentPath::get() else { return false };
+        if let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) {
+            // Our runtime is up: the agent only until our link to that
+            // peer is (it is warm there, and we have none yet).
+            let index = (self.slot % crate::config::get().links_per_peer) as u16;
+            let open = rt
+                .resolve(key, false)
+                .ok()
+                .flatten()
+                .is_some_and(|ep| rt.svc.link_to(ep.incarnation, index, rt.svc.default_path(&ep)).is_some_and(|l| l.is_open()));
+            if open {
+                return false;
+            }
+        }
         crate::kmark!("qconnect: through the agent");
         let handle = match path.connect(key) {
             Ok(h) => h,
@@ -96,12 +114,27 @@ impl Vqp {
                 return false;
             }
         };
-        *self.agent.lock() = Some(AgentLeg { path, handle, key: *key, inflight: VecDeque::new(), failed: false });
+        *self.agent.lock() = Some(AgentLeg { path, handle, key: *key, inflight: VecDeque::new(), failed: false, own: None });
         self.on_agent.store(true, Ordering::Release);
-        // The move needs the process's own runtime: under way from now.
+        // The move needs our runtime and our link: under way from now.
         crate::vqp::registry::start_soon(self.app.real_ctx, self.app.real_pd);
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_NODE_CONNECTS);
         true
+    }
+
+    /// Whether our own link to the leg's peer is open (asked for once our
+    /// runtime is up).
+    fn own_link_open(&self, leg: &mut AgentLeg) -> bool {
+        let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) else { return false };
+        let index = (self.slot % crate::config::get().links_per_peer) as u16;
+        if leg.own.is_none() {
+            let Ok(Some(ep)) = rt.resolve(&leg.key, false) else { return true };
+            let path = rt.svc.default_path(&ep);
+            rt.want_link_at(std::time::Instant::now(), ep, index, path);
+            leg.own = Some((ep.incarnation, path));
+        }
+        let (incarnation, path) = leg.own.expect("set above");
+        rt.svc.link_to(incarnation, index, path).is_some_and(|l| l.is_open())
     }
 
     /// Post `w` on the agent's path: None when the VQP is not on it (any
@@ -132,8 +165,7 @@ impl Vqp {
             && total <= agent::SLOT as u64
             && !leg.path.is_dead()
             && self.local_ok(sges, w.opcode == ibv_wr_opcode::IBV_WR_RDMA_READ);
-        let own_ready = crate::vqp::registry::of(self.app.real_pd as usize).is_some();
-        if !carried || own_ready {
+        if !carried || self.own_link_open(leg) {
             drop(g);
             return match self.move_off_agent() {
                 Ok(()) => None,
