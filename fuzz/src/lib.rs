@@ -137,7 +137,7 @@ fn node_seeds() -> Vec<Seed> {
         ("found_none", Message::Found { id: 8, result: Ok(None) }),
         ("found_error", Message::Found { id: 9, result: Err(EBUSY) }),
         ("stage", Message::Stage { len: 2 << 20 }),
-        ("staged", Message::Staged { status: 0 }),
+        ("staged", Message::Staged { status: 0, len: 1 << 20 }),
         ("connect", Message::Connect { id: 10, key }),
         ("connected", Message::Connected { id: 10, result: Ok(1) }),
         ("connected_error", Message::Connected { id: 11, result: Err(EBUSY) }),

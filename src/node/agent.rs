@@ -110,8 +110,15 @@ pub struct Agent {
     /// the first `STAGE`).
     device: Option<String>,
     verbs: Option<super::path::Verbs>,
+    /// Staging regions made and registered ahead of the processes.
+    spares: Vec<super::path::Region>,
     serials: u32,
 }
+
+/// A process's staging region (`transport::agent` slices it).
+pub const STAGING: usize = crate::transport::agent::STAGING;
+/// Regions kept ready.
+const SPARES: usize = 2;
 
 /// What a process asked in one wake-up, answered after the reads.
 enum Asked {
@@ -151,6 +158,7 @@ impl Agent {
             counts: Counts::default(),
             device: cfg.device.clone(),
             verbs,
+            spares: Vec::new(),
             serials: 0,
         })
     }
@@ -219,6 +227,7 @@ impl Agent {
             if fds[0].revents & libc::POLLIN != 0 {
                 self.accept_all();
             }
+            self.refill();
             tick(self);
         }
         Ok(())
@@ -281,7 +290,7 @@ impl Agent {
                     asked.push((i, Asked::Lookup(id, key, fresh)));
                     true
                 }
-                (Ok(Message::Stage { len }), true, Some(fd)) if p.staging.is_none() => self.stage(i, fd, len),
+                (Ok(Message::Stage { len }), true, None) if p.staging.is_none() => self.stage(i, len),
                 (Ok(Message::Connect { id, key }), true, None) if p.staging.is_some() => {
                     asked.push((i, Asked::Connect(id, key)));
                     true
@@ -306,25 +315,43 @@ impl Agent {
         true
     }
 
-    /// `STAGE`: map and register the process's region (the agent's own
-    /// verbs opened first, once).
-    fn stage(&mut self, i: usize, fd: OwnedFd, len: u64) -> bool {
+    /// `STAGE`: a region for the process, from the spares (made now if
+    /// none is left), passed with `STAGED`.
+    fn stage(&mut self, i: usize, len: u64) -> bool {
         if self.verbs.is_none() {
             match super::path::Verbs::open(self.device.as_deref()) {
                 Ok(v) => self.verbs = Some(v),
                 Err(e) => eprintln!("krcore-node: its own VQPs: cannot open the device: {e:?}"),
             }
         }
-        let r = self.verbs.as_ref().ok_or(Errno(libc::ENODEV)).and_then(|v| super::path::Staging::new(v, fd, len));
-        let p = &mut self.processes[i];
-        let status = match r {
-            Ok(s) => {
-                p.staging = Some(s);
-                0
-            }
-            Err(e) => e.0 as u32,
+        let region = match (&self.verbs, len == STAGING as u64) {
+            (_, false) => Err(Errno::EINVAL),
+            (None, _) => Err(Errno(libc::ENODEV)),
+            (Some(v), true) => self.spares.pop().map_or_else(|| super::path::Region::new(v, STAGING), Ok),
         };
-        send(p.fd.as_raw_fd(), &Message::Staged { status })
+        let p = &mut self.processes[i];
+        match region {
+            Ok(r) => {
+                let sent = send_fd(p.fd.as_raw_fd(), &Message::Staged { status: 0, len: r.len() as u64 }, r.fd());
+                p.staging = Some(super::path::Staging::new(r));
+                sent
+            }
+            Err(e) => send(p.fd.as_raw_fd(), &Message::Staged { status: e.0 as u32, len: 0 }),
+        }
+    }
+
+    /// Keep `SPARES` regions ready (between wake-ups: off a process's path).
+    fn refill(&mut self) {
+        let Some(v) = self.verbs.as_ref() else { return };
+        while self.spares.len() < SPARES {
+            match super::path::Region::new(v, STAGING) {
+                Ok(r) => self.spares.push(r),
+                Err(e) => {
+                    eprintln!("krcore-node: a staging region: {e:?}");
+                    return;
+                }
+            }
+        }
     }
 
     /// `POST`: on the process's VQP; one it cannot take is answered DONE
@@ -408,7 +435,7 @@ fn readable(p: &libc::pollfd) -> bool {
     p.revents & libc::POLLIN != 0
 }
 
-enum Received {
+pub(crate) enum Received {
     Nothing,
     Gone,
     /// A message (or why it is not one) and the descriptor passed with it.
@@ -417,7 +444,7 @@ enum Received {
 
 /// The next message of `fd`, with a descriptor passed with it
 /// (`SCM_RIGHTS`, at most one).
-fn receive(fd: RawFd) -> Received {
+pub(crate) fn receive(fd: RawFd) -> Received {
     let mut buf = [0u8; super::proto::LEN + 1];
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // Room for one descriptor's control message (u64 words: aligned).
@@ -460,6 +487,28 @@ fn receive(fd: RawFd) -> Received {
     let truncated = msg.msg_flags & (libc::MSG_CTRUNC | libc::MSG_TRUNC) != 0;
     let m = if extra || truncated { Err(crate::codec::EBADMSG) } else { Message::decode(&buf[..n as usize]) };
     Received::Message(m, passed)
+}
+
+/// Send `m` with descriptor `pass` (`SCM_RIGHTS`); false as [`send`].
+pub(crate) fn send_fd(fd: RawFd, m: &Message, pass: RawFd) -> bool {
+    let b = m.encode();
+    let mut iov = libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() };
+    let mut ctl = [0u64; 4];
+    // SAFETY: a plain C struct; the control buffer (32 bytes, aligned)
+    // holds one descriptor's message, filled with the kernel's macros.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = ctl.as_mut_ptr().cast();
+        msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<c_int>() as u32) as usize;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<c_int>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<c_int>(), pass);
+        libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == b.len() as isize
+    }
 }
 
 /// Send `m`; false when the process cannot take it (gone, or not reading

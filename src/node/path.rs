@@ -1,8 +1,9 @@
 //! The agent's side of a new process's first work requests: the agent is
 //! itself a krcore application (its verbs are this library's, so its VQPs
 //! use the host's links and datagram tier), with one VQP per VQP a process
-//! connected through it, and the process's staging region (a memfd the
-//! process made and passed with `STAGE`) mapped and registered here.
+//! connected through it, and staging regions (memfds it made, mapped and
+//! registered before any process asks: a spare or two kept ready) that it
+//! passes one to each process at its `STAGE`.
 //!
 //! A `POST` names a range of that region: the agent's VQP READs into it
 //! or WRITEs from it, and the completion goes back as `DONE` with the
@@ -136,30 +137,33 @@ impl Verbs {
     }
 }
 
-/// One process's side: its staging region and its VQPs here.
-pub struct Staging {
+/// A staging region: a memfd the agent made, mapped and registered (before
+/// any process asked for it), passed to one process.
+pub struct Region {
+    fd: OwnedFd,
     map: *mut u8,
     len: usize,
     mr: *mut ibv_mr,
-    _fd: OwnedFd,
-    qps: HashMap<u32, *mut ibv_qp>,
-    next: u32,
 }
 
 // SAFETY: as `Verbs`.
-unsafe impl Send for Staging {}
+unsafe impl Send for Region {}
 
-impl Staging {
-    /// Map `fd` (`len` bytes, the process's memfd) and register it.
-    pub fn new(v: &Verbs, fd: OwnedFd, len: u64) -> Result<Staging> {
-        let len = usize::try_from(len).map_err(|_| Errno::EINVAL)?;
-        // SAFETY: fstat on our fd.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < len as u64 || len == 0 || len > 1 << 30 {
-            return Err(Errno::EINVAL);
+impl Region {
+    pub fn new(v: &Verbs, len: usize) -> Result<Region> {
+        // SAFETY: plain syscalls; the fd is checked and then owned.
+        let fd = unsafe {
+            let fd = libc::memfd_create(c"krcore-staging".as_ptr(), libc::MFD_CLOEXEC);
+            if fd < 0 {
+                return Err(Errno::last());
+            }
+            <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
+        };
+        // SAFETY: our memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(Errno::last());
         }
-        // SAFETY: a shared mapping of the process's memfd, unmapped in Drop.
+        // SAFETY: a shared mapping of our memfd, unmapped in Drop.
         let map = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if map == libc::MAP_FAILED {
             return Err(Errno::last());
@@ -173,7 +177,45 @@ impl Staging {
             unsafe { libc::munmap(map, len) };
             return Err(e);
         }
-        Ok(Staging { map: map.cast(), len, mr, _fd: fd, qps: HashMap::new(), next: 1 })
+        Ok(Region { fd, map: map.cast(), len, mr })
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: our MR and mapping, once.
+        unsafe {
+            ibv_dereg_mr(self.mr);
+            libc::munmap(self.map.cast(), self.len);
+        }
+    }
+}
+
+/// One process's side: its staging region and its VQPs here.
+pub struct Staging {
+    region: Region,
+    qps: HashMap<u32, *mut ibv_qp>,
+    next: u32,
+}
+
+// SAFETY: as `Verbs`.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    pub fn new(region: Region) -> Staging {
+        Staging { region, qps: HashMap::new(), next: 1 }
     }
 
     /// A VQP of the agent's, connected to `key` (a `qconnect`): its handle.
@@ -208,12 +250,13 @@ impl Staging {
     /// unknown, its range outside the region, the VQP's queue full).
     pub fn post(&self, p: &Post, wr_id: u64) -> Result<()> {
         let qp = *self.qps.get(&p.handle).ok_or(Errno::EINVAL)?;
+        let r = &self.region;
         let end = p.offset.checked_add(p.len as u64).ok_or(Errno::EINVAL)?;
-        if end > self.len as u64 {
+        if end > r.len as u64 {
             return Err(Errno::EINVAL);
         }
         // SAFETY: the live MR over the mapping; the range is inside it.
-        let mut sge = ibv_sge { addr: self.map as u64 + p.offset, length: p.len, lkey: unsafe { (*self.mr).lkey } };
+        let mut sge = ibv_sge { addr: r.map as u64 + p.offset, length: p.len, lkey: unsafe { (*r.mr).lkey } };
         // SAFETY: a plain C struct.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
@@ -244,13 +287,9 @@ impl Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         for (_, qp) in self.qps.drain() {
-            // SAFETY: our VQPs; destroy waits for what they have on the wire.
+            // SAFETY: our VQPs; destroy waits for what they have on the wire
+            // (before the region goes: its MR is under their work).
             unsafe { ibv_destroy_qp(qp) };
-        }
-        // SAFETY: our MR and mapping, once.
-        unsafe {
-            ibv_dereg_mr(self.mr);
-            libc::munmap(self.map.cast(), self.len);
         }
     }
 }

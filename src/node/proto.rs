@@ -16,9 +16,11 @@
 //!   (found, or ENOENT: nothing bound), or the errno of a lookup that
 //!   failed (ETIMEDOUT, ECONNREFUSED: no meta server reached) and a zero
 //!   body;
-//! - `STAGE` (process, a memfd passed with it, `SCM_RIGHTS`): 16 its
-//!   length (u64): the staging region of its work through the agent;
-//!   `STAGED` (agent): status 0 once registered, else an errno;
+//! - `STAGE` (process): 16 the length it wants (u64) of a staging region
+//!   for its work through the agent; `STAGED` (agent): status 0 and 16 the
+//!   region's length (u64), its memfd passed with it (`SCM_RIGHTS`: one of
+//!   the agent's regions, registered before it was asked for), else an
+//!   errno and no length;
 //! - `CONNECT` (process): a `Query` body: connect a VQP of the agent's to
 //!   that key; `CONNECTED` (agent): status, 16 the VQP's handle (u32);
 //! - `POST` (process), the request id its token: 16 handle (u32), 20 the
@@ -82,6 +84,7 @@ pub enum Message {
     },
     Staged {
         status: u32,
+        len: u64,
     },
     Connect {
         id: u32,
@@ -144,7 +147,10 @@ impl Message {
                 out[16..24].copy_from_slice(&len.to_le_bytes());
                 (STAGE, 0, 0, 0)
             }
-            Message::Staged { status } => (STAGED, 0, status, 0),
+            Message::Staged { status, len } => {
+                out[16..24].copy_from_slice(&len.to_le_bytes());
+                (STAGED, 0, status, 0)
+            }
             Message::Connect { id, key } => {
                 Query { key }.encode(body(&mut out));
                 (CONNECT, id, 0, 0)
@@ -236,8 +242,12 @@ impl Message {
             }
             STAGED => {
                 quiet(id, errno_or_zero(status)?, flags)?;
+                let len = r.u64()?;
+                if status != 0 && len != 0 {
+                    return Err(EBADMSG);
+                }
                 r.finish_zeroed()?;
-                Message::Staged { status }
+                Message::Staged { status, len }
             }
             CONNECT => {
                 quiet(0, status, flags)?;
@@ -314,8 +324,8 @@ mod tests {
             Message::Found { id: 10, result: Ok(None) },
             Message::Found { id: 11, result: Err(libc::ETIMEDOUT as u32) },
             Message::Stage { len: 4 << 20 },
-            Message::Staged { status: 0 },
-            Message::Staged { status: libc::ENOMEM as u32 },
+            Message::Staged { status: 0, len: 1 << 20 },
+            Message::Staged { status: libc::ENOMEM as u32, len: 0 },
             Message::Connect { id: 12, key },
             Message::Connected { id: 12, result: Ok(7) },
             Message::Connected { id: 13, result: Err(libc::ECONNREFUSED as u32) },

@@ -2,9 +2,10 @@
 //! host's agent (`krcore-node`, `src/node/`) while this process's own
 //! runtime is not up yet.
 //!
-//! One per process, made at the first need: a connection of its own to
-//! the agent, and a staging region (a memfd, passed with `STAGE`) that the
-//! agent mapped and registered. A work request takes a slot of the region:
+//! One per process, made at the first need (the runtime's start, when the
+//! process is attached): a connection of its own to the agent, and a
+//! staging region the agent made and registered before it was asked for
+//! (a memfd, passed with `STAGED`), mapped here. A work request takes a slot of the region:
 //! a WRITE's bytes are copied in before its `POST`, a READ's copied out
 //! when its `DONE` comes back. A thread of its own, asleep in `recv`,
 //! takes the agent's answers and hands each completion to the VQP that
@@ -27,8 +28,9 @@ use std::time::Instant;
 /// The largest work request the path carries (a larger one waits for the
 /// process's own runtime).
 pub const SLOT: usize = 16 << 10;
-/// 1 MiB: what the agent registers per process, at its attachment.
 const SLOTS: usize = 64;
+/// 1 MiB: the region the agent registered for a process before it asked.
+pub const STAGING: usize = SLOT * SLOTS;
 /// Work requests one VQP keeps outstanding on the path (the agent's VQP
 /// holds more).
 pub const WINDOW: usize = 16;
@@ -102,11 +104,16 @@ impl AgentPath {
 
     fn open() -> Result<Arc<AgentPath>> {
         let fd = crate::node::client::open_another().ok_or(Errno(libc::ENOTCONN))?;
-        let len = SLOT * SLOTS;
-        let mem = memfd(len)?;
-        // SAFETY: a shared mapping of our memfd, for the path's life.
+        crate::node::client::send(&fd, &Message::Stage { len: STAGING as u64 })?;
+        let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
+        let mem = match receive_fd(&fd, deadline)? {
+            (Message::Staged { status: 0, len }, Some(mem)) if len == STAGING as u64 => mem,
+            (Message::Staged { status, .. }, _) if status != 0 => return Err(Errno(status as i32)),
+            _ => return Err(Errno(libc::EPROTO)),
+        };
+        // SAFETY: a shared mapping of the agent's region, for the path's life.
         let map =
-            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, mem.as_raw_fd(), 0) };
+            unsafe { libc::mmap(std::ptr::null_mut(), STAGING, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, mem.as_raw_fd(), 0) };
         if map == libc::MAP_FAILED {
             return Err(Errno::last());
         }
@@ -121,13 +128,6 @@ impl AgentPath {
             dead: AtomicBool::new(false),
             pid: pid(),
         });
-        send_with_fd(&path.fd, &Message::Stage { len: len as u64 }, mem.as_raw_fd())?;
-        let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
-        match crate::node::client::receive(&path.fd, deadline)? {
-            Message::Staged { status: 0 } => {}
-            Message::Staged { status } => return Err(Errno(status as i32)),
-            _ => return Err(Errno(libc::EPROTO)),
-        }
         let reader = Arc::downgrade(&path);
         std::thread::Builder::new().name("krcore-node-path".into()).spawn(move || read_answers(reader)).map_err(|_| Errno(libc::EAGAIN))?;
         Ok(path)
@@ -210,7 +210,7 @@ impl AgentPath {
 impl Drop for AgentPath {
     fn drop(&mut self) {
         // SAFETY: our mapping, once.
-        unsafe { libc::munmap(self.map.cast(), SLOT * SLOTS) };
+        unsafe { libc::munmap(self.map.cast(), STAGING) };
     }
 }
 
@@ -261,43 +261,28 @@ fn read_answers(path: Weak<AgentPath>) {
     }
 }
 
-fn memfd(len: usize) -> Result<OwnedFd> {
-    // SAFETY: plain syscalls; the fd is checked and then owned.
-    unsafe {
-        let fd = libc::memfd_create(c"krcore-staging".as_ptr(), libc::MFD_CLOEXEC);
-        if fd < 0 {
+/// The next message and the descriptor passed with it, waited for until
+/// `deadline` (ETIMEDOUT), asleep.
+fn receive_fd(fd: &OwnedFd, deadline: Instant) -> Result<(Message, Option<OwnedFd>)> {
+    use crate::node::agent::{receive, Received};
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one live pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if r == 0 {
+            return Err(Errno(libc::ETIMEDOUT));
+        }
+        if r < 0 {
+            if Errno::last().0 == libc::EINTR {
+                continue;
+            }
             return Err(Errno::last());
         }
-        let fd = <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
-        if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 {
-            return Err(Errno::last());
-        }
-        Ok(fd)
-    }
-}
-
-/// Send `m` with descriptor `pass` (`SCM_RIGHTS`).
-fn send_with_fd(fd: &OwnedFd, m: &Message, pass: std::os::fd::RawFd) -> Result<()> {
-    let b = m.encode();
-    let mut iov = libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() };
-    let mut ctl = [0u64; 4];
-    // SAFETY: a plain C struct; the control buffer holds one descriptor's
-    // message (CMSG_SPACE of an int is 24 bytes here), filled with the
-    // kernel's macros.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = ctl.as_mut_ptr().cast();
-        msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), pass);
-        if libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) != b.len() as isize {
-            return Err(Errno::last());
+        match receive(fd.as_raw_fd()) {
+            Received::Nothing => continue,
+            Received::Gone => return Err(Errno(libc::ECONNRESET)),
+            Received::Message(m, passed) => return Ok((m?, passed)),
         }
     }
-    Ok(())
 }

@@ -23,6 +23,13 @@ use super::*;
 use crate::transport::agent::{self, AgentPath};
 use std::sync::atomic::Ordering;
 
+/// How a `qconnect` connects.
+pub(super) enum Via {
+    Agent,
+    /// By ourselves; the endpoint when already looked up (fresh).
+    Own(Option<crate::meta::Endpoint>),
+}
+
 /// A VQP on the agent's path.
 pub(super) struct AgentLeg {
     path: Arc<AgentPath>,
@@ -85,25 +92,26 @@ impl agent::User for Vqp {
 
 impl Vqp {
     /// `qconnect` through the agent, when it applies (see the module
-    /// doc): true when connected that way.
-    pub(super) fn connect_via_agent(&self, key: &crate::meta::Key) -> bool {
+    /// doc); else how to connect by ourselves (with the endpoint when it
+    /// was looked up, fresh, to see whether our link to it is open).
+    pub(super) fn connect_via_agent(&self, key: &crate::meta::Key) -> Via {
         // SAFETY: the application's live CQ (a VQP's CQs outlive it).
         let evented = unsafe { !(*self.app.send_cq).channel.is_null() };
         if evented {
-            return false;
+            return Via::Own(None);
         }
-        let Some(path) = AgentPath::get() else { return false };
+        let Some(path) = AgentPath::get() else { return Via::Own(None) };
         if let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) {
             // Our runtime is up: the agent only until our link to that
             // peer is (it is warm there, and we have none yet).
             let index = (self.slot % crate::config::get().links_per_peer) as u16;
-            let open = rt
-                .resolve(key, false)
-                .ok()
-                .flatten()
-                .is_some_and(|ep| rt.svc.link_to(ep.incarnation, index, rt.svc.default_path(&ep)).is_some_and(|l| l.is_open()));
-            if open {
-                return false;
+            match rt.resolve(key, true) {
+                Ok(Some(ep)) if rt.svc.link_to(ep.incarnation, index, rt.svc.default_path(&ep)).is_some_and(|l| l.is_open()) => {
+                    return Via::Own(Some(ep))
+                }
+                Ok(Some(_)) => {}
+                // Unbound, or no answer: as without the agent.
+                _ => return Via::Own(None),
             }
         }
         crate::kmark!("qconnect: through the agent");
@@ -111,7 +119,7 @@ impl Vqp {
             Ok(h) => h,
             Err(e) => {
                 klog!(Level::Debug, "vqp {:#x}: the agent could not connect ({e:?}): connecting by itself", self.qpn());
-                return false;
+                return Via::Own(None);
             }
         };
         *self.agent.lock() = Some(AgentLeg { path, handle, key: *key, inflight: VecDeque::new(), failed: false, own: None });
@@ -119,7 +127,7 @@ impl Vqp {
         // The move needs our runtime and our link: under way from now.
         crate::vqp::registry::start_soon(self.app.real_ctx, self.app.real_pd);
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_NODE_CONNECTS);
-        true
+        Via::Agent
     }
 
     /// Whether our own link to the leg's peer is open (asked for once our
@@ -259,7 +267,7 @@ impl Vqp {
             self.st.lock().failed = true;
         }
         crate::kmark!("vqp: moving off the agent's path");
-        self.connect_to(&leg.key, None)
+        self.connect_to(&leg.key, None, None)
     }
 
     /// Destroy: the agent's VQP goes, after what it still has of ours

@@ -35,16 +35,17 @@ impl Vqp {
             }
         }
         let key = crate::meta::Key::Port { gid, port };
-        if self.connect_via_agent(&key) {
-            return Ok(());
+        match self.connect_via_agent(&key) {
+            super::agent::Via::Agent => Ok(()),
+            super::agent::Via::Own(known) => self.connect_to(&key, None, known),
         }
-        self.connect_to(&key, None)
     }
 
-    /// Look `key` up and attach to the link to the process it names, from
-    /// our GID at `sgid_index` to the key's GID (None: between the two
-    /// processes' home GIDs).
-    pub(super) fn connect_to(&self, key: &crate::meta::Key, sgid_index: Option<u32>) -> Result<()> {
+    /// Look `key` up (unless `known`: looked up fresh by the caller) and
+    /// attach to the link to the process it names, from our GID at
+    /// `sgid_index` to the key's GID (None: between the two processes'
+    /// home GIDs).
+    pub(super) fn connect_to(&self, key: &crate::meta::Key, sgid_index: Option<u32>, known: Option<Endpoint>) -> Result<()> {
         let key = *key;
         let rt = self.runtime(None)?;
         // VQPs spread over the process's links to that peer by slot.
@@ -60,7 +61,10 @@ impl Vqp {
             let (crate::meta::Key::Port { gid, .. } | crate::meta::Key::Vqpn { gid, .. }) = key;
             rt.svc.prepare_path_soon(Path { sgid_index: sgid_index.unwrap_or(rt.svc.gid_index()), dgid: gid });
         }
-        let mut ep = rt.resolve(&key, fresh)?.ok_or(Errno(libc::ECONNREFUSED))?;
+        let mut ep = match known {
+            Some(ep) => ep,
+            None => rt.resolve(&key, fresh)?.ok_or(Errno(libc::ECONNREFUSED))?,
+        };
         let mut looked_again = false;
         loop {
             if let Some(pm) = self.peer_mrs.get() {
@@ -182,7 +186,7 @@ impl Vqp {
         match next.modify(attr, mask)? {
             Effect::Connect { dgid, dest_qpn, sgid_index } => {
                 let key = crate::meta::Key::Vqpn { gid: dgid, vqpn: dest_qpn };
-                if let Err(e) = self.connect_to(&key, Some(sgid_index)) {
+                if let Err(e) = self.connect_to(&key, Some(sgid_index), None) {
                     klog!(
                         Level::Warn,
                         "vqp {:#x}: RTR: no VQP {dest_qpn:#x} on GID {dgid:02x?} resolves (its process must run krcore with KRCORE_VIRTUALIZE and the same KRCORE_META): {e:?}",
