@@ -139,7 +139,7 @@ fn node_seeds() -> Vec<Seed> {
         ("stage", Message::Stage { len: 2 << 20 }),
         ("staged", Message::Staged { status: 0, len: 1 << 20 }),
         ("connect", Message::Connect { id: 10, key }),
-        ("connected", Message::Connected { id: 10, result: Ok(1) }),
+        ("connected", Message::Connected { id: 10, result: Ok((1, endpoint_max())) }),
         ("connected_error", Message::Connected { id: 11, result: Err(EBUSY) }),
         ("post_read", Message::Post(Post { token: 12, handle: 1, opcode: OP_READ, len: 16 << 10, rkey: 0x1234, offset: 16 << 10, remote: u64::MAX })),
         ("post_write", Message::Post(Post { token: 13, handle: 1, opcode: OP_WRITE, len: 8, rkey: 1, offset: 0, remote: 0x1000 })),

@@ -80,6 +80,10 @@ fn main() {
     std::env::set_var("KRCORE_META", &spec);
     let node_env = std::env::var_os("KRCORE_NODE");
     std::env::set_var("KRCORE_NODE", "off");
+    // Its registrations are its staging regions, each for a process's
+    // life: registered and deregistered for real (a cache would hold the
+    // pages of regions already gone).
+    std::env::set_var("KRCORE_MR_CACHE", "0");
     let socket = m.get_one::<PathBuf>("socket").cloned().unwrap_or_else(|| match node_env {
         Some(p) if !p.is_empty() && p != "off" => p.into(),
         _ => krcore::node::default_socket(),

@@ -218,8 +218,9 @@ impl Staging {
         Staging { region, qps: HashMap::new(), next: 1 }
     }
 
-    /// A VQP of the agent's, connected to `key` (a `qconnect`): its handle.
-    pub fn connect(&mut self, v: &Verbs, key: &Key) -> Result<u32> {
+    /// A VQP of the agent's, connected to `key` (a `qconnect`): its handle
+    /// and the endpoint it connected to.
+    pub fn connect(&mut self, v: &Verbs, key: &Key) -> Result<(u32, crate::meta::Endpoint)> {
         let Key::Port { gid, port } = *key else { return Err(Errno::EINVAL) };
         // SAFETY: a plain C struct.
         let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
@@ -243,7 +244,9 @@ impl Staging {
         let h = self.next;
         self.next = self.next.wrapping_add(1).max(1);
         self.qps.insert(h, qp);
-        Ok(h)
+        // SAFETY: a VQP of this library, just connected.
+        let ep = unsafe { crate::obj::Qp::from_qp(qp) }.vqp.as_ref().and_then(|v| v.peer()).ok_or(Errno::EINVAL)?;
+        Ok((h, ep))
     }
 
     /// Post `p` with wr_id `wr_id`; an errno when it cannot be (its handle

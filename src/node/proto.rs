@@ -22,7 +22,9 @@
 //!   the agent's regions, registered before it was asked for), else an
 //!   errno and no length;
 //! - `CONNECT` (process): a `Query` body: connect a VQP of the agent's to
-//!   that key; `CONNECTED` (agent): status, 16 the VQP's handle (u32);
+//!   that key; `CONNECTED` (agent): status 0, 12 the VQP's handle (u32, in
+//!   the flags' place) and a meta-server `Answer` body (the endpoint the
+//!   agent looked up, fresh), else an errno, no handle and a zero body;
 //! - `POST` (process), the request id its token: 16 handle (u32), 20 the
 //!   opcode (u32: `IBV_WR_RDMA_READ` or `IBV_WR_RDMA_WRITE`), 24 length
 //!   (u32), 28 rkey (u32), 32 offset in the staging region (u64), 40
@@ -93,7 +95,7 @@ pub enum Message {
     /// `Err(errno)`: no VQP (the key unbound, the agent's own path down).
     Connected {
         id: u32,
-        result: std::result::Result<u32, u32>,
+        result: std::result::Result<(u32, Endpoint), u32>,
     },
     Post(Post),
     Done {
@@ -156,9 +158,9 @@ impl Message {
                 (CONNECT, id, 0, 0)
             }
             Message::Connected { id, result } => match result {
-                Ok(handle) => {
-                    out[16..20].copy_from_slice(&handle.to_le_bytes());
-                    (CONNECTED, id, 0, 0)
+                Ok((handle, endpoint)) => {
+                    Answer { endpoint: Some(endpoint) }.encode(body(&mut out));
+                    (CONNECTED, id, 0, handle)
                 }
                 Err(errno) => (CONNECTED, id, errno, 0),
             },
@@ -254,13 +256,15 @@ impl Message {
                 Message::Connect { id, key: Query::decode(body)?.key }
             }
             CONNECTED => {
-                quiet(0, errno_or_zero(status)?, flags)?;
-                let handle = r.u32()?;
-                if status != 0 && handle != 0 {
-                    return Err(EBADMSG);
+                quiet(0, errno_or_zero(status)?, 0)?;
+                if status != 0 {
+                    quiet(0, 0, flags)?;
+                    r.finish_zeroed()?;
+                    Message::Connected { id, result: Err(status) }
+                } else {
+                    let endpoint = Answer::decode(body)?.endpoint.ok_or(EBADMSG)?;
+                    Message::Connected { id, result: Ok((flags, endpoint)) }
                 }
-                r.finish_zeroed()?;
-                Message::Connected { id, result: if status == 0 { Ok(handle) } else { Err(status) } }
             }
             POST => {
                 quiet(0, status, flags)?;
@@ -327,7 +331,7 @@ mod tests {
             Message::Staged { status: 0, len: 1 << 20 },
             Message::Staged { status: libc::ENOMEM as u32, len: 0 },
             Message::Connect { id: 12, key },
-            Message::Connected { id: 12, result: Ok(7) },
+            Message::Connected { id: 12, result: Ok((7, endpoint())) },
             Message::Connected { id: 13, result: Err(libc::ECONNREFUSED as u32) },
             Message::Post(Post { token: 14, handle: 7, opcode: OP_READ, len: 64, rkey: 0x1234, offset: 4096, remote: u64::MAX }),
             Message::Post(Post { token: 15, handle: 7, opcode: OP_WRITE, len: 0, rkey: 1, offset: 0, remote: 0 }),
@@ -376,7 +380,7 @@ mod tests {
         p[20] = 2;
         assert_eq!(Message::decode(&p), Err(EBADMSG), "an opcode the agent does not carry");
         let mut c = Message::Connected { id: 1, result: Err(5) }.encode();
-        c[16] = 1;
+        c[12] = 1;
         assert_eq!(Message::decode(&c), Err(EBADMSG), "a handle with an error");
     }
 

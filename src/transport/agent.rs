@@ -40,6 +40,9 @@ pub trait User: Send + Sync {
     fn done(&self, token: u32, status: u32, byte_len: u32);
 }
 
+/// A `CONNECTED`: the handle and endpoint, or an errno.
+type Connected = std::result::Result<(u32, crate::meta::Endpoint), u32>;
+
 pub struct AgentPath {
     fd: OwnedFd,
     map: *mut u8,
@@ -47,7 +50,7 @@ pub struct AgentPath {
     /// Work outstanding: token -> who posted it.
     pending: Mutex<HashMap<u32, Weak<dyn User>>>,
     /// Answers to `CONNECT`s, by request id.
-    answers: Mutex<HashMap<u32, std::result::Result<u32, u32>>>,
+    answers: Mutex<HashMap<u32, Connected>>,
     answered: Condvar,
     next: AtomicU32,
     dead: AtomicBool,
@@ -133,8 +136,9 @@ impl AgentPath {
         Ok(path)
     }
 
-    /// Connect a VQP of the agent's to `key`: its handle.
-    pub fn connect(&self, key: &Key) -> Result<u32> {
+    /// Connect a VQP of the agent's to `key`: its handle, and the endpoint
+    /// the agent found there (looked up fresh).
+    pub fn connect(&self, key: &Key) -> Result<(u32, crate::meta::Endpoint)> {
         let id = self.token();
         crate::node::client::send(&self.fd, &Message::Connect { id, key: *key })?;
         let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();

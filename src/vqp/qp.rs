@@ -611,6 +611,11 @@ impl Vqp {
     }
 
     /// Whether this VQP uses runtime `rt` (its PD's).
+    /// The endpoint a connected VQP talks to: its peer's process and VQP.
+    pub fn peer(&self) -> Option<Endpoint> {
+        self.st.lock().conn.as_ref().map(|c| Endpoint { vqpn: c.dst, ..c.peer })
+    }
+
     pub fn runtime_is(&self, rt: &Arc<Runtime>) -> bool {
         self.rt.get().is_some_and(|r| Arc::ptr_eq(r, rt))
     }

@@ -39,8 +39,10 @@ pub(super) struct AgentLeg {
     /// A completion in error came: the VQP is in the error state (what
     /// follows is flushed, as on RC).
     failed: bool,
-    /// Our own link to that peer, once asked for: (incarnation, path).
-    own: Option<(u64, crate::service::Path)>,
+    /// The peer's endpoint, as the agent looked it up.
+    peer: crate::meta::Endpoint,
+    /// The path of our own link to it, once asked for.
+    own: Option<crate::service::Path>,
 }
 
 struct InFlight {
@@ -101,28 +103,25 @@ impl Vqp {
             return Via::Own(None);
         }
         let Some(path) = AgentPath::get() else { return Via::Own(None) };
-        if let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) {
-            // Our runtime is up: the agent only until our link to that
-            // peer is (it is warm there, and we have none yet).
-            let index = (self.slot % crate::config::get().links_per_peer) as u16;
-            match rt.resolve(key, true) {
-                Ok(Some(ep)) if rt.svc.link_to(ep.incarnation, index, rt.svc.default_path(&ep)).is_some_and(|l| l.is_open()) => {
-                    return Via::Own(Some(ep))
-                }
-                Ok(Some(_)) => {}
-                // Unbound, or no answer: as without the agent.
-                _ => return Via::Own(None),
-            }
-        }
-        crate::kmark!("qconnect: through the agent");
-        let handle = match path.connect(key) {
+        crate::kmark!("qconnect: through the agent?");
+        let (handle, peer) = match path.connect(key) {
             Ok(h) => h,
             Err(e) => {
                 klog!(Level::Debug, "vqp {:#x}: the agent could not connect ({e:?}): connecting by itself", self.qpn());
                 return Via::Own(None);
             }
         };
-        *self.agent.lock() = Some(AgentLeg { path, handle, key: *key, inflight: VecDeque::new(), failed: false, own: None });
+        let index = (self.slot % crate::config::get().links_per_peer) as u16;
+        if let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) {
+            // Our runtime is up: the agent only until our link to that
+            // peer is (it is warm there, and we have none yet).
+            if rt.svc.link_to(peer.incarnation, index, rt.svc.default_path(&peer)).is_some_and(|l| l.is_open()) {
+                path.close(handle);
+                return Via::Own(Some(peer));
+            }
+        }
+        crate::kmark!("qconnect: through the agent");
+        *self.agent.lock() = Some(AgentLeg { path, handle, key: *key, peer, inflight: VecDeque::new(), failed: false, own: None });
         self.on_agent.store(true, Ordering::Release);
         // The move needs our runtime and our link: under way from now.
         crate::vqp::registry::start_soon(self.app.real_ctx, self.app.real_pd);
@@ -135,14 +134,12 @@ impl Vqp {
     fn own_link_open(&self, leg: &mut AgentLeg) -> bool {
         let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) else { return false };
         let index = (self.slot % crate::config::get().links_per_peer) as u16;
-        if leg.own.is_none() {
-            let Ok(Some(ep)) = rt.resolve(&leg.key, false) else { return true };
-            let path = rt.svc.default_path(&ep);
-            rt.want_link_at(std::time::Instant::now(), ep, index, path);
-            leg.own = Some((ep.incarnation, path));
-        }
-        let (incarnation, path) = leg.own.expect("set above");
-        rt.svc.link_to(incarnation, index, path).is_some_and(|l| l.is_open())
+        let path = *leg.own.get_or_insert_with(|| {
+            let path = rt.svc.default_path(&leg.peer);
+            rt.want_link_at(std::time::Instant::now(), leg.peer, index, path);
+            path
+        });
+        rt.svc.link_to(leg.peer.incarnation, index, path).is_some_and(|l| l.is_open())
     }
 
     /// Post `w` on the agent's path: None when the VQP is not on it (any
@@ -267,7 +264,7 @@ impl Vqp {
             self.st.lock().failed = true;
         }
         crate::kmark!("vqp: moving off the agent's path");
-        self.connect_to(&leg.key, None, None)
+        self.connect_to(&leg.key, None, Some(leg.peer))
     }
 
     /// Destroy: the agent's VQP goes, after what it still has of ours
