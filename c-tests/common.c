@@ -672,25 +672,21 @@ const char *ct_release_bin(const char *env, const char *name, char *buf, size_t 
 	return buf;
 }
 
-pid_t ct_start_meta_at(const char *addr, unsigned slots)
+pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out)
 {
-	char nslots[16];
-	static char path[4096];
-	const char *bin = ct_release_bin("KRCORE_META_BIN", "krcore-meta", path, sizeof(path));
-	int p[2];
-	char line[512];
+	char line[1024];
 	size_t used = 0;
 	struct pollfd pfd;
 	pid_t pid;
+	int p[2];
 
-	snprintf(nslots, sizeof(nslots), "%u", slots);
 	CT_CHECK(pipe(p) == 0, "pipe");
 	pid = fork();
 	CT_CHECK(pid >= 0, "fork");
 	if (pid == 0) {
 		dup2(p[1], 1);
 		close(p[0]);
-		execl(bin, "krcore-meta", "--listen", addr, "--slots", nslots, (char *)NULL);
+		execv(argv[0], argv);
 		_exit(127);
 	}
 	close(p[1]);
@@ -699,15 +695,28 @@ pid_t ct_start_meta_at(const char *addr, unsigned slots)
 	while (!memchr(line, '\n', used)) {
 		ssize_t k;
 
-		CT_CHECK(poll(&pfd, 1, 30000) == 1, "krcore-meta did not start (%s)", bin);
+		CT_CHECK(poll(&pfd, 1, 30000) == 1, "%s did not start", argv[0]);
 		k = read(p[0], line + used, sizeof(line) - 1 - used);
-		CT_CHECK(k > 0, "krcore-meta exited (%s on %s)", bin, addr);
+		CT_CHECK(k > 0, "%s exited", argv[0]);
 		used += (size_t)k;
 	}
-	/* p[0] stays open: a later line must not kill it with SIGPIPE. */
 	line[used] = 0;
-	CT_CHECK(strstr(line, "serving on") != NULL, "krcore-meta said: %s", line);
+	CT_CHECK(strstr(line, expect) != NULL, "%s said: %s", argv[0], line);
+	*out = p[0];
 	return pid;
+}
+
+pid_t ct_start_meta_at(const char *addr, unsigned slots)
+{
+	char nslots[16];
+	static char path[4096];
+	char *argv[] = { (char *)ct_release_bin("KRCORE_META_BIN", "krcore-meta", path, sizeof(path)), "--listen",
+			 (char *)addr, "--slots", nslots, NULL };
+	int out;
+
+	snprintf(nslots, sizeof(nslots), "%u", slots);
+	/* `out` stays open: a later line must not kill it with SIGPIPE. */
+	return ct_spawn_ready(argv, "serving on", &out);
 }
 
 struct ibv_qp *ct_create_vqp(struct ct_dev *d, struct ibv_cq *scq, struct ibv_cq *rcq,
@@ -784,6 +793,48 @@ pid_t ct_fork_ready(int (*role)(int ready_fd), const char *what)
 	CT_CHECK(read(ready[0], &c, 1) == 1, "%s did not become ready", what);
 	close(ready[0]);
 	return pid;
+}
+
+int ct_echo_target_server(const char *name, int node, int port, uint32_t seed, int info_fd, int ready_fd)
+{
+	struct ct_node n;
+	struct ibv_qp *q;
+	uint64_t tgt[2];
+
+	ct_begin(name);
+	ct_node_open(&n, node, 4096, 64);
+	ct_fill(n.b.p + CT_ECHO_TARGET, 64, seed);
+	q = ct_node_vqp(&n, 16, 16);
+	for (int i = 0; i < 8; i++)
+		ct_post_recv1(q, (uint64_t)i, &n.b, (size_t)i * CT_ECHO_MSG, CT_ECHO_MSG);
+	CT_OK(qbind(q, ct_node_gid(node), port));
+	tgt[0] = (uint64_t)(uintptr_t)(n.b.p + CT_ECHO_TARGET);
+	tgt[1] = n.b.mr->rkey;
+	ct_oob_write(info_fd, tgt, sizeof(tgt));
+	CT_CHECK(write(ready_fd, "r", 1) == 1, "ready");
+	for (;;) {
+		struct ibv_qp *src[8];
+		struct ibv_wc wc[8];
+		int k = qpop_msgs(q, 8, src, wc);
+
+		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+		for (int i = 0; i < k; i++) {
+			uint64_t buf = wc[i].wr_id;
+			struct ibv_wc s;
+
+			if (wc[i].status == IBV_WC_WR_FLUSH_ERR)
+				continue; /* a client went */
+			CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "receive status %d", wc[i].status);
+			CT_OK(ct_post_send1(src[i], buf, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b,
+					    buf * CT_ECHO_MSG, wc[i].byte_len, 0, 0, 0));
+			s = ct_poll1(n.scq);
+			CT_CHECK(s.status == IBV_WC_SUCCESS, "echo status %d", s.status);
+			ct_post_recv1(q, buf, &n.b, buf * CT_ECHO_MSG, CT_ECHO_MSG);
+		}
+		if (k == 0)
+			usleep(200);
+	}
+	return 0;
 }
 
 int ct_wait_child(pid_t pid, const char *what)

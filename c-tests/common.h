@@ -240,6 +240,10 @@ pid_t ct_start_meta_slots(unsigned slots);
  * whose GIDs include ip serves its table) with `slots` slots, wait for it
  * to serve; its pid. KRCORE_META is left alone. */
 pid_t ct_start_meta_at(const char *addr, unsigned slots);
+/* Start argv[0] (argv NULL-terminated) with its stdout on a pipe and wait
+ * (bounded) for its first line, which must contain `expect`: its pid, and
+ * in *out the pipe (its later lines). */
+pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out);
 /* The crate binary `name`: the path in environment variable `env`, else
  * target/release/<name> beside this test's target/c-tests (in `buf`). */
 const char *ct_release_bin(const char *env, const char *name, char *buf, size_t len);
@@ -268,6 +272,14 @@ void ct_expect_msg(const uint8_t *p, size_t len, uint32_t id, uint32_t seq);
 /* Fork a process running role(ready_fd); return once it has written a
  * byte to ready_fd (bounded by the watchdog). */
 pid_t ct_fork_ready(int (*role)(int ready_fd), const char *what);
+/* A bound VQP (qbind on `node`'s GID, `port`) that echoes every message
+ * (up to CT_ECHO_MSG bytes) to its sender; CT_ECHO_TARGET of its 4 KiB
+ * buffer holds 64 bytes of ct_fill(seed) for READs (address and rkey, two
+ * uint64_t, written to info_fd). Writes one byte to ready_fd once bound;
+ * runs until killed. */
+#define CT_ECHO_MSG 64
+#define CT_ECHO_TARGET 2048
+int ct_echo_target_server(const char *name, int node, int port, uint32_t seed, int info_fd, int ready_fd);
 /* Wait for a child process; 0 if it exited with 0, else 1 (reported). */
 int ct_wait_child(pid_t pid, const char *what);
 #endif

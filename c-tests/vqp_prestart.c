@@ -31,7 +31,7 @@
 #include <unistd.h>
 
 #define PORT 7401
-#define MSG 64
+#define MSG CT_ECHO_MSG
 #define SERVER_NODE 3
 #define CLIENT_NODE 4
 
@@ -52,50 +52,13 @@ static void wait_prestarted(void)
 /* The bound VQP: echoes every message back; the bytes at TARGET of its
  * buffer hold a pattern the client READs (address and rkey through a pipe).
  * Runs until killed. */
-#define TARGET 2048
+#define TARGET CT_ECHO_TARGET
 #define SEED 77
 static int info_pipe[2];
 
 static int server(int ready_fd)
 {
-	struct ct_node n;
-	struct ibv_qp *q;
-	uint64_t tgt[2];
-
-	ct_begin("vqp_prestart: server");
-	ct_node_open(&n, SERVER_NODE, 4096, 64);
-	ct_fill(n.b.p + TARGET, 64, SEED);
-	q = ct_node_vqp(&n, 16, 16);
-	for (int i = 0; i < 8; i++)
-		ct_post_recv1(q, (uint64_t)i, &n.b, (size_t)i * MSG, MSG);
-	CT_OK(qbind(q, ct_node_gid(SERVER_NODE), PORT));
-	tgt[0] = (uint64_t)(uintptr_t)(n.b.p + TARGET);
-	tgt[1] = n.b.mr->rkey;
-	ct_oob_write(info_pipe[1], tgt, sizeof(tgt));
-	CT_CHECK(write(ready_fd, "r", 1) == 1, "ready");
-	for (;;) {
-		struct ibv_qp *src[8];
-		struct ibv_wc wc[8];
-		int k = qpop_msgs(q, 8, src, wc);
-
-		CT_CHECK(k >= 0, "qpop_msgs: %d", k);
-		for (int i = 0; i < k; i++) {
-			uint64_t buf = wc[i].wr_id;
-			struct ibv_wc s;
-
-			if (wc[i].status == IBV_WC_WR_FLUSH_ERR)
-				continue; /* a client went */
-			CT_CHECK(wc[i].status == IBV_WC_SUCCESS, "receive status %d", wc[i].status);
-			CT_OK(ct_post_send1(src[i], buf, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b,
-					    buf * MSG, wc[i].byte_len, 0, 0, 0));
-			s = ct_poll1(n.scq);
-			CT_CHECK(s.status == IBV_WC_SUCCESS, "echo status %d", s.status);
-			ct_post_recv1(q, buf, &n.b, buf * MSG, MSG);
-		}
-		if (k == 0)
-			usleep(200);
-	}
-	return 0;
+	return ct_echo_target_server("vqp_prestart: server", SERVER_NODE, PORT, SEED, info_pipe[1], ready_fd);
 }
 
 static uint64_t target[2];
