@@ -72,6 +72,28 @@ fn pid() -> libc::pid_t {
     unsafe { libc::getpid() }
 }
 
+extern "C" fn in_forked_child() {
+    // Only this thread exists in the child: a holder of these locks is
+    // gone (the path found is the parent's, replaced at the next use).
+    for m in [&PATH as &dyn ForceUnlock, &TRIED] {
+        m.force_unlock_if_locked();
+    }
+}
+
+trait ForceUnlock {
+    fn force_unlock_if_locked(&self);
+}
+
+impl<T> ForceUnlock for Mutex<T> {
+    fn force_unlock_if_locked(&self) {
+        if self.is_locked() {
+            // SAFETY: in a forked child, where the lock's holder does not
+            // exist; what it guarded is checked against the pid at use.
+            unsafe { self.force_unlock() };
+        }
+    }
+}
+
 impl AgentPath {
     /// The process's path, made at the first call when the process is
     /// attached to an agent; None otherwise, once it went, or in a forked
@@ -106,6 +128,12 @@ impl AgentPath {
     }
 
     fn open() -> Result<Arc<AgentPath>> {
+        static ATFORK: std::sync::Once = std::sync::Once::new();
+        ATFORK.call_once(|| {
+            // SAFETY: registers a handler that only releases locks no
+            // thread of the child holds.
+            unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
+        });
         let fd = crate::node::client::open_another().ok_or(Errno(libc::ENOTCONN))?;
         crate::node::client::send(&fd, &Message::Stage { len: STAGING as u64 })?;
         let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
