@@ -1,13 +1,13 @@
 //! The agent's path: a VQP's first one-sided work requests carried by the
-//! host's agent (`krcore-node`, `src/node/`) while this process's own
-//! runtime is not up yet.
+//! host's agent (`krcore-node`, `src/node/`) until this process's own link
+//! to the peer is up (`src/vqp/qp/agent.rs` decides and makes the move).
 //!
 //! One per process, made at the first need (the runtime's start, when the
 //! process is attached): a connection of its own to the agent, and a
 //! staging region the agent made and registered before it was asked for
-//! (a memfd, passed with `STAGED`), mapped here. A work request takes a slot of the region:
-//! a WRITE's bytes are copied in before its `POST`, a READ's copied out
-//! when its `DONE` comes back. A thread of its own, asleep in `recv`,
+//! (a memfd, passed with `STAGED`), mapped here. A work request takes a
+//! slot of the region: a WRITE's bytes are copied in before its `POST`, a
+//! READ's copied out when its `DONE` comes back. A thread of its own, asleep in `recv`,
 //! takes the agent's answers and hands each completion to the VQP that
 //! posted it ([`User`]). Should the agent go (its connection closes),
 //! everything outstanding completes with `IBV_WC_RETRY_EXC_ERR`, as work on
