@@ -10,7 +10,9 @@
 #      messages of 1 B to 1 MiB, every echo checked byte for byte);
 #   3. connect cost: bench/connect.c with a few rounds: raw verbs (create QP,
 #      INIT, exchange over TCP, RTR, RTS, first READ) against krcore's
-#      qconnect warm (live link) and cold (new process), medians and ratios;
+#      qconnect warm (live link) and cold (new process), also attached to
+#      the host's agent (krcore-node, its socket in KRCORE_NODE), medians and
+#      ratios;
 #   4. pass-through: unmodified ibv_rc_pingpong and ib_write_lat with
 #      LD_PRELOAD=libkrcore.so and KRCORE_STATS=1 (counters prove the data
 #      went through the library);
@@ -193,6 +195,20 @@ bench_demo() {
     KRCORE_GID_INDEX=2 timeout 180 "$bin/connect-krcore" -c 10.77.0.1 -m cold -d rxe0 -g 2 \
         -p 18778 -n "$cold_rounds" -r 100 >"$out/krcore-cold.out" 2>"$out/krcore-cold.err" \
         || { rc=1; sed 's/^/   cold: /' "$out/krcore-cold.err"; }
+    # The same new processes attached to the host's agent (krcore-node):
+    # lookups and their first READs through it.
+    local npid sock=/tmp/krcore-demo-node.sock
+    KRCORE_GID_INDEX=2 timeout 300 target/release/krcore-node --socket "$sock" --gid-index 2 >"$out/node.log" 2>&1 &
+    npid=$!
+    if wait_line "$out/node.log" "$npid" 'krcore-node: serving at' 60; then
+        KRCORE_NODE="$sock" KRCORE_GID_INDEX=2 timeout 180 "$bin/connect-krcore" -c 10.77.0.1 -m cold -d rxe0 -g 2 \
+            -p 18778 -n "$cold_rounds" -r 100 >"$out/krcore-agent.out" 2>"$out/krcore-agent.err" \
+            || { rc=1; sed 's/^/   agent: /' "$out/krcore-agent.err"; }
+    else
+        rc=1
+        sed 's/^/   krcore-node: /' "$out/node.log"
+    fi
+    stop "$npid" || true
     stop "$spid" || { rc=1; sed 's/^/   krcore server: /' "$out/krcore-server.out"; }
     ((rc == 0)) || return 1
     summary_bench="$(python3 - "$out" "$rounds" "$cold_rounds" <<'EOF'
@@ -221,6 +237,8 @@ raw = medians("raw.out", "round ")
 warm = medians("krcore-warm.out", "round ")
 cold_ = medians("krcore-cold.out", "cold ", "cold")
 first = medians("krcore-cold.out", "cold ", "first")
+agent_cold = medians("krcore-agent.out", "cold ", "cold")
+agent_first = medians("krcore-agent.out", "cold ", "first")
 
 def x(r):
     return f"{r:.0f}x" if r >= 10 else f"{r:.1f}x" if r >= 1 else f"{r:.2f}x"
@@ -230,6 +248,8 @@ rows = [
     ("krcore warm: create VQP, qconnect (live link)", warm),
     ("krcore cold: new process, lookup + link handshake", cold_),
     ("krcore cold, the process's first extended verb", first),
+    ("krcore cold, attached to the host's agent", agent_cold),
+    ("krcore first extended verb, attached to the agent", agent_first),
 ]
 w = max(len(r[0]) for r in rows)
 print(f"   {'medians, microseconds':<{w}}  {'connect':>8} {'raw/this':>8}  {'+1st READ':>9} {'raw/this':>8}")
@@ -239,7 +259,8 @@ print(f"   (raw and warm: {rounds} rounds each; cold: {cold} new processes with 
       f"and {cold} where qconnect starts it)")
 print(f"warm qconnect {x(raw[1] / warm[1])} cheaper than a raw verbs connect "
       f"({x(raw[0] / warm[0])} with the first READ); a cold one (a new process's first "
-      f"contact) costs {x(cold_[1] / raw[1])} a raw connect")
+      f"contact) costs {x(cold_[1] / raw[1])} a raw connect; a new process's first extended verb until its "
+      f"first READ costs {x(first[0] / raw[0])} a raw connect + READ, {x(agent_first[0] / raw[0])} attached to the agent")
 EOF
 )" || return 1
     echo "$summary_bench" | sed '$d'
