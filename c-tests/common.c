@@ -837,6 +837,16 @@ int ct_echo_target_server(const char *name, int node, int port, uint32_t seed, i
 	return 0;
 }
 
+int ct_run_child(int (*f)(void), const char *what)
+{
+	pid_t pid = fork();
+
+	CT_CHECK(pid >= 0, "fork");
+	if (pid == 0)
+		_exit(f());
+	return ct_wait_child(pid, what);
+}
+
 int ct_wait_child(pid_t pid, const char *what)
 {
 	int st;

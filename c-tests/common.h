@@ -282,6 +282,8 @@ pid_t ct_fork_ready(int (*role)(int ready_fd), const char *what);
 int ct_echo_target_server(const char *name, int node, int port, uint32_t seed, int info_fd, int ready_fd);
 /* Wait for a child process; 0 if it exited with 0, else 1 (reported). */
 int ct_wait_child(pid_t pid, const char *what);
+/* Run f() in a forked child and wait for it (as ct_wait_child). */
+int ct_run_child(int (*f)(void), const char *what);
 #endif
 
 /* ---- out of band (pipes and sockets between test processes) ------- */

@@ -390,16 +390,6 @@ static int other_user(void)
 	return 0;
 }
 
-static int run_child(int (*f)(void), const char *what)
-{
-	pid_t pid = fork();
-
-	CT_CHECK(pid >= 0, "fork");
-	if (pid == 0)
-		_exit(f());
-	return ct_wait_child(pid, what);
-}
-
 static void malformed_is_dropped(void)
 {
 	struct pollfd pfd;
@@ -482,15 +472,15 @@ int main(void)
 	CT_CHECK(pipe(info_pipe) == 0, "pipe");
 	srv = ct_fork_ready(server, "server");
 	ct_oob_read(info_pipe[0], target, sizeof(target));
-	fails += run_child(no_agent_client, "no agent yet");
+	fails += ct_run_child(no_agent_client, "no agent yet");
 	start_agent();
 
-	fails += run_child(attached_client, "attached client");
+	fails += ct_run_child(attached_client, "attached client");
 	CT_CHECK(stat(sock_path, &st) == 0 && (st.st_mode & 0777) == 0600, "socket mode %o", st.st_mode & 0777);
-	fails += run_child(other_user, "another user");
+	fails += ct_run_child(other_user, "another user");
 	malformed_is_dropped();
-	fails += run_child(attached_client, "attached client after junk");
-	fails += run_child(through_agent, "through the agent");
+	fails += ct_run_child(attached_client, "attached client after junk");
+	fails += ct_run_child(through_agent, "through the agent");
 	attach_kill_cycles();
 
 	CT_CHECK(pipe(stop_pipe) == 0 && pipe(stopped_pipe) == 0, "pipe");
@@ -516,9 +506,9 @@ int main(void)
 	kill_agent(SIGKILL);
 	ct_oob_write(go_pipe[1], "g", 1);
 	fails += ct_wait_child(child, "agent killed");
-	fails += run_child(no_agent_client, "no agent");
+	fails += ct_run_child(no_agent_client, "no agent");
 	start_agent(); /* over the stale socket file */
-	fails += run_child(attached_client, "restarted agent");
+	fails += ct_run_child(attached_client, "restarted agent");
 	kill_agent(SIGTERM);
 	CT_CHECK(access(sock_path, F_OK) != 0, "the agent left its socket behind at SIGTERM");
 

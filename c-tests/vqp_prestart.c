@@ -167,16 +167,6 @@ static int bad_gid(void)
 	return 0;
 }
 
-static int run_child(int (*f)(void), const char *what)
-{
-	pid_t pid = fork();
-
-	CT_CHECK(pid >= 0, "fork");
-	if (pid == 0)
-		_exit(f());
-	return ct_wait_child(pid, what);
-}
-
 int main(void)
 {
 	pid_t meta, srv;
@@ -188,18 +178,18 @@ int main(void)
 	CT_CHECK(pipe(info_pipe) == 0, "pipe");
 	srv = ct_fork_ready(server, "server");
 	ct_oob_read(info_pipe[0], target, sizeof(target));
-	fails += run_child(first_pd_starts_its_runtime, "first PD");
+	fails += ct_run_child(first_pd_starts_its_runtime, "first PD");
 	for (int i = 0; i < 5; i++)
-		fails += run_child(freed_while_starting, "freed while starting");
+		fails += ct_run_child(freed_while_starting, "freed while starting");
 	{
 		int rc_late, rc_early;
 
 		CT_CHECK(pipe(rc_pipe) == 0, "pipe");
 		early = "0";
-		fails += run_child(bad_gid, "no GID, late start");
+		fails += ct_run_child(bad_gid, "no GID, late start");
 		ct_oob_read(rc_pipe[0], &rc_late, sizeof(rc_late));
 		early = "1";
-		fails += run_child(bad_gid, "no GID, early start");
+		fails += ct_run_child(bad_gid, "no GID, early start");
 		ct_oob_read(rc_pipe[0], &rc_early, sizeof(rc_early));
 		CT_CHECK(rc_early == rc_late, "qconnect: %d (%s) after a failed early start, %d (%s) without one",
 			 rc_early, strerror(rc_early), rc_late, strerror(rc_late));

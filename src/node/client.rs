@@ -12,7 +12,7 @@
 //! attaches anew (the parent's connection is not its own).
 
 use super::agent::{peer_cred, same_user, seqpacket, unix_addr};
-use super::proto::{Message, LEN};
+use super::proto::Message;
 use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
@@ -42,15 +42,21 @@ static SAID: AtomicBool = AtomicBool::new(false);
 const LOOK_AGAIN: Duration = Duration::from_secs(1);
 
 extern "C" fn in_forked_child() {
-    // Only this thread exists in the child: a holder of the lock is gone.
-    if NODE.is_locked() {
-        // SAFETY: the lock's holder does not exist in this process; the
-        // state it guarded is replaced at the next use (the pid differs).
-        unsafe { NODE.force_unlock() };
+    release_in_child(&NODE);
+}
+
+/// In a forked child (an atfork handler): release `m` if it was held, by
+/// a thread that does not exist here. What it guards is checked against
+/// the pid at its next use.
+pub(crate) fn release_in_child<T>(m: &Mutex<T>) {
+    if m.is_locked() {
+        // SAFETY: only the forking thread exists in the child; the lock's
+        // holder is gone.
+        unsafe { m.force_unlock() };
     }
 }
 
-fn pid() -> libc::pid_t {
+pub(crate) fn pid() -> libc::pid_t {
     // SAFETY: getpid has no preconditions.
     unsafe { libc::getpid() }
 }
@@ -187,9 +193,16 @@ pub(crate) fn send(fd: &OwnedFd, m: &Message) -> Result<()> {
     }
 }
 
-/// The next message, waited for until `deadline` (ETIMEDOUT), asleep.
+/// The next message, waited for until `deadline` (ETIMEDOUT), asleep; a
+/// descriptor passed with it is closed.
 pub(crate) fn receive(fd: &OwnedFd, deadline: Instant) -> Result<Message> {
-    let mut buf = [0u8; LEN + 1];
+    receive_with_fd(fd, deadline).map(|(m, _)| m)
+}
+
+/// The next message and the descriptor passed with it (`SCM_RIGHTS`),
+/// waited for until `deadline` (ETIMEDOUT), asleep.
+pub(crate) fn receive_with_fd(fd: &OwnedFd, deadline: Instant) -> Result<(Message, Option<OwnedFd>)> {
+    use super::agent::{receive, Received};
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
@@ -201,13 +214,10 @@ pub(crate) fn receive(fd: &OwnedFd, deadline: Instant) -> Result<Message> {
         if r <= 0 {
             return Err(Errno(if r == 0 { libc::ETIMEDOUT } else { Errno::last().0 }));
         }
-        // SAFETY: `buf` is a live buffer of its length.
-        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        match n {
-            0 => return Err(Errno(libc::ECONNRESET)),
-            n if n < 0 && Errno::last().0 == libc::EAGAIN => continue,
-            n if n < 0 => return Err(Errno::last()),
-            n => return Message::decode(&buf[..n as usize]),
+        match receive(fd.as_raw_fd()) {
+            Received::Nothing => continue,
+            Received::Gone => return Err(Errno(libc::ECONNRESET)),
+            Received::Message(m, passed) => return Ok((m?, passed)),
         }
     }
 }

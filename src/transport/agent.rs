@@ -17,6 +17,7 @@ use crate::error::{Errno, Result};
 use crate::klog;
 use crate::log::Level;
 use crate::meta::Key;
+use crate::node::client::{pid, release_in_child};
 use crate::node::proto::{Message, Post};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -67,31 +68,10 @@ static PATH: Mutex<Option<Arc<AgentPath>>> = Mutex::new(None);
 /// Made once per process: a failure is not tried again.
 static TRIED: Mutex<Option<libc::pid_t>> = Mutex::new(None);
 
-fn pid() -> libc::pid_t {
-    // SAFETY: getpid has no preconditions.
-    unsafe { libc::getpid() }
-}
-
 extern "C" fn in_forked_child() {
-    // Only this thread exists in the child: a holder of these locks is
-    // gone (the path found is the parent's, replaced at the next use).
-    for m in [&PATH as &dyn ForceUnlock, &TRIED] {
-        m.force_unlock_if_locked();
-    }
-}
-
-trait ForceUnlock {
-    fn force_unlock_if_locked(&self);
-}
-
-impl<T> ForceUnlock for Mutex<T> {
-    fn force_unlock_if_locked(&self) {
-        if self.is_locked() {
-            // SAFETY: in a forked child, where the lock's holder does not
-            // exist; what it guarded is checked against the pid at use.
-            unsafe { self.force_unlock() };
-        }
-    }
+    // The path found then is the parent's, replaced at the next use.
+    release_in_child(&PATH);
+    release_in_child(&TRIED);
 }
 
 impl AgentPath {
@@ -137,7 +117,7 @@ impl AgentPath {
         let fd = crate::node::client::open_another().ok_or(Errno(libc::ENOTCONN))?;
         crate::node::client::send(&fd, &Message::Stage { len: STAGING as u64 })?;
         let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
-        let mem = match receive_fd(&fd, deadline)? {
+        let mem = match crate::node::client::receive_with_fd(&fd, deadline)? {
             (Message::Staged { status: 0, len }, Some(mem)) if len == STAGING as u64 => mem,
             (Message::Staged { status, .. }, _) if status != 0 => return Err(Errno(status as i32)),
             _ => return Err(Errno(libc::EPROTO)),
@@ -289,32 +269,6 @@ fn read_answers(path: Weak<AgentPath>) {
                 }
                 return;
             }
-        }
-    }
-}
-
-/// The next message and the descriptor passed with it, waited for until
-/// `deadline` (ETIMEDOUT), asleep.
-fn receive_fd(fd: &OwnedFd, deadline: Instant) -> Result<(Message, Option<OwnedFd>)> {
-    use crate::node::agent::{receive, Received};
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one live pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-        if r == 0 {
-            return Err(Errno(libc::ETIMEDOUT));
-        }
-        if r < 0 {
-            if Errno::last().0 == libc::EINTR {
-                continue;
-            }
-            return Err(Errno::last());
-        }
-        match receive(fd.as_raw_fd()) {
-            Received::Nothing => continue,
-            Received::Gone => return Err(Errno(libc::ECONNRESET)),
-            Received::Message(m, passed) => return Ok((m?, passed)),
         }
     }
 }
