@@ -32,7 +32,9 @@
 # (tens to hundreds of µs under emulation): compare spans measured this
 # way, not these totals with bench/connect-compare.sh's.
 #
-# Environment: KRCORE_COLDPATH_LIBS (above), KRCORE_BENCH_PORT (default
+# Environment: KRCORE_COLDPATH_LIBS (above), KRCORE_BENCH_NODE=1 (the
+# children attached to a krcore-node started per run, its marks in
+# node-N.err, "n" in the timelines; else KRCORE_NODE=off), KRCORE_BENCH_PORT (default
 # 18777), KRCORE_BENCH_META_PORT (default 18790), KRCORE_BENCH_READY_S
 # (default 60).
 set -euo pipefail
@@ -78,9 +80,17 @@ run() {
     spid=$!
     addr="$(wait_ready "$o/server-$i.txt" "$spid" 's/^connect: server bound on \([0-9.]*\) .*/\1/p')" \
         || { kill "$mpid"; exit 1; }
-    env ${KRCORE_BENCH_DGRAM:+KRCORE_DGRAM="$KRCORE_BENCH_DGRAM"} ${KRCORE_BENCH_LINK_AFTER:+KRCORE_LINK_AFTER="$KRCORE_BENCH_LINK_AFTER"} \
+    local node=off npid=
+    if [[ "${KRCORE_BENCH_NODE:-}" == 1 ]]; then
+        node="$o/node.sock"
+        "$klib/krcore-node" --socket "$node" --gid-index "$client_gid" >"$o/node-$i.txt" 2>"$o/node-$i.err" &
+        npid=$!
+        wait_ready "$o/node-$i.txt" "$npid" '/serving at/p' >/dev/null || { kill "$spid" "$mpid"; exit 1; }
+    fi
+    env KRCORE_NODE="$node" ${KRCORE_BENCH_DGRAM:+KRCORE_DGRAM="$KRCORE_BENCH_DGRAM"} ${KRCORE_BENCH_LINK_AFTER:+KRCORE_LINK_AFTER="$KRCORE_BENCH_LINK_AFTER"} \
         KRCORE_BENCH_MARKS=1 KRCORE_GID_INDEX="$client_gid" "$kbin" -c "$addr" -m cold -g "$client_gid" \
         -p "$port" -n "$rounds" -r 100 >"$o/client-$i.txt" 2>"$o/client-$i.err" || crc=$?
+    if [[ -n "$npid" ]]; then kill -TERM "$npid" 2>/dev/null || true; wait "$npid" || true; fi
     kill -TERM "$spid" 2>/dev/null || true
     wait "$spid" || src=$?
     kill -TERM "$mpid" 2>/dev/null || true
@@ -118,6 +128,7 @@ if ((!report_only)); then
         [[ -f "$dir/libkrcore.so" && -f "$dir/krcore-meta" ]] || { echo "coldpath: $dir has no libkrcore.so and krcore-meta" >&2; exit 2; }
         mkdir -p "$bins/lib-$label"
         cp "$dir/libkrcore.so" "$dir/krcore-meta" "$bins/lib-$label/"
+        if [[ "${KRCORE_BENCH_NODE:-}" == 1 ]]; then cp "$dir/krcore-node" "$bins/lib-$label/"; fi
         cc -O2 -std=gnu11 -Wall -Wextra -Werror -DKRCORE -I include bench/connect.c \
             -L "$bins/lib-$label" -lkrcore -Wl,-rpath,"$PWD/$bins/lib-$label" -o "$bins/connect-krcore-$label"
     done
@@ -127,7 +138,7 @@ if ((!report_only)); then
         KRCORE_IN_VM=1 bash "$0" "$rounds" "$repeats"
     else
         scripts/vm-run.sh "$out" env KRCORE_IN_VM=1 KRCORE_COLDPATH_LIBS="$libs" KRCORE_BENCH_PORT="$port" \
-            KRCORE_BENCH_DGRAM="${KRCORE_BENCH_DGRAM:-}" KRCORE_BENCH_LINK_AFTER="${KRCORE_BENCH_LINK_AFTER:-}" \
+            KRCORE_BENCH_DGRAM="${KRCORE_BENCH_DGRAM:-}" KRCORE_BENCH_NODE="${KRCORE_BENCH_NODE:-}" KRCORE_BENCH_LINK_AFTER="${KRCORE_BENCH_LINK_AFTER:-}" \
             KRCORE_BENCH_META_PORT="$meta_port" KRCORE_BENCH_READY_S="$ready_s" \
             bash bench/coldpath.sh "$rounds" "$repeats"
     fi

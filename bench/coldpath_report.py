@@ -15,6 +15,7 @@ the named spans' medians (min-max) over the children, a column per
 library, then the whole timeline of each library's median child (by
 total)."""
 import glob
+import os
 import re
 import statistics
 import sys
@@ -107,6 +108,9 @@ def runs_of(d):
         client = marks(cpath)
         server = marks(cpath.replace("/client-", "/server-"))
         srv = [(t, "s", th, w) for evs in server.values() for (t, th, w) in evs]
+        npath = cpath.replace("/client-", "/node-")
+        if os.path.exists(npath):
+            srv += [(t, "n", th, w) for evs in marks(npath).values() for (t, th, w) in evs]
         for pid, evs in client.items():
             ce = [(t, "c", th, w) for t, th, w in evs]
             start = find(ce, "c", r"^round: ibv_create_qp", 0)
@@ -154,7 +158,7 @@ def main():
             totals = sorted((p.get(TOTAL, 0), i) for i, p in enumerate(per[label]))
             pid, evs = runs[label][kind][totals[len(totals) // 2][1]]
             t0 = evs[0][0]
-            print(f"Timeline of {label}'s median process (pid {pid}; c = client, s = server; µs since its ibv_create_qp):\n")
+            print(f"Timeline of {label}'s median process (pid {pid}; c = client, s = server, n = agent; µs since its ibv_create_qp):\n")
             print("| t | Δ | who | thread | step |\n| ---: | ---: | --- | --- | --- |")
             prev = t0
             for t, r, th, w in evs:

@@ -84,6 +84,11 @@ fn main() {
     // life: registered and deregistered for real (a cache would hold the
     // pages of regions already gone).
     std::env::set_var("KRCORE_MR_CACHE", "0");
+    // Its own VQPs leave from the GID it serves (else the library's
+    // default: the one routed to the meta server).
+    if let Some(i) = m.get_one::<u32>("gid-index") {
+        std::env::set_var("KRCORE_GID_INDEX", i.to_string());
+    }
     let socket = m.get_one::<PathBuf>("socket").cloned().unwrap_or_else(|| match node_env {
         Some(p) if !p.is_empty() && p != "off" => p.into(),
         _ => krcore::node::default_socket(),

@@ -113,12 +113,16 @@ pub struct Agent {
     /// Staging regions made and registered ahead of the processes.
     spares: Vec<super::path::Region>,
     serials: u32,
+    /// Keeps the rkeys the processes use checked (None: lease 0).
+    warm: Option<super::warm::Warm>,
 }
 
 /// A process's staging region (`transport::agent` slices it).
 pub const STAGING: usize = crate::transport::agent::STAGING;
 /// Regions kept ready.
 const SPARES: usize = 2;
+/// Nothing asked for this long: the agent is idle (makes a spare region).
+const IDLE_MS: i32 = 2;
 
 /// What a process asked in one wake-up, answered after the reads.
 enum Asked {
@@ -160,6 +164,7 @@ impl Agent {
             verbs,
             spares: Vec::new(),
             serials: 0,
+            warm: super::warm::Warm::start(),
         })
     }
 
@@ -198,8 +203,12 @@ impl Agent {
                 .chain(events)
                 .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
                 .collect();
+            // Spare regions are made when nothing else is asked (a
+            // registration takes milliseconds: not in front of a
+            // process's CONNECT or POST).
+            let short = self.verbs.is_some() && self.spares.len() < SPARES;
             // SAFETY: `fds` is a live array of fds.len() pollfds.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 500) };
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, if short { IDLE_MS } else { 500 }) };
             if n < 0 {
                 let e = Errno::last();
                 if e.0 == libc::EINTR {
@@ -227,7 +236,9 @@ impl Agent {
             if fds[0].revents & libc::POLLIN != 0 {
                 self.accept_all();
             }
-            self.refill();
+            if n == 0 {
+                self.refill_one();
+            }
             tick(self);
         }
         Ok(())
@@ -278,6 +289,7 @@ impl Agent {
                 Received::Gone => return false,
                 Received::Message(m, fd) => (m, fd),
             };
+            crate::kmark!("node: got {:?}", m.as_ref().ok());
             let p = &mut self.processes[i];
             let ok = match (m, p.welcomed, fd) {
                 (Ok(Message::Hello { .. }), false, None) => {
@@ -340,16 +352,14 @@ impl Agent {
         }
     }
 
-    /// Keep `SPARES` regions ready (between wake-ups: off a process's path).
-    fn refill(&mut self) {
+    /// One more spare region, if short of `SPARES` (when idle: off a
+    /// process's path).
+    fn refill_one(&mut self) {
         let Some(v) = self.verbs.as_ref() else { return };
-        while self.spares.len() < SPARES {
+        if self.spares.len() < SPARES {
             match super::path::Region::new(v, STAGING) {
                 Ok(r) => self.spares.push(r),
-                Err(e) => {
-                    eprintln!("krcore-node: a staging region: {e:?}");
-                    return;
-                }
+                Err(e) => eprintln!("krcore-node: a staging region: {e:?}"),
             }
         }
     }
@@ -361,6 +371,7 @@ impl Agent {
         let wr_id = (p.serial as u64) << 32 | post.token as u64;
         let Some(s) = p.staging.as_ref() else { return false };
         if s.post(post, wr_id).is_ok() {
+            crate::kmark!("node: POST {} posted", post.token);
             return true;
         }
         let status = crate::sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR;
@@ -374,6 +385,7 @@ impl Agent {
             let serial = (wr_id >> 32) as u32;
             // A process that went meanwhile: nothing to tell.
             if let Some(i) = self.processes.iter().position(|p| p.serial == serial) {
+                crate::kmark!("node: DONE {} sent", wr_id as u32);
                 if !send(self.processes[i].fd.as_raw_fd(), &Message::Done { token: wr_id as u32, status, byte_len }) {
                     gone.push(i);
                 }
@@ -412,6 +424,7 @@ impl Agent {
                         (Some(v), Some(s)) => s.connect(v, key),
                         _ => Err(Errno(libc::ENODEV)),
                     };
+                    crate::kmark!("node: CONNECT {id} answered");
                     Message::Connected { id: *id, result: r.map_err(|e| e.0 as u32) }
                 }
             };
@@ -424,6 +437,8 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        // First: it uses the runtime of the VQPs dropped below.
+        self.warm.take();
         if let Some(m) = &self.meta.client {
             m.shutdown();
         }

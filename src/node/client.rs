@@ -142,7 +142,10 @@ fn connect(path: &std::path::Path) -> std::result::Result<Attached, String> {
         // thread of the child holds.
         unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
     });
-    Ok(Attached { fd: open(path)?, pid: pid(), next_id: 0 })
+    crate::kmark!("node: attaching");
+    let fd = open(path)?;
+    crate::kmark!("node: attached");
+    Ok(Attached { fd, pid: pid(), next_id: 0 })
 }
 
 /// A second connection to the agent this process is attached to (the

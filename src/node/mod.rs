@@ -17,6 +17,7 @@ pub mod agent;
 pub mod client;
 pub mod path;
 pub mod proto;
+pub mod warm;
 
 /// Where the agent listens and a process looks for it when `KRCORE_NODE`
 /// is not set: `$XDG_RUNTIME_DIR/krcore-node.sock` (a directory only its

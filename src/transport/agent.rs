@@ -114,6 +114,7 @@ impl AgentPath {
             // thread of the child holds.
             unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
         });
+        crate::kmark!("node: path: opening");
         let fd = crate::node::client::open_another().ok_or(Errno(libc::ENOTCONN))?;
         crate::node::client::send(&fd, &Message::Stage { len: STAGING as u64 })?;
         let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
@@ -141,6 +142,7 @@ impl AgentPath {
         });
         let reader = Arc::downgrade(&path);
         std::thread::Builder::new().name("krcore-node-path".into()).spawn(move || read_answers(reader)).map_err(|_| Errno(libc::EAGAIN))?;
+        crate::kmark!("node: path: open");
         Ok(path)
     }
 
@@ -245,12 +247,14 @@ fn read_answers(path: Weak<AgentPath>) {
         let Some(p) = path.upgrade() else { return };
         match m {
             Ok(Message::Done { token, status, byte_len }) => {
+                crate::kmark!("node: path: DONE {token} received");
                 let user = p.pending.lock().remove(&token).and_then(|w| w.upgrade());
                 if let Some(u) = user {
                     u.done(token, status, byte_len);
                 }
             }
             Ok(Message::Connected { id, result }) => {
+                crate::kmark!("node: path: CONNECTED {id} received");
                 p.answers.lock().insert(id, result);
                 p.answered.notify_all();
             }

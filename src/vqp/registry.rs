@@ -29,6 +29,11 @@ pub fn of(pd: usize) -> Option<Arc<Runtime>> {
     RUNTIMES.lock().as_ref().and_then(|m| m.get(&pd).cloned())
 }
 
+/// Every runtime started.
+pub fn all() -> Vec<Arc<Runtime>> {
+    RUNTIMES.lock().as_ref().map(|m| m.values().cloned().collect()).unwrap_or_default()
+}
+
 impl Runtime {
     /// The runtime of the application's real `pd` on real `ctx`, started
     /// at the first need (or taken from the start in progress) with our

@@ -43,6 +43,12 @@ pub(super) struct AgentLeg {
     peer: crate::meta::Endpoint,
     /// The path of our own link to it, once asked for.
     own: Option<crate::service::Path>,
+    /// When the agent connected it, and whether a completion came since:
+    /// our own link is asked for after the first completion (or
+    /// `ASK_LATE` after the connect), so that its handshake does not
+    /// compete with the first work for the host.
+    since: std::time::Instant,
+    completed: bool,
 }
 
 struct InFlight {
@@ -80,6 +86,9 @@ impl agent::User for Vqp {
         leg.path.release(f.slot);
         if status != ibv_wc_status::IBV_WC_SUCCESS {
             leg.failed = true;
+        } else if !leg.completed {
+            leg.completed = true;
+            self.ask_own_link(leg);
         }
         if f.signaled || status != ibv_wc_status::IBV_WC_SUCCESS {
             let opcode = if f.read { ibv_wc_opcode::IBV_WC_RDMA_READ } else { ibv_wc_opcode::IBV_WC_RDMA_WRITE };
@@ -121,7 +130,17 @@ impl Vqp {
             }
         }
         crate::kmark!("qconnect: through the agent");
-        *self.agent.lock() = Some(AgentLeg { path, handle, key: *key, peer, inflight: VecDeque::new(), failed: false, own: None });
+        *self.agent.lock() = Some(AgentLeg {
+            path,
+            handle,
+            key: *key,
+            peer,
+            inflight: VecDeque::new(),
+            failed: false,
+            own: None,
+            since: std::time::Instant::now(),
+            completed: false,
+        });
         self.on_agent.store(true, Ordering::Release);
         // The move needs our runtime and our link: under way from now.
         crate::vqp::registry::start_soon(self.app.real_ctx, self.app.real_pd);
@@ -129,16 +148,27 @@ impl Vqp {
         Via::Agent
     }
 
-    /// Whether our own link to the leg's peer is open (asked for once our
-    /// runtime is up).
-    fn own_link_open(&self, leg: &mut AgentLeg) -> bool {
-        let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) else { return false };
+    /// Ask for our own link to the leg's peer, once, when our runtime is up.
+    fn ask_own_link(&self, leg: &mut AgentLeg) {
+        if leg.own.is_some() {
+            return;
+        }
+        let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) else { return };
         let index = (self.slot % crate::config::get().links_per_peer) as u16;
-        let path = *leg.own.get_or_insert_with(|| {
-            let path = rt.svc.default_path(&leg.peer);
-            rt.want_link_at(std::time::Instant::now(), leg.peer, index, path);
-            path
-        });
+        let path = rt.svc.default_path(&leg.peer);
+        rt.want_link_at(std::time::Instant::now(), leg.peer, index, path);
+        leg.own = Some(path);
+    }
+
+    /// Whether our own link to the leg's peer is open (asked for after the
+    /// first completion on the agent's path, or `ASK_LATE` after the
+    /// connect, once our runtime is up).
+    fn own_link_open(&self, leg: &mut AgentLeg) -> bool {
+        if leg.completed || leg.since.elapsed() >= super::tier::ASK_LATE {
+            self.ask_own_link(leg);
+        }
+        let (Some(path), Some(rt)) = (leg.own, crate::vqp::registry::of(self.app.real_pd as usize)) else { return false };
+        let index = (self.slot % crate::config::get().links_per_peer) as u16;
         rt.svc.link_to(leg.peer.incarnation, index, path).is_some_and(|l| l.is_open())
     }
 
