@@ -46,6 +46,8 @@
 #
 # Environment:
 #   KRCORE_BENCH_NS            the Ns of the bootstrap (default "8 32 64")
+#   KRCORE_BENCH_MODES         the modes run (default "raw krcore agent"; a
+#                              subset to look at one, e.g. a failure)
 #   KRCORE_BENCH_GETS          GETs per client after all are served (1000)
 #   KRCORE_BENCH_KEYS          keys loaded (1000)
 #   KRCORE_BENCH_SERVERLESS    serverless processes per mode and repeat (20)
@@ -239,6 +241,9 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
     else
         echo "== $me: no krcore-node in $libdir: the \"krcore + agent\" mode is skipped"
     fi
+    if [[ -n "${KRCORE_BENCH_MODES:-}" ]]; then
+        read -r -a modes <<<"$KRCORE_BENCH_MODES"
+    fi
     failed=0
     for i in $(seq 1 "$repeats"); do
         # Odd repeats: raw first; even: reversed.
@@ -307,7 +312,7 @@ if ((!report_only)); then
             KRCORE_BENCH_SERVERLESS="$serverless" KRCORE_BENCH_CLIENT_GIDS="$client_gids" \
             KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
             KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_BURST_S="$burst_s" \
-            KRCORE_BENCH_LIB_DIR="$libdir" \
+            KRCORE_BENCH_LIB_DIR="$libdir" ${KRCORE_BENCH_MODES:+KRCORE_BENCH_MODES="$KRCORE_BENCH_MODES"} \
             ${KRCORE_BENCH_AGENT_ARGS:+KRCORE_BENCH_AGENT_ARGS="$KRCORE_BENCH_AGENT_ARGS"} \
             ${KRCORE_BENCH_AGENT_READY:+KRCORE_BENCH_AGENT_READY="$KRCORE_BENCH_AGENT_READY"} \
             bash bench/elastic-compare.sh "$repeats" || vm_rc=$?

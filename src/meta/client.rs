@@ -124,11 +124,18 @@ impl Options {
         (self.lease / 3).max(Duration::from_millis(1))
     }
 
-    /// Bound on the background thread's requests: a replica that does not
-    /// answer within a period is reconnected, and the others' renewals are
-    /// not held up past their lease.
+    /// Bound on the background thread's registrations on a replica reached
+    /// again: one that does not answer within a period is reconnected.
     fn background_timeout(&self) -> Duration {
         self.timeout.min(self.period())
+    }
+
+    /// Bound on one pass of renewals: until the leases renewed a period
+    /// ago would run out. A renewal answered late (a meta server busy
+    /// with a burst of new processes) still keeps our entries; giving up
+    /// on it closes the connection, which drops them all at once.
+    fn renew_timeout(&self) -> Duration {
+        self.lease.saturating_sub(self.period()).max(self.period())
     }
 
     /// Bound on a reconnection attempt (TCP connect, Welcome, header READ):
@@ -288,11 +295,26 @@ impl MetaClient {
     /// Fails (ECONNREFUSED, ETIMEDOUT, ...) when no replica is reachable;
     /// the others are reconnected in the background.
     pub fn connect(dev: &Arc<Device>, sgid_index: u32, addrs: &[SocketAddr], opts: Options) -> Result<Arc<MetaClient>> {
+        let bound = opts.timeout;
+        MetaClient::connect_within(dev, sgid_index, addrs, opts, bound)
+    }
+
+    /// [`MetaClient::connect`], each replica's bootstrap (TCP connect,
+    /// `Welcome`, QP, the table's header) bounded by `bound` instead of
+    /// the options' timeout (a connection made in the background, which
+    /// nobody waits on but through their own bound).
+    pub fn connect_within(
+        dev: &Arc<Device>,
+        sgid_index: u32,
+        addrs: &[SocketAddr],
+        opts: Options,
+        bound: Duration,
+    ) -> Result<Arc<MetaClient>> {
         let mut replicas = Vec::new();
         let mut last = Errno(libc::ECONNREFUSED);
         for addr in addrs {
             let r = Replica { addr: *addr, state: AtomicU8::new(DOWN), tcp_fd: AtomicI32::new(-1), conn: Mutex::new(None) };
-            match Conn::connect(dev, sgid_index, *addr, opts.timeout) {
+            match Conn::connect(dev, sgid_index, *addr, bound) {
                 Ok(c) => {
                     r.tcp_fd.store(c.tcp.as_raw_fd(), Ordering::Relaxed);
                     *r.conn.lock() = Some(c);
@@ -665,8 +687,12 @@ impl MetaClient {
         }
         let any = Key::Port { gid: [0; 16], port: 0 };
         let none = Endpoint { gid: [0; 16], qpn: 0, qkey: 0, incarnation: 0, vqpn: 0 };
+        // One bound for the pass: a replica answering late leaves the
+        // others what is left of their leases.
+        let deadline = Instant::now() + self.opts.renew_timeout();
         for (i, r) in self.replicas.iter().enumerate() {
-            match self.request_on(i, Op::RenewAll, &any, &none, self.opts.background_timeout()) {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            match self.request_on(i, Op::RenewAll, &any, &none, left) {
                 Some(Ok(held)) => {
                     let refused = r.conn.lock().as_ref().map_or(0, |c| c.refused.len());
                     if lost_entries(held, n, refused) {
@@ -1210,6 +1236,11 @@ mod tests {
         assert_eq!(o.period(), Duration::from_millis(500));
         assert_eq!(o.background_timeout(), Duration::from_millis(500));
         assert_eq!(o.reconnect_timeout(), Duration::from_millis(250));
+        // Renewals wait until the leases renewed a period ago run out,
+        // whatever the timeout of the application's waits.
+        assert_eq!(o.renew_timeout(), Duration::from_millis(1000));
+        let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(3) };
+        assert_eq!(o.renew_timeout(), Duration::from_secs(2));
         let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(30) };
         assert_eq!(o.background_timeout(), Duration::from_millis(100));
         assert_eq!(o.reconnect_timeout(), Duration::from_millis(100));

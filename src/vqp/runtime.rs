@@ -536,8 +536,9 @@ pub struct Runtime {
     pub svc: Service,
     meta: OnceCell<Arc<MetaClient>>,
     /// The meta-server connection being made on its own thread since the
-    /// runtime started (with `KRCORE_META`), taken by the first `meta()`.
-    meta_start: Mutex<Option<MetaStart>>,
+    /// runtime started (with `KRCORE_META`), taken by the first `meta()`
+    /// that finds it made.
+    meta_start: Mutex<Option<Arc<MetaStart>>>,
     /// The links' receive buffers, posted on the SRQ: made in the
     /// background once the runtime is up, or by the first link made
     /// before that ([`Self::receive_side`]); a VQP on the datagram tier
@@ -608,23 +609,64 @@ fn control_read_wr(tag: u32, sge: &mut ibv_sge, addr: u64, rkey: u32) -> ibv_sen
 
 pub use super::registry::{release_context, release_pd};
 
-type MetaStart = std::thread::JoinHandle<Result<Arc<MetaClient>>>;
+/// A meta-server connection made in the background: its outcome once it
+/// has one, and when it came.
+#[derive(Default)]
+struct MetaStart {
+    outcome: Mutex<Option<(Result<Arc<MetaClient>>, Instant)>>,
+    came: parking_lot::Condvar,
+}
+
+impl MetaStart {
+    fn set(&self, r: Result<Arc<MetaClient>>) {
+        *self.outcome.lock() = Some((r, Instant::now()));
+        self.came.notify_all();
+    }
+
+    fn is_finished(&self) -> bool {
+        self.outcome.lock().is_some()
+    }
+
+    /// Its outcome, waiting until `deadline` at most (None: still under way).
+    fn wait_until(&self, deadline: Instant) -> Option<(Result<Arc<MetaClient>>, Instant)> {
+        let mut g = self.outcome.lock();
+        while g.is_none() {
+            if self.came.wait_until(&mut g, deadline).timed_out() {
+                break;
+            }
+        }
+        g.as_ref().map(|(r, at)| (r.clone(), *at))
+    }
+}
+
+/// How long a connection made in the background may take: nobody waits
+/// on it but through their own bound (`meta()`), and a meta server busy
+/// with a burst of new processes answers late, not never. Given up
+/// sooner, its work on the server is wasted and the next attempt queues
+/// behind the same burst.
+fn background_meta_bound() -> Duration {
+    connect_timeout().max(Duration::from_millis(crate::config::get().meta_lease_ms)) * 3
+}
 
 /// Connect to `KRCORE_META` from our GID at `gid_index`, on a thread of its
 /// own, while the caller builds the rest of the runtime. None without
 /// `KRCORE_META` (or when no thread can be made: `meta()` connects then).
-fn start_meta(dev: &Arc<Device>, gid_index: u32) -> Option<MetaStart> {
+fn start_meta(dev: &Arc<Device>, gid_index: u32) -> Option<Arc<MetaStart>> {
     let spec = crate::config::get().meta.as_deref()?;
     let dev = Arc::clone(dev);
     let spec = spec.to_string();
-    let body = move || connect_meta(&dev, gid_index, &client::parse_addrs(&spec)?);
-    std::thread::Builder::new().name("krcore-meta-connect".into()).spawn(body).ok()
+    let start = Arc::new(MetaStart::default());
+    let s = Arc::clone(&start);
+    let body = move || s.set(client::parse_addrs(&spec).and_then(|a| connect_meta(&dev, gid_index, &a, background_meta_bound())));
+    std::thread::Builder::new().name("krcore-meta-connect".into()).spawn(body).ok()?;
+    Some(start)
 }
 
-fn connect_meta(dev: &Arc<Device>, gid_index: u32, addrs: &[std::net::SocketAddr]) -> Result<Arc<MetaClient>> {
+/// Connect to `addrs`, each replica's bootstrap bounded by `bound`.
+fn connect_meta(dev: &Arc<Device>, gid_index: u32, addrs: &[std::net::SocketAddr], bound: Duration) -> Result<Arc<MetaClient>> {
     let opts = client::Options { timeout: connect_timeout(), lease: Duration::from_millis(crate::config::get().meta_lease_ms) };
     crate::kmark!("meta: connecting");
-    let c = MetaClient::connect(dev, gid_index, addrs, opts);
+    let c = MetaClient::connect_within(dev, gid_index, addrs, opts, bound);
     crate::kmark!("meta: connected");
     let stat =
         if c.is_ok() { crate::stats::Stat::KRCORE_STAT_META_CONNECTIONS } else { crate::stats::Stat::KRCORE_STAT_META_CONNECT_FAILURES };
@@ -789,7 +831,9 @@ impl Runtime {
         self.wire.force(self);
         self.svc.run_deferred_now();
         // A connection still being made holds objects on the PD too.
-        let started = self.meta_start.lock().take().and_then(|h| h.join().ok()).and_then(|r| r.ok());
+        // (Bounded: the attempt's own bound.)
+        let started =
+            self.meta_start.lock().take().and_then(|s| s.wait_until(Instant::now() + background_meta_bound())).and_then(|(r, _)| r.ok());
         for meta in self.meta.get().into_iter().chain(started.as_ref()) {
             meta.shutdown();
         }
@@ -1177,7 +1221,7 @@ impl Runtime {
                 *start = start_meta(self.svc.device(), self.svc.gid_index());
             }
         }
-        let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|h| !h.is_finished());
+        let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|s| !s.is_finished());
         if let (true, Some(spec)) = (starting, crate::config::get().meta.as_deref()) {
             crate::kmark!("meta: lookup by query (TCP)");
             match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, connect_timeout())) {
@@ -1208,22 +1252,32 @@ impl Runtime {
         if let Some(m) = self.meta.get() {
             return Ok(Arc::clone(m));
         }
-        let started = self.meta_start.lock().take();
+        let called = Instant::now();
+        let started = self.meta_start.lock().clone();
+        if let Some(s) = started {
+            // The connection made since the start, waited for within this
+            // call's bound; still under way then, it is kept for the next
+            // call. One that failed before this call (made at the
+            // runtime's start, maybe at `ibv_alloc_pd`, before the meta
+            // server was up) is not this call's answer: it tries once more
+            // itself. One that failed during this call is.
+            match s.wait_until(called + connect_timeout()) {
+                None => return Err(Errno(libc::ETIMEDOUT)),
+                Some((Ok(c), _)) => {
+                    self.meta_start.lock().take();
+                    return Ok(Arc::clone(self.meta.get_or_init(|| c)));
+                }
+                Some((Err(e), at)) => {
+                    self.meta_start.lock().take();
+                    if at > called {
+                        return Err(e);
+                    }
+                    klog!(Level::Info, "vqp: the meta-server connection made at the start failed ({e:?}): trying again");
+                }
+            }
+        }
         self.meta
             .get_or_try_init(|| {
-                if let Some(h) = started {
-                    // An attempt that had failed before this call (made at
-                    // the runtime's start, maybe at `ibv_alloc_pd`, before
-                    // the meta server was up) is not this call's answer: it
-                    // tries once more itself. One still running is.
-                    let stale = h.is_finished();
-                    match h.join().unwrap_or(Err(Errno(libc::EIO))) {
-                        Err(e) if stale => {
-                            klog!(Level::Info, "vqp: the meta-server connection made at the start failed ({e:?}): trying again")
-                        }
-                        r => return r,
-                    }
-                }
                 let cfg = crate::config::get();
                 let Some(spec) = cfg.meta.as_deref() else {
                     klog!(
@@ -1233,7 +1287,7 @@ impl Runtime {
                     return Err(Errno(libc::ENOTCONN));
                 };
                 let addrs = client::parse_addrs(spec)?;
-                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs)
+                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs, connect_timeout())
             })
             .cloned()
     }
