@@ -120,7 +120,7 @@ pub struct Agent {
 /// A process's staging region (`transport::agent` slices it).
 pub const STAGING: usize = crate::transport::agent::STAGING;
 /// Regions kept ready.
-const SPARES: usize = 2;
+pub const SPARES: usize = 2;
 /// Nothing asked for this long: the agent is idle (makes a spare region).
 const IDLE_MS: i32 = 2;
 
@@ -191,6 +191,11 @@ impl Agent {
     /// Processes attached now.
     pub fn attached(&self) -> usize {
         self.processes.len()
+    }
+
+    /// Staging regions made ahead now (refilled when idle).
+    pub fn spares(&self) -> usize {
+        self.spares.len()
     }
 
     /// Serve until `stop` says so; `tick` runs at every wake-up (the
