@@ -32,6 +32,11 @@
  *    then qconnect fails with ECONNREFUSED and never anything else; no
  *    probe that began after the lease's end (last renewal at most at the
  *    SIGSTOP) found it, and it did not go before half the lease.
+ * 5. "a meta server answering late keeps the bindings": M3 stopped
+ *    (SIGSTOP) for 5.3 s under a binder with 9 s leases: its renewal
+ *    waits for the late answer instead of closing its connection (which
+ *    made the server drop its bindings); in the 4 s after SIGCONT every
+ *    lookup finds the binding and the binder has not reconnected.
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -59,13 +64,13 @@ static const uint64_t MS = 1000000ull;
 /* ---- workers ----------------------------------------------------------- */
 
 enum { CMD_BIND = 'B', CMD_CONNECT = 'C', CMD_WAIT_CONNECT = 'W', CMD_WAIT_BIND = 'b',
-       CMD_PROBE = 'P', CMD_STATS = 'S', CMD_QUIT = 'Q' };
+       CMD_PROBE = 'P', CMD_WATCH = 'w', CMD_STATS = 'S', CMD_QUIT = 'Q' };
 
 struct cmd {
 	char op;
 	int node, port;
 	/* CMD_WAIT_*: give up after this long; CMD_PROBE: how long to go on
-	 * after the first refusal. */
+	 * after the first refusal; CMD_WATCH: how long to look. */
 	int limit_ms;
 };
 
@@ -81,6 +86,8 @@ struct resp {
 	 * after a refusal. */
 	uint64_t last_found_start, first_refused_end;
 	int found_after_refusal;
+	/* CMD_WATCH: lookups that did not find the binding. */
+	int missed;
 };
 
 struct worker {
@@ -156,6 +163,18 @@ static void retry(struct resp *r, int (*op)(int, int), int refused, const struct
 	}
 }
 
+/* qconnect (a fresh lookup each) to (node, port) over and over for
+ * limit_ms: how many did not find it. */
+static void watch(struct resp *r, const struct cmd *c)
+{
+	while (ct_now_ns() - r->t_start < (uint64_t)c->limit_ms * MS) {
+		r->attempts++;
+		if (connect_once(c->node, c->port))
+			r->missed++;
+		usleep(20000);
+	}
+}
+
 /* qconnect over and over to a stopped process's address. */
 static void probe(struct resp *r, const struct cmd *c)
 {
@@ -214,6 +233,9 @@ static int worker_main(int node, int from_parent, int to_parent)
 			break;
 		case CMD_PROBE:
 			probe(&r, &c);
+			break;
+		case CMD_WATCH:
+			watch(&r, &c);
 			break;
 		case CMD_STATS:
 			r.reconnects = krcore_stat_get(KRCORE_STAT_META_RECONNECTS);
@@ -315,7 +337,7 @@ int main(void)
 	char m1[64], m2[64], m3[64], both[160];
 	int base = 20000 + (getpid() % 6000) * 3;
 	pid_t p1, p2, p3;
-	struct worker binder, looker, late, checker, b3, c3, fresh3, victim, prober;
+	struct worker binder, looker, late, checker, b3, c3, fresh3, victim, prober, slow;
 	int fails = 0;
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -503,6 +525,42 @@ int main(void)
 	}
 	ct_pass();
 
+	/* 5 ------------------------------------------------------------------ */
+	ct_begin("meta_failover: a meta server answering late keeps the bindings");
+	/* Renewals every 3 s; a renewal sent during the stall waits for its
+	 * answer until the leases renewed before would run out (6 s), not
+	 * the 2 s of a qconnect's wait (which used to close the connection,
+	 * and the server dropped every binding of the process with it). */
+	spawn(&slow, 6, m3, "KRCORE_META_LEASE_MS=9000 KRCORE_CONNECT_TIMEOUT_MS=2000",
+	      "binder with 9 s leases (node 6)");
+	call_ok(&slow, CMD_BIND, 6, PORT + 50, 10000);
+	call_ok(&c3, CMD_CONNECT, 6, PORT + 50, 10000);
+	{
+		struct resp s0, s1, w;
+
+		s0 = call(&slow, CMD_STATS, 0, 0, 0);
+		CT_CHECK(kill(p3, SIGSTOP) == 0, "SIGSTOP M3");
+		/* Longer than a period and a qconnect's wait (so that a
+		 * renewal sent in it waits more than 2 s), shorter than the
+		 * lease less a period. */
+		usleep(5300 * 1000);
+		CT_CHECK(kill(p3, SIGCONT) == 0, "SIGCONT M3");
+		/* A period and the reconnection's: the time a dropped
+		 * connection would leave the binding absent. */
+		w = call(&c3, CMD_WATCH, 6, PORT + 50, 4000);
+		s1 = call(&slow, CMD_STATS, 0, 0, 0);
+		CT_CHECK(w.missed == 0, "%d of %d lookups after the stall did not find the binding",
+			 w.missed, w.attempts);
+		CT_CHECK(s1.reconnects == s0.reconnects && s1.rebinds == s0.rebinds,
+			 "the binder reconnected %llu times (%llu bindings registered again)",
+			 (unsigned long long)(s1.reconnects - s0.reconnects),
+			 (unsigned long long)(s1.rebinds - s0.rebinds));
+		ct_note("M3 stopped 5.3 s: %d lookups in the 4 s after all found the binding; the binder "
+			"kept its connection", w.attempts);
+	}
+	ct_pass();
+
+	fails += quit(&slow);
 	fails += quit(&prober);
 	fails += quit(&fresh3);
 	fails += quit(&c3);
