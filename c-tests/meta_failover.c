@@ -37,6 +37,10 @@
  *    waits for the late answer instead of closing its connection (which
  *    made the server drop its bindings); in the 4 s after SIGCONT every
  *    lookup finds the binding and the binder has not reconnected.
+ * 6. "a new process's meta connection outlives a qconnect's wait": M3
+ *    stopped, a new process's first qconnect times out within its bound;
+ *    after SIGCONT its next qconnect succeeds, and the connection its
+ *    runtime started making before the first is made (none failed).
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -80,7 +84,7 @@ struct resp {
 	/* ct_now_ns() when the call started, when it returned. */
 	uint64_t t_start, t_end;
 	/* CMD_STATS: the meta counters. */
-	uint64_t reconnects, rebinds, failovers;
+	uint64_t reconnects, rebinds, failovers, connections, connect_failures;
 	/* CMD_PROBE: the start of the last probe that found the binding (0:
 	 * none), the end of the first refused one, and probes that found it
 	 * after a refusal. */
@@ -241,6 +245,8 @@ static int worker_main(int node, int from_parent, int to_parent)
 			r.reconnects = krcore_stat_get(KRCORE_STAT_META_RECONNECTS);
 			r.rebinds = krcore_stat_get(KRCORE_STAT_META_REBINDS);
 			r.failovers = krcore_stat_get(KRCORE_STAT_META_LOOKUP_FAILOVERS);
+			r.connections = krcore_stat_get(KRCORE_STAT_META_CONNECTIONS);
+			r.connect_failures = krcore_stat_get(KRCORE_STAT_META_CONNECT_FAILURES);
 			break;
 		case CMD_QUIT:
 			return 0;
@@ -337,7 +343,7 @@ int main(void)
 	char m1[64], m2[64], m3[64], both[160];
 	int base = 20000 + (getpid() % 6000) * 3;
 	pid_t p1, p2, p3;
-	struct worker binder, looker, late, checker, b3, c3, fresh3, victim, prober, slow;
+	struct worker binder, looker, late, checker, b3, c3, fresh3, victim, prober, slow, newcomer;
 	int fails = 0;
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -560,6 +566,40 @@ int main(void)
 	}
 	ct_pass();
 
+	/* 6 ------------------------------------------------------------------ */
+	ct_begin("meta_failover: a new process's meta connection outlives a qconnect's wait");
+	/* M3 stopped before a new process's first verb: its connection
+	 * made at the runtime's start waits (longer than one caller's
+	 * bound); the qconnect waits its own 1 s and fails; the next finds
+	 * the same connection made once M3 answers. */
+	CT_CHECK(kill(p3, SIGSTOP) == 0, "SIGSTOP M3");
+	spawn(&newcomer, 7, m3, NULL, "a process started while M3 is stopped (node 7)");
+	{
+		struct resp first = call(&newcomer, CMD_CONNECT, 6, PORT + 50, 0), again, s;
+
+		CT_CHECK(kill(p3, SIGCONT) == 0, "SIGCONT M3");
+		CT_CHECK(first.rc == ETIMEDOUT, "qconnect with M3 stopped: %d (%s)", first.rc,
+			 strerror(first.rc));
+		CT_CHECK(ms_of(&first) < CONNECT_TIMEOUT_MS + 500, "it waited %.0f ms", ms_of(&first));
+		again = call(&newcomer, CMD_CONNECT, 6, PORT + 50, 0);
+		CT_CHECK(again.rc == 0, "qconnect after SIGCONT: %d (%s)", again.rc, strerror(again.rc));
+		/* (It may have been answered by a query over TCP while the
+		 * connection was finishing: polled until it is made.) */
+		do {
+			s = call(&newcomer, CMD_STATS, 0, 0, 0);
+			CT_CHECK(ct_now_ns() - again.t_end < 10000 * MS, "no meta connection 10 s after");
+		} while (s.connections == 0 && s.connect_failures == 0);
+		CT_CHECK(s.connect_failures == 0 && s.connections == 1,
+			 "meta connections %llu made, %llu failed: the one made at the start was "
+			 "given up", (unsigned long long)s.connections,
+			 (unsigned long long)s.connect_failures);
+		ct_note("M3 stopped: the first qconnect timed out in %.0f ms, the next (M3 answering) "
+			"took %.0f ms; the connection begun at the start made, none failed", ms_of(&first),
+			ms_of(&again));
+	}
+	ct_pass();
+
+	fails += quit(&newcomer);
 	fails += quit(&slow);
 	fails += quit(&prober);
 	fails += quit(&fresh3);

@@ -122,7 +122,9 @@ fn main() {
         agent.gid_index(),
         if agent.meta_connected() { "connected" } else { "not reached yet" }
     );
-    let print = |a: &Agent| println!("krcore-node: stats attached={} spares={}/{} {:?}", a.attached(), a.spares(), krcore::node::agent::SPARES, a.counts());
+    let print = |a: &Agent| {
+        println!("krcore-node: stats attached={} spares={}/{} {:?}", a.attached(), a.spares(), krcore::node::agent::SPARES, a.counts())
+    };
     let r = agent.run(&|| STOP.load(Ordering::SeqCst), &mut |a| {
         if STATS.swap(false, Ordering::SeqCst) {
             print(a);

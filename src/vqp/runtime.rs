@@ -1200,7 +1200,6 @@ impl Runtime {
         }
     }
 
-    /// The meta-server client (`KRCORE_META`), connected at first use.
     /// Who is bound at `key`, for a connect (`fresh`: the DCCache bypassed,
     /// [`MetaClient::lookup_fresh`]). Without a meta-server connection of
     /// our own, the host's agent answers (`src/node/`); with no agent, our
@@ -1208,14 +1207,17 @@ impl Runtime {
     /// at the start is still on its way (its RC QP and handshake take
     /// milliseconds), the key is asked over TCP instead (one round trip, no
     /// QP on the connect's path: [`client::query`]); if that fails, the
-    /// lookup waits for the connection as before.
+    /// lookup waits for the connection, the query's wait and this one
+    /// within one `KRCORE_CONNECT_TIMEOUT_MS`.
     pub fn resolve(&self, key: &crate::meta::Key, fresh: bool) -> Result<Option<crate::meta::Endpoint>> {
+        let mut deadline = Instant::now() + connect_timeout();
         if self.meta.get().is_none() {
             if let Some(found) = crate::node::client::lookup(key, fresh) {
                 return Ok(found);
             }
             // No agent (any more): this process's own connection, asked by
             // query meanwhile.
+            deadline = Instant::now() + connect_timeout();
             let mut start = self.meta_start.lock();
             if start.is_none() {
                 *start = start_meta(self.svc.device(), self.svc.gid_index());
@@ -1224,7 +1226,8 @@ impl Runtime {
         let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|s| !s.is_finished());
         if let (true, Some(spec)) = (starting, crate::config::get().meta.as_deref()) {
             crate::kmark!("meta: lookup by query (TCP)");
-            match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, connect_timeout())) {
+            match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, deadline.saturating_duration_since(Instant::now())))
+            {
                 Ok(found) => {
                     crate::kmark!("meta: query answered");
                     crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_QUERIES);
@@ -1233,7 +1236,7 @@ impl Runtime {
                 Err(e) => klog!(Level::Debug, "vqp: a lookup by query failed ({e:?}): waiting for the meta-server connection"),
             }
         }
-        let meta = self.meta()?;
+        let meta = self.meta_by(deadline)?;
         if fresh {
             meta.lookup_fresh(key)
         } else {
@@ -1248,7 +1251,14 @@ impl Runtime {
         }
     }
 
+    /// The meta-server client (`KRCORE_META`), connected at first use.
     pub fn meta(&self) -> Result<Arc<MetaClient>> {
+        self.meta_by(Instant::now() + connect_timeout())
+    }
+
+    /// [`Runtime::meta`], waiting for the connection made since the start
+    /// until `deadline` at most.
+    fn meta_by(&self, deadline: Instant) -> Result<Arc<MetaClient>> {
         if let Some(m) = self.meta.get() {
             return Ok(Arc::clone(m));
         }
@@ -1261,7 +1271,7 @@ impl Runtime {
             // runtime's start, maybe at `ibv_alloc_pd`, before the meta
             // server was up) is not this call's answer: it tries once more
             // itself. One that failed during this call is.
-            match s.wait_until(called + connect_timeout()) {
+            match s.wait_until(deadline) {
                 None => return Err(Errno(libc::ETIMEDOUT)),
                 Some((Ok(c), _)) => {
                     self.meta_start.lock().take();
@@ -1287,7 +1297,8 @@ impl Runtime {
                     return Err(Errno(libc::ENOTCONN));
                 };
                 let addrs = client::parse_addrs(spec)?;
-                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs, connect_timeout())
+                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs, left)
             })
             .cloned()
     }
