@@ -50,6 +50,8 @@ pub struct Counts {
     pub failed_lookups: u64,
     /// VQPs of the agent's connected for processes.
     pub connects: u64,
+    /// Checks of peers' rkeys made again to keep them warm (`super::warm`).
+    pub mr_rechecks: u64,
 }
 
 struct Process {
@@ -185,7 +187,7 @@ impl Agent {
     }
 
     pub fn counts(&self) -> Counts {
-        self.counts
+        Counts { mr_rechecks: self.warm.as_ref().map_or(0, super::warm::Warm::renewed), ..self.counts }
     }
 
     /// Processes attached now.

@@ -8,6 +8,7 @@
 //! for no check.
 
 use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ pub const WARM_FOR: Duration = Duration::from_secs(10);
 /// The thread, stopped (and joined) when dropped.
 pub struct Warm {
     stop: Arc<(Mutex<bool>, Condvar)>,
+    renewed: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -31,6 +33,8 @@ impl Warm {
         let every = Duration::from_millis((lease / 4).max(10));
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let s = Arc::clone(&stop);
+        let renewed = Arc::new(AtomicU64::new(0));
+        let count = Arc::clone(&renewed);
         let body = move || {
             let (stopped, wake) = &*s;
             let mut g = stopped.lock();
@@ -42,6 +46,7 @@ impl Warm {
                 drop(g);
                 for rt in crate::vqp::registry::all() {
                     let n = rt.renew_mr_checks(WARM_FOR.as_millis() as u64);
+                    count.fetch_add(n as u64, Ordering::Relaxed);
                     if n > 0 {
                         crate::klog!(crate::log::Level::Debug, "node: {n} rkeys checked again");
                     }
@@ -50,7 +55,12 @@ impl Warm {
             }
         };
         let thread = std::thread::Builder::new().name("krcore-node-warm".into()).spawn(body).ok()?;
-        Some(Warm { stop, thread: Some(thread) })
+        Some(Warm { stop, renewed, thread: Some(thread) })
+    }
+
+    /// Checks made again so far.
+    pub fn renewed(&self) -> u64 {
+        self.renewed.load(Ordering::Relaxed)
     }
 }
 

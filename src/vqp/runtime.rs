@@ -1770,8 +1770,30 @@ pub fn defer(pd: usize, at: std::time::Instant, f: service::Deferred) {
 
 #[cfg(test)]
 mod tests {
-    use super::Ranges;
+    use super::{PeerMrs, Ranges};
     use crate::testing::Rng;
+    use crate::vqp::precheck::MrInfo;
+
+    #[test]
+    fn rkeys_due_again_are_the_used_ones_half_through_their_lease() {
+        let mr = |a| MrInfo { addr: a, len: 4096, access: 0xf };
+        let mut p = PeerMrs::default();
+        p.learn(1, mr(0x1000), 1000);
+        p.learn(2, mr(0x2000), 1400);
+        // Learned counts as used then.
+        assert_eq!(p.due(1400, 500, 10_000), vec![]);
+        let mut d = p.due(1900, 500, 10_000);
+        d.sort_by_key(|e| e.0);
+        assert_eq!(d, vec![(1, mr(0x1000)), (2, mr(0x2000))]);
+        // Checked again: its lease counts from then, and it stays used
+        // as of its last look-up (a renewal is not a use).
+        p.learn(1, mr(0x1000), 1900);
+        assert_eq!(p.due(1950, 500, 10_000), vec![(2, mr(0x2000))]);
+        // Not looked up within `used_ms`: no longer kept warm.
+        assert_eq!(p.due(11_500, 500, 10_000), vec![]);
+        p.forget(2);
+        assert_eq!(p.due(11_500, 500, 100_000), vec![(1, mr(0x1000))]);
+    }
 
     #[test]
     fn slot_ranges_allocate_first_fit_and_merge_back() {
