@@ -28,6 +28,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+mod meta;
+use meta::{background_meta_bound, start_meta, MetaStart};
+
 /// Payload bytes a message may carry (a receive buffer holds the header
 /// and this much).
 pub const MAX_MSG: usize = 4096;
@@ -609,71 +612,6 @@ fn control_read_wr(tag: u32, sge: &mut ibv_sge, addr: u64, rkey: u32) -> ibv_sen
 
 pub use super::registry::{release_context, release_pd};
 
-/// A meta-server connection made in the background: its outcome once it
-/// has one, and when it came.
-#[derive(Default)]
-struct MetaStart {
-    outcome: Mutex<Option<(Result<Arc<MetaClient>>, Instant)>>,
-    came: parking_lot::Condvar,
-}
-
-impl MetaStart {
-    fn set(&self, r: Result<Arc<MetaClient>>) {
-        *self.outcome.lock() = Some((r, Instant::now()));
-        self.came.notify_all();
-    }
-
-    fn is_finished(&self) -> bool {
-        self.outcome.lock().is_some()
-    }
-
-    /// Its outcome, waiting until `deadline` at most (None: still under way).
-    fn wait_until(&self, deadline: Instant) -> Option<(Result<Arc<MetaClient>>, Instant)> {
-        let mut g = self.outcome.lock();
-        while g.is_none() {
-            if self.came.wait_until(&mut g, deadline).timed_out() {
-                break;
-            }
-        }
-        g.as_ref().map(|(r, at)| (r.clone(), *at))
-    }
-}
-
-/// How long a connection made in the background may take: nobody waits
-/// on it but through their own bound (`meta()`), and a meta server busy
-/// with a burst of new processes answers late, not never. Given up
-/// sooner, its work on the server is wasted and the next attempt queues
-/// behind the same burst.
-fn background_meta_bound() -> Duration {
-    connect_timeout().max(Duration::from_millis(crate::config::get().meta_lease_ms)) * 3
-}
-
-/// Connect to `KRCORE_META` from our GID at `gid_index`, on a thread of its
-/// own, while the caller builds the rest of the runtime. None without
-/// `KRCORE_META` (or when no thread can be made: `meta()` connects then).
-fn start_meta(dev: &Arc<Device>, gid_index: u32) -> Option<Arc<MetaStart>> {
-    let spec = crate::config::get().meta.as_deref()?;
-    let dev = Arc::clone(dev);
-    let spec = spec.to_string();
-    let start = Arc::new(MetaStart::default());
-    let s = Arc::clone(&start);
-    let body = move || s.set(client::parse_addrs(&spec).and_then(|a| connect_meta(&dev, gid_index, &a, background_meta_bound())));
-    std::thread::Builder::new().name("krcore-meta-connect".into()).spawn(body).ok()?;
-    Some(start)
-}
-
-/// Connect to `addrs`, each replica's bootstrap bounded by `bound`.
-fn connect_meta(dev: &Arc<Device>, gid_index: u32, addrs: &[std::net::SocketAddr], bound: Duration) -> Result<Arc<MetaClient>> {
-    let opts = client::Options { timeout: connect_timeout(), lease: Duration::from_millis(crate::config::get().meta_lease_ms) };
-    crate::kmark!("meta: connecting");
-    let c = MetaClient::connect_within(dev, gid_index, addrs, opts, bound);
-    crate::kmark!("meta: connected");
-    let stat =
-        if c.is_ok() { crate::stats::Stat::KRCORE_STAT_META_CONNECTIONS } else { crate::stats::Stat::KRCORE_STAT_META_CONNECT_FAILURES };
-    crate::stats::inc(stat);
-    c
-}
-
 /// `KRCORE_CONNECT_TIMEOUT_MS`: the bound on every wait for a peer or the
 /// meta server.
 pub fn connect_timeout() -> Duration {
@@ -1198,115 +1136,6 @@ impl Runtime {
         for v in vqp::live() {
             v.on_link_failed(link);
         }
-    }
-
-    /// Who is bound at `key`, for a connect (`fresh`: the DCCache bypassed,
-    /// [`MetaClient::lookup_fresh`]). Without a meta-server connection of
-    /// our own, the host's agent answers (`src/node/`); with no agent, our
-    /// connection is made (in the background). While the one made
-    /// at the start is still on its way (its RC QP and handshake take
-    /// milliseconds), the key is asked over TCP instead (one round trip, no
-    /// QP on the connect's path: [`client::query`]); if that fails, the
-    /// lookup waits for the connection: each wait bounded by
-    /// `KRCORE_CONNECT_TIMEOUT_MS` (a fresh process's first lookup in a
-    /// burst of new ones may wait twice that: one bound measured those
-    /// bursts failing more often, 29 of 64 processes against 1 of 64).
-    pub fn resolve(&self, key: &crate::meta::Key, fresh: bool) -> Result<Option<crate::meta::Endpoint>> {
-        let mut deadline = Instant::now() + connect_timeout();
-        if self.meta.get().is_none() {
-            if let Some(found) = crate::node::client::lookup(key, fresh) {
-                return Ok(found);
-            }
-            // No agent (any more): this process's own connection, asked by
-            // query meanwhile.
-            deadline = Instant::now() + connect_timeout();
-            let mut start = self.meta_start.lock();
-            if start.is_none() {
-                *start = start_meta(self.svc.device(), self.svc.gid_index());
-            }
-        }
-        let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|s| !s.is_finished());
-        if let (true, Some(spec)) = (starting, crate::config::get().meta.as_deref()) {
-            crate::kmark!("meta: lookup by query (TCP)");
-            match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, deadline.saturating_duration_since(Instant::now())))
-            {
-                Ok(found) => {
-                    crate::kmark!("meta: query answered");
-                    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_QUERIES);
-                    return Ok(found);
-                }
-                Err(e) => klog!(Level::Debug, "vqp: a lookup by query failed ({e:?}): waiting for the meta-server connection"),
-            }
-        }
-        if starting {
-            // The query's wait is over: the connection gets its own.
-            deadline = Instant::now() + connect_timeout();
-        }
-        let meta = self.meta_by(deadline)?;
-        if fresh {
-            meta.lookup_fresh(key)
-        } else {
-            meta.lookup(key)
-        }
-    }
-
-    /// Forget what is cached of `key` here (its endpoint did not answer).
-    pub fn forget(&self, key: &crate::meta::Key) {
-        if let Some(m) = self.meta.get() {
-            m.invalidate(key);
-        }
-    }
-
-    /// The meta-server client (`KRCORE_META`), connected at first use.
-    pub fn meta(&self) -> Result<Arc<MetaClient>> {
-        self.meta_by(Instant::now() + connect_timeout())
-    }
-
-    /// [`Runtime::meta`], waiting for the connection made since the start
-    /// until `deadline` at most.
-    fn meta_by(&self, deadline: Instant) -> Result<Arc<MetaClient>> {
-        if let Some(m) = self.meta.get() {
-            return Ok(Arc::clone(m));
-        }
-        let called = Instant::now();
-        let started = self.meta_start.lock().clone();
-        if let Some(s) = started {
-            // The connection made since the start, waited for within this
-            // call's bound; still under way then, it is kept for the next
-            // call. One that failed before this call (made at the
-            // runtime's start, maybe at `ibv_alloc_pd`, before the meta
-            // server was up) is not this call's answer: it tries once more
-            // itself. One that failed during this call is.
-            match s.wait_until(deadline) {
-                None => return Err(Errno(libc::ETIMEDOUT)),
-                Some((Ok(c), _)) => {
-                    self.meta_start.lock().take();
-                    return Ok(Arc::clone(self.meta.get_or_init(|| c)));
-                }
-                Some((Err(e), at)) => {
-                    self.meta_start.lock().take();
-                    if at > called {
-                        return Err(e);
-                    }
-                    klog!(Level::Info, "vqp: the meta-server connection made at the start failed ({e:?}): trying again");
-                }
-            }
-        }
-        self.meta
-            .get_or_try_init(|| {
-                let cfg = crate::config::get();
-                let Some(spec) = cfg.meta.as_deref() else {
-                    klog!(
-                        Level::Error,
-                        "qbind/qconnect need the meta server: set KRCORE_META=<ip>:<port> (krcore-meta --listen <ip>:<port>)"
-                    );
-                    return Err(Errno(libc::ENOTCONN));
-                };
-                let addrs = client::parse_addrs(spec)?;
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs, left)
-            })
-            .cloned()
     }
 
     /// `n` contiguous header slots: from an arena with room, else from a

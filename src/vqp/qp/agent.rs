@@ -10,8 +10,10 @@
 //! order into the VQP's send CQ. A `qconnect` in a process whose runtime
 //! is up but has no open link to that peer goes through the agent too
 //! (warm there), until that link is. The move: the first post that finds
-//! the process's own link to the peer open (asked for once the runtime is
-//! up), or that the path cannot carry (a SEND, an atomic, a larger one),
+//! the process's own link to the peer open (asked for after the first
+//! completion on the agent's path, or `ASK_LATE` after the connect, once
+//! the runtime is up: its handshake does not compete with the first work),
+//! or that the path cannot carry (a SEND, an atomic, a larger one),
 //! waits until everything on the agent's path completed, then connects the
 //! VQP itself (`connect_to`) and goes on there: nothing posted after can
 //! overtake what went through the agent.
