@@ -122,7 +122,7 @@ impl Vqp {
                 return Via::Own(None);
             }
         };
-        let index = (self.slot % crate::config::get().links_per_peer) as u16;
+        let index = self.link_index();
         if let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) {
             // Our runtime is up: the agent only until our link to that
             // peer is (it is warm there, and we have none yet).
@@ -156,7 +156,7 @@ impl Vqp {
             return;
         }
         let Some(rt) = crate::vqp::registry::of(self.app.real_pd as usize) else { return };
-        let index = (self.slot % crate::config::get().links_per_peer) as u16;
+        let index = self.link_index();
         let path = rt.svc.default_path(&leg.peer);
         rt.want_link_at(std::time::Instant::now(), leg.peer, index, path);
         leg.own = Some(path);
@@ -170,7 +170,7 @@ impl Vqp {
             self.ask_own_link(leg);
         }
         let (Some(path), Some(rt)) = (leg.own, crate::vqp::registry::of(self.app.real_pd as usize)) else { return false };
-        let index = (self.slot % crate::config::get().links_per_peer) as u16;
+        let index = self.link_index();
         rt.svc.link_to(leg.peer.incarnation, index, path).is_some_and(|l| l.is_open())
     }
 

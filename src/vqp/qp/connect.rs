@@ -41,6 +41,12 @@ impl Vqp {
         }
     }
 
+    /// Which of the process's links to a peer this VQP uses: VQPs spread
+    /// over them by slot (`KRCORE_LINKS_PER_PEER`).
+    pub(super) fn link_index(&self) -> u16 {
+        (self.slot % crate::config::get().links_per_peer) as u16
+    }
+
     /// Look `key` up (unless `known`: looked up fresh by the caller) and
     /// attach to the link to the process it names, from our GID at
     /// `sgid_index` to the key's GID (None: between the two processes'
@@ -48,8 +54,7 @@ impl Vqp {
     pub(super) fn connect_to(&self, key: &crate::meta::Key, sgid_index: Option<u32>, known: Option<Endpoint>) -> Result<()> {
         let key = *key;
         let rt = self.runtime(None)?;
-        // VQPs spread over the process's links to that peer by slot.
-        let index = (self.slot % crate::config::get().links_per_peer) as u16;
+        let index = self.link_index();
         // An address (`qconnect`) may have been bound anew since it was
         // cached, by a process started after its binder died: the meta
         // server says who holds it now (one READ). A QPN key (RTR of a

@@ -90,14 +90,12 @@ impl Runtime {
     /// burst of new ones may wait twice that: one bound measured those
     /// bursts failing more often, 29 of 64 processes against 1 of 64).
     pub fn resolve(&self, key: &crate::meta::Key, fresh: bool) -> Result<Option<crate::meta::Endpoint>> {
-        let mut deadline = Instant::now() + connect_timeout();
         if self.meta.get().is_none() {
             if let Some(found) = crate::node::client::lookup(key, fresh) {
                 return Ok(found);
             }
             // No agent (any more): this process's own connection, asked by
             // query meanwhile.
-            deadline = Instant::now() + connect_timeout();
             let mut start = self.meta_start.lock();
             if start.is_none() {
                 *start = start_meta(self.svc.device(), self.svc.gid_index());
@@ -106,8 +104,7 @@ impl Runtime {
         let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|s| !s.is_finished());
         if let (true, Some(spec)) = (starting, crate::config::get().meta.as_deref()) {
             crate::kmark!("meta: lookup by query (TCP)");
-            match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, deadline.saturating_duration_since(Instant::now())))
-            {
+            match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, connect_timeout())) {
                 Ok(found) => {
                     crate::kmark!("meta: query answered");
                     crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_QUERIES);
@@ -116,11 +113,7 @@ impl Runtime {
                 Err(e) => klog!(Level::Debug, "vqp: a lookup by query failed ({e:?}): waiting for the meta-server connection"),
             }
         }
-        if starting {
-            // The query's wait is over: the connection gets its own.
-            deadline = Instant::now() + connect_timeout();
-        }
-        let meta = self.meta_by(deadline)?;
+        let meta = self.meta()?;
         if fresh {
             meta.lookup_fresh(key)
         } else {
@@ -135,18 +128,15 @@ impl Runtime {
         }
     }
 
-    /// The meta-server client (`KRCORE_META`), connected at first use.
+    /// The meta-server client (`KRCORE_META`), connected at first use;
+    /// waits for the connection made since the start, or makes one,
+    /// within `KRCORE_CONNECT_TIMEOUT_MS`.
     pub fn meta(&self) -> Result<Arc<MetaClient>> {
-        self.meta_by(Instant::now() + connect_timeout())
-    }
-
-    /// [`Runtime::meta`], waiting for the connection made since the start
-    /// until `deadline` at most.
-    fn meta_by(&self, deadline: Instant) -> Result<Arc<MetaClient>> {
         if let Some(m) = self.meta.get() {
             return Ok(Arc::clone(m));
         }
         let called = Instant::now();
+        let deadline = called + connect_timeout();
         let started = self.meta_start.lock().clone();
         if let Some(s) = started {
             // The connection made since the start, waited for within this
