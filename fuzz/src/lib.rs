@@ -126,7 +126,7 @@ fn link_seeds() -> Vec<Seed> {
 }
 
 fn node_seeds() -> Vec<Seed> {
-    use krcore::node::proto::{Message, Post, OP_READ, OP_WRITE};
+    use krcore::node::proto::Message;
     let key = Key::Port { gid: GID, port: 18515 };
     let all = [
         ("hello", Message::Hello { pid: 4242 }),
@@ -141,10 +141,7 @@ fn node_seeds() -> Vec<Seed> {
         ("connect", Message::Connect { id: 10, key }),
         ("connected", Message::Connected { id: 10, result: Ok((1, endpoint_max())) }),
         ("connected_error", Message::Connected { id: 11, result: Err(EBUSY) }),
-        ("post_read", Message::Post(Post { token: 12, handle: 1, opcode: OP_READ, len: 16 << 10, rkey: 0x1234, offset: 16 << 10, remote: u64::MAX })),
-        ("post_write", Message::Post(Post { token: 13, handle: 1, opcode: OP_WRITE, len: 8, rkey: 1, offset: 0, remote: 0x1000 })),
-        ("done", Message::Done { token: 12, status: 0, byte_len: 16 << 10 }),
-        ("done_error", Message::Done { token: 13, status: 12, byte_len: 0 }),
+        ("ring", Message::Ring),
         ("close", Message::Close { handle: 1 }),
     ];
     all.into_iter().map(|(n, m)| (n, m.encode().to_vec())).collect()

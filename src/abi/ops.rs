@@ -101,7 +101,7 @@ pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c
         };
         if rc == 0 {
             c.app_armed.store(true, std::sync::atomic::Ordering::Release);
-            if let Some(soft) = c.soft.get() {
+            if let Some(soft) = c.soft.get().filter(|_| c.evented()) {
                 soft.arm();
             }
         }

@@ -6,7 +6,12 @@
 //! hangs up (or half a second passes, to see a stop asked from another
 //! thread's signal). A wake-up reads what every ready process sent, then
 //! answers the lookups with one look at the meta server per distinct key:
-//! a burst of new processes asking for one address costs one READ.
+//! a burst of new processes asking for one address costs one READ. Work
+//! requests come through the staging regions' rings (`super::ring`):
+//! after any, the thread keeps looking at the rings and at its VQPs'
+//! completions without sleeping for a moment ([`SPIN`], longer while
+//! work it carries is outstanding), so that a process's next request or
+//! the completion of what it carries needs no wake-up on either side.
 
 use super::proto::Message;
 use crate::error::{Errno, Result};
@@ -125,6 +130,12 @@ pub const STAGING: usize = crate::transport::agent::STAGING;
 pub const SPARES: usize = 2;
 /// Nothing asked for this long: the agent is idle (makes a spare region).
 const IDLE_MS: i32 = 2;
+/// How long the loop keeps looking at the rings and its CQ after work
+/// came or completed, without sleeping (the agent may poll; a process
+/// never does) ...
+const SPIN: Duration = Duration::from_micros(200);
+/// ... and after work it carries went out, until its completion.
+const SPIN_OUTSTANDING: Duration = Duration::from_millis(2);
 
 /// What a process asked in one wake-up, answered after the reads.
 enum Asked {
@@ -203,7 +214,19 @@ impl Agent {
     /// Serve until `stop` says so; `tick` runs at every wake-up (the
     /// binary prints its statistics there when asked).
     pub fn run(&mut self, stop: &dyn Fn() -> bool, tick: &mut dyn FnMut(&Agent)) -> Result<()> {
+        let mut spin_until: Option<Instant> = None;
         while !stop() {
+            let mut spinning = spin_until.is_some_and(|t| Instant::now() < t);
+            if !spinning && spin_until.take().is_some() {
+                // About to sleep: say so, then look once more (a process
+                // that published meanwhile saw us awake: no doorbell).
+                self.set_awake(false);
+                if self.processes.iter().any(|p| p.staging.as_ref().is_some_and(|s| s.requests_waiting())) {
+                    self.set_awake(true);
+                    spinning = true;
+                    spin_until = Some(Instant::now() + SPIN);
+                }
+            }
             let events = self.verbs.as_ref().map(super::path::Verbs::event_fd);
             let mut fds: Vec<libc::pollfd> = std::iter::once(self.listener.as_raw_fd())
                 .chain(self.processes.iter().map(|p| p.fd.as_raw_fd()))
@@ -212,10 +235,17 @@ impl Agent {
                 .collect();
             // Spare regions are made when nothing else is asked (a
             // registration takes milliseconds: not in front of a
-            // process's CONNECT or POST).
+            // process's CONNECT or work request).
             let short = self.verbs.is_some() && self.spares.len() < SPARES;
+            let timeout = if spinning {
+                0
+            } else if short {
+                IDLE_MS
+            } else {
+                500
+            };
             // SAFETY: `fds` is a live array of fds.len() pollfds.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, if short { IDLE_MS } else { 500 }) };
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if n < 0 {
                 let e = Errno::last();
                 if e.0 == libc::EINTR {
@@ -225,12 +255,23 @@ impl Agent {
             }
             let mut asked = Vec::new();
             let mut gone = Vec::new();
-            if events.is_some() && fds.last().is_some_and(|p| p.revents != 0) {
-                self.complete(&mut gone);
-            }
+            let event = events.is_some() && fds.last().is_some_and(|p| p.revents != 0);
+            let mut worked = if event || spinning { self.complete(event, &mut gone) } else { false };
             let n_proc = self.processes.len();
-            for (i, pfd) in fds.iter().enumerate().skip(1).take(n_proc).filter(|(_, p)| p.revents != 0) {
-                if !self.read_from(i - 1, &mut asked) || pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0 && !readable(pfd) {
+            for (i, pfd) in fds.iter().enumerate().skip(1).take(n_proc) {
+                // The ring first: a CLOSE on the socket comes after the
+                // requests the process published before it.
+                if !self.drain_ring(i - 1, &mut worked) {
+                    gone.push(i - 1);
+                    continue;
+                }
+                if pfd.revents == 0 {
+                    continue;
+                }
+                // Then the ring again: a doorbell read here may follow a
+                // request published after the first look.
+                let hung_up = pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0 && !readable(pfd);
+                if !self.read_from(i - 1, &mut asked) || hung_up || !self.drain_ring(i - 1, &mut worked) {
                     gone.push(i - 1);
                 }
             }
@@ -243,12 +284,38 @@ impl Agent {
             if fds[0].revents & libc::POLLIN != 0 {
                 self.accept_all();
             }
-            if n == 0 {
+            let outstanding = self.processes.iter().filter_map(|p| p.staging.as_ref()).any(|s| s.outstanding > 0);
+            if worked {
+                if !spinning {
+                    self.set_awake(true);
+                }
+                spin_until = Some(Instant::now() + if outstanding { SPIN_OUTSTANDING } else { SPIN });
+            } else if n == 0 && !spinning {
                 self.refill_one();
             }
             tick(self);
         }
         Ok(())
+    }
+
+    /// Tell every process whether the loop looks at the rings.
+    fn set_awake(&self, awake: bool) {
+        for s in self.processes.iter().filter_map(|p| p.staging.as_ref()) {
+            s.set_awake(awake);
+        }
+    }
+
+    /// Post what process `i` published in its ring; false when it must go
+    /// (its ring broken). `worked` when there was any.
+    fn drain_ring(&mut self, i: usize, worked: &mut bool) -> bool {
+        let Some(s) = self.processes[i].staging.as_mut() else { return true };
+        let Ok(posts) = s.take_requests() else {
+            eprintln!("krcore-node: pid {}: dropped for a broken ring", self.processes[i].pid);
+            self.counts.dropped += 1;
+            return false;
+        };
+        *worked |= !posts.is_empty();
+        posts.iter().all(|p| self.post(i, p))
     }
 
     fn accept_all(&mut self) {
@@ -314,7 +381,8 @@ impl Agent {
                     asked.push((i, Asked::Connect(id, key)));
                     true
                 }
-                (Ok(Message::Post(post)), true, None) if p.staging.is_some() => self.post(i, &post),
+                // The doorbell: the ring is drained after each read.
+                (Ok(Message::Ring), true, None) if p.staging.is_some() => true,
                 (Ok(Message::Close { handle }), true, None) if p.staging.is_some() => {
                     if let Some(s) = p.staging.as_mut() {
                         s.close(handle);
@@ -371,33 +439,41 @@ impl Agent {
         }
     }
 
-    /// `POST`: on the process's VQP; one it cannot take is answered DONE
-    /// at once with a local error.
+    /// A request of process `i`'s ring: on its VQP; one it cannot take
+    /// completes at once with a local error. False when the process must
+    /// go (its doorbell cannot be rung).
     fn post(&mut self, i: usize, post: &super::proto::Post) -> bool {
-        let p = &self.processes[i];
+        let p = &mut self.processes[i];
         let wr_id = (p.serial as u64) << 32 | post.token as u64;
-        let Some(s) = p.staging.as_ref() else { return false };
+        let Some(s) = p.staging.as_mut() else { return false };
         if s.post(post, wr_id).is_ok() {
-            crate::kmark!("node: POST {} posted", post.token);
+            crate::kmark!("node: request {} posted", post.token);
+            s.outstanding += 1;
             return true;
         }
         let status = crate::sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR;
-        send(p.fd.as_raw_fd(), &Message::Done { token: post.token, status, byte_len: 0 })
+        !s.push_done(super::ring::Done { token: post.token, status, byte_len: 0 }) || send(p.fd.as_raw_fd(), &Message::Ring)
     }
 
-    /// The agent's VQPs completed work: each completion to its process.
-    fn complete(&mut self, gone: &mut Vec<usize>) {
-        let Some(v) = self.verbs.as_ref() else { return };
-        for (wr_id, status, byte_len) in v.completions() {
+    /// The agent's VQPs' completions (after their channel's `event`, or
+    /// polled while the loop spins), each into its process's ring: whether
+    /// there were any.
+    fn complete(&mut self, event: bool, gone: &mut Vec<usize>) -> bool {
+        let Some(v) = self.verbs.as_ref() else { return false };
+        let done = v.completions(event);
+        for &(wr_id, status, byte_len) in &done {
             let serial = (wr_id >> 32) as u32;
             // A process that went meanwhile: nothing to tell.
-            if let Some(i) = self.processes.iter().position(|p| p.serial == serial) {
-                crate::kmark!("node: DONE {} sent", wr_id as u32);
-                if !send(self.processes[i].fd.as_raw_fd(), &Message::Done { token: wr_id as u32, status, byte_len }) {
-                    gone.push(i);
-                }
+            let Some(i) = self.processes.iter().position(|p| p.serial == serial) else { continue };
+            let p = &mut self.processes[i];
+            let Some(s) = p.staging.as_mut() else { continue };
+            s.outstanding = s.outstanding.saturating_sub(1);
+            crate::kmark!("node: completion {} published", wr_id as u32);
+            if s.push_done(super::ring::Done { token: wr_id as u32, status, byte_len }) && !send(p.fd.as_raw_fd(), &Message::Ring) {
+                gone.push(i);
             }
         }
+        !done.is_empty()
     }
 
     /// Answer `asked`: each distinct key looked at once (fresh when any

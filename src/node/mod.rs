@@ -10,6 +10,7 @@
 //! asking for one address costs the meta server one READ.
 //!
 //! - `proto`: the messages on the unix socket (fixed length, strict codec);
+//! - `ring`: the work requests and completions in a staging region's shared memory;
 //! - `agent`: the agent's loop (its listener, `SO_PEERCRED`, lookups);
 //! - `client`: a process's attachment (found through `KRCORE_NODE`).
 
@@ -17,6 +18,7 @@ pub mod agent;
 pub mod client;
 pub mod path;
 pub mod proto;
+pub mod ring;
 pub mod warm;
 
 /// Where the agent listens and a process looks for it when `KRCORE_NODE`

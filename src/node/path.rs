@@ -10,7 +10,7 @@
 //! process's token. Nothing of a process outlives its connection: its
 //! VQPs are destroyed, its region deregistered and unmapped.
 
-use super::proto::{Post, OP_READ};
+use super::proto::{Post, OP_READ, OP_WRITE};
 use crate::error::{Errno, Result};
 use crate::meta::Key;
 use crate::sys::*;
@@ -111,18 +111,20 @@ impl Verbs {
         Ok(())
     }
 
-    /// After the channel was readable: take its event, arm again, and
-    /// return every completion (wr_id, status, byte_len).
-    pub fn completions(&self) -> Vec<(u64, u32, u32)> {
+    /// Every completion (wr_id, status, byte_len); after the channel was
+    /// readable (`event`), its event taken and the CQ armed again first.
+    pub fn completions(&self, event: bool) -> Vec<(u64, u32, u32)> {
         let mut out = Vec::new();
-        let mut cq = std::ptr::null_mut();
-        let mut cq_ctx = std::ptr::null_mut();
-        // SAFETY: the live channel, found readable: the event is there.
-        if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut cq_ctx) } == 0 {
-            // SAFETY: the CQ the event named (ours).
-            unsafe { ibv_ack_cq_events(cq, 1) };
+        if event {
+            let mut cq = std::ptr::null_mut();
+            let mut cq_ctx = std::ptr::null_mut();
+            // SAFETY: the live channel, found readable: the event is there.
+            if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut cq_ctx) } == 0 {
+                // SAFETY: the CQ the event named (ours).
+                unsafe { ibv_ack_cq_events(cq, 1) };
+            }
+            let _ = self.arm();
         }
-        let _ = self.arm();
         // SAFETY: a plain C struct array, filled by the poll.
         let mut wc: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
         loop {
@@ -138,7 +140,8 @@ impl Verbs {
 }
 
 /// A staging region: a memfd the agent made, mapped and registered (before
-/// any process asked for it), passed to one process.
+/// any process asked for it), passed to one process: `len` bytes of data
+/// slots (the MR), then the rings (`super::ring`, not registered).
 pub struct Region {
     fd: OwnedFd,
     map: *mut u8,
@@ -159,12 +162,14 @@ impl Region {
             }
             <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
         };
+        let total = len + super::ring::LEN;
         // SAFETY: our memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), total as libc::off_t) } != 0 {
             return Err(Errno::last());
         }
         // SAFETY: a shared mapping of our memfd, unmapped in Drop.
-        let map = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        let map =
+            unsafe { libc::mmap(std::ptr::null_mut(), total, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if map == libc::MAP_FAILED {
             return Err(Errno::last());
         }
@@ -174,7 +179,7 @@ impl Region {
         if mr.is_null() {
             let e = Errno::last();
             // SAFETY: the mapping above.
-            unsafe { libc::munmap(map, len) };
+            unsafe { libc::munmap(map, total) };
             return Err(e);
         }
         Ok(Region { fd, map: map.cast(), len, mr })
@@ -184,8 +189,16 @@ impl Region {
         self.fd.as_raw_fd()
     }
 
+    /// The data slots' bytes (the rings follow).
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The rings after the data.
+    pub fn rings(&self) -> super::ring::Rings {
+        // SAFETY: the rings' bytes follow the data in our mapping (page
+        // aligned: `len` is a multiple of the slots), for the region's life.
+        unsafe { super::ring::Rings::at(self.map.add(self.len)) }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -198,16 +211,21 @@ impl Drop for Region {
         // SAFETY: our MR and mapping, once.
         unsafe {
             ibv_dereg_mr(self.mr);
-            libc::munmap(self.map.cast(), self.len);
+            libc::munmap(self.map.cast(), self.len + super::ring::LEN);
         }
     }
 }
 
-/// One process's side: its staging region and its VQPs here.
+/// One process's side: its staging region, its VQPs here, and our own
+/// counts of its rings (never read from the shared memory).
 pub struct Staging {
     region: Region,
     qps: HashMap<u32, *mut ibv_qp>,
     next: u32,
+    req_tail: u32,
+    done_head: u32,
+    /// Requests posted whose completion was not published yet.
+    pub outstanding: usize,
 }
 
 // SAFETY: as `Verbs`.
@@ -215,7 +233,7 @@ unsafe impl Send for Staging {}
 
 impl Staging {
     pub fn new(region: Region) -> Staging {
-        Staging { region, qps: HashMap::new(), next: 1 }
+        Staging { region, qps: HashMap::new(), next: 1, req_tail: 0, done_head: 0, outstanding: 0 }
     }
 
     /// A VQP of the agent's, connected to `key` (a `qconnect`): its handle
@@ -253,6 +271,9 @@ impl Staging {
     /// unknown, its range outside the region, the VQP's queue full).
     pub fn post(&self, p: &Post, wr_id: u64) -> Result<()> {
         let qp = *self.qps.get(&p.handle).ok_or(Errno::EINVAL)?;
+        if p.opcode != OP_READ && p.opcode != OP_WRITE {
+            return Err(Errno::EINVAL);
+        }
         let r = &self.region;
         let end = p.offset.checked_add(p.len as u64).ok_or(Errno::EINVAL)?;
         if end > r.len as u64 {
@@ -277,6 +298,27 @@ impl Staging {
             return Err(Errno(r));
         }
         Ok(())
+    }
+
+    /// The requests the process published since the last call; Broken
+    /// when its rings are (it must go).
+    pub fn take_requests(&mut self) -> std::result::Result<Vec<Post>, super::ring::Broken> {
+        self.region.rings().take_requests(&mut self.req_tail)
+    }
+
+    /// Whether requests wait in the ring.
+    pub fn requests_waiting(&self) -> bool {
+        self.region.rings().requests_after(self.req_tail)
+    }
+
+    /// Publish a completion; whether the process's reader sleeps (ring its
+    /// doorbell).
+    pub fn push_done(&mut self, d: super::ring::Done) -> bool {
+        self.region.rings().push_done(&mut self.done_head, d)
+    }
+
+    pub fn set_awake(&self, awake: bool) {
+        self.region.rings().set_agent_awake(awake);
     }
 
     pub fn close(&mut self, handle: u32) {

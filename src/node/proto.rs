@@ -25,11 +25,10 @@
 //!   that key; `CONNECTED` (agent): status 0, 12 the VQP's handle (u32, in
 //!   the flags' place) and a meta-server `Answer` body (the endpoint the
 //!   agent looked up, fresh), else an errno, no handle and a zero body;
-//! - `POST` (process), the request id its token: 16 handle (u32), 20 the
-//!   opcode (u32: `IBV_WR_RDMA_READ` or `IBV_WR_RDMA_WRITE`), 24 length
-//!   (u32), 28 rkey (u32), 32 offset in the staging region (u64), 40
-//!   remote address (u64); `DONE` (agent), the token as id: 16 the work
-//!   completion's status (u32), 20 its byte_len (u32);
+//! - `RING` (either side), no body: look at the rings (`ring.rs`: the
+//!   work requests and their completions are in the staging region's
+//!   shared memory; this doorbell is rung only when the other side said it
+//!   sleeps);
 //! - `CLOSE` (process): 16 handle (u32): that VQP goes.
 
 use crate::codec::{Reader, EBADMSG};
@@ -38,7 +37,7 @@ use crate::meta::proto::{Answer, Query, BOOT_LEN};
 use crate::meta::{Endpoint, Key};
 
 pub const MAGIC: u16 = 0x4e4b;
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 pub const BODY_LEN: usize = BOOT_LEN;
 pub const LEN: usize = 16 + BODY_LEN;
 
@@ -50,11 +49,10 @@ const STAGE: u8 = 5;
 const STAGED: u8 = 6;
 const CONNECT: u8 = 7;
 const CONNECTED: u8 = 8;
-const POST: u8 = 9;
-const DONE: u8 = 10;
 const CLOSE: u8 = 11;
+const RING: u8 = 12;
 
-/// Opcodes a `POST` carries (`ibv_wr_opcode`).
+/// Opcodes a request of the rings carries (`ibv_wr_opcode`).
 pub const OP_WRITE: u32 = 0;
 pub const OP_READ: u32 = 4;
 
@@ -97,19 +95,14 @@ pub enum Message {
         id: u32,
         result: std::result::Result<(u32, Endpoint), u32>,
     },
-    Post(Post),
-    Done {
-        token: u32,
-        status: u32,
-        byte_len: u32,
-    },
+    Ring,
     Close {
         handle: u32,
     },
 }
 
-/// One work request through the agent: its bytes at `offset` of the
-/// staging region.
+/// One work request through the agent (an entry of the requests' ring):
+/// its bytes at `offset` of the staging region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Post {
     pub token: u32,
@@ -164,19 +157,7 @@ impl Message {
                 }
                 Err(errno) => (CONNECTED, id, errno, 0),
             },
-            Message::Post(p) => {
-                for (at, v) in [(16, p.handle), (20, p.opcode), (24, p.len), (28, p.rkey)] {
-                    out[at..at + 4].copy_from_slice(&v.to_le_bytes());
-                }
-                out[32..40].copy_from_slice(&p.offset.to_le_bytes());
-                out[40..48].copy_from_slice(&p.remote.to_le_bytes());
-                (POST, p.token, 0, 0)
-            }
-            Message::Done { token, status, byte_len } => {
-                out[16..20].copy_from_slice(&status.to_le_bytes());
-                out[20..24].copy_from_slice(&byte_len.to_le_bytes());
-                (DONE, token, 0, 0)
-            }
+            Message::Ring => (RING, 0, 0, 0),
             Message::Close { handle } => {
                 out[16..20].copy_from_slice(&handle.to_le_bytes());
                 (CLOSE, 0, 0, 0)
@@ -266,21 +247,10 @@ impl Message {
                     Message::Connected { id, result: Ok((flags, endpoint)) }
                 }
             }
-            POST => {
-                quiet(0, status, flags)?;
-                let (handle, opcode, len, rkey) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
-                if opcode != OP_READ && opcode != OP_WRITE {
-                    return Err(EBADMSG);
-                }
-                let (offset, remote) = (r.u64()?, r.u64()?);
+            RING => {
+                quiet(id, status, flags)?;
                 r.finish_zeroed()?;
-                Message::Post(Post { token: id, handle, opcode, len, rkey, offset, remote })
-            }
-            DONE => {
-                quiet(0, status, flags)?;
-                let (wc_status, byte_len) = (r.u32()?, r.u32()?);
-                r.finish_zeroed()?;
-                Message::Done { token: id, status: wc_status, byte_len }
+                Message::Ring
             }
             CLOSE => {
                 quiet(id, status, flags)?;
@@ -333,10 +303,7 @@ mod tests {
             Message::Connect { id: 12, key },
             Message::Connected { id: 12, result: Ok((7, endpoint())) },
             Message::Connected { id: 13, result: Err(libc::ECONNREFUSED as u32) },
-            Message::Post(Post { token: 14, handle: 7, opcode: OP_READ, len: 64, rkey: 0x1234, offset: 4096, remote: u64::MAX }),
-            Message::Post(Post { token: 15, handle: 7, opcode: OP_WRITE, len: 0, rkey: 1, offset: 0, remote: 0 }),
-            Message::Done { token: 14, status: 0, byte_len: 64 },
-            Message::Done { token: 15, status: 5, byte_len: 0 },
+            Message::Ring,
             Message::Close { handle: 7 },
         ]
     }
@@ -376,9 +343,9 @@ mod tests {
         let mut h = hello;
         h[4] = 1;
         assert_eq!(Message::decode(&h), Err(EBADMSG), "an id on a hello");
-        let mut p = Message::Post(Post { token: 1, handle: 1, opcode: OP_READ, len: 8, rkey: 1, offset: 0, remote: 0 }).encode();
+        let mut p = Message::Ring.encode();
         p[20] = 2;
-        assert_eq!(Message::decode(&p), Err(EBADMSG), "an opcode the agent does not carry");
+        assert_eq!(Message::decode(&p), Err(EBADMSG), "a doorbell with a body");
         let mut c = Message::Connected { id: 1, result: Err(5) }.encode();
         c[12] = 1;
         assert_eq!(Message::decode(&c), Err(EBADMSG), "a handle with an error");

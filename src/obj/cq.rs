@@ -128,12 +128,18 @@ impl Cq {
                 let soft = CqSoft::new(self.ibv.cqe.max(1) as u32, self.real)?;
                 // Armed before its first VQP (pyverbs' tests, perftest):
                 // that VQP's first completion must raise the event.
-                if self.app_armed.load(std::sync::atomic::Ordering::Acquire) {
+                if self.app_armed.load(std::sync::atomic::Ordering::Acquire) && self.evented() {
                     soft.arm();
                 }
                 Ok(std::sync::Arc::new(soft))
             })
             .cloned()
+    }
+
+    /// Whether the CQ has a completion channel: an event can be raised
+    /// (without one, arming it makes no notifier).
+    pub fn evented(&self) -> bool {
+        !self.real_channel.is_null()
     }
 
     /// The real CQ receives our event notifications (see `CqSoft`). A small
@@ -146,7 +152,10 @@ impl Cq {
         const ROOM: c_int = 64;
         // SAFETY: the real CQ is live.
         let cqe = unsafe { (*self.real).cqe };
-        if cqe >= ROOM {
+        // Without a completion channel no event is ever raised: nothing
+        // to make room for (a resize is a kernel command, milliseconds in
+        // front of a new process's first VQP).
+        if cqe >= ROOM || !self.evented() {
             return;
         }
         match call_real!(ibv_resize_cq(self.real, ROOM)) {
@@ -171,6 +180,8 @@ impl Cq {
             } else {
                 &mut []
             };
+            // Work through the host's agent completes into the queue.
+            crate::transport::agent::poll();
             // What was queued before this poll comes first: progress then
             // delivers behind it, into the queue.
             let direct = {

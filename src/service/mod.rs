@@ -73,7 +73,7 @@ const TX_TAG: u64 = 1 << 63;
 /// See [`Service::on_link_wanted`].
 pub type LinkWanted = Box<dyn Fn(&Endpoint, &Path) -> bool + Send + Sync>;
 
-/// Sizes of the service endpoint and its links.
+/// Sizes of the service endpoint and its links, and how its start runs.
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
     /// QPs kept in INIT for new links.
@@ -88,6 +88,9 @@ pub struct Options {
     pub max_ahs: usize,
     /// `KRCORE_LINK_WINDOW_BYTES`: our receive window on each link.
     pub window: u32,
+    /// Called between the start's steps (each milliseconds of QP commands
+    /// or registrations): a start in the background may wait there.
+    pub between_steps: fn(),
 }
 
 impl Default for Options {
@@ -100,6 +103,7 @@ impl Default for Options {
             max_gid_links: cfg.max_gid_links,
             max_ahs: cfg.max_ahs,
             window: cfg.link_window,
+            between_steps: || {},
         }
     }
 }
@@ -322,11 +326,13 @@ impl Service {
         }
         ud.ud_ready()?;
         crate::kmark!("service: UD CQ and QP (RTS) made");
+        (opts.between_steps)();
         let mtu = port_mtu(dev);
         let ud_slot = GRH + mtu.max(LINK_LEN);
         let ud_bufs = Region::new(dev, UD_RECVS * ud_slot, rdma::LOCAL_WRITE)?;
         let tx = Tx { cq: tx_cq, bufs: Region::new(dev, UD_SENDS * mtu, rdma::LOCAL_WRITE)?, free: (0..UD_SENDS as u32).collect() };
         crate::kmark!("service: UD buffers registered");
+        (opts.between_steps)();
         let incarnation = rdma::random_u64();
         // SAFETY: plain syscall.
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };

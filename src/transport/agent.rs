@@ -6,10 +6,12 @@
 //! process is attached): a connection of its own to the agent, and a
 //! staging region the agent made and registered before it was asked for
 //! (a memfd, passed with `STAGED`), mapped here. A work request takes a
-//! slot of the region: a WRITE's bytes are copied in before its `POST`, a
-//! READ's copied out when its `DONE` comes back. A thread of its own, asleep in `recv`,
-//! takes the agent's answers and hands each completion to the VQP that
-//! posted it ([`User`]). Should the agent go (its connection closes),
+//! slot of the region: a WRITE's bytes are copied in before the request
+//! goes into the region's ring (`crate::node::ring`), a READ's copied out
+//! when its completion comes back in the other ring. A thread of its own
+//! takes the completions and the agent's answers (asleep in `recv` when
+//! there are none: the agent rings its doorbell then) and hands each
+//! completion to the VQP that posted it ([`User`]). Should the agent go (its connection closes),
 //! everything outstanding completes with `IBV_WC_RETRY_EXC_ERR`, as work on
 //! an RC QP whose peer went, and the path is not used again.
 
@@ -19,12 +21,13 @@ use crate::log::Level;
 use crate::meta::Key;
 use crate::node::client::{pid, release_in_child};
 use crate::node::proto::{Message, Post};
+use crate::node::ring::Rings;
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The largest work request the path carries (a larger one waits for the
 /// process's own runtime).
@@ -32,6 +35,9 @@ pub const SLOT: usize = 16 << 10;
 const SLOTS: usize = 64;
 /// 1 MiB: the region the agent registered for a process before it asked.
 pub const STAGING: usize = SLOT * SLOTS;
+/// The region as mapped: its slots, then its rings.
+const MAPPED: usize = STAGING + crate::node::ring::LEN;
+const _: () = assert!(SLOTS == crate::node::ring::SLOTS);
 /// Work requests one VQP keeps outstanding on the path (the agent's VQP
 /// holds more).
 pub const WINDOW: usize = 16;
@@ -47,6 +53,12 @@ type Connected = std::result::Result<(u32, crate::meta::Endpoint), u32>;
 pub struct AgentPath {
     fd: OwnedFd,
     map: *mut u8,
+    rings: Rings,
+    /// The requests published (and the lock of publishing).
+    req_head: Mutex<u32>,
+    /// The completions taken (and the lock of taking them, so that they
+    /// are delivered in order).
+    done_tail: Mutex<u32>,
     free: Mutex<Vec<u16>>,
     /// Work outstanding: token -> who posted it.
     pending: Mutex<HashMap<u32, Weak<dyn User>>>,
@@ -65,6 +77,68 @@ unsafe impl Send for AgentPath {}
 unsafe impl Sync for AgentPath {}
 
 static PATH: Mutex<Option<Arc<AgentPath>>> = Mutex::new(None);
+
+/// The process's first work through the agent, which its runtime's start
+/// in the background gives way to: on a host short of CPUs the start's
+/// steps (QP commands, registrations: milliseconds each) otherwise delay
+/// the agent's answers and the application's thread that waits for them.
+struct FirstWork {
+    pid: libc::pid_t,
+    /// When the first `CONNECT` went out.
+    since: Option<Instant>,
+    /// Its first completion came, the path went, or a caller needs the
+    /// runtime now: the start no longer waits.
+    over: bool,
+}
+static FIRST_WORK: Mutex<FirstWork> = Mutex::new(FirstWork { pid: 0, since: None, over: false });
+static FIRST_WORK_CHANGED: Condvar = Condvar::new();
+/// The longest a background start gives way (the own link is asked for
+/// this long after a connect at the latest, too).
+const GIVE_WAY: Duration = Duration::from_millis(200);
+
+/// Between the steps of a runtime's start in the background: wait while
+/// the process's first work through the agent is under way (from its
+/// first `CONNECT` until its first completion, at most [`GIVE_WAY`]).
+pub fn give_way() {
+    let mut w = FIRST_WORK.lock();
+    fresh(&mut w);
+    while !w.over {
+        let Some(since) = w.since else { return };
+        crate::kmark!("node: the runtime's start gives way to the first work");
+        if FIRST_WORK_CHANGED.wait_until(&mut w, since + GIVE_WAY).timed_out() {
+            return;
+        }
+    }
+}
+
+/// A forked child's own record, not its parent's.
+fn fresh(w: &mut FirstWork) {
+    if w.pid != pid() {
+        *w = FirstWork { pid: pid(), since: None, over: false };
+    }
+}
+
+fn first_work_begun() {
+    let mut w = FIRST_WORK.lock();
+    fresh(&mut w);
+    if w.since.is_none() {
+        w.since = Some(Instant::now());
+    }
+}
+
+/// The first work through the agent is over (or a caller needs the
+/// runtime now): a start that gave way goes on.
+pub fn first_work_over() {
+    let mut w = FIRST_WORK.lock();
+    fresh(&mut w);
+    if !w.over {
+        w.over = true;
+        FIRST_WORK_CHANGED.notify_all();
+    }
+}
+/// Work requests outstanding on the path (a poll of a CQ looks for their
+/// completions itself while there are any).
+static OUTSTANDING: AtomicUsize = AtomicUsize::new(0);
 /// Made once per process: a failure is not tried again.
 static TRIED: Mutex<Option<libc::pid_t>> = Mutex::new(None);
 
@@ -72,6 +146,8 @@ extern "C" fn in_forked_child() {
     // The path found then is the parent's, replaced at the next use.
     release_in_child(&PATH);
     release_in_child(&TRIED);
+    release_in_child(&FIRST_WORK);
+    OUTSTANDING.store(0, Ordering::Relaxed);
 }
 
 impl AgentPath {
@@ -123,15 +199,21 @@ impl AgentPath {
             (Message::Staged { status, .. }, _) if status != 0 => return Err(Errno(status as i32)),
             _ => return Err(Errno(libc::EPROTO)),
         };
-        // SAFETY: a shared mapping of the agent's region, for the path's life.
+        // SAFETY: a shared mapping of the agent's region (its slots, then
+        // its rings), for the path's life.
         let map =
-            unsafe { libc::mmap(std::ptr::null_mut(), STAGING, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, mem.as_raw_fd(), 0) };
+            unsafe { libc::mmap(std::ptr::null_mut(), MAPPED, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, mem.as_raw_fd(), 0) };
         if map == libc::MAP_FAILED {
             return Err(Errno::last());
         }
+        let map: *mut u8 = map.cast();
         let path = Arc::new(AgentPath {
             fd,
-            map: map.cast(),
+            map,
+            // SAFETY: the rings follow the slots in the mapping (page aligned).
+            rings: unsafe { Rings::at(map.add(STAGING)) },
+            req_head: Mutex::new(0),
+            done_tail: Mutex::new(0),
             free: Mutex::new((0..SLOTS as u16).rev().collect()),
             pending: Mutex::new(HashMap::new()),
             answers: Mutex::new(HashMap::new()),
@@ -150,6 +232,7 @@ impl AgentPath {
     /// the agent found there (looked up fresh).
     pub fn connect(&self, key: &Key) -> Result<(u32, crate::meta::Endpoint)> {
         let id = self.token();
+        first_work_begun();
         crate::node::client::send(&self.fd, &Message::Connect { id, key: *key })?;
         let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
         let mut a = self.answers.lock();
@@ -196,20 +279,60 @@ impl AgentPath {
         if self.dead.load(Ordering::Acquire) {
             return Err(Errno(libc::ECONNRESET));
         }
-        self.pending.lock().insert(post.token, user);
-        let r = crate::node::client::send(&self.fd, &Message::Post(Post { offset: (slot as usize * SLOT) as u64, ..post }));
-        if r.is_err() {
-            self.pending.lock().remove(&post.token);
+        self.pending_mut(|p| {
+            p.insert(post.token, user);
+        });
+        let mut head = self.req_head.lock();
+        if self.rings.push_request(&mut head, &Post { offset: (slot as usize * SLOT) as u64, ..post }) {
+            // The agent sleeps: its doorbell. (Failing, the agent is gone:
+            // the reader fails the request with the rest.)
+            crate::kmark!("node: path: doorbell");
+            let _ = crate::node::client::send(&self.fd, &Message::Ring);
         }
-        r
+        drop(head);
+        // The agent went meanwhile, after the reader failed what was
+        // outstanding: this one was not among them.
+        if self.dead.load(Ordering::Acquire) && self.pending_mut(|p| p.remove(&post.token)).is_some() {
+            return Err(Errno(libc::ECONNRESET));
+        }
+        Ok(())
+    }
+
+    /// Hand the completions the agent published to their VQPs, in order
+    /// (Err: the ring is broken).
+    fn deliver(&self) -> std::result::Result<(), crate::node::ring::Broken> {
+        self.deliver_from(&mut self.done_tail.lock())
+    }
+
+    fn deliver_from(&self, tail: &mut u32) -> std::result::Result<(), crate::node::ring::Broken> {
+        for d in self.rings.take_done(tail)? {
+            crate::kmark!("node: path: completion {} taken", d.token);
+            let user = self.pending_mut(|p| p.remove(&d.token)).and_then(|w| w.upgrade());
+            if let Some(u) = user {
+                u.done(d.token, d.status, d.byte_len);
+            }
+            first_work_over();
+        }
+        Ok(())
     }
 
     /// Forget `tokens` (their VQP went: no completion for them).
     pub fn forget(&self, tokens: impl Iterator<Item = u32>) {
+        self.pending_mut(|p| tokens.for_each(|t| drop(p.remove(&t))));
+    }
+
+    /// Change the outstanding work, counted for [`poll`].
+    fn pending_mut<T>(&self, f: impl FnOnce(&mut HashMap<u32, Weak<dyn User>>) -> T) -> T {
         let mut p = self.pending.lock();
-        for t in tokens {
-            p.remove(&t);
+        let before = p.len();
+        let r = f(&mut p);
+        let after = p.len();
+        if after > before {
+            OUTSTANDING.fetch_add(after - before, Ordering::Relaxed);
+        } else if before > after {
+            OUTSTANDING.fetch_sub(before - after, Ordering::Relaxed);
         }
+        r
     }
 
     pub fn close(&self, handle: u32) {
@@ -224,12 +347,27 @@ impl AgentPath {
 impl Drop for AgentPath {
     fn drop(&mut self) {
         // SAFETY: our mapping, once.
-        unsafe { libc::munmap(self.map.cast(), STAGING) };
+        unsafe { libc::munmap(self.map.cast(), MAPPED) };
     }
 }
 
-/// The reader thread: the agent's answers until its connection closes
-/// (or the path is dropped), then every outstanding work request fails.
+/// A poll of an application's CQ: while work through the agent is
+/// outstanding, take the completions the agent published on the polling
+/// thread, unless another thread is at it (the reader thread otherwise
+/// wakes for them, a wake-up the application waits behind).
+pub fn poll() {
+    if OUTSTANDING.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let Some(p) = PATH.try_lock().and_then(|g| g.clone()) else { return };
+    let Some(mut tail) = p.done_tail.try_lock() else { return };
+    // A broken ring: the reader finds it too, and fails the rest.
+    let _ = p.deliver_from(&mut tail);
+}
+
+/// The reader thread: the completions and the agent's answers until its
+/// connection closes (or the path is dropped), then every outstanding work
+/// request fails.
 fn read_answers(path: Weak<AgentPath>) {
     let fd = match path.upgrade() {
         // SAFETY: dup of a live descriptor; owned below.
@@ -241,37 +379,54 @@ fn read_answers(path: Weak<AgentPath>) {
     }
     // SAFETY: the new descriptor from dup, owned here.
     let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-    let far = Instant::now() + std::time::Duration::from_secs(1 << 30);
+    let far = Instant::now() + Duration::from_secs(1 << 30);
     loop {
+        {
+            let Some(p) = path.upgrade() else { return };
+            if p.deliver().is_err() {
+                return p.fail_all("its completions' ring broken");
+            }
+            // About to sleep: say so, then look once more (a completion
+            // published meanwhile was not followed by the doorbell).
+            p.rings.set_reader_asleep(true);
+            if p.rings.done_after(*p.done_tail.lock()) {
+                p.rings.set_reader_asleep(false);
+                continue;
+            }
+        }
         let m = crate::node::client::receive(&fd, far);
         let Some(p) = path.upgrade() else { return };
+        p.rings.set_reader_asleep(false);
         match m {
-            Ok(Message::Done { token, status, byte_len }) => {
-                crate::kmark!("node: path: DONE {token} received");
-                let user = p.pending.lock().remove(&token).and_then(|w| w.upgrade());
-                if let Some(u) = user {
-                    u.done(token, status, byte_len);
-                }
-            }
+            Ok(Message::Ring) => {}
             Ok(Message::Connected { id, result }) => {
                 crate::kmark!("node: path: CONNECTED {id} received");
                 p.answers.lock().insert(id, result);
                 p.answered.notify_all();
             }
             r => {
-                klog!(Level::Warn, "node: the agent's path closed ({r:?}): its outstanding work fails");
-                p.dead.store(true, Ordering::Release);
-                p.answered.notify_all();
-                let mut all: Vec<(u32, Weak<dyn User>)> = p.pending.lock().drain().collect();
-                // In the order they were posted (tokens grow; a VQP's
-                // completions are delivered in order).
-                all.sort_unstable_by_key(|(token, _)| token.wrapping_sub(p.next.load(Ordering::Relaxed)));
-                for (token, w) in all {
-                    if let Some(u) = w.upgrade() {
-                        u.done(token, crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR, 0);
-                    }
-                }
-                return;
+                // What the agent published before it went is delivered.
+                let _ = p.deliver();
+                return p.fail_all(&format!("{r:?}"));
+            }
+        }
+    }
+}
+
+impl AgentPath {
+    /// The agent went: everything outstanding fails, in the order it was
+    /// posted, and the path is not used again.
+    fn fail_all(&self, why: &str) {
+        klog!(Level::Warn, "node: the agent's path closed ({why}): its outstanding work fails");
+        self.dead.store(true, Ordering::Release);
+        self.answered.notify_all();
+        first_work_over();
+        let mut all: Vec<(u32, Weak<dyn User>)> = self.pending_mut(|p| p.drain().collect());
+        // Tokens grow; a VQP's completions are delivered in order.
+        all.sort_unstable_by_key(|(token, _)| token.wrapping_sub(self.next.load(Ordering::Relaxed)));
+        for (token, w) in all {
+            if let Some(u) = w.upgrade() {
+                u.done(token, crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR, 0);
             }
         }
     }

@@ -45,6 +45,22 @@ impl Runtime {
         if let Some(rt) = of(pd as usize) {
             return Ok(rt);
         }
+        // Needed now: a start in the background stops giving way to the
+        // first work through the agent.
+        crate::transport::agent::first_work_over();
+        // SAFETY: caller contract.
+        unsafe { Runtime::get_or_start_in_background(ctx, pd, gid_index) }
+    }
+
+    /// [`Self::get_or_start`] on a thread of our own: the start gives way
+    /// to the first work through the agent (`transport::agent::give_way`).
+    ///
+    /// # Safety
+    /// As [`Self::get_or_start`].
+    unsafe fn get_or_start_in_background(ctx: *mut ibv_context, pd: *mut ibv_pd, gid_index: Option<u32>) -> Result<Arc<Runtime>> {
+        if let Some(rt) = of(pd as usize) {
+            return Ok(rt);
+        }
         let gate = Arc::clone(STARTS.lock().get_or_insert_with(HashMap::new).entry(pd as usize).or_default());
         let _one_start = gate.lock();
         if let Some(rt) = of(pd as usize) {
@@ -84,7 +100,7 @@ pub fn start_soon(ctx: *mut ibv_context, pd: *mut ibv_pd) {
     let body = move || {
         // SAFETY: the PD and its context outlive this thread:
         // ibv_dealloc_pd and ibv_close_device join it first.
-        match unsafe { Runtime::get_or_start(c as *mut ibv_context, p as *mut ibv_pd, None) } {
+        match unsafe { Runtime::get_or_start_in_background(c as *mut ibv_context, p as *mut ibv_pd, None) } {
             Ok(_) => {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_RUNTIMES_PRESTARTED);
                 crate::kmark!("runtime: started in the background");

@@ -652,7 +652,12 @@ impl Runtime {
         }
         let own_meta = crate::config::get().virtualize != crate::config::Virtualize::Off || !attached;
         let meta_start = if own_meta { start_meta(&dev, gi) } else { None };
-        let svc = Service::start(&dev, gi, service::Options::default())?;
+        // A start in the background gives way to the process's first work
+        // through the agent between its steps (none when started for a
+        // caller: it asked for the runtime, which ended the giving way).
+        let give_way = crate::transport::agent::give_way;
+        give_way();
+        let svc = Service::start(&dev, gi, service::Options { between_steps: give_way, ..Default::default() })?;
         // What only links use (header arena, scratch, probe buffer) is
         // made with the links' side, in the background (`prepare_links`):
         // the first operations go on the datagram tier without them.
@@ -1205,6 +1210,7 @@ impl Runtime {
         }
         let weak = Arc::downgrade(self);
         let body = move || {
+            crate::transport::agent::give_way();
             let Some(rt) = weak.upgrade() else { return };
             if let Err(e) = rt.receive_side() {
                 klog!(Level::Warn, "vqp: the links' side and receive buffers: {e:?} (tried again by the next link)");
