@@ -9,7 +9,8 @@
  * - the socket is its user's only (mode 0600), and a process of another
  *   user cannot attach;
  * - a process that sends a malformed message is dropped, and the agent
- *   serves the next one;
+ *   serves the next one; so is one that breaks its staging region's ring
+ *   (a head far beyond its bound, then the doorbell);
  * - the agent killed with SIGKILL: a process attached to it looks up by
  *   itself at its next qconnect (node_fallbacks 1, its own meta
  *   connection) and moves data; a new process finds no agent and works
@@ -34,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -441,6 +443,74 @@ static void malformed_is_dropped(void)
 	ct_pass();
 }
 
+/* One message of the agent's protocol (docs/node.md, "Protocol"): 144
+ * bytes, magic "KN", version 3, `kind`, a body of a u64 at 16. */
+enum { NODE_MSG = 144, NODE_HELLO = 1, NODE_WELCOME = 2, NODE_STAGE = 5, NODE_STAGED = 6, NODE_RING = 12 };
+enum { STAGING = 1 << 20, RINGS = 8192 };
+
+static void node_send(int fd, int kind, uint64_t body)
+{
+	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, 3, (unsigned char)kind };
+
+	memcpy(m + 16, &body, sizeof(body));
+	CT_CHECK(send(fd, m, sizeof(m), 0) == (ssize_t)sizeof(m), "send kind %d: %s", kind, strerror(errno));
+}
+
+/* The next message of the agent (its kind) and the descriptor passed with
+ * it, if any. */
+static int node_recv(int fd, int *passed)
+{
+	unsigned char m[NODE_MSG];
+	char cbuf[CMSG_SPACE(sizeof(int))];
+	struct iovec io = { .iov_base = m, .iov_len = sizeof(m) };
+	struct msghdr h = { .msg_iov = &io, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof(cbuf) };
+	struct pollfd pfd = { .fd = fd, .events = POLLIN };
+	struct cmsghdr *c;
+
+	CT_CHECK(poll(&pfd, 1, 10000) == 1, "no answer from the agent within 10 s");
+	CT_CHECK(recvmsg(fd, &h, 0) == (ssize_t)sizeof(m), "recvmsg: %s", strerror(errno));
+	c = CMSG_FIRSTHDR(&h);
+	if (passed)
+		*passed = c && c->cmsg_type == SCM_RIGHTS ? *(int *)(void *)CMSG_DATA(c) : -1;
+	return m[3];
+}
+
+static void broken_ring_is_dropped(void)
+{
+	struct pollfd pfd;
+	unsigned char *map;
+	uint32_t head = 1000;
+	int fd, mem;
+	char c;
+
+	ct_begin("vqp_node: a process that breaks its ring is dropped, alone");
+	fd = raw_connect();
+	CT_CHECK(fd >= 0, "connect: %s", strerror(errno));
+	node_send(fd, NODE_HELLO, (uint64_t)getpid());
+	CT_CHECK(node_recv(fd, NULL) == NODE_WELCOME, "no WELCOME");
+	node_send(fd, NODE_STAGE, STAGING);
+	CT_CHECK(node_recv(fd, &mem) == NODE_STAGED && mem >= 0, "no STAGED with its region");
+	map = mmap(NULL, STAGING + RINGS, PROT_READ | PROT_WRITE, MAP_SHARED, mem, 0);
+	CT_CHECK(map != MAP_FAILED, "mmap: %s", strerror(errno));
+	/* The requests' head (the rings' first field), 1,000 ahead of the
+	 * agent's tail: more than the 64 the ring holds. */
+	memcpy(map + STAGING, &head, sizeof(head));
+	node_send(fd, NODE_RING, 0);
+	pfd.fd = fd;
+	pfd.events = POLLIN;
+	CT_CHECK(poll(&pfd, 1, 10000) == 1, "the agent kept a broken ring for 10 s");
+	{
+		ssize_t k = recv(fd, &c, 1, 0);
+
+		CT_CHECK(k == 0 || (k < 0 && errno == ECONNRESET), "the agent answered a broken ring: recv %zd (%s), kind %d",
+			 k, k < 0 ? strerror(errno) : "", k > 0 ? c : -1);
+	}
+	munmap(map, STAGING + RINGS);
+	close(mem);
+	close(fd);
+	ct_pass();
+}
+
 static int attach_and_wait(int ready_fd)
 {
 	if (krcore_node_attached() != 1)
@@ -536,6 +606,7 @@ int main(void)
 	fails += ct_run_child(other_user, "another user");
 	malformed_is_dropped();
 	fails += ct_run_child(attached_client, "attached client after junk");
+	broken_ring_is_dropped();
 	fails += ct_run_child(through_agent, "through the agent");
 	rkeys_kept_warm();
 	fails += ct_run_child(through_agent, "through the agent, its rkey kept warm");
