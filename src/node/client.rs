@@ -143,23 +143,25 @@ fn connect(path: &std::path::Path) -> std::result::Result<Attached, String> {
         unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
     });
     crate::kmark!("node: attaching");
-    let fd = open(path)?;
+    let fd = open(path, None)?;
     crate::kmark!("node: attached");
     Ok(Attached { fd, pid: pid(), next_id: 0 })
 }
 
 /// A second connection to the agent this process is attached to (the
-/// data path's: `transport::agent`), welcomed. None when not attached.
-pub fn open_another() -> Option<OwnedFd> {
+/// data path's: `transport::agent`), welcomed, `first` sent on it right
+/// after the `HELLO` (one round trip for both). None when not attached.
+pub fn open_another(first: &Message) -> Option<OwnedFd> {
     let path = crate::config::get().node.as_ref()?;
     if !attach() {
         return None;
     }
-    open(path).inspect_err(|why| klog!(Level::Info, "node: a second connection to the agent: {why}")).ok()
+    open(path, Some(first)).inspect_err(|why| klog!(Level::Info, "node: a second connection to the agent: {why}")).ok()
 }
 
-/// A connection to the agent at `path`, its user checked, welcomed.
-fn open(path: &std::path::Path) -> std::result::Result<OwnedFd, String> {
+/// A connection to the agent at `path`, its user checked, welcomed
+/// (`first` sent behind the `HELLO`, its answer left to the caller).
+fn open(path: &std::path::Path, first: Option<&Message>) -> std::result::Result<OwnedFd, String> {
     let fd = seqpacket().map_err(|e| format!("socket: {e:?}"))?;
     let (addr, len) = unix_addr(path).map_err(|e| format!("{e:?}"))?;
     // SAFETY: `addr` is a live sockaddr_un of `len` bytes.
@@ -173,6 +175,9 @@ fn open(path: &std::path::Path) -> std::result::Result<OwnedFd, String> {
     }
     let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
     send(&fd, &Message::Hello { pid: pid() as u32 }).map_err(|e| format!("hello: {e:?}"))?;
+    if let Some(m) = first {
+        send(&fd, m).map_err(|e| format!("{m:?}: {e:?}"))?;
+    }
     let Message::Welcome { fingerprint, .. } = receive(&fd, deadline).map_err(|e| format!("welcome: {e:?}"))? else {
         return Err("no welcome".into());
     };

@@ -191,8 +191,7 @@ impl AgentPath {
             unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
         });
         crate::kmark!("node: path: opening");
-        let fd = crate::node::client::open_another().ok_or(Errno(libc::ENOTCONN))?;
-        crate::node::client::send(&fd, &Message::Stage { len: STAGING as u64 })?;
+        let fd = crate::node::client::open_another(&Message::Stage { len: STAGING as u64 }).ok_or(Errno(libc::ENOTCONN))?;
         let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
         let mem = match crate::node::client::receive_with_fd(&fd, deadline)? {
             (Message::Staged { status: 0, len }, Some(mem)) if len == STAGING as u64 => mem,
