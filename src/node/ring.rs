@@ -38,6 +38,17 @@ const DONE_LEN: usize = 16;
 pub const LEN: usize = 8192;
 const _: () = assert!(DONE_AT + SLOTS * DONE_LEN <= LEN);
 
+/// Where one ring lies: its head, its entries and their length.
+struct RingAt {
+    head: usize,
+    entries: usize,
+    len: usize,
+}
+const REQUESTS: RingAt = RingAt { head: 0, entries: REQ_AT, len: REQ_LEN };
+const DONES: RingAt = RingAt { head: 128, entries: DONE_AT, len: DONE_LEN };
+const AGENT_AWAKE: usize = 64;
+const READER_ASLEEP: usize = 192;
+
 /// A completion: the request's token, the work completion's status and
 /// byte_len.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,98 +93,96 @@ impl Rings {
         unsafe { &*(self.at.add(off) as *const AtomicU64) }
     }
 
+    /// Publish entry number `*head` of `ring` (written by `write` at its
+    /// offset); whether the other side's flag at `flag_at` says it sleeps
+    /// (`sleeps_when`).
+    fn publish(&self, ring: &RingAt, head: &mut u32, flag_at: usize, sleeps_when: u32, write: impl FnOnce(usize)) -> bool {
+        write(ring.entries + (*head as usize % SLOTS) * ring.len);
+        *head = head.wrapping_add(1);
+        self.u32(ring.head).store(*head, Ordering::Release);
+        fence(Ordering::SeqCst);
+        self.u32(flag_at).load(Ordering::Relaxed) == sleeps_when
+    }
+
+    /// The entries of `ring` after `*tail` (at most [`SLOTS`]), each read
+    /// by `read` at its offset.
+    fn take<T>(&self, ring: &RingAt, tail: &mut u32, read: impl Fn(usize) -> T) -> Result<Vec<T>, Broken> {
+        let head = self.u32(ring.head).load(Ordering::Acquire);
+        let n = head.wrapping_sub(*tail) as usize;
+        if n > SLOTS {
+            return Err(Broken);
+        }
+        let out = (0..n).map(|k| read(ring.entries + (tail.wrapping_add(k as u32) as usize % SLOTS) * ring.len)).collect();
+        *tail = head;
+        Ok(out)
+    }
+
     /// The process: publish `p` as request number `*head` (its own
     /// count). Whether the agent sleeps (ring the doorbell).
     pub fn push_request(&self, head: &mut u32, p: &Post) -> bool {
-        let e = REQ_AT + (*head as usize % SLOTS) * REQ_LEN;
-        for (i, v) in [p.token, p.handle, p.opcode, p.len, p.rkey].into_iter().enumerate() {
-            self.u32(e + 4 * i).store(v, Ordering::Relaxed);
-        }
-        self.u64(e + 24).store(p.offset, Ordering::Relaxed);
-        self.u64(e + 32).store(p.remote, Ordering::Relaxed);
-        *head = head.wrapping_add(1);
-        self.u32(0).store(*head, Ordering::Release);
-        fence(Ordering::SeqCst);
-        self.u32(64).load(Ordering::Relaxed) == 0
+        self.publish(&REQUESTS, head, AGENT_AWAKE, 0, |e| {
+            for (i, v) in [p.token, p.handle, p.opcode, p.len, p.rkey].into_iter().enumerate() {
+                self.u32(e + 4 * i).store(v, Ordering::Relaxed);
+            }
+            self.u64(e + 24).store(p.offset, Ordering::Relaxed);
+            self.u64(e + 32).store(p.remote, Ordering::Relaxed);
+        })
     }
 
     /// The agent: the requests after `*tail` (its own count), at most
     /// [`SLOTS`].
     pub fn take_requests(&self, tail: &mut u32) -> Result<Vec<Post>, Broken> {
-        let head = self.u32(0).load(Ordering::Acquire);
-        let n = head.wrapping_sub(*tail) as usize;
-        if n > SLOTS {
-            return Err(Broken);
-        }
-        let out = (0..n)
-            .map(|k| {
-                let e = REQ_AT + (tail.wrapping_add(k as u32) as usize % SLOTS) * REQ_LEN;
-                let f = |i: usize| self.u32(e + 4 * i).load(Ordering::Relaxed);
-                Post {
-                    token: f(0),
-                    handle: f(1),
-                    opcode: f(2),
-                    len: f(3),
-                    rkey: f(4),
-                    offset: self.u64(e + 24).load(Ordering::Relaxed),
-                    remote: self.u64(e + 32).load(Ordering::Relaxed),
-                }
-            })
-            .collect();
-        *tail = head;
-        Ok(out)
+        self.take(&REQUESTS, tail, |e| {
+            let f = |i: usize| self.u32(e + 4 * i).load(Ordering::Relaxed);
+            Post {
+                token: f(0),
+                handle: f(1),
+                opcode: f(2),
+                len: f(3),
+                rkey: f(4),
+                offset: self.u64(e + 24).load(Ordering::Relaxed),
+                remote: self.u64(e + 32).load(Ordering::Relaxed),
+            }
+        })
     }
 
     /// The agent: publish `d` as completion number `*head`. Whether the
     /// process's reader sleeps (ring the doorbell).
     pub fn push_done(&self, head: &mut u32, d: Done) -> bool {
-        let e = DONE_AT + (*head as usize % SLOTS) * DONE_LEN;
-        for (i, v) in [d.token, d.status, d.byte_len].into_iter().enumerate() {
-            self.u32(e + 4 * i).store(v, Ordering::Relaxed);
-        }
-        *head = head.wrapping_add(1);
-        self.u32(128).store(*head, Ordering::Release);
-        fence(Ordering::SeqCst);
-        self.u32(192).load(Ordering::Relaxed) != 0
+        self.publish(&DONES, head, READER_ASLEEP, 1, |e| {
+            for (i, v) in [d.token, d.status, d.byte_len].into_iter().enumerate() {
+                self.u32(e + 4 * i).store(v, Ordering::Relaxed);
+            }
+        })
     }
 
     /// The process: the completions after `*tail`.
     pub fn take_done(&self, tail: &mut u32) -> Result<Vec<Done>, Broken> {
-        let head = self.u32(128).load(Ordering::Acquire);
-        let n = head.wrapping_sub(*tail) as usize;
-        if n > SLOTS {
-            return Err(Broken);
-        }
-        let out = (0..n)
-            .map(|k| {
-                let e = DONE_AT + (tail.wrapping_add(k as u32) as usize % SLOTS) * DONE_LEN;
-                let f = |i: usize| self.u32(e + 4 * i).load(Ordering::Relaxed);
-                Done { token: f(0), status: f(1), byte_len: f(2) }
-            })
-            .collect();
-        *tail = head;
-        Ok(out)
+        self.take(&DONES, tail, |e| {
+            let f = |i: usize| self.u32(e + 4 * i).load(Ordering::Relaxed);
+            Done { token: f(0), status: f(1), byte_len: f(2) }
+        })
     }
 
     /// Whether requests after `tail` wait.
     pub fn requests_after(&self, tail: u32) -> bool {
-        self.u32(0).load(Ordering::Acquire) != tail
+        self.u32(REQUESTS.head).load(Ordering::Acquire) != tail
     }
 
     /// Whether completions after `tail` wait.
     pub fn done_after(&self, tail: u32) -> bool {
-        self.u32(128).load(Ordering::Acquire) != tail
+        self.u32(DONES.head).load(Ordering::Acquire) != tail
     }
 
     /// The agent looks at the rings (`true`) or is about to sleep.
     pub fn set_agent_awake(&self, awake: bool) {
-        self.u32(64).store(awake as u32, Ordering::Relaxed);
+        self.u32(AGENT_AWAKE).store(awake as u32, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
     /// The process's reader is about to sleep (`true`) or reads again.
     pub fn set_reader_asleep(&self, asleep: bool) {
-        self.u32(192).store(asleep as u32, Ordering::Relaxed);
+        self.u32(READER_ASLEEP).store(asleep as u32, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 }
@@ -224,13 +233,13 @@ mod tests {
         let mut m = Mem([0; LEN]);
         let r = rings(&mut m);
         // What a process may write into its own rings: any head at all.
-        r.u32(0).store(SLOTS as u32 + 1, Ordering::Relaxed);
+        r.u32(REQUESTS.head).store(SLOTS as u32 + 1, Ordering::Relaxed);
         let mut tail = 0;
         assert_eq!(r.take_requests(&mut tail), Err(Broken));
         assert_eq!(tail, 0);
-        r.u32(0).store(u32::MAX, Ordering::Relaxed);
+        r.u32(REQUESTS.head).store(u32::MAX, Ordering::Relaxed);
         assert_eq!(r.take_requests(&mut tail), Err(Broken), "behind the tail is far ahead");
-        r.u32(128).store(SLOTS as u32 + 1, Ordering::Relaxed);
+        r.u32(DONES.head).store(SLOTS as u32 + 1, Ordering::Relaxed);
         assert_eq!(r.take_done(&mut tail), Err(Broken));
     }
 }
