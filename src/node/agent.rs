@@ -9,9 +9,9 @@
 //! a burst of new processes asking for one address costs one READ. Work
 //! requests come through the staging regions' rings (`super::ring`):
 //! after any, the thread keeps looking at the rings and at its VQPs'
-//! completions without sleeping for a moment ([`SPIN`], longer while
-//! work it carries is outstanding), so that a process's next request or
-//! the completion of what it carries needs no wake-up on either side.
+//! completions without sleeping for a moment ([`SPIN`]), so that a
+//! process's next request, or a completion that comes soon, needs no
+//! wake-up on either side.
 
 use super::proto::Message;
 use crate::error::{Errno, Result};
@@ -132,10 +132,11 @@ pub const SPARES: usize = 2;
 const IDLE_MS: i32 = 2;
 /// How long the loop keeps looking at the rings and its CQ after work
 /// came or completed, without sleeping (the agent may poll; a process
-/// never does) ...
+/// never does): short, because on a small host a polling agent takes a
+/// CPU from the processes it serves and from their peers (a burst of new
+/// processes then starves a server that must answer their first
+/// contacts).
 const SPIN: Duration = Duration::from_micros(200);
-/// ... and after work it carries went out, until its completion.
-const SPIN_OUTSTANDING: Duration = Duration::from_millis(2);
 
 /// What a process asked in one wake-up, answered after the reads.
 enum Asked {
@@ -284,12 +285,11 @@ impl Agent {
             if fds[0].revents & libc::POLLIN != 0 {
                 self.accept_all();
             }
-            let outstanding = self.processes.iter().filter_map(|p| p.staging.as_ref()).any(|s| s.outstanding > 0);
             if worked {
                 if !spinning {
                     self.set_awake(true);
                 }
-                spin_until = Some(Instant::now() + if outstanding { SPIN_OUTSTANDING } else { SPIN });
+                spin_until = Some(Instant::now() + SPIN);
             } else if n == 0 && !spinning {
                 self.refill_one();
             }
@@ -448,7 +448,6 @@ impl Agent {
         let Some(s) = p.staging.as_mut() else { return false };
         if s.post(post, wr_id).is_ok() {
             crate::kmark!("node: request {} posted", post.token);
-            s.outstanding += 1;
             return true;
         }
         let status = crate::sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR;
@@ -467,7 +466,6 @@ impl Agent {
             let Some(i) = self.processes.iter().position(|p| p.serial == serial) else { continue };
             let p = &mut self.processes[i];
             let Some(s) = p.staging.as_mut() else { continue };
-            s.outstanding = s.outstanding.saturating_sub(1);
             crate::kmark!("node: completion {} published", wr_id as u32);
             if s.push_done(super::ring::Done { token: wr_id as u32, status, byte_len }) && !send(p.fd.as_raw_fd(), &Message::Ring) {
                 gone.push(i);

@@ -224,8 +224,6 @@ pub struct Staging {
     next: u32,
     req_tail: u32,
     done_head: u32,
-    /// Requests posted whose completion was not published yet.
-    pub outstanding: usize,
 }
 
 // SAFETY: as `Verbs`.
@@ -233,7 +231,7 @@ unsafe impl Send for Staging {}
 
 impl Staging {
     pub fn new(region: Region) -> Staging {
-        Staging { region, qps: HashMap::new(), next: 1, req_tail: 0, done_head: 0, outstanding: 0 }
+        Staging { region, qps: HashMap::new(), next: 1, req_tail: 0, done_head: 0 }
     }
 
     /// A VQP of the agent's, connected to `key` (a `qconnect`): its handle

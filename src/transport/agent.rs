@@ -59,6 +59,10 @@ pub struct AgentPath {
     /// The completions taken (and the lock of taking them, so that they
     /// are delivered in order).
     done_tail: Mutex<u32>,
+    /// The turn to receive from the socket and act on what came: the
+    /// reader thread's, or a caller's that waits for its `CONNECTED` (it
+    /// takes its own answer: no second wake-up).
+    turn: Mutex<()>,
     free: Mutex<Vec<u16>>,
     /// Work outstanding: token -> who posted it.
     pending: Mutex<HashMap<u32, Weak<dyn User>>>,
@@ -213,6 +217,7 @@ impl AgentPath {
             rings: unsafe { Rings::at(map.add(STAGING)) },
             req_head: Mutex::new(0),
             done_tail: Mutex::new(0),
+            turn: Mutex::new(()),
             free: Mutex::new((0..SLOTS as u16).rev().collect()),
             pending: Mutex::new(HashMap::new()),
             answers: Mutex::new(HashMap::new()),
@@ -234,16 +239,54 @@ impl AgentPath {
         first_work_begun();
         crate::node::client::send(&self.fd, &Message::Connect { id, key: *key })?;
         let deadline = Instant::now() + crate::vqp::runtime::connect_timeout();
-        let mut a = self.answers.lock();
         loop {
-            if let Some(r) = a.remove(&id) {
+            // Our turn to receive: what comes meanwhile (another caller's
+            // answer, a doorbell) is acted on here too.
+            let _turn = self.turn.lock();
+            if let Some(r) = self.answers.lock().remove(&id) {
                 return r.map_err(|e| Errno(e as i32));
             }
             if self.dead.load(Ordering::Acquire) {
                 return Err(Errno(libc::ECONNRESET));
             }
-            if self.answered.wait_until(&mut a, deadline).timed_out() {
-                return Err(Errno(libc::ETIMEDOUT));
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !readable(&self.fd, left.as_millis().clamp(1, i32::MAX as u128) as i32) {
+                if Instant::now() >= deadline {
+                    return Err(Errno(libc::ETIMEDOUT));
+                }
+                continue;
+            }
+            self.pump();
+        }
+    }
+
+    /// Act on everything the agent sent (the caller has the turn): a
+    /// doorbell delivers the completions, an answer goes to its caller; a
+    /// hang-up or anything else fails the path.
+    fn pump(&self) {
+        use crate::node::agent::{receive, Received};
+        loop {
+            match receive(self.fd.as_raw_fd()) {
+                Received::Nothing => return,
+                Received::Message(Ok(Message::Ring), None) => {
+                    if self.deliver().is_err() {
+                        return self.fail_all("its completions' ring broken");
+                    }
+                }
+                Received::Message(Ok(Message::Connected { id, result }), None) => {
+                    crate::kmark!("node: path: CONNECTED {id} received");
+                    self.answers.lock().insert(id, result);
+                    self.answered.notify_all();
+                }
+                Received::Gone => {
+                    // What the agent published before it went is delivered.
+                    let _ = self.deliver();
+                    return self.fail_all("closed");
+                }
+                Received::Message(m, _) => {
+                    let _ = self.deliver();
+                    return self.fail_all(&format!("{m:?}"));
+                }
             }
         }
     }
@@ -366,7 +409,8 @@ pub fn poll() {
 
 /// The reader thread: the completions and the agent's answers until its
 /// connection closes (or the path is dropped), then every outstanding work
-/// request fails.
+/// request fails. Asleep in `poll` when there are none (the agent rings
+/// the doorbell then).
 fn read_answers(path: Weak<AgentPath>) {
     let fd = match path.upgrade() {
         // SAFETY: dup of a live descriptor; owned below.
@@ -378,10 +422,12 @@ fn read_answers(path: Weak<AgentPath>) {
     }
     // SAFETY: the new descriptor from dup, owned here.
     let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-    let far = Instant::now() + Duration::from_secs(1 << 30);
     loop {
         {
             let Some(p) = path.upgrade() else { return };
+            if p.dead.load(Ordering::Acquire) {
+                return;
+            }
             if p.deliver().is_err() {
                 return p.fail_all("its completions' ring broken");
             }
@@ -393,31 +439,32 @@ fn read_answers(path: Weak<AgentPath>) {
                 continue;
             }
         }
-        let m = crate::node::client::receive(&fd, far);
+        let woke = readable(&fd, -1);
         let Some(p) = path.upgrade() else { return };
         p.rings.set_reader_asleep(false);
-        match m {
-            Ok(Message::Ring) => {}
-            Ok(Message::Connected { id, result }) => {
-                crate::kmark!("node: path: CONNECTED {id} received");
-                p.answers.lock().insert(id, result);
-                p.answered.notify_all();
-            }
-            r => {
-                // What the agent published before it went is delivered.
-                let _ = p.deliver();
-                return p.fail_all(&format!("{r:?}"));
-            }
+        if woke {
+            let _turn = p.turn.lock();
+            p.pump();
         }
     }
+}
+
+/// Whether `fd` has something to read (or hung up) within `ms` (-1: no
+/// bound).
+fn readable(fd: &OwnedFd, ms: i32) -> bool {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, ms) > 0 }
 }
 
 impl AgentPath {
     /// The agent went: everything outstanding fails, in the order it was
     /// posted, and the path is not used again.
     fn fail_all(&self, why: &str) {
+        if self.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
         klog!(Level::Warn, "node: the agent's path closed ({why}): its outstanding work fails");
-        self.dead.store(true, Ordering::Release);
         self.answered.notify_all();
         first_work_over();
         let mut all: Vec<(u32, Weak<dyn User>)> = self.pending_mut(|p| p.drain().collect());
