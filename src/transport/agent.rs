@@ -68,7 +68,6 @@ pub struct AgentPath {
     pending: Mutex<HashMap<u32, Weak<dyn User>>>,
     /// Answers to `CONNECT`s, by request id.
     answers: Mutex<HashMap<u32, Connected>>,
-    answered: Condvar,
     next: AtomicU32,
     dead: AtomicBool,
     pid: libc::pid_t,
@@ -221,7 +220,6 @@ impl AgentPath {
             free: Mutex::new((0..SLOTS as u16).rev().collect()),
             pending: Mutex::new(HashMap::new()),
             answers: Mutex::new(HashMap::new()),
-            answered: Condvar::new(),
             next: AtomicU32::new(1),
             dead: AtomicBool::new(false),
             pid: pid(),
@@ -276,7 +274,6 @@ impl AgentPath {
                 Received::Message(Ok(Message::Connected { id, result }), None) => {
                     crate::kmark!("node: path: CONNECTED {id} received");
                     self.answers.lock().insert(id, result);
-                    self.answered.notify_all();
                 }
                 Received::Gone => {
                     // What the agent published before it went is delivered.
@@ -465,7 +462,6 @@ impl AgentPath {
             return;
         }
         klog!(Level::Warn, "node: the agent's path closed ({why}): its outstanding work fails");
-        self.answered.notify_all();
         first_work_over();
         let mut all: Vec<(u32, Weak<dyn User>)> = self.pending_mut(|p| p.drain().collect());
         // Tokens grow; a VQP's completions are delivered in order.
