@@ -44,13 +44,18 @@
  *    KRCORE_CONNECT_TIMEOUT_MS (250 in C) plus a margin, a qconnect to it
  *    fails with ETIMEDOUT (KRCORE_DGRAM=0: the handshake), or returns at
  *    once and a SEND on it completes with IBV_WC_RETRY_EXC_ERR (the
- *    datagram tier: no handshake); on the tier, a second VQP connected
+ *    datagram tier: no handshake; waited for while its binding stays,
+ *    so within the lease plus that timeout); on the tier, a second VQP connected
  *    to it but idle, once the process is taken for gone (counter
  *    peers_unreachable), gets IBV_WC_RETRY_EXC_ERR for its next SEND and
  *    a flush for the one behind (an RC QP's first WR after its peer
  *    died); the binding expires after the lease, not before, and C binds
  *    it;
- * 8. a new process (node 6) qconnects to (node 4, port) and reaches C.
+ * 8. a new process (node 6) qconnects to (node 4, port) and reaches C;
+ * 9. a process bound at (node 9, port) is stopped for 700 ms, less than
+ *    its lease (a process starved of CPU): C's SEND to it on the tier is
+ *    not failed after the connect timeout but waited for (its binding
+ *    looked up again: peers_vouched), and completes once it runs.
  *
  * "connect both ways at once": two processes (nodes 7 and 8), each bound,
  * qconnect to each other at the same moment, CROSS_ROUNDS times with new
@@ -555,7 +560,7 @@ static int client_a(int ready_fd)
 /* ---- client C: binding expiry ------------------------------------------- */
 
 static int victim_node, victim_port;
-static pid_t victims[2];
+static pid_t victims[3];
 static int rebound[2];		/* C tells the reacher that (node 4) is its */
 
 static int victim(int ready_fd)
@@ -670,8 +675,12 @@ static int client_c(void)
 			how = "qconnect failed with ETIMEDOUT";
 			ms = (double)(ct_now_ns() - t1) / 1e6;
 		}
-		CT_CHECK(ms >= 250 && ms < 250 + 1000, "a stopped process found not answering after %.0f ms", ms);
-		ct_note("a stopped process: %s after %.0f ms (connect timeout 250 ms)", how, ms);
+		/* On the tier, a peer that does not answer is waited for while
+		 * its binding stays (a process starved of CPU answers late): a
+		 * stopped one until its lease runs out, then the connect
+		 * timeout. */
+		CT_CHECK(ms >= 250 && ms < META_LEASE_MS + 250 + 1000, "a stopped process found not answering after %.0f ms", ms);
+		ct_note("a stopped process: %s after %.0f ms (connect timeout 250 ms, lease %d ms)", how, ms, META_LEASE_MS);
 		CT_OK(ibv_destroy_qp(probe));
 	}
 	stopped_ms = rebind(q5, 5, PORT + 2, t0);
@@ -683,6 +692,49 @@ static int client_c(void)
 	CT_CHECK(stopped_ms < META_LEASE_MS + 2000, "expired after %.0f ms", stopped_ms);
 	ct_note("binding gone %.1f ms after SIGKILL, %.0f ms after SIGSTOP (lease %d ms)",
 		killed_ms, stopped_ms, META_LEASE_MS);
+	ct_pass();
+
+	ct_begin("vqp_life: a process stopped for less than its lease is waited for");
+	{
+		/* A process starved of CPU (a burst of new processes on its
+		 * host) answers the datagram tier late: stopped for 700 ms
+		 * (its binding stays: renewed every 500 ms, gone 1000 ms after
+		 * the last renewal at the earliest), almost three connect
+		 * timeouts. The SEND is waited for, and lands once it runs. */
+		struct ibv_qp *slow = ct_create_vqp(&n.d, n.scq, n.rcq,
+						    (struct ct_qp_caps){ 1, 1, 1, 1, 0, 0 }, NULL);
+		uint64_t vouched = krcore_stat_get(KRCORE_STAT_PEERS_VOUCHED);
+		uint64_t unreachable = krcore_stat_get(KRCORE_STAT_PEERS_UNREACHABLE);
+		struct ibv_wc wc;
+		uint64_t t_stop, stopped_ns;
+
+		CT_OK(qconnect(slow, ct_node_gid(9), PORT + 3));
+		CT_CHECK(kill(victims[2], SIGSTOP) == 0, "SIGSTOP");
+		t_stop = ct_now_ns();
+		CT_OK(post_send_at(slow, &n, 70, 0, 8, IBV_SEND_SIGNALED));
+		/* Looked up, still bound: waited for (the SEND had failed after
+		 * one connect timeout). */
+		CT_KRCORE_STAT_WITHIN(KRCORE_STAT_PEERS_VOUCHED, >, vouched);
+		CT_CHECK(ibv_poll_cq(n.scq, 1, &wc) == 0, "the SEND completed while its peer was stopped: %s",
+			 ibv_wc_status_str(wc.status));
+		stopped_ns = ct_now_ns() - t_stop;
+		if (stopped_ns < 700 * 1000000ull)
+			usleep((useconds_t)((700 * 1000000ull - stopped_ns) / 1000));
+		CT_CHECK(ibv_poll_cq(n.scq, 1, &wc) == 0, "the SEND completed while its peer was stopped: %s",
+			 ibv_wc_status_str(wc.status));
+		stopped_ns = ct_now_ns() - t_stop;
+		CT_CHECK(kill(victims[2], SIGCONT) == 0, "SIGCONT");
+		ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
+		CT_CHECK(wc.wr_id == 70 && wc.status == IBV_WC_SUCCESS, "the SEND to a process stopped for %.0f ms: %s",
+			 (double)stopped_ns / 1e6, ibv_wc_status_str(wc.status));
+		CT_CHECK(krcore_stat_get(KRCORE_STAT_PEERS_UNREACHABLE) == unreachable, "taken for gone");
+		ct_note("a SEND to a process stopped for %.0f ms (connect timeout 250 ms, lease %d ms) completed "
+			"%.0f ms after the stop; its binding was looked up %llu time(s)", (double)stopped_ns / 1e6,
+			META_LEASE_MS, (double)(ct_now_ns() - t_stop) / 1e6,
+			(unsigned long long)(krcore_stat_get(KRCORE_STAT_PEERS_VOUCHED) - vouched));
+		CT_OK(ibv_destroy_qp(slow));
+		kill(victims[2], SIGKILL);
+	}
 	ct_pass();
 
 	/* (node 4, PORT + 1) is ours now: a new process reaches it. */
@@ -866,6 +918,8 @@ int main(void)
 	victims[0] = ct_fork_ready(victim, "victim on node 4");
 	victim_node = 5, victim_port = PORT + 2;
 	victims[1] = ct_fork_ready(victim, "victim on node 5");
+	victim_node = 9, victim_port = PORT + 3;
+	victims[2] = ct_fork_ready(victim, "victim on node 9");
 	CT_CHECK(pipe(rebound) == 0, "pipe");
 	r = fork();
 	if (r == 0)
@@ -882,6 +936,7 @@ int main(void)
 	fails += ct_wait_child(r, "reacher");
 	waitpid(victims[0], NULL, 0);
 	waitpid(victims[1], NULL, 0);
+	waitpid(victims[2], NULL, 0);
 	fails += ct_wait_child(a, "client A");
 	fails += cross_run();
 	fails += ct_wait_child(srv, "server");

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 mod cq;
 mod links;
+mod liveness;
 mod meta;
 mod peer_mrs;
 mod progress;
@@ -126,6 +127,11 @@ pub struct Runtime {
     /// a handshake: gone, as far as this process can tell, until a
     /// connect finds one of their bindings still there ([`Self::forgive`]).
     gone: Mutex<crate::recent::Recent<u64>>,
+    /// The key each peer process was last resolved by, to look it up
+    /// again when it goes silent (`liveness.rs`), and the processes being
+    /// looked up so.
+    keys: Mutex<crate::recent::RecentMap<u64, crate::meta::Key>>,
+    doubting: Mutex<std::collections::HashSet<u64>>,
     me: OnceCell<Weak<Runtime>>,
 }
 
@@ -226,6 +232,8 @@ impl Runtime {
             dgram,
             linking: Mutex::new(Default::default()),
             gone: Mutex::new(crate::recent::Recent::new(MAX_GONE)),
+            keys: Mutex::new(crate::recent::RecentMap::new(liveness::MAX_KEYS)),
+            doubting: Mutex::new(Default::default()),
             me: OnceCell::new(),
         });
         let _ = rt.me.set(Arc::downgrade(&rt));

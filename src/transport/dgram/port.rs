@@ -108,6 +108,10 @@ pub trait Host: Send + Sync {
     fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, answers: &[Vec<u8>]);
     /// A work request of our flow `route` finished (in post order).
     fn completed(&self, route: &Route, c: Completion);
+    /// Our flows to process `incarnation` ran out of retries: find out
+    /// whether it lives (in the background; then [`Port::vouch`]). False
+    /// when that cannot be found out: they fail now.
+    fn doubt(&self, incarnation: u64) -> bool;
 }
 
 /// A whole two-sided message of a peer's flow.
@@ -226,7 +230,8 @@ pub struct Port {
 
 impl Port {
     /// A port for paths of `mtu` bytes; a flow whose peer never answers
-    /// fails after `first_contact_us`.
+    /// fails after `first_contact_us`, unless the host vouches for the
+    /// peer ([`Host::doubt`]).
     pub fn new(mtu: usize, rto_min_us: u64, first_contact_us: u64) -> Result<Port> {
         let base = Config::default();
         let rto = rto_min_us.max(base.ack_delay_us + 1);
@@ -240,6 +245,8 @@ impl Port {
             rto_max_us: RTO_MAX_US.max(rto),
             retry_limit: 10,
             first_contact_us,
+            live_bound_us: LIVE_BOUND_US,
+            proof_wait_us: first_contact_us.max(RTO_MAX_US),
             max_queued: crate::vqp::queue::MAX_DEPTH as usize,
             hold_bytes: crate::config::get().link_window.into(),
             ..base
@@ -474,6 +481,9 @@ impl Port {
             crate::kmark!("dgram: a packet sent ({} bytes)", d.len());
             stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
             host.send(&flow.peer, &d);
+        }
+        if s.take_doubt() && !host.doubt(flow.route.dst_incarnation) {
+            s.vouch(None);
         }
         if let Some(at) = s.next_deadline() {
             self.arm(host, at);
@@ -737,6 +747,28 @@ impl Port {
         }
     }
 
+    /// What the host found out about process `incarnation` after
+    /// [`Host::doubt`]: alive for `valid` more (its flows go on retrying
+    /// meanwhile, at most `LIVE_BOUND_US` after they ran out), or None:
+    /// its flows that ran out of retries fail now.
+    pub fn vouch(&self, host: &dyn Host, incarnation: u64, valid: Option<Duration>) {
+        let _turn = self.turn.lock();
+        let until = valid.map(|d| self.now_us() + d.as_micros() as u64);
+        let flows: Vec<Arc<Flow>> = self.out.lock().values().filter(|f| f.route.dst_incarnation == incarnation).cloned().collect();
+        for flow in flows {
+            let done = {
+                let mut s = flow.sender.lock();
+                s.vouch(until);
+                let done = take_completions(&mut s);
+                self.drop_if_done(&flow, &s);
+                done
+            };
+            for c in done {
+                host.completed(&flow.route, c);
+            }
+        }
+    }
+
     /// The timer fired: retransmissions, delayed ACKs, failed flows.
     pub fn on_timer(&self, host: &dyn Host) {
         let _turn = self.turn.lock();
@@ -782,6 +814,12 @@ const RTO_FIRST_US: u64 = 50_000;
 
 /// The longest retransmission timeout of the tier.
 const RTO_MAX_US: u64 = 500_000;
+
+/// How long a flow out of retries goes on while its peer is vouched for
+/// (bound at the meta server, its lease renewed, yet not answering: a
+/// process starved of CPU by a burst of new ones on its host answers
+/// seconds late, where an RC responder's NIC would have answered).
+pub const LIVE_BOUND_US: u64 = 30_000_000;
 
 /// The largest work request the tier carries, and the largest READ a
 /// target serves on it. A message is a window of datagrams each handled

@@ -18,6 +18,9 @@ struct Recorder {
     /// The answers `messages` calls carried, in order (ACKs included).
     answered: Mutex<Vec<Vec<u8>>>,
     completed: Mutex<Vec<Completion>>,
+    /// Processes the port doubted, and whether the host can find out.
+    doubted: Mutex<Vec<u64>>,
+    can_vouch: bool,
 }
 
 impl Host for Recorder {
@@ -41,6 +44,10 @@ impl Host for Recorder {
     }
     fn completed(&self, _route: &Route, c: Completion) {
         self.completed.lock().push(c);
+    }
+    fn doubt(&self, incarnation: u64) -> bool {
+        self.doubted.lock().push(incarnation);
+        self.can_vouch
     }
 }
 
@@ -378,4 +385,45 @@ fn packets_past_gaps_are_held_up_to_the_ports_budget() {
     b.forget_process(ROUTE.src_incarnation);
     assert_eq!(b.ahead.load(Ordering::Relaxed), 0);
     assert!(b.inbound.lock().is_empty());
+}
+
+/// Drive A's timers until `done` or 5 s (real time: the port's clock).
+fn timers_until(a: &Port, ha: &Recorder, done: impl Fn() -> bool) {
+    let end = Instant::now() + Duration::from_secs(5);
+    while !done() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+        a.on_timer(ha);
+    }
+}
+
+#[test]
+fn a_silent_peer_is_doubted_and_its_flow_fails_unless_vouched_for() {
+    // Past first contact, a host that cannot find out: the flow fails.
+    let a = Port::new(1024, 1000, 20_000).expect("port");
+    let ha = Recorder::default();
+    let (flow, _) = sends(&a, &ha, 1);
+    timers_until(&a, &ha, || !ha.completed.lock().is_empty());
+    assert_eq!(*ha.doubted.lock(), [ROUTE.dst_incarnation]);
+    assert_eq!(ha.completed.lock()[0].outcome, Outcome::RetryExceeded);
+    drop(flow);
+
+    // A host that can: the flow waits; vouched for, it goes on; then no
+    // proof (the binding went): it fails at once.
+    let a = Port::new(1024, 1000, 20_000).expect("port");
+    let ha = Recorder { can_vouch: true, ..Recorder::default() };
+    let (flow, _) = sends(&a, &ha, 1);
+    timers_until(&a, &ha, || !ha.doubted.lock().is_empty());
+    a.vouch(&ha, ROUTE.dst_incarnation, Some(Duration::from_secs(10)));
+    let resent = ha.sent.lock().len();
+    timers_until(&a, &ha, || ha.sent.lock().len() > resent + 1);
+    assert!(ha.completed.lock().is_empty(), "vouched for: still retrying");
+    assert_eq!(flow.outstanding(), 1);
+    // Another process's proof changes nothing here.
+    a.vouch(&ha, 77, None);
+    assert!(ha.completed.lock().is_empty());
+    // Its proof expired: doubted anew; then no proof.
+    a.vouch(&ha, ROUTE.dst_incarnation, Some(Duration::ZERO));
+    timers_until(&a, &ha, || ha.doubted.lock().len() == 2);
+    a.vouch(&ha, ROUTE.dst_incarnation, None);
+    assert_eq!(ha.completed.lock().first().map(|c| c.outcome.clone()), Some(Outcome::RetryExceeded));
 }

@@ -72,6 +72,13 @@ pub struct Config {
     /// packet left (0: only `retry_limit` bounds it): first contact with
     /// a process that is gone or stopped ends as a handshake would.
     pub first_contact_us: u64,
+    /// A flow out of retries (or past first contact) goes on while its
+    /// peer is vouched for ([`Sender::vouch`]: alive as the meta server
+    /// says, but slow to answer, e.g. starved of CPU), or while a proof
+    /// asked for ([`Sender::take_doubt`]) may still come (`proof_wait_us`),
+    /// and at most this long after it first ran out (0: it fails at once).
+    pub live_bound_us: u64,
+    pub proof_wait_us: u64,
     /// What the messages of one source GID may hold in this process
     /// (bytes; 0: no bound), for receivers with a source.
     pub hold_bytes: u64,
@@ -91,6 +98,8 @@ impl Default for Config {
             ack_delay_us: 200,
             ack_every: 8,
             first_contact_us: 0,
+            live_bound_us: 0,
+            proof_wait_us: 0,
             hold_bytes: 0,
         }
     }
@@ -275,6 +284,14 @@ pub struct Sender {
     /// The peer refused our oldest packet for now (RNR): the next timeout
     /// resends it without counting a retry.
     rnr_wait: bool,
+    /// Since the peer last moved: when the flow first ran out of retries
+    /// (`live_bound_us` counts from there), when the current doubt began
+    /// (a proof is due within `proof_wait_us`), whether the port asked
+    /// for that proof, and until when the peer is vouched for.
+    out_of_retries_at: Option<u64>,
+    doubt_since: Option<u64>,
+    doubt_told: bool,
+    vouched_until: u64,
     failed: bool,
     pub drops: Drops,
 }
@@ -306,6 +323,10 @@ impl Sender {
             unanswered_since: None,
             heard_at: None,
             rnr_wait: false,
+            out_of_retries_at: None,
+            doubt_since: None,
+            doubt_told: false,
+            vouched_until: 0,
             failed: false,
             drops: Drops::default(),
         })
@@ -490,7 +511,10 @@ impl Sender {
     fn arm(&mut self, now: u64) {
         let mut at = now + self.rto_us;
         if let (Some(since), true) = (self.unanswered_since, self.cfg.first_contact_us > 0) {
-            at = at.min(since + self.cfg.first_contact_us);
+            // (Once over, a first contact that goes on times out as any.)
+            if since + self.cfg.first_contact_us > now {
+                at = at.min(since + self.cfg.first_contact_us);
+            }
         }
         self.deadline = Some(at);
     }
@@ -504,7 +528,7 @@ impl Sender {
         }
         let first_contact_over =
             self.cfg.first_contact_us > 0 && self.unanswered_since.is_some_and(|t| now >= t + self.cfg.first_contact_us);
-        if self.retries > self.cfg.retry_limit || first_contact_over {
+        if (self.retries > self.cfg.retry_limit || first_contact_over) && !self.goes_on(now) {
             self.fail(Outcome::RetryExceeded);
             return;
         }
@@ -521,6 +545,41 @@ impl Sender {
         let cap = if rnr { RNR_MAX_US.max(self.base_rto_us) } else { self.cfg.rto_max_us };
         self.rto_us = (self.rto_us * 2).min(cap);
         self.arm(now);
+    }
+
+    /// Out of retries: whether to go on (see `Config::live_bound_us`).
+    fn goes_on(&mut self, now: u64) -> bool {
+        if self.cfg.live_bound_us == 0 || now >= *self.out_of_retries_at.get_or_insert(now) + self.cfg.live_bound_us {
+            return false;
+        }
+        if now < self.vouched_until {
+            return true;
+        }
+        now < *self.doubt_since.get_or_insert(now) + self.cfg.proof_wait_us
+    }
+
+    /// Whether the flow began doubting its peer since this was last asked
+    /// (once per doubt): the port then asks for a proof of life.
+    pub fn take_doubt(&mut self) -> bool {
+        let new = self.doubt_since.is_some() && !self.doubt_told && !self.failed;
+        self.doubt_told |= new;
+        new
+    }
+
+    /// The peer is alive as far as the meta server knows, until `until`
+    /// (µs): the flow goes on retrying meanwhile. None: no proof (its
+    /// binding is gone, or it cannot be asked for): a flow in doubt fails
+    /// now.
+    pub fn vouch(&mut self, until: Option<u64>) {
+        match until {
+            Some(t) => {
+                self.vouched_until = t;
+                self.doubt_since = None;
+                self.doubt_told = false;
+            }
+            None if self.doubt_since.is_some() && !self.failed => self.fail(Outcome::RetryExceeded),
+            None => {}
+        }
     }
 
     /// The oldest unfinished work request ends with `first`, the rest are
@@ -597,6 +656,7 @@ impl Sender {
             // Alive but not ready: wait a timeout (backing off as for a
             // loss), then send it again; no retry is counted.
             self.retries = 0;
+            self.trusted_again();
             self.heard_at = Some(now);
             self.unanswered_since = None;
             self.rnr_wait = true;
@@ -621,9 +681,17 @@ impl Sender {
         }
     }
 
+    /// The peer moved: no more doubt.
+    fn trusted_again(&mut self) {
+        self.out_of_retries_at = None;
+        self.doubt_since = None;
+        self.doubt_told = false;
+    }
+
     /// The peer moved: the next timeout starts afresh.
     fn progress(&mut self, now: u64) {
         self.retries = 0;
+        self.trusted_again();
         self.heard_at = Some(now);
         self.unanswered_since = None;
         self.rto_us = self.base_rto_us;

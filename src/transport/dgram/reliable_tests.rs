@@ -223,6 +223,108 @@ fn first_contact_ends_at_its_bound_unless_the_peer_answered() {
     assert!(!s.failed(), "a peer that answered is not a first contact");
 }
 
+#[test]
+fn out_of_retries_a_flow_waits_for_a_proof_goes_on_while_vouched_for_and_stops_at_its_bound() {
+    let c = Config { rto_initial_us: 100, rto_max_us: 1000, retry_limit: 2, live_bound_us: 20_000, proof_wait_us: 3_000, ..cfg() };
+    let mut s = Sender::new(c, A_TO_B, 7).unwrap();
+    s.post_send(1, SendOp::Send, 0, b"a").unwrap();
+    s.poll(0);
+    let step = |s: &mut Sender| {
+        let now = s.next_deadline().expect("armed");
+        s.poll(now);
+        now
+    };
+    // Two retries, then out of them: in doubt, told once.
+    step(&mut s);
+    step(&mut s);
+    assert!(!s.take_doubt());
+    let doubted_at = step(&mut s);
+    assert!(!s.failed(), "waits for the proof");
+    assert!(s.take_doubt());
+    assert!(!s.take_doubt(), "told once per doubt");
+    // Vouched for: it goes on past the proof's wait.
+    s.vouch(Some(doubted_at + 10_000));
+    let mut now = doubted_at;
+    while now < doubted_at + 10_000 {
+        now = step(&mut s);
+        assert!(!s.failed(), "vouched for at {now}");
+    }
+    // The proof ran out: a new doubt, then no proof: it fails at once.
+    assert!(s.take_doubt());
+    s.vouch(None);
+    assert!(s.failed());
+    use crate::sys::ibv_wc_status as S;
+    assert_eq!(s.pop_completion().map(|c| c.outcome.wc_status()), Some(S::IBV_WC_RETRY_EXC_ERR));
+
+    // No answer to the doubt: it fails once the proof's wait is over.
+    let mut s = Sender::new(c, A_TO_B, 7).unwrap();
+    s.post_send(1, SendOp::Send, 0, b"a").unwrap();
+    let mut now = 0;
+    s.poll(now);
+    let mut doubted = None;
+    while !s.failed() {
+        now = s.next_deadline().expect("armed");
+        s.poll(now);
+        if s.take_doubt() {
+            doubted = Some(now);
+        }
+    }
+    let doubted = doubted.expect("doubted");
+    assert!(now >= doubted + 3_000 && now <= doubted + 3_000 + 1_000, "failed at {now}, doubted at {doubted}");
+
+    // Vouched for again and again: the bound still ends it.
+    let mut s = Sender::new(c, A_TO_B, 7).unwrap();
+    s.post_send(1, SendOp::Send, 0, b"a").unwrap();
+    let mut now = 0;
+    s.poll(now);
+    let mut out_at = None;
+    while !s.failed() {
+        now = s.next_deadline().expect("armed");
+        s.poll(now);
+        if s.take_doubt() {
+            out_at.get_or_insert(now);
+            s.vouch(Some(now + 5_000));
+        }
+    }
+    let out_at = out_at.expect("ran out");
+    assert!(now >= out_at + 20_000 && now <= out_at + 21_000, "failed at {now}, out of retries at {out_at}");
+}
+
+#[test]
+fn a_vouched_first_contact_goes_on_and_an_answer_ends_the_doubt() {
+    let c = Config {
+        rto_initial_us: 100,
+        rto_max_us: 1000,
+        retry_limit: 50,
+        first_contact_us: 650,
+        live_bound_us: 50_000,
+        proof_wait_us: 3_000,
+        ..cfg()
+    };
+    let mut s = Sender::new(c, A_TO_B, 7).unwrap();
+    let mut r = Receiver::new(c, A_TO_B).unwrap();
+    s.post_send(1, SendOp::Send, 0, b"a").unwrap();
+    let sent = s.poll(0);
+    let mut now = 0;
+    while !s.take_doubt() {
+        now = s.next_deadline().expect("armed");
+        s.poll(now);
+    }
+    assert_eq!(now, 650, "the first contact's bound");
+    s.vouch(Some(now + 30_000));
+    // Later timeouts follow the backoff, not the first contact's bound.
+    let next = s.next_deadline().expect("armed");
+    assert!(next > now, "no timer in the past");
+    now = next;
+    s.poll(now);
+    // The starved peer answers at last.
+    r.on_message(now + 1, &decode(&sent[0]));
+    s.on_message(now + 2, &decode(&r.poll_ack(now + 1 + c.ack_delay_us).unwrap()));
+    assert_eq!(s.pop_completion(), Some(Completion { id: 1, outcome: Outcome::Done }));
+    assert!(!s.failed());
+    assert!(!s.take_doubt(), "no doubt after the answer");
+}
+
 /// One endpoint: a flow out and a flow in, and the target side of the
 /// flow in.
 struct Node {

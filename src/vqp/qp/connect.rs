@@ -72,6 +72,7 @@ impl Vqp {
         };
         let mut looked_again = false;
         loop {
+            rt.remember_key(&key, &ep);
             if let Some(pm) = self.peer_mrs.get() {
                 // A VQP's pre-checks use one peer's MRs for its life:
                 // a transparent VQP brought back from RESET reconnects only

@@ -490,4 +490,8 @@ impl Host for Runtime {
             v.on_tier_completion(self, route, c);
         }
     }
+
+    fn doubt(&self, incarnation: u64) -> bool {
+        self.doubt_process(incarnation)
+    }
 }
