@@ -130,7 +130,7 @@ pub struct Runtime {
     /// The key each peer process was last resolved by, to look it up
     /// again when it goes silent (`liveness.rs`), and the processes being
     /// looked up so.
-    keys: Mutex<crate::recent::RecentMap<u64, crate::meta::Key>>,
+    keys: Mutex<crate::recent::RecentMap<u64, (crate::meta::Key, crate::meta::Endpoint)>>,
     doubting: Mutex<std::collections::HashSet<u64>>,
     me: OnceCell<Weak<Runtime>>,
 }

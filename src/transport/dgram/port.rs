@@ -108,10 +108,11 @@ pub trait Host: Send + Sync {
     fn messages(&self, route: &Route, from: &Peer, batch: Vec<Arrived>, answers: &[Vec<u8>]);
     /// A work request of our flow `route` finished (in post order).
     fn completed(&self, route: &Route, c: Completion);
-    /// Our flows to process `incarnation` ran out of retries: find out
-    /// whether it lives (in the background; then [`Port::vouch`]). False
-    /// when that cannot be found out: they fail now.
-    fn doubt(&self, incarnation: u64) -> bool;
+    /// Our flows to process `incarnation` at `peer` ran out of retries:
+    /// find out whether it lives (in the background: the caller holds
+    /// the port; then [`Port::vouch`]). False when that cannot be found
+    /// out: they fail now.
+    fn doubt(&self, incarnation: u64, peer: &Peer) -> bool;
 }
 
 /// A whole two-sided message of a peer's flow.
@@ -482,7 +483,7 @@ impl Port {
             stats::inc(Stat::KRCORE_STAT_DGRAM_SENT);
             host.send(&flow.peer, &d);
         }
-        if s.take_doubt() && !host.doubt(flow.route.dst_incarnation) {
+        if s.take_doubt() && !host.doubt(flow.route.dst_incarnation, &flow.peer) {
             s.vouch(None);
         }
         if let Some(at) = s.next_deadline() {
@@ -816,10 +817,11 @@ const RTO_FIRST_US: u64 = 50_000;
 const RTO_MAX_US: u64 = 500_000;
 
 /// How long a flow out of retries goes on while its peer is vouched for
-/// (bound at the meta server, its lease renewed, yet not answering: a
-/// process starved of CPU by a burst of new ones on its host answers
-/// seconds late, where an RC responder's NIC would have answered).
-pub const LIVE_BOUND_US: u64 = 30_000_000;
+/// (sending to us, or bound at the meta server with its lease renewed,
+/// yet not answering: a process starved of CPU by a burst of new ones on
+/// its host answers seconds late, where an RC responder's NIC would have
+/// answered for it). Bounded: a live peer may also drop a flow for good.
+pub const LIVE_BOUND_US: u64 = 10_000_000;
 
 /// The largest work request the tier carries, and the largest READ a
 /// target serves on it. A message is a window of datagrams each handled

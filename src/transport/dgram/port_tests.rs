@@ -45,7 +45,7 @@ impl Host for Recorder {
     fn completed(&self, _route: &Route, c: Completion) {
         self.completed.lock().push(c);
     }
-    fn doubt(&self, incarnation: u64) -> bool {
+    fn doubt(&self, incarnation: u64, _peer: &Peer) -> bool {
         self.doubted.lock().push(incarnation);
         self.can_vouch
     }

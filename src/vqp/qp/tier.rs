@@ -491,7 +491,7 @@ impl Host for Runtime {
         }
     }
 
-    fn doubt(&self, incarnation: u64) -> bool {
-        self.doubt_process(incarnation)
+    fn doubt(&self, incarnation: u64, peer: &Peer) -> bool {
+        self.doubt_process(incarnation, peer)
     }
 }

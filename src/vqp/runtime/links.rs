@@ -94,31 +94,39 @@ impl Runtime {
     }
 
     /// Process `peer` did not answer a link handshake within
-    /// `KRCORE_CONNECT_TIMEOUT_MS` (tried `since`) and no link to it is
-    /// open: it is gone (its VQPs on the tier fail, as they would on a
-    /// link whose peer died), unless it answers on the tier, or its
-    /// binding stays (then true: ask again).
-    fn peer_unreachable(self: &Arc<Self>, peer: crate::meta::Endpoint, index: u16, path: service::Path, since: Instant) -> bool {
+    /// `KRCORE_CONNECT_TIMEOUT_MS` and no link to it is open: it is gone
+    /// (its VQPs on the tier fail, as they would on a link whose peer
+    /// died), unless it answers on the tier or its binding stays (then its
+    /// VQPs stay on the tier, whose own retries find a death; the link is
+    /// asked for again later, as for a refused one).
+    fn peer_unreachable(&self, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
         if self.svc.live_links().iter().any(|l| l.peer.incarnation == peer.incarnation) {
-            return false;
+            return;
         }
         if self.dgram.heard_from(peer.incarnation, peer.qpn, &[peer.gid, path.dgid], connect_timeout()) {
             // Alive on the tier (a handshake can be lost, or late under
             // load): its VQPs stay there; the tier's own retries find a
             // death.
             klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but it answers on the datagram tier", peer.gid);
-            return false;
+            return;
         }
-        if self.wait_for_silent(&peer, since) {
-            return true;
+        if self.liveness(peer.incarnation) == super::liveness::Liveness::Bound {
+            crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
+            klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but its binding stays", peer.gid);
+            return;
         }
+        self.peer_is_gone(peer, index, path);
+    }
+
+    /// Process `peer` does not answer and nothing vouches for it: it is
+    /// gone; its VQPs move to the error state.
+    pub(super) fn peer_is_gone(&self, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
         klog!(Level::Warn, "vqp: {:02x?} does not answer: the process is gone; its VQPs move to the error state", peer.gid);
         self.take_for_gone(peer.incarnation);
         for v in vqp::live() {
             v.on_peer_unreachable(peer, index, path);
         }
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_UNREACHABLE);
-        false
     }
 
     /// Make link `index` to `peer` over `path` in the background (a
@@ -137,20 +145,15 @@ impl Runtime {
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
             crate::kmark!("link: made in the background");
-            let since = Instant::now();
-            loop {
-                match rt.make_link(&peer, index, path, true) {
-                    // VQPs with nothing on the tier take it now (the others
-                    // at their next post once drained): an idle VQP learns
-                    // of its peer's death from the link's probes.
-                    Ok(link) => vqp::live().iter().for_each(|v| v.move_if_idle(&link)),
-                    Err(e) if e.0 == libc::ETIMEDOUT && rt.peer_unreachable(peer, index, path, since) => continue,
-                    Err(e) if e.0 == libc::ETIMEDOUT => {}
-                    Err(e) => {
-                        klog!(Level::Info, "vqp: a background link to {:02x?} failed: {e:?} (its VQPs stay on the datagram tier)", peer.gid)
-                    }
+            match rt.make_link(&peer, index, path, true) {
+                // VQPs with nothing on the tier take it now (the others at
+                // their next post once drained): an idle VQP learns of its
+                // peer's death from the link's probes.
+                Ok(link) => vqp::live().iter().for_each(|v| v.move_if_idle(&link)),
+                Err(e) if e.0 == libc::ETIMEDOUT => rt.peer_unreachable(peer, index, path),
+                Err(e) => {
+                    klog!(Level::Info, "vqp: a background link to {:02x?} failed: {e:?} (its VQPs stay on the datagram tier)", peer.gid)
                 }
-                break;
             }
             rt.linking.lock().remove(&key);
         };

@@ -5,19 +5,14 @@
 //! where an RC responder's NIC would have answered for it; taking it for
 //! gone after `KRCORE_CONNECT_TIMEOUT_MS` failed live connections. Before
 //! a process is taken for gone, its binding is looked up again: still
-//! there, the process is vouched for and waited for (at most
-//! [`LIVE_BOUND`]); gone, it is gone.
+//! there, the process is vouched for and waited for (a flow at most
+//! `LIVE_BOUND_US` after it ran out of retries); gone, it is gone.
 
 use super::Runtime;
 use crate::klog;
 use crate::log::Level;
 use crate::meta::{Endpoint, Key};
-use std::sync::Arc;
-use std::time::Duration;
-
-/// How long a process whose binding stays is waited for, from its first
-/// unanswered handshake or its flows' last retry (the tier's own bound).
-pub const LIVE_BOUND: Duration = Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US);
+use crate::transport::dgram::port::Peer;
 
 /// Peer processes whose keys are remembered (the oldest is forgotten:
 /// its silence is then not looked into, and it fails at the old bounds).
@@ -46,14 +41,14 @@ impl Runtime {
             Key::Vqpn { .. } => true,
         };
         if vouches {
-            self.keys.lock().insert(ep.incarnation, *key);
+            self.keys.lock().insert(ep.incarnation, (*key, *ep));
         }
     }
 
     /// Look process `incarnation`'s binding up again (one READ of the meta
     /// server's table, or the agent's; blocks up to the connect timeout).
     pub(super) fn liveness(&self, incarnation: u64) -> Liveness {
-        let Some(key) = self.keys.lock().get(&incarnation).copied() else { return Liveness::Unknown };
+        let Some((key, _)) = self.keys.lock().get(&incarnation).copied() else { return Liveness::Unknown };
         match self.resolve(&key, true) {
             Ok(Some(ep)) if ep.incarnation == incarnation => Liveness::Bound,
             Ok(_) => Liveness::Unbound,
@@ -65,47 +60,48 @@ impl Runtime {
     }
 
     /// [`crate::transport::dgram::port::Host::doubt`]: a thread of its own
-    /// asks the meta server (one per process at a time), and vouches for
-    /// the process or not.
-    pub(crate) fn doubt_process(&self, incarnation: u64) -> bool {
-        if self.keys.lock().get(&incarnation).is_none() {
-            return false;
-        }
+    /// (one per process at a time) finds out and vouches for the process
+    /// or not. Alive: heard from on the tier lately (a process that binds
+    /// nothing, a client, has no binding to look up, but sends to us), or
+    /// still bound.
+    pub(crate) fn doubt_process(&self, incarnation: u64, peer: &Peer) -> bool {
         if !self.doubting.lock().insert(incarnation) {
             return true;
         }
         let weak = self.weak_self();
+        let peer = *peer;
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
-            let found = rt.liveness(incarnation);
+            let timeout = super::connect_timeout();
+            let heard = rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], timeout);
+            let found = if heard { Liveness::Bound } else { rt.liveness(incarnation) };
+            let alive = found == Liveness::Bound;
             rt.doubting.lock().remove(&incarnation);
-            let valid = match found {
-                Liveness::Bound => {
-                    crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
-                    klog!(Level::Info, "vqp: a peer process is slow to answer the datagram tier, but its binding stays: waiting for it");
-                    // Looked at again when this runs out: a lease renewed
-                    // within the last lease is no older proof than this.
-                    Some(super::connect_timeout())
+            if found == Liveness::Unbound {
+                // Silent and unbound (its lease ran out, or it unbound):
+                // gone, its idle VQPs too, as when a link to it fails.
+                let known = rt.keys.lock().get(&incarnation).copied();
+                if let Some((_, ep)) = known {
+                    rt.peer_is_gone(ep, 0, rt.svc.default_path(&ep));
                 }
-                Liveness::Unbound | Liveness::Unknown => None,
-            };
-            rt.dgram.vouch(&*rt, incarnation, valid);
+            }
+            if alive {
+                crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
+                klog!(
+                    Level::Info,
+                    "vqp: a peer process is slow to answer the datagram tier, but it lives ({}): waiting for it",
+                    if heard { "it sends to us" } else { "its binding stays" }
+                );
+            }
+            // Looked at again when this runs out: a lease renewed within
+            // the last lease, or a packet within the connect timeout, is
+            // no older proof than this.
+            rt.dgram.vouch(&*rt, incarnation, alive.then_some(timeout));
         };
         if std::thread::Builder::new().name("krcore-doubt".into()).spawn(body).is_err() {
             self.doubting.lock().remove(&incarnation);
             return false;
         }
-        true
-    }
-
-    /// A link handshake to `peer` timed out `since` its first try: try
-    /// again while its binding stays (and [`LIVE_BOUND`] has not passed).
-    pub(super) fn wait_for_silent(self: &Arc<Self>, peer: &Endpoint, since: std::time::Instant) -> bool {
-        if since.elapsed() >= LIVE_BOUND || self.liveness(peer.incarnation) != Liveness::Bound {
-            return false;
-        }
-        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
-        klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but its binding stays: asking again", peer.gid);
         true
     }
 }
