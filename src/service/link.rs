@@ -116,6 +116,13 @@ impl Link {
         self.closing.load(Ordering::Acquire)
     }
 
+    /// Whether the peer said its end receives (`LinkReady`), or we made
+    /// the link: an accepted link without it may be one whose requester
+    /// gave its handshake up, whose failure says nothing of the process.
+    pub fn confirmed(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
     /// Whether the peer's end can receive (see `ready`).
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Acquire) || crate::clock::coarse_ms() >= self.ready_after_ms

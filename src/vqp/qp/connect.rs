@@ -313,8 +313,10 @@ impl Vqp {
     /// that came before are delivered, and later posts are flushed. A bound
     /// VQP reports the senders of that process closed (`qpop_msgs`) and
     /// serves the others as before.
-    pub fn on_link_failed(&self, link: &Arc<Link>) {
-        self.on_peer_gone(&Origin::of(link));
+    /// A link its peer never confirmed (`process_gone` false) fails only
+    /// the VQPs on it: the process may live on.
+    pub fn on_link_failed(&self, link: &Arc<Link>, process_gone: bool) {
+        self.on_peer_gone(&Origin::of(link), process_gone);
     }
 
     /// Link `index` to `peer` over `path` could not be made (the process
@@ -324,19 +326,19 @@ impl Vqp {
     /// `IBV_WC_RETRY_EXC_ERR` (an RC QP's status when its peer stops
     /// answering).
     pub fn on_peer_unreachable(&self, peer: Endpoint, index: u16, path: Path) {
-        self.on_peer_gone(&Origin { peer, index, path, link: None });
+        self.on_peer_gone(&Origin { peer, index, path, link: None }, true);
     }
 
     /// The process of `from` is gone (`from.link` failed, or none could be
     /// made): see [`Self::on_link_failed`].
-    fn on_peer_gone(&self, from: &Origin) {
+    fn on_peer_gone(&self, from: &Origin, process_gone: bool) {
         let mut st = self.st.lock();
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
         let incarnation = from.peer.incarnation;
         // Its VQPs on the datagram tier to that process fail with it (the
         // process is gone), whether or not they had moved yet.
-        let on_tier = |c: &Conn| c.link.is_none() && c.peer.incarnation == incarnation;
+        let on_tier = |c: &Conn| process_gone && c.link.is_none() && c.peer.incarnation == incarnation;
         if let Some(tier) = st.conn.as_ref().filter(|c| from.link.as_ref().is_some_and(|l| c.is_on(l)) || on_tier(c)).map(on_tier) {
             if let Some(rt) = self.rt.get() {
                 self.detach_flow(rt, &mut st);
@@ -363,7 +365,7 @@ impl Vqp {
                 self.drain_held(&mut st);
             }
         }
-        if st.bound.is_some() {
+        if st.bound.is_some() && process_gone {
             let process = &from.peer;
             let mut gone: Vec<Sender> = st.src_qps.keys().filter(|s| s.of_process(process)).copied().collect();
             // Senders of that process not answered yet: `qpop_msgs` makes

@@ -363,12 +363,23 @@ impl Runtime {
     /// completions were seen; then the link's VQPs move to the error state.
     pub(in crate::vqp) fn link_failed(&self, qpn: u32, status: u32) {
         let Some(link) = self.svc.fail_link(qpn) else { return };
-        klog!(
-            Level::Warn,
-            "vqp: the link to {:02x?} (QP {qpn}) failed with status {status}: the peer is gone; its VQPs move to the error state",
-            link.peer.gid
-        );
-        self.take_for_gone(link.peer.incarnation);
+        if link.confirmed() {
+            klog!(
+                Level::Warn,
+                "vqp: the link to {:02x?} (QP {qpn}) failed with status {status}: the peer is gone; its VQPs move to the error state",
+                link.peer.gid
+            );
+            self.take_for_gone(link.peer.incarnation);
+        } else {
+            // Accepted, never confirmed: its requester may have given the
+            // handshake up (a process starved of CPU), and lives on; only
+            // what went on the link fails.
+            klog!(
+                Level::Info,
+                "vqp: the link to {:02x?} (QP {qpn}), never confirmed by its peer, failed with status {status}",
+                link.peer.gid
+            );
+        }
         let tag = self.next_tag();
         self.large.track(tag, Control::Fence { link_qpn: qpn });
         // SAFETY: a plain C struct.
@@ -399,7 +410,7 @@ impl Runtime {
         // again); VQPs holding them keep theirs until they go.
         self.peer_mrs.lock().remove(&link.peer.incarnation);
         for v in vqp::live() {
-            v.on_link_failed(link);
+            v.on_link_failed(link, link.confirmed());
         }
     }
 
