@@ -37,7 +37,6 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
     ("KRCORE_LINK_AFTER", "0", "with the datagram tier: work requests a VQP posts on the datagram tier before its link is made in the background (0: at first contact: a qconnect'ed VQP once its first work request on the tier completed, a transparent VQP at its RTR)"),
     ("KRCORE_DGRAM_RTO_US", "4000", "the datagram tier's smallest retransmission timeout (it follows the measured round trip above it, doubles per timeout up to 500 ms; 10 in a row, about 2 s, fail the VQP with IBV_WC_RETRY_EXC_ERR)"),
     ("KRCORE_TEST_DGRAM_LOSS", "0", "test hook: N > 0 drops one in N (at random) of the datagrams of the tier this process sends (a lossy network, for the tests; rxe loops same-device traffic past the netdev, where tc netem cannot see it)"),
-    ("KRCORE_TEST_GIVE_UP_LINKS", "0", "test hook: the first N link handshakes this process asks for are given up once the peer accepted them (its QP dropped, no LINK_READY sent), as by a process starved past its connect timeout: the peer holds a link nobody confirmed"),
     ("KRCORE_VIRTUALIZE", "0", "1: the application's RC QPs become virtual QPs on shared links (needs KRCORE_META); auto: as 1, but a QP whose peer does not resolve falls back to a real QP"),
 ];
 
@@ -103,7 +102,6 @@ pub struct Config {
     pub link_after: u64,
     pub dgram_rto_us: u64,
     pub test_dgram_loss: u64,
-    pub test_give_up_links: u32,
     pub virtualize: Virtualize,
 }
 
@@ -154,7 +152,6 @@ impl Config {
             link_after: var("KRCORE_LINK_AFTER").and_then(|v| v.parse().ok()).unwrap_or(0),
             dgram_rto_us: var("KRCORE_DGRAM_RTO_US").and_then(|v| v.parse().ok()).unwrap_or(4000).max(500),
             test_dgram_loss: var("KRCORE_TEST_DGRAM_LOSS").and_then(|v| v.parse().ok()).unwrap_or(0),
-            test_give_up_links: var("KRCORE_TEST_GIVE_UP_LINKS").and_then(|v| v.parse().ok()).unwrap_or(0),
             virtualize: Virtualize::parse(var("KRCORE_VIRTUALIZE")),
         }
     }
@@ -196,7 +193,6 @@ impl Config {
             self.link_after.to_string(),
             self.dgram_rto_us.to_string(),
             self.test_dgram_loss.to_string(),
-            self.test_give_up_links.to_string(),
             self.virtualize.name().to_string(),
         ];
         VARIABLES.iter().zip(vals).map(|((name, _, _), v)| format!("{name}={v}\n")).collect()

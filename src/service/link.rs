@@ -35,15 +35,12 @@ pub struct Link {
     pub initiated: bool,
     /// The peer's end can receive: ours was made by our request (the
     /// peer's end was in RTR before it replied), or the peer said so
-    /// (LINK_READY, anything it sent on the link, or a probe READ it
-    /// answered). A packet reaching the peer's QP before its RTR is
-    /// dropped and costs an RC retransmission timeout (half a second), and
-    /// one whose requester gave the handshake up (starved past its connect
-    /// timeout) has no peer QP at all: an accepted link is handed out only
-    /// once ready (should the peer's word be lost, the links' probe, every
-    /// `KRCORE_LINK_PROBE_MS`, confirms it).
+    /// (LINK_READY, or anything it sent on the link). A packet reaching the
+    /// peer's QP before its RTR is dropped and costs an RC retransmission
+    /// timeout (half a second), so an accepted link is handed out only
+    /// once ready, or after `ready_after_ms` (`coarse_ms`) should the
+    /// peer's word be lost.
     pub(super) ready: AtomicBool,
-    /// When an accepted link was new (`coarse_ms`) plus `READY_WAIT_MS`.
     pub(super) ready_after_ms: u64,
     /// The PSN our side starts sending with (told to the peer).
     pub(super) psn: u32,
@@ -119,9 +116,16 @@ impl Link {
         self.closing.load(Ordering::Acquire)
     }
 
+    /// Whether the peer said its end receives (`LinkReady`), or we made
+    /// the link: an accepted link without it may be one whose requester
+    /// gave its handshake up, whose failure says nothing of the process.
+    pub fn confirmed(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
     /// Whether the peer's end can receive (see `ready`).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        self.ready.load(Ordering::Acquire) || crate::clock::coarse_ms() >= self.ready_after_ms
     }
 
     /// Whether a VQP may start new work on it.

@@ -490,7 +490,7 @@ impl Service {
         let key = LinkKey::of(peer, index, path);
         let found = self.shared.links.lock().by_key.get(&key).cloned();
         if let Some(l) = found {
-            return self.shared.when_ready(l, Instant::now() + timeout);
+            return Ok(self.shared.when_ready(l));
         }
         crate::kmark!("link: connecting");
         // A connect that waited for another to the same key is bounded by
@@ -503,7 +503,7 @@ impl Service {
             Ok(l) => l,
             Err(asking) => self.shared.connect(peer, index, path, timeout, optional, asking)?,
         };
-        self.shared.when_ready(link, Instant::now() + timeout)
+        Ok(self.shared.when_ready(link))
     }
 
     /// The path of a link to `peer` when the application names no GIDs:
@@ -919,10 +919,6 @@ impl Shared {
         if reply.status != 0 {
             return Err(Errno(reply.status as i32));
         }
-        if given_up() {
-            // (Test hook) as a requester whose connect timeout ran out.
-            return Err(Errno(libc::ETIMEDOUT));
-        }
         let theirs = reply.info;
         if theirs.from.incarnation != peer.incarnation || theirs.from.gid != peer.gid || theirs.src_gid != path.dgid {
             return Err(Errno(libc::ECONNREFUSED));
@@ -971,24 +967,21 @@ impl Shared {
     }
 
     /// `link` once ready to be handed out: an accepted link whose
-    /// requester has not said its end receives is waited for until
-    /// `deadline` (its word, or the links' probe, confirms it), then
-    /// ETIMEDOUT: its requester may have given it up.
-    fn when_ready(&self, link: Arc<Link>, deadline: Instant) -> Result<Arc<Link>> {
+    /// requester has not said its end receives is waited for, at most
+    /// until its `ready_after_ms`.
+    fn when_ready(&self, link: Arc<Link>) -> Arc<Link> {
         if link.is_ready() {
-            return Ok(link);
+            return link;
         }
         crate::kmark!("link: waiting for the peer's end");
+        let until = Instant::now() + Duration::from_millis(link.ready_after_ms.saturating_sub(crate::clock::coarse_ms()));
         let mut links = self.links.lock();
-        while !link.is_ready() && Instant::now() < deadline {
-            self.link_ready.wait_until(&mut links, deadline);
-        }
-        drop(links);
-        if !link.is_ready() {
-            return Err(Errno(libc::ETIMEDOUT));
+        while !link.is_ready() && Instant::now() < until {
+            self.link_ready.wait_until(&mut links, until);
         }
         crate::kmark!("link: the peer's end ready");
-        Ok(link)
+        drop(links);
+        link
     }
 
     fn mark_ready(&self, link: &Link) {
@@ -1634,11 +1627,4 @@ impl Shared {
         self.new_link_made(&link);
         Ok(())
     }
-}
-
-/// `KRCORE_TEST_GIVE_UP_LINKS`: whether to give this handshake up.
-fn given_up() -> bool {
-    static GIVEN_UP: AtomicU32 = AtomicU32::new(0);
-    let n = crate::config::get().test_give_up_links;
-    n > 0 && GIVEN_UP.fetch_add(1, Ordering::Relaxed) < n
 }

@@ -363,7 +363,7 @@ impl Runtime {
     /// completions were seen; then the link's VQPs move to the error state.
     pub(in crate::vqp) fn link_failed(&self, qpn: u32, status: u32) {
         let Some(link) = self.svc.fail_link(qpn) else { return };
-        if link.is_ready() {
+        if link.confirmed() {
             klog!(
                 Level::Warn,
                 "vqp: the link to {:02x?} (QP {qpn}) failed with status {status}: the peer is gone; its VQPs move to the error state",
@@ -410,7 +410,7 @@ impl Runtime {
         // again); VQPs holding them keep theirs until they go.
         self.peer_mrs.lock().remove(&link.peer.incarnation);
         for v in vqp::live() {
-            v.on_link_failed(link, link.is_ready());
+            v.on_link_failed(link, link.confirmed());
         }
     }
 

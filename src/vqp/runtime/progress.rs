@@ -197,14 +197,7 @@ impl Runtime {
                                 }
                             }
                         }
-                        Control::Probe { .. } => {
-                            // The peer's end answered: an accepted link whose
-                            // requester's word was lost is confirmed.
-                            if let Some(link) = self.svc.link_by_qpn(wc.qp_num).filter(|_| wc.status == ibv_wc_status::IBV_WC_SUCCESS) {
-                                self.svc.heard_on(&link);
-                            }
-                        }
-                        Control::Header { .. } | Control::Bind { .. } | Control::Fence { .. } => {}
+                        Control::Header { .. } | Control::Bind { .. } | Control::Probe { .. } | Control::Fence { .. } => {}
                     }
                 }
                 None => klog!(Level::Warn, "vqp: a completion for no control WQE of ours (tag {tag})"),
