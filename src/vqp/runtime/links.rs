@@ -97,8 +97,7 @@ impl Runtime {
     /// `KRCORE_CONNECT_TIMEOUT_MS` and no link to it is open: it is gone
     /// (its VQPs on the tier fail, as they would on a link whose peer
     /// died), unless it answers on the tier or its binding stays (then its
-    /// VQPs stay on the tier, whose own retries find a death; the link is
-    /// asked for again later, as for a refused one).
+    /// VQPs stay on the tier, whose own retries and doubts find a death).
     fn peer_unreachable(&self, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
         if self.svc.live_links().iter().any(|l| l.peer.incarnation == peer.incarnation) {
             return;

@@ -73,7 +73,10 @@ impl Runtime {
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
             let timeout = super::connect_timeout();
-            let heard = rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], timeout);
+            // Heard within the tier's bound: a process that binds nothing
+            // and sent its last seconds ago may be starved still.
+            let within = std::time::Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US);
+            let heard = rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], within);
             let found = if heard { Liveness::Bound } else { rt.liveness(incarnation) };
             let alive = found == Liveness::Bound;
             rt.doubting.lock().remove(&incarnation);
@@ -94,8 +97,7 @@ impl Runtime {
                 );
             }
             // Looked at again when this runs out: a lease renewed within
-            // the last lease, or a packet within the connect timeout, is
-            // no older proof than this.
+            // the last lease is no older proof than this.
             rt.dgram.vouch(&*rt, incarnation, alive.then_some(timeout));
         };
         if std::thread::Builder::new().name("krcore-doubt".into()).spawn(body).is_err() {
