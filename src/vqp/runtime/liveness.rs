@@ -61,9 +61,8 @@ impl Runtime {
 
     /// [`crate::transport::dgram::port::Host::doubt`]: a thread of its own
     /// (one per process at a time) finds out and vouches for the process
-    /// or not. Alive: heard from on the tier lately (a process that binds
-    /// nothing, a client, has no binding to look up, but sends to us), or
-    /// still bound.
+    /// or not. Alive: still bound, or, with no binding to look up (a
+    /// client that binds nothing), heard from on the tier lately.
     pub(crate) fn doubt_process(&self, incarnation: u64, peer: &Peer) -> bool {
         if !self.doubting.lock().insert(incarnation) {
             return true;
@@ -73,12 +72,14 @@ impl Runtime {
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
             let timeout = super::connect_timeout();
-            // Heard within the tier's bound: a process that binds nothing
-            // and sent its last seconds ago may be starved still.
+            // Its binding says, when it has one (a killed process's goes
+            // at once); else heard within the tier's bound: a process
+            // that binds nothing and sent its last seconds ago may be
+            // starved still (a killed one is waited for that long).
+            let found = rt.liveness(incarnation);
             let within = std::time::Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US);
-            let heard = rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], within);
-            let found = if heard { Liveness::Bound } else { rt.liveness(incarnation) };
-            let alive = found == Liveness::Bound;
+            let heard = found == Liveness::Unknown && rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], within);
+            let alive = heard || found == Liveness::Bound;
             rt.doubting.lock().remove(&incarnation);
             if found == Liveness::Unbound {
                 // Silent and unbound (its lease ran out, or it unbound):
