@@ -221,8 +221,8 @@ pub enum krcore_stat {
     KRCORE_STAT_NODE_WRS,
     /// Times a peer process that did not answer (a link handshake timed
     /// out, or a flow of the datagram tier ran out of retries) was found
-    /// still bound at the meta server, so waited for instead of taken for
-    /// gone.
+    /// alive (still bound at the meta server, or, with no binding known,
+    /// sending to us lately), so waited for instead of taken for gone.
     KRCORE_STAT_PEERS_VOUCHED,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,

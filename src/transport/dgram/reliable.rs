@@ -73,8 +73,8 @@ pub struct Config {
     /// a process that is gone or stopped ends as a handshake would.
     pub first_contact_us: u64,
     /// A flow out of retries (or past first contact) goes on while its
-    /// peer is vouched for ([`Sender::vouch`]: alive as the meta server
-    /// says, but slow to answer, e.g. starved of CPU), or while a proof
+    /// peer is vouched for ([`Sender::vouch`]: alive as its host finds
+    /// out, but slow to answer, e.g. starved of CPU), or while a proof
     /// asked for ([`Sender::take_doubt`]) may still come (`proof_wait_us`),
     /// and at most this long after it first ran out (0: it fails at once).
     pub live_bound_us: u64,
@@ -566,10 +566,9 @@ impl Sender {
         new
     }
 
-    /// The peer is alive as far as the meta server knows, until `until`
-    /// (µs): the flow goes on retrying meanwhile. None: no proof (its
-    /// binding is gone, or it cannot be asked for): a flow in doubt fails
-    /// now.
+    /// The peer is alive as far as its host can tell, until `until` (µs):
+    /// the flow goes on retrying meanwhile. None: no proof (its binding is
+    /// gone, or nothing can tell): a flow in doubt fails now.
     pub fn vouch(&mut self, until: Option<u64>) {
         match until {
             Some(t) => {

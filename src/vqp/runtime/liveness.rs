@@ -5,8 +5,9 @@
 //! where an RC responder's NIC would have answered for it; taking it for
 //! gone after `KRCORE_CONNECT_TIMEOUT_MS` failed live connections. Before
 //! a process is taken for gone, its binding is looked up again: still
-//! there, the process is vouched for and waited for (a flow at most
-//! `LIVE_BOUND_US` after it ran out of retries); gone, it is gone.
+//! there (or, with no binding known, the process sent to us lately), it
+//! is vouched for and waited for (a flow at most `LIVE_BOUND_US` after it
+//! ran out of retries); gone, it is gone.
 
 use super::Runtime;
 use crate::klog;
