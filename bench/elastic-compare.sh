@@ -60,6 +60,10 @@
 #                              are taken from (target/release)
 #   KRCORE_BENCH_AGENT_ARGS    krcore-node's arguments (default: --socket SOCK --gid-index 2)
 #   KRCORE_BENCH_AGENT_READY   sed expression of krcore-node's ready line
+#   KRCORE_BENCH_LOG           KRCORE_LOG for every process in the VM (a
+#                              diagnosis: logs go to the servers' logs and
+#                              burst-*.err, and change the timings; "info"
+#                              costs little, "debug" ruins a burst)
 #   KRCORE_VM_MEMORY           the VM's memory (scripts/vm-run.sh; this
 #                              script's default 3G: 64 clients and a server)
 set -euo pipefail
@@ -315,6 +319,7 @@ if ((!report_only)); then
             KRCORE_BENCH_LIB_DIR="$libdir" ${KRCORE_BENCH_MODES:+KRCORE_BENCH_MODES="$KRCORE_BENCH_MODES"} \
             ${KRCORE_BENCH_AGENT_ARGS:+KRCORE_BENCH_AGENT_ARGS="$KRCORE_BENCH_AGENT_ARGS"} \
             ${KRCORE_BENCH_AGENT_READY:+KRCORE_BENCH_AGENT_READY="$KRCORE_BENCH_AGENT_READY"} \
+            ${KRCORE_BENCH_LOG:+KRCORE_LOG="$KRCORE_BENCH_LOG"} \
             bash bench/elastic-compare.sh "$repeats" || vm_rc=$?
     fi
     kill "$sampler" 2>/dev/null || true

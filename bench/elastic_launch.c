@@ -28,17 +28,23 @@
  * clients up. Output:
  *
  *   child I gid=G first_ms=.. main_ms=.. setup_ms=.. path_ms=..
- *     connected_ms=.. gets=.. get_ms=..
+ *     connected_ms=.. cpu_ms=.. gets=.. get_ms=..
  *   burst n=N served=S first_med_ms=.. first_max_ms=.. all_served_ms=..
  *     fork_span_ms=.. main_med_ms=.. setup_med_ms=.. path_med_ms=..
- *     connected_med_ms=.. gets=.. get_window_ms=.. get_ops_s=..
+ *     connected_med_ms=.. cpu_med_ms=.. cpu_sum_ms=.. cpu_main_med_ms=..
+ *     cpu_setup_med_ms=.. cpu_path_med_ms=.. cpu_connected_med_ms=..
+ *     gets=.. get_window_ms=.. get_ops_s=..
  *
  * first_ms: the start (the gate's opening) to the child's first GET
  * completed and checked;
  * main, setup, path, connected: the child's start to its main(), to its
  * device, PD, CQ and MR, to its QP's path (raw: the server's answer over
  * TCP; krcore: qconnect returned), to its QP ready with the table's
- * address (kv_client -T);
+ * address (kv_client -T); cpu: the CPU time the child (all its threads)
+ * had used at its first GET (its "cpu_us"), the median and the sum over
+ * the N (what the burst asked of the machine's CPUs); cpu_main ..
+ * cpu_connected: the median CPU time used at main, setup, path and
+ * connected (kv_client's "*_cpu_us");
  * all_served_ms: the start to the last child's first GET; fork_span_ms:
  * how long forking the N took (before the start, not in any figure);
  * get_ops_s: the GETs after the go, all children together, divided by the
@@ -89,6 +95,7 @@ struct child {
 				 * posix_spawn; burst, the gate's opening */
 	double fork_us;		/* burst: the instant before its fork */
 	double first_us;	/* kv_first: its first GET done (0: not yet) */
+	double cpu_us;		/* kv_first: its CPU time by then (-1: none) */
 	char out[OUT_CAP];
 	size_t used;
 };
@@ -286,8 +293,10 @@ static void drain(struct child *c)
 	if (!c->first_us) {
 		double f = field(c->out, "first_get_us");
 
-		if (f > 0 && strstr(c->out, "kv_first "))
+		if (f > 0 && strstr(c->out, "kv_first ")) {
 			c->first_us = f;
+			c->cpu_us = field(c->out, "cpu_us");
+		}
 	}
 }
 
@@ -380,8 +389,11 @@ static void release_burst(void)
 static int burst(int n, double timeout_s, char **args)
 {
 	static double first[MAX_CHILDREN], mainv[MAX_CHILDREN],
-		setup[MAX_CHILDREN], path[MAX_CHILDREN], conn[MAX_CHILDREN];
-	double deadline, start, last_first = 0, end_max = 0, gets = 0;
+		setup[MAX_CHILDREN], path[MAX_CHILDREN], conn[MAX_CHILDREN],
+		cpu[MAX_CHILDREN], cpu_at[4][MAX_CHILDREN];
+	static const char *const cpu_keys[4] = { "main_cpu_us", "setup_cpu_us",
+						  "path_cpu_us", "connected_cpu_us" };
+	double deadline, start, last_first = 0, end_max = 0, gets = 0, cpu_sum = 0;
 	int go[2], gate[2], served = 0;
 
 	if (pipe2(go, O_CLOEXEC) || pipe2(gate, O_CLOEXEC))
@@ -420,6 +432,10 @@ static int burst(int n, double timeout_s, char **args)
 		setup[served] = (field(t, "setup_us") - c->start_us) / 1e3;
 		path[served] = (field(t, "path_us") - c->start_us) / 1e3;
 		conn[served] = (field(t, "connected_us") - c->start_us) / 1e3;
+		cpu[served] = c->cpu_us / 1e3;
+		cpu_sum += cpu[served];
+		for (int k = 0; k < 4; k++)
+			cpu_at[k][served] = field(t, cpu_keys[k]) / 1e3;
 		g = field(t, "gets");
 		end = field(t, "get_end_us");
 		gets += g;
@@ -428,9 +444,9 @@ static int burst(int n, double timeout_s, char **args)
 		if (c->first_us > last_first)
 			last_first = c->first_us;
 		printf("child %d gid=%d first_ms=%.1f main_ms=%.1f setup_ms=%.1f "
-		       "path_ms=%.1f connected_ms=%.1f gets=%.0f get_ms=%.1f\n", i,
-		       c->gid, first[served], mainv[served], setup[served],
-		       path[served], conn[served], g,
+		       "path_ms=%.1f connected_ms=%.1f cpu_ms=%.1f gets=%.0f "
+		       "get_ms=%.1f\n", i, c->gid, first[served], mainv[served],
+		       setup[served], path[served], conn[served], cpu[served], g,
 		       (end - field(t, "get_start_us")) / 1e3);
 		served++;
 	}
@@ -446,10 +462,16 @@ static int burst(int n, double timeout_s, char **args)
 		printf("burst n=%d served=%d first_med_ms=%.1f first_max_ms=%.1f "
 		       "all_served_ms=%.1f fork_span_ms=%.1f main_med_ms=%.1f "
 		       "setup_med_ms=%.1f path_med_ms=%.1f connected_med_ms=%.1f "
-		       "gets=%.0f get_window_ms=%.1f get_ops_s=%.0f\n", n, served,
+		       "cpu_med_ms=%.1f cpu_sum_ms=%.1f cpu_main_med_ms=%.1f "
+		       "cpu_setup_med_ms=%.1f cpu_path_med_ms=%.1f "
+		       "cpu_connected_med_ms=%.1f gets=%.0f get_window_ms=%.1f "
+		       "get_ops_s=%.0f\n", n, served,
 		       median(first, served), fmax, all, span / 1e3,
 		       median(mainv, served), median(setup, served),
 		       median(path, served), median(conn, served),
+		       median(cpu, served), cpu_sum, median(cpu_at[0], served),
+		       median(cpu_at[1], served), median(cpu_at[2], served),
+		       median(cpu_at[3], served),
 		       gets, window, window > 0 ? gets / (window / 1e3) : 0);
 	}
 	return 0;

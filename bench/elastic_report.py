@@ -142,6 +142,23 @@ def main():
                   f"{med('path_med_ms')} | {med('connected_med_ms')} | {med('first_med_ms')} | {tier} | {mfs} |")
     print()
 
+    print("Where the CPU goes: the CPU time (user + system, all threads) a process had used "
+          "at each instant above, median over the N (ms; then the median over the repeats), "
+          "and the N processes' CPU time at their first GET summed (s): what the burst asked "
+          "of the machine's two CPUs.\n")
+    print("| N | mode | main | set-up | path | connected | first GET | sum at first GET (s) |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in ns:
+        for m, label in present:
+            rows = [r for r in burst[m, n] if r and "cpu_sum_ms" in r]
+            if not rows:
+                continue
+            med = lambda k: f"{st.median([r[k] for r in rows]):.1f}" if k in rows[0] else "–"
+            print(f"| {n} | {label} | {med('cpu_main_med_ms')} | {med('cpu_setup_med_ms')} | "
+                  f"{med('cpu_path_med_ms')} | {med('cpu_connected_med_ms')} | {med('cpu_med_ms')} "
+                  f"| {st.median([r['cpu_sum_ms'] for r in rows]) / 1e3:.2f} |")
+    print()
+
     others = [(m, label) for m, label in present if m != "raw"]
     if "raw" in [m for m, _ in present] and others:
         print("Ratios per repeat (raw and krcore of the same repeat), median | min – max. "

@@ -45,11 +45,16 @@
  *   -T           print a line of absolute CLOCK_MONOTONIC times (us) for
  *                benchmarks: "kv_times main_us=.. setup_us=.. path_us=..
  *                connected_us=.. first_get_us=.. get_start_us=..
- *                get_end_us=.. gets=.. torn=.. object_us=.." (0: did not
- *                happen; setup: device, PD, CQ and MR done; path: raw, the
- *                server's QP address received over TCP, krcore, qconnect
- *                returned; connected: table address known, QP ready), and
- *                right after the first GET "kv_first first_get_us=.."
+ *                get_end_us=.. gets=.. torn=.. object_us=.. main_cpu_us=..
+ *                setup_cpu_us=.. path_cpu_us=.. connected_cpu_us=.." (0:
+ *                did not happen; setup: device, PD, CQ and MR done; path:
+ *                raw, the server's QP address received over TCP, krcore,
+ *                qconnect returned; connected: table address known, QP
+ *                ready; *_cpu_us: the CPU time this process had used at
+ *                main, setup, path and connected), and
+ *                right after the first GET "kv_first first_get_us=..
+ *                cpu_us=.." (the CPU time this process, all its threads,
+ *                had used by then)
  *   -W FD        after the first GET, wait until FD reaches end-of-file
  *                (at most 300 s) before the other GETs (a benchmark starts
  *                many clients and lets them go at once)
@@ -72,6 +77,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/resource.h>
 #include <sys/time.h>
 #include <unistd.h>
 #ifdef KRCORE
@@ -136,9 +142,21 @@ struct client {
 	unsigned long torn;
 	int fd;			/* raw: the TCP connection to the server */
 	double t_setup;		/* device, PD, CQ, MR done (CLOCK_MONOTONIC us) */
+	double cpu_setup, cpu_path;	/* the CPU time used by then (us) */
 	double t_path;		/* raw: the server's answer over TCP received;
 				 * krcore: qconnect returned */
 };
+
+/* CPU time (user + system) of all this process's threads so far, us. */
+static double cpu_us(void)
+{
+	struct rusage ru;
+
+	if (getrusage(RUSAGE_SELF, &ru))
+		return -1;
+	return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1e6 +
+	       (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+}
 
 /* ---- waiting for completions ------------------------------------------ */
 
@@ -427,6 +445,7 @@ static void connect_server(struct client *c, const char *addr, int port,
 	full_io(c->fd, &req, sizeof(req), 1, "sending the QP's address");
 	full_io(c->fd, &rep, sizeof(rep), 0, "receiving the server's QP address");
 	c->t_path = kv_now_us();
+	c->cpu_path = cpu_us();
 	if (rep.magic != KV_CONN_MAGIC)
 		fail("the server's answer has a bad magic (%#x): not kv_server?",
 		     rep.magic);
@@ -503,6 +522,7 @@ static void connect_server(struct client *c, const char *addr, int port,
 	if ((rc = qconnect(c->qp, gid, port)))
 		die_connect(rc, addr, port);
 	c->t_path = kv_now_us();
+	c->cpu_path = cpu_us();
 	memset(tx, 0, sizeof(*tx));
 	tx->type = KV_HELLO;
 	rx = call(c, "HELLO");
@@ -576,8 +596,8 @@ static long parse_num(const char *s, long lo, long hi, const char *what)
 
 int main(int argc, char **argv)
 {
-	double t_main = kv_now_us(), t_conn, t_loaded, t_first = 0,
-	       t_start = 0, t_end = 0, t_object = 0;
+	double t_main = kv_now_us(), cpu_main = cpu_us(), t_conn, cpu_conn,
+	       t_loaded, t_first = 0, t_start = 0, t_end = 0, t_object = 0;
 	const char *devname = NULL, *addr = NULL;
 	long keys = 1000, gets = 1000, gid_index = -1, wait_fd = -1, rounds = 1;
 	int port = KV_DEFAULT_PORT, load = 0, object = 0, times = 0, opt, rc;
@@ -638,9 +658,11 @@ int main(int argc, char **argv)
 		die("ibv_reg_mr", errno);
 
 	c.t_setup = kv_now_us();
+	c.cpu_setup = cpu_us();
 	connect_server(&c, addr, port, (int)gid_index);
 	check_info(&c);
 	t_conn = kv_now_us();
+	cpu_conn = cpu_us();
 
 	if (object) {
 		/* The serverless fetch: one READ of the whole object. */
@@ -672,7 +694,8 @@ int main(int argc, char **argv)
 		if (i == 0) {
 			t_first = kv_now_us();
 			if (times)
-				printf("kv_first first_get_us=%.0f\n", t_first);
+				printf("kv_first first_get_us=%.0f cpu_us=%.0f\n",
+				       t_first, cpu_us());
 			if (wait_fd >= 0)
 				wait_eof((int)wait_fd);
 			t_start = kv_now_us();
@@ -703,10 +726,12 @@ int main(int argc, char **argv)
 	if (times)
 		printf("kv_times main_us=%.0f setup_us=%.0f path_us=%.0f "
 		       "connected_us=%.0f first_get_us=%.0f get_start_us=%.0f "
-		       "get_end_us=%.0f gets=%ld torn=%lu object_us=%.0f\n",
+		       "get_end_us=%.0f gets=%ld torn=%lu object_us=%.0f "
+		       "main_cpu_us=%.0f setup_cpu_us=%.0f path_cpu_us=%.0f "
+		       "connected_cpu_us=%.0f\n",
 		       t_main, c.t_setup, c.t_path, t_conn, t_first,
 		       gets ? t_start : 0, gets ? t_end : 0, gets > 1 ? gets - 1 : 0,
-		       c.torn, t_object);
+		       c.torn, t_object, cpu_main, c.cpu_setup, c.cpu_path, cpu_conn);
 
 	/* Raw: closing the TCP connection tells the server to destroy our
 	 * QP's peer. krcore: the server sees the VQP's close report. */
