@@ -763,6 +763,16 @@ impl Qp {
         Ok((a.ah_attr.grh.sgid_index.into(), unsafe { a.ah_attr.grh.dgid.raw }))
     }
 
+    /// The PSN a connected QP expects next from its peer (`ibv_query_qp`'s
+    /// `rq_psn`, live on rxe and mlx5): every request the peer sends, a
+    /// READ served by the NIC alone included, moves it.
+    pub fn rq_psn(&self) -> Result<u32> {
+        // SAFETY: plain C structs, filled by the provider.
+        let (mut a, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        ok_or_errno(call_real!(ibv_query_qp(self.qp, &mut a, M::IBV_QP_RQ_PSN.0 as c_int, &mut init))?)?;
+        Ok(a.rq_psn)
+    }
+
     /// A UD QP: INIT -> RTR -> RTS.
     pub fn ud_ready(&self) -> Result<()> {
         self.to_init()?;
