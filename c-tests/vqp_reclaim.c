@@ -18,6 +18,17 @@
  * client is at its limit) stays on the datagram tier: the tier carries
  * work, no link fails, the limit holds.
  *
+ * "readers keep their links": a server (node 2, KRCORE_MAX_LINKS=2, bound)
+ * and 3 clients (nodes 3-5, KRCORE_DGRAM=0: each needs its link, which the
+ * server accepts beyond its limit; an optional link, asked from the
+ * datagram tier, it would refuse) that only READ its memory, each as fast
+ * as it can, every READ checked. The server posts nothing on their links, so by
+ * its own posts all 3 are idle, one over its limit; what it sees of its
+ * readers is its QPs' receive PSNs. While they read, over 8 of its
+ * maintenance passes (counted by its probes), it closes none of their
+ * links, and no reader opens a second one; once they stop (alive, idle:
+ * only their probes) it closes one within a bound and holds 2.
+ *
  * "simultaneous connects": two processes (nodes 7, 8), each bound at a
  * port, connect 4 VQPs to each other at the same moment with
  * KRCORE_LINKS_PER_PEER=4, so that both make the link of an index at once
@@ -36,6 +47,8 @@
 #define _GNU_SOURCE
 #include "common.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -391,6 +404,168 @@ static int lru_reclaim(int tier)
 	return fails;
 }
 
+/* ---- readers keep their links ------------------------------------------- */
+
+#define READERS 3
+#define READER_PORT 5660
+#define READ_LEN 64
+
+static int rd_info[2];		/* server -> readers: its memory (addr, rkey), once per reader */
+static int rd_stop[2];		/* parent -> readers: EOF: stop reading */
+static int rd_exit[2];		/* parent -> readers: EOF: exit */
+static int rd_checked[2];	/* server -> parent: "C" while reading checked, "S" settled */
+static int rd_go[2];		/* parent -> server: "G" the readers stopped */
+static int reader_idx;
+
+static int rd_server(int ready_fd)
+{
+	struct ct_node n;
+	struct ibv_qp *bound;
+	uint8_t *mem;
+	struct ibv_mr *mmr;
+	unsigned long long links, probes0, closed;
+	uint64_t t0;
+	char c;
+
+	ct_begin("vqp_reclaim: readers keep their links (server, KRCORE_MAX_LINKS=2)");
+	/* The readers' ends: they must see end-of-file. */
+	close(rd_stop[1]);
+	close(rd_exit[1]);
+	setenv("KRCORE_MAX_LINKS", "2", 1);
+	ct_node_open(&n, 2, 4096, 64);
+	bound = vqp(&n, 8, 8);
+	mem = aligned_alloc(4096, 4096);
+	CT_CHECK(mem != NULL, "alloc");
+	ct_fill(mem, 4096, 9100);
+	mmr = CT_PTR(ibv_reg_mr(n.d.pd, mem, 4096, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ));
+	CT_OK(qbind(bound, ct_node_gid(2), READER_PORT));
+	for (int r = 0; r < READERS; r++) {
+		uint64_t info[2] = { (uintptr_t)mem, mmr->rkey };
+
+		CT_CHECK(write(rd_info[1], info, sizeof(info)) == sizeof(info), "info");
+	}
+	CT_CHECK(write(ready_fd, "R", 1) == 1, "ready");
+	close(ready_fd);
+	/* The readers' links: one over our limit, all idle by our posts. */
+	links = links_reach(READERS, CT_TIMEOUT_MS);
+	CT_CHECK(links == READERS, "%llu links, expected one per reader", links);
+	/* 8 maintenance passes (each probes the 3 links we post nothing on),
+	 * each of which would close one of them were they idle. */
+	probes0 = kstat(KRCORE_STAT_LINK_PROBES);
+	t0 = ct_now_ns();
+	while (kstat(KRCORE_STAT_LINK_PROBES) < probes0 + 8 * READERS) {
+		CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "%llu probes in %d ms",
+			 kstat(KRCORE_STAT_LINK_PROBES) - probes0, CT_TIMEOUT_MS);
+		usleep(2000);
+	}
+	closed = kstat(KRCORE_STAT_LINKS_CLOSED);
+	links = kstat(KRCORE_STAT_LINKS);
+	CT_CHECK(closed == 0 && links == READERS, "while its readers READ it: %llu links closed, %llu held", closed,
+		 links);
+	CT_CHECK(write(rd_checked[1], "C", 1) == 1, "checked");
+	/* The readers stopped (alive: their probes go on): now they are idle. */
+	CT_CHECK(read(rd_go[0], &c, 1) == 1, "go");
+	links = links_settle(2, CT_TIMEOUT_MS);
+	CT_CHECK(links == 2, "%llu links once its readers went idle, KRCORE_MAX_LINKS=2", links);
+	ct_note("server: 3 readers, no link closed while they READ (%llu probes), then %llu closed, %llu held",
+		kstat(KRCORE_STAT_LINK_PROBES) - probes0, kstat(KRCORE_STAT_LINKS_CLOSED), links);
+	CT_CHECK(write(rd_checked[1], "S", 1) == 1, "settled");
+	ct_pass();
+	return 0;
+}
+
+static int rd_reader(void)
+{
+	struct ct_node n;
+	struct ibv_qp *qp;
+	uint64_t info[2], reads = 0;
+	uint8_t want[4096];
+	int node = 3 + reader_idx;
+	char c;
+
+	ct_begin("vqp_reclaim: readers keep their links (reader, KRCORE_DGRAM=0)");
+	setenv("KRCORE_DGRAM", "0", 1);
+	ct_node_open(&n, node, READ_LEN, 64);
+	CT_CHECK(read(rd_info[0], info, sizeof(info)) == sizeof(info), "server info");
+	ct_fill(want, 4096, 9100);
+	qp = vqp(&n, 8, 8);
+	CT_OK(qconnect(qp, ct_node_gid(2), READER_PORT));
+	CT_CHECK(fcntl(rd_stop[0], F_SETFL, O_NONBLOCK) == 0, "fcntl");
+	for (;;) {
+		uint64_t off = (reads * READ_LEN) % 4096;
+		struct ibv_wc wc;
+		uint64_t t0 = ct_now_ns();
+		ssize_t k;
+
+		memset(n.b.p, 0, READ_LEN);
+		post_at(qp, &n, reads, IBV_WR_RDMA_READ, 0, info[0] + off, (uint32_t)info[1]);
+		while (ibv_poll_cq(n.scq, 1, &wc) != 1) {
+			CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "READ %llu stuck",
+				 (unsigned long long)reads);
+		}
+		CT_CHECK(wc.status == IBV_WC_SUCCESS, "READ %llu: %s", (unsigned long long)reads,
+			 ibv_wc_status_str(wc.status));
+		ct_expect_bytes(n.b.p, want + off, READ_LEN, "READ of the server's memory");
+		reads++;
+		if (reads % 64)
+			continue;
+		k = read(rd_stop[0], &c, 1);
+		if (k == 0)
+			break;
+		CT_CHECK(k < 0 && errno == EAGAIN, "stop pipe");
+	}
+	/* Made once, never closed under us while we read. */
+	CT_CHECK(kstat(KRCORE_STAT_LINKS_OPENED) == 1 && kstat(KRCORE_STAT_LINKS_CLOSED) == 0,
+		 "links opened %llu, closed %llu while reading", kstat(KRCORE_STAT_LINKS_OPENED),
+		 kstat(KRCORE_STAT_LINKS_CLOSED));
+	ct_note("reader on node %d: %llu READs checked, one link", node, (unsigned long long)reads);
+	/* Idle and alive until the server has settled. */
+	CT_CHECK(read(rd_exit[0], &c, 1) == 0, "exit");
+	CT_OK(ibv_destroy_qp(qp));
+	ct_pass();
+	return 0;
+}
+
+static int readers_keep_links(void)
+{
+	pid_t srv, rd[READERS];
+	int fails = 0;
+	char c;
+
+	CT_CHECK(pipe(rd_info) == 0 && pipe(rd_stop) == 0 && pipe(rd_exit) == 0 && pipe(rd_checked) == 0 &&
+			 pipe(rd_go) == 0,
+		 "pipe");
+	srv = ct_fork_ready(rd_server, "readers' server");
+	for (int r = 0; r < READERS; r++) {
+		reader_idx = r;
+		rd[r] = fork();
+		CT_CHECK(rd[r] >= 0, "fork");
+		if (rd[r] == 0) {
+			close(rd_stop[1]);
+			close(rd_exit[1]);
+			close(rd_checked[1]);
+			_exit(rd_reader());
+		}
+	}
+	/* Only the server writes these: its death is an end-of-file. */
+	close(rd_checked[1]);
+	close(rd_stop[0]);
+	close(rd_exit[0]);
+	if (read(rd_checked[0], &c, 1) != 1)
+		fails++;
+	close(rd_stop[1]);
+	CT_CHECK(write(rd_go[1], "G", 1) == 1, "go");
+	if (!fails && read(rd_checked[0], &c, 1) != 1)
+		fails++;
+	close(rd_exit[1]);
+	if (fails)
+		kill(srv, SIGKILL);
+	fails += ct_wait_child(srv, "readers' server");
+	for (int r = 0; r < READERS; r++)
+		fails += ct_wait_child(rd[r], "reader");
+	return fails;
+}
+
 /* ---- simultaneous connects ---------------------------------------------- */
 
 #define PAIR_VQPS 4
@@ -587,6 +762,7 @@ int main(void)
 	fails += lru_reclaim(0);
 	fails += lru_reclaim(1);
 	unsetenv("KRCORE_DGRAM");
+	fails += readers_keep_links();
 	fails += simultaneous(0);
 	fails += simultaneous(1);
 	kill(meta_pid, SIGTERM);

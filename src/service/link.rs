@@ -62,6 +62,10 @@ pub struct Link {
     /// read on the data path.
     pub(super) used: AtomicBool,
     pub(super) last_used: AtomicU64,
+    /// The peer's use, which our posts do not show: our QP's receive PSN
+    /// (every request of the peer's moves it, READs the NIC serves alone
+    /// included) and when it was read (`coarse_ms`), at the last look.
+    peer_seen: Mutex<(u32, u64)>,
     /// When it began closing (`coarse_ms`).
     pub(super) close_started: AtomicU64,
     /// The messages' flow control, both directions (`credit`).
@@ -103,6 +107,7 @@ impl Link {
             close_heard: AtomicBool::new(false),
             used: AtomicBool::new(false),
             last_used: AtomicU64::new(crate::clock::coarse_ms()),
+            peer_seen: Mutex::new((theirs.psn, crate::clock::coarse_ms())),
             close_started: AtomicU64::new(0),
             credit,
         })
@@ -133,6 +138,30 @@ impl Link {
         !self.is_closing() && !self.is_failed()
     }
 
+    /// Whether the peer sent more on it since the last look than its
+    /// liveness probes (one per `KRCORE_LINK_PROBE_MS` of an idle link,
+    /// taken to be ours; twice that and two more allowed): then it counts
+    /// as used now (`last_used`). A server whose clients only READ it
+    /// posts nothing on their links, and would otherwise take them for
+    /// idle. A kernel call (`ibv_query_qp`): asked only of links about to
+    /// be closed as idle.
+    pub(super) fn peer_used(&self, now: u64) -> bool {
+        let Ok(psn) = self.qp.rq_psn() else { return false };
+        let every = match crate::config::get().link_probe_ms {
+            0 => 1000,
+            ms => ms,
+        };
+        let mut seen = self.peer_seen.lock();
+        let moved = psn.wrapping_sub(seen.0) & PSN_MASK;
+        let probes = 2 + 2 * now.saturating_sub(seen.1) / every;
+        *seen = (psn, now);
+        if u64::from(moved) > probes {
+            self.last_used.store(now, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
     /// Milliseconds since it began closing.
     pub fn closing_for_ms(&self) -> u64 {
         crate::clock::coarse_ms().saturating_sub(self.close_started.load(Ordering::Relaxed))
@@ -155,6 +184,9 @@ impl Link {
         initiator(self) < initiator(other)
     }
 }
+
+/// PSNs are 24 bits.
+const PSN_MASK: u32 = 0x00ff_ffff;
 
 /// How long an accepted link waits for its requester's word that its end
 /// is in RTR before it is used anyway (RC retransmits what was too early).

@@ -677,28 +677,33 @@ impl Service {
     /// then, while more than `max` physical QPs are held (0: no limit),
     /// the least recently used open links this process posted nothing on
     /// for `idle_ms` (as seen at maintenance ticks: a post is dated by the
-    /// first tick after it).
+    /// first tick after it) and whose peer sent nothing on since the last
+    /// look but its probes (`Link::peer_used`).
     pub fn links_to_close(&self, max: usize, idle_ms: u64) -> Vec<Arc<Link>> {
-        let links = self.shared.links.lock();
         let now = crate::clock::coarse_ms();
-        for l in links.by_qpn.values() {
-            if l.used.swap(false, Ordering::Relaxed) {
-                l.last_used.store(now, Ordering::Relaxed);
+        let (mut out, held, idle) = {
+            let links = self.shared.links.lock();
+            for l in links.by_qpn.values() {
+                if l.used.swap(false, Ordering::Relaxed) {
+                    l.last_used.store(now, Ordering::Relaxed);
+                }
             }
-        }
-        let mut out: Vec<Arc<Link>> = links.duplicates().cloned().collect();
-        let held = links.by_qpn.values().filter(|l| l.is_open()).count() - out.len();
-        if max > 0 && held > max {
-            let mut idle: Vec<(u64, &Arc<Link>)> = links
-                .by_key
-                .values()
-                .filter(|l| l.is_open())
-                .map(|l| (l.last_used.load(Ordering::Relaxed), l))
-                .filter(|(used, _)| now.saturating_sub(*used) >= idle_ms)
-                .collect();
-            idle.sort_by_key(|(used, _)| *used);
-            out.extend(idle.into_iter().take(held - max).map(|(_, l)| Arc::clone(l)));
-        }
+            let out: Vec<Arc<Link>> = links.duplicates().cloned().collect();
+            let held = links.by_qpn.values().filter(|l| l.is_open()).count() - out.len();
+            let idle: Vec<Arc<Link>> = if max > 0 && held > max {
+                let idle_by_us = |l: &&Arc<Link>| l.is_open() && now.saturating_sub(l.last_used.load(Ordering::Relaxed)) >= idle_ms;
+                links.by_key.values().filter(idle_by_us).cloned().collect()
+            } else {
+                Vec::new()
+            };
+            (out, held, idle)
+        };
+        // Idle by our posts, but maybe not by the peer's (its READs): asked
+        // outside the lock (a kernel call each).
+        let mut idle: Vec<(u64, Arc<Link>)> =
+            idle.into_iter().filter(|l| !l.peer_used(now)).map(|l| (l.last_used.load(Ordering::Relaxed), l)).collect();
+        idle.sort_by_key(|(used, _)| *used);
+        out.extend(idle.into_iter().take(held.saturating_sub(max)).map(|(_, l)| l));
         out
     }
 
