@@ -238,8 +238,6 @@ struct Shared {
     /// (rxe posts through the same kernel device) in a process that may
     /// never need a link.
     pool_wanted: AtomicBool,
-    /// QPs taken for links (made or accepted) so far: the pool's target.
-    links_taken: AtomicUsize,
     /// Wakes the progress thread (refill, stop).
     event_fd: libc::c_int,
     /// Called by the progress thread when the links have completions;
@@ -372,7 +370,6 @@ impl Service {
             connecting: gate::Gate::new(),
             connects: AtomicU32::new(0),
             pool_wanted: AtomicBool::new(!crate::config::get().dgram),
-            links_taken: AtomicUsize::new(0),
             event_fd,
             on_link_event: Mutex::new(None),
             on_link_recv: Mutex::new(None),
@@ -803,7 +800,6 @@ impl Shared {
     /// A QP in INIT from the pool (or a new one when the pool ran dry).
     fn take_warm(&self) -> Result<Qp> {
         self.pool_wanted.store(true, Ordering::Release);
-        self.links_taken.fetch_add(1, Ordering::Relaxed);
         let qp = self.warm.lock().pop();
         self.kick();
         match qp {
@@ -827,11 +823,10 @@ impl Shared {
     /// One at a time, so that link requests arriving meanwhile are answered
     /// between two creations (each costs milliseconds in the kernel).
     fn refill_one(&self) -> bool {
-        let target = self.warm_target();
         if self.connects.load(Ordering::Acquire) > 0
             || !self.link_side_ready.load(Ordering::Acquire)
             || !self.pool_wanted.load(Ordering::Acquire)
-            || self.warm.lock().len() >= target
+            || self.warm.lock().len() >= self.opts.warm_qps
         {
             return false;
         }
@@ -842,27 +837,13 @@ impl Shared {
             Ok(qp) => {
                 let mut w = self.warm.lock();
                 w.push(qp);
-                w.len() < target
+                w.len() < self.opts.warm_qps
             }
             Err(e) => {
                 klog!(Level::Warn, "service: cannot refill the warm QP pool: {e:?}");
                 false
             }
         }
-    }
-
-    /// How many QPs the pool keeps: as many links as this process made
-    /// beyond its first, up to `warm_qps`. A process that talks to one
-    /// peer (most short-lived ones) creates no QP it never uses (each an
-    /// RC QP with its queues, milliseconds of kernel work, and as much at
-    /// exit); one that made several is likely to make more.
-    fn warm_target(&self) -> usize {
-        if !crate::config::get().dgram {
-            // Every first contact waits for a link: the pool is full from
-            // the start.
-            return self.opts.warm_qps;
-        }
-        self.opts.warm_qps.min(self.links_taken.load(Ordering::Relaxed).saturating_sub(1))
     }
 
     /// Wake the progress thread.
