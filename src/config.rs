@@ -110,6 +110,16 @@ fn var(name: &str) -> Option<String> {
 }
 
 impl Config {
+    /// How often the links are looked after (probes, reclaim, closes):
+    /// every `KRCORE_LINK_PROBE_MS`, or every second when probes are off.
+    pub fn link_tick_ms(&self) -> u64 {
+        if self.link_probe_ms > 0 {
+            self.link_probe_ms
+        } else {
+            1000
+        }
+    }
+
     pub fn from_env() -> Config {
         let log = var("KRCORE_LOG").map_or(Level::Off, |v| Level::parse(&v).unwrap_or(Level::Info));
         Config {

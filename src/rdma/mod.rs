@@ -756,9 +756,7 @@ impl Qp {
     /// The device's view of a connected QP's path: its source GID index
     /// and destination GID (`ibv_query_qp`).
     pub fn path(&self) -> Result<(u32, Gid)> {
-        // SAFETY: plain C structs, filled by the provider.
-        let (mut a, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
-        ok_or_errno(call_real!(ibv_query_qp(self.qp, &mut a, M::IBV_QP_AV.0 as c_int, &mut init))?)?;
+        let a = self.query(M::IBV_QP_AV.0)?;
         // SAFETY: a GID is 16 bytes whichever way it is read.
         Ok((a.ah_attr.grh.sgid_index.into(), unsafe { a.ah_attr.grh.dgid.raw }))
     }
@@ -767,10 +765,15 @@ impl Qp {
     /// `rq_psn`, live on rxe and mlx5): every request the peer sends, a
     /// READ served by the NIC alone included, moves it.
     pub fn rq_psn(&self) -> Result<u32> {
+        Ok(self.query(M::IBV_QP_RQ_PSN.0)?.rq_psn)
+    }
+
+    /// `ibv_query_qp` of the attributes in `mask`.
+    fn query(&self, mask: u32) -> Result<ibv_qp_attr> {
         // SAFETY: plain C structs, filled by the provider.
         let (mut a, mut init): (ibv_qp_attr, ibv_qp_init_attr) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
-        ok_or_errno(call_real!(ibv_query_qp(self.qp, &mut a, M::IBV_QP_RQ_PSN.0 as c_int, &mut init))?)?;
-        Ok(a.rq_psn)
+        ok_or_errno(call_real!(ibv_query_qp(self.qp, &mut a, mask as c_int, &mut init))?)?;
+        Ok(a)
     }
 
     /// A UD QP: INIT -> RTR -> RTS.

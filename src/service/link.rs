@@ -139,18 +139,15 @@ impl Link {
     }
 
     /// Whether the peer sent more on it since the last look than its
-    /// liveness probes (one per `KRCORE_LINK_PROBE_MS` of an idle link,
-    /// taken to be ours; twice that and two more allowed): then it counts
+    /// liveness probes (one per maintenance tick of an idle link, its
+    /// period taken to be ours; twice that and two more allowed): then it counts
     /// as used now (`last_used`). A server whose clients only READ it
     /// posts nothing on their links, and would otherwise take them for
     /// idle. A kernel call (`ibv_query_qp`): asked only of links about to
     /// be closed as idle.
     pub(super) fn peer_used(&self, now: u64) -> bool {
         let Ok(psn) = self.qp.rq_psn() else { return false };
-        let every = match crate::config::get().link_probe_ms {
-            0 => 1000,
-            ms => ms,
-        };
+        let every = crate::config::get().link_tick_ms();
         let mut seen = self.peer_seen.lock();
         let moved = psn.wrapping_sub(seen.0) & PSN_MASK;
         let probes = 2 + 2 * now.saturating_sub(seen.1) / every;

@@ -53,9 +53,6 @@ pub const MAX_MSG: usize = 4096;
 const RECV_BUF: usize = HEADER_LEN + MAX_MSG;
 /// Bytes a liveness probe READs.
 const PROBE_LEN: usize = 8;
-/// How often the links are looked after when they are not probed
-/// (`KRCORE_LINK_PROBE_MS=0`): closes beyond `KRCORE_MAX_LINKS`.
-const MAINTENANCE_MS: u64 = 1000;
 /// How long a link's work is waited for to complete (a READ of a peer's
 /// probe target, the WQEs before a link's LINK_CLOSE): RC completes it, in
 /// error at worst, once the retries ran out (timeout 17, 6 retries: about

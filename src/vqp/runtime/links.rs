@@ -185,8 +185,7 @@ impl Runtime {
     /// `KRCORE_LINK_PROBE_MS`, close those beyond `KRCORE_MAX_LINKS` and
     /// the duplicates, and finish closes.
     pub(super) fn schedule_maintenance(rt: &Arc<Runtime>) {
-        let cfg = crate::config::get();
-        let ms = if cfg.link_probe_ms > 0 { cfg.link_probe_ms } else { MAINTENANCE_MS };
+        let ms = crate::config::get().link_tick_ms();
         let weak = Arc::downgrade(rt);
         rt.svc.defer(
             Instant::now() + Duration::from_millis(ms),
