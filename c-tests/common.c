@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "common.h"
 
+#include <dirent.h>
 #include <endian.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -845,6 +846,41 @@ int ct_run_child(int (*f)(void), const char *what)
 	if (pid == 0)
 		_exit(f());
 	return ct_wait_child(pid, what);
+}
+
+void ct_wait_stopped(pid_t pid)
+{
+	uint64_t t0 = ct_now_ns();
+	char dir[64];
+
+	snprintf(dir, sizeof(dir), "/proc/%d/task", (int)pid);
+	for (;;) {
+		DIR *d = opendir(dir);
+		struct dirent *e;
+		int running = 0;
+
+		CT_CHECK(d != NULL, "%s", dir);
+		while ((e = readdir(d))) {
+			char path[384], buf[256], *p;
+			FILE *f;
+
+			if (e->d_name[0] == '.')
+				continue;
+			snprintf(path, sizeof(path), "%s/%s/stat", dir, e->d_name);
+			f = fopen(path, "r");
+			if (!f)
+				continue; /* a thread that just ended */
+			p = fgets(buf, sizeof(buf), f) ? strrchr(buf, ')') : NULL;
+			fclose(f);
+			if (p && p[1] == ' ' && p[2] != 't' && p[2] != 'T')
+				running = 1;
+		}
+		closedir(d);
+		if (!running)
+			return;
+		CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "process %d not stopped", (int)pid);
+		usleep(1000);
+	}
 }
 
 int ct_wait_child(pid_t pid, const char *what)

@@ -280,6 +280,10 @@ pid_t ct_fork_ready(int (*role)(int ready_fd), const char *what);
 #define CT_ECHO_MSG 64
 #define CT_ECHO_TARGET 2048
 int ct_echo_target_server(const char *name, int node, int port, uint32_t seed, int info_fd, int ready_fd);
+/* Wait (bounded) until every thread of process `pid` is stopped (state
+ * 't' or 'T' in /proc): kill(SIGSTOP) returns before its threads stop, and
+ * one still running may answer what is sent to the process meanwhile. */
+void ct_wait_stopped(pid_t pid);
 /* Wait for a child process; 0 if it exited with 0, else 1 (reported). */
 int ct_wait_child(pid_t pid, const char *what);
 /* Run f() in a forked child and wait for it (as ct_wait_child). */

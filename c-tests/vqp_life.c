@@ -66,7 +66,6 @@
 #define _GNU_SOURCE
 #include "common.h"
 
-#include <dirent.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,44 +84,6 @@
 #define IDLE_BATCH 30
 
 /* The server blocks on it after 'S' until the client writes a byte. */
-/* Wait (bounded) until every thread of process `pid` is stopped (state
- * 't' or 'T' in /proc): kill(SIGSTOP) returns before its threads stop, and
- * one still running may answer what is sent to the process meanwhile. */
-static void wait_stopped(pid_t pid)
-{
-	uint64_t t0 = ct_now_ns();
-	char dir[64];
-
-	snprintf(dir, sizeof(dir), "/proc/%d/task", (int)pid);
-	for (;;) {
-		DIR *d = opendir(dir);
-		struct dirent *e;
-		int running = 0;
-
-		CT_CHECK(d != NULL, "%s", dir);
-		while ((e = readdir(d))) {
-			char path[384], buf[256], *p;
-			FILE *f;
-
-			if (e->d_name[0] == '.')
-				continue;
-			snprintf(path, sizeof(path), "%s/%s/stat", dir, e->d_name);
-			f = fopen(path, "r");
-			if (!f)
-				continue; /* a thread that just ended */
-			p = fgets(buf, sizeof(buf), f) ? strrchr(buf, ')') : NULL;
-			fclose(f);
-			if (p && p[1] == ' ' && p[2] != 't' && p[2] != 'T')
-				running = 1;
-		}
-		closedir(d);
-		if (!running)
-			return;
-		CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "process %d not stopped", (int)pid);
-		usleep(1000);
-	}
-}
-
 static int pause_pipe[2];
 
 /* The server's resident memory is measured: memory it frees must be
@@ -750,7 +711,7 @@ static int client_c(void)
 		CT_OK(qconnect(slow, ct_node_gid(9), PORT + 3));
 		CT_CHECK(kill(victims[2], SIGSTOP) == 0, "SIGSTOP");
 		t_stop = ct_now_ns();
-		wait_stopped(victims[2]);
+		ct_wait_stopped(victims[2]);
 		CT_OK(post_send_at(slow, &n, 70, 0, 8, IBV_SEND_SIGNALED));
 		/* Looked up, still bound: waited for (the SEND had failed after
 		 * one connect timeout). */

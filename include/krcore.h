@@ -235,8 +235,16 @@ enum krcore_stat {
   // Times a peer process that did not answer (a link handshake timed
   // out, or a flow of the datagram tier ran out of retries) was found
   // alive (still bound at the meta server, or, with no binding known,
-  // sending to us lately), so waited for instead of taken for gone.
+  // connected to it, or, with neither to ask, sending to us lately),
+  // so waited for instead of taken for gone.
   KRCORE_STAT_PEERS_VOUCHED,
+  // Peer processes taken for gone (a link to one failed, or it did not
+  // answer and nothing vouched for it): their VQPs moved to the error
+  // state.
+  KRCORE_STAT_PEERS_GONE,
+  // Times the meta server was asked whether a silent peer's own
+  // connection to it is open (a peer with no binding known here).
+  KRCORE_STAT_PRESENCE_QUERIES,
   // Number of counters (not a counter).
   KRCORE_STAT_COUNT,
 };

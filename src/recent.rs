@@ -19,9 +19,10 @@ impl<T: Copy + Eq + Hash> Recent<T> {
         Recent { cap: cap.max(1), set: HashSet::new(), order: VecDeque::new() }
     }
 
-    pub fn insert(&mut self, x: T) {
+    /// Whether `x` is new (a member already is not moved).
+    pub fn insert(&mut self, x: T) -> bool {
         if !self.set.insert(x) {
-            return;
+            return false;
         }
         if self.order.len() == self.cap {
             if let Some(old) = self.order.pop_front() {
@@ -29,6 +30,7 @@ impl<T: Copy + Eq + Hash> Recent<T> {
             }
         }
         self.order.push_back(x);
+        true
     }
 
     pub fn contains(&self, x: &T) -> bool {

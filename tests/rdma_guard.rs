@@ -158,7 +158,7 @@ fn a_message_whose_header_lies_about_its_length_is_never_delivered() {
     // The victim's bound VQP, as any peer finds it.
     let dev = device();
     let gi = gid_index(&dev, 3);
-    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
+    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3), incarnation: 0 };
     let mc = MetaClient::connect(&dev, gi, &client::parse_addrs(&meta).unwrap(), opts).expect("the victim's meta server");
     let key = Key::Port { gid: ipv4_gid(Ipv4Addr::new(10, 77, 0, 1)), port };
     let ep = mc.lookup(&key).expect("lookup").expect("the victim's binding");

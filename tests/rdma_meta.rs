@@ -9,7 +9,8 @@
 //! VM with `--ignored`.
 
 use krcore::error::Errno;
-use krcore::meta::client::{MetaClient, Options};
+use krcore::meta::client::{presence, MetaClient, Options};
+use krcore::meta::proto::Presence;
 use krcore::meta::{Endpoint, Key};
 use krcore::rdma::{ipv4_gid, Device};
 use std::io::{BufRead, BufReader};
@@ -94,7 +95,8 @@ fn device() -> Arc<Device> {
 /// A client on emulated node `node` (GID index `node`, 10.77.0.`node`).
 fn client(dev: &Arc<Device>, node: u8, meta: &Meta, lease: Duration) -> Arc<MetaClient> {
     let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, node))).expect("node GID");
-    MetaClient::connect(dev, gi, &[meta.addr], Options { timeout: Duration::from_secs(5), lease }).expect("connect to krcore-meta")
+    MetaClient::connect(dev, gi, &[meta.addr], Options { timeout: Duration::from_secs(5), lease, incarnation: 0 })
+        .expect("connect to krcore-meta")
 }
 
 fn port_key(node: u8, port: u32) -> Key {
@@ -182,12 +184,25 @@ fn entries_of_a_killed_process_disappear() {
     }
     let key = port_key(4, 7000);
     assert!(watcher.lookup(&key).unwrap().is_some(), "the binder's entry is visible");
+    let t = Duration::from_secs(5);
+    assert_eq!(presence(&[meta.addr], BINDER_INCARNATION, t), Presence::Connected, "its connection vouches for it");
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
     let _ = child.wait();
     let took = wait_absent(&watcher, &key, Duration::from_secs(5));
     println!("entry of the killed process gone after {took:?}");
+    // Its connection closed with it: departed, for a process that binds
+    // nothing as for this one.
+    let t0 = Instant::now();
+    while presence(&[meta.addr], BINDER_INCARNATION, t) != Presence::Departed {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the killed process still looks connected");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!("the killed process departed {:?} after its entry went", t0.elapsed());
 }
+
+/// The binder's service-endpoint incarnation, named in its `Hello`.
+const BINDER_INCARNATION: u64 = 0x5eed_0000_0000_0004;
 
 /// The child of `entries_of_a_killed_process_disappear`: bind, say so, wait
 /// to be killed.
@@ -195,11 +210,43 @@ fn binder() {
     let addr: SocketAddr = std::env::var("KRCORE_TEST_META").unwrap().parse().unwrap();
     let dev = device();
     let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, 4))).unwrap();
-    let c = MetaClient::connect(&dev, gi, &[addr], Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(30) }).unwrap();
+    let opts = Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(30), incarnation: BINDER_INCARNATION };
+    let c = MetaClient::connect(&dev, gi, &[addr], opts).unwrap();
     c.bind(&port_key(4, 7000), &endpoint(4, 9, 1)).unwrap();
     println!("binder: bound");
     std::thread::sleep(Duration::from_secs(60));
     panic!("binder was not killed");
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_presence_query_says_whether_a_process_is_connected() {
+    let meta = Meta::start(30_000);
+    let dev = device();
+    let t = Duration::from_secs(5);
+    let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, 2))).unwrap();
+    let connect = |incarnation| MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation }).unwrap();
+    assert_eq!(presence(&[meta.addr], 0x77, t), Presence::Unknown, "never connected");
+    let a = connect(0x77);
+    assert_eq!(presence(&[meta.addr], 0x77, t), Presence::Connected);
+    // A connection that names no process vouches for none.
+    let _anon = connect(0);
+    assert_eq!(presence(&[meta.addr], 0, t), Presence::Unknown);
+    // A replica that is down is skipped; one that knows decides.
+    let down = SocketAddr::from((SERVER_IP, free_port()));
+    assert_eq!(presence(&[down, meta.addr], 0x77, t), Presence::Connected);
+    assert_eq!(presence(&[down], 0x77, t), Presence::Unknown, "nobody answered");
+    // Its connection closed (the client dropped): departed.
+    a.shutdown();
+    drop(a);
+    let t0 = Instant::now();
+    while presence(&[meta.addr], 0x77, t) != Presence::Departed {
+        assert!(t0.elapsed() < t, "a closed connection still vouches");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Connected again (a process that lost its connection and made another).
+    let _b = connect(0x77);
+    assert_eq!(presence(&[meta.addr], 0x77, t), Presence::Connected);
 }
 
 #[test]
@@ -229,9 +276,10 @@ fn no_server_is_refused() {
     let dev = device();
     let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, 2))).unwrap();
     let addr = SocketAddr::from((SERVER_IP, free_port()));
-    let e = MetaClient::connect(&dev, gi, &[addr], Options { timeout: Duration::from_secs(2), lease: Duration::from_secs(1) })
-        .err()
-        .expect("nothing listens there");
+    let e =
+        MetaClient::connect(&dev, gi, &[addr], Options { timeout: Duration::from_secs(2), lease: Duration::from_secs(1), incarnation: 0 })
+            .err()
+            .expect("nothing listens there");
     assert_eq!(e, Errno(libc::ECONNREFUSED));
 }
 
@@ -318,7 +366,7 @@ fn hello_on(s: &mut std::net::TcpStream, gid: [u8; 16]) -> Option<krcore::meta::
     use std::io::{Read, Write};
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let mut out = [0u8; BOOT_LEN];
-    Hello { gid, qpn: 0x1234, psn: 1 }.encode(&mut out);
+    Hello { gid, qpn: 0x1234, psn: 1, incarnation: 0 }.encode(&mut out);
     s.write_all(&out).ok()?;
     let mut buf = [0u8; BOOT_LEN];
     s.read_exact(&mut buf).ok().and_then(|()| Welcome::decode(&buf).ok())
@@ -490,9 +538,14 @@ fn connections_and_entries_beyond_their_bounds_are_refused() {
     assert_eq!(hello_on(&mut c4, ipv4_gid(node(5))).map(|w| w.status), Some(0));
     assert_eq!(hello_on(&mut early, ipv4_gid(node(6))).map(|w| w.status), Some(libc::EUSERS as u32));
     assert!(refused_from(node(7), meta.addr, quick), "a connection beyond --max-clients is reset");
-    let e = MetaClient::connect(&dev, dev.gid_index(&ipv4_gid(node(8))).unwrap(), &[meta.addr], Options { timeout: t, lease: t })
-        .err()
-        .expect("no room for another client");
+    let e = MetaClient::connect(
+        &dev,
+        dev.gid_index(&ipv4_gid(node(8))).unwrap(),
+        &[meta.addr],
+        Options { timeout: t, lease: t, incarnation: 0 },
+    )
+    .err()
+    .expect("no room for another client");
     println!("a client beyond --max-clients: {e:?}");
     // One leaves: room for the next.
     close_acked(c4);
@@ -647,7 +700,7 @@ impl RawClient {
         let bufs = Region::new(dev, 2 * META_LEN, LOCAL_WRITE).unwrap();
         let psn = random_psn();
         let mut out = [0u8; BOOT_LEN];
-        Hello { gid: dev.gid(gi).unwrap(), qpn: qp.qpn(), psn }.encode(&mut out);
+        Hello { gid: dev.gid(gi).unwrap(), qpn: qp.qpn(), psn, incarnation: 0 }.encode(&mut out);
         tcp.write_all(&out).unwrap();
         let mut buf = [0u8; BOOT_LEN];
         tcp.read_exact(&mut buf).expect("a Welcome");

@@ -223,7 +223,7 @@ fn a_staged_message_is_readable_only_over_the_link_it_was_announced_on() {
     let (meta, port) = (f[0].to_string(), f[1].parse::<u32>().unwrap());
 
     let dev = device();
-    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
+    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3), incarnation: 0 };
     let mc = MetaClient::connect(&dev, gid_index(&dev, 2), &client::parse_addrs(&meta).unwrap(), opts).expect("the stager's meta server");
     let key = Key::Port { gid: ipv4_gid(Ipv4Addr::new(10, 77, 0, 1)), port };
     let ep = mc.lookup(&key).expect("lookup").expect("the stager's binding");
@@ -330,7 +330,7 @@ fn a_peer_cannot_make_a_vqp_hold_more_than_its_links_window() {
     let admitted = (WINDOW / COST) as u32;
     let Holder { child: mut holder, to: mut to_holder, mut lines, meta, port } = start_holder();
     let dev = device();
-    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
+    let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3), incarnation: 0 };
     let mc = MetaClient::connect(&dev, gid_index(&dev, 3), &client::parse_addrs(&meta).unwrap(), opts).expect("the holder's meta server");
     let ep = mc.lookup(&Key::Port { gid: ipv4_gid(Ipv4Addr::new(10, 77, 0, 1)), port }).expect("lookup").expect("the holder's binding");
 

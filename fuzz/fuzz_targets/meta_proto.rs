@@ -3,11 +3,12 @@
 //! exactly the input; kinds are unique across families, so at most one
 //! message type accepts a buffer (the link family included); and the
 //! server's first-message dispatch (`BootMessage`) agrees with the
-//! decoders of the two messages it accepts.
+//! decoders of the three messages it accepts.
 #![no_main]
 
 use krcore::meta::proto::{
-    Answer, BootMessage, Hello, LinkMessage, Proof, Query, Request, Response, Welcome, BOOT_LEN, META_LEN, PROOF_LEN,
+    Answer, BootMessage, Hello, LinkMessage, PresenceAnswer, PresenceQuery, Proof, Query, Request, Response, Welcome, BOOT_LEN, META_LEN,
+    PROOF_LEN,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -28,6 +29,8 @@ fuzz_target!(|data: &[u8]| {
     let response = Response::decode(data);
     let link = LinkMessage::decode(data);
     let proof = Proof::decode(data);
+    let presence_query = PresenceQuery::decode(data);
+    let presence_answer = PresenceAnswer::decode(data);
     let boot = BootMessage::decode(data);
 
     if let Ok(m) = &hello {
@@ -51,13 +54,30 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(m) = &proof {
         recode::<_, PROOF_LEN>(data, m, Proof::encode);
     }
+    if let Ok(m) = &presence_query {
+        recode::<_, BOOT_LEN>(data, m, PresenceQuery::encode);
+    }
+    if let Ok(m) = &presence_answer {
+        recode::<_, BOOT_LEN>(data, m, PresenceAnswer::encode);
+    }
 
-    let accepted =
-        [hello.is_ok(), welcome.is_ok(), query.is_ok(), answer.is_ok(), request.is_ok(), response.is_ok(), link.is_ok(), proof.is_ok()];
+    let accepted = [
+        hello.is_ok(),
+        welcome.is_ok(),
+        query.is_ok(),
+        answer.is_ok(),
+        request.is_ok(),
+        response.is_ok(),
+        link.is_ok(),
+        proof.is_ok(),
+        presence_query.is_ok(),
+        presence_answer.is_ok(),
+    ];
     assert!(accepted.iter().filter(|&&ok| ok).count() <= 1, "{accepted:?}");
     match boot {
         Ok(BootMessage::Hello(m)) => assert_eq!(hello, Ok(m)),
         Ok(BootMessage::Query(m)) => assert_eq!(query, Ok(m)),
-        Err(_) => assert!(hello.is_err() && query.is_err()),
+        Ok(BootMessage::Presence(m)) => assert_eq!(presence_query, Ok(m)),
+        Err(_) => assert!(hello.is_err() && query.is_err() && presence_query.is_err()),
     }
 });

@@ -4,8 +4,8 @@
 //! that the committed files are still these bytes).
 
 use krcore::meta::proto::{
-    Answer, Hello, LinkInfo, LinkReady, LinkReply, LinkRequest, Op, Proof, Query, Request, Response, Welcome, BOOT_LEN, LINK_LEN, META_LEN,
-    PROOF_LEN,
+    Answer, Hello, LinkInfo, LinkReady, LinkReply, LinkRequest, Op, Presence, PresenceAnswer, PresenceQuery, Proof, Query, Request,
+    Response, Welcome, BOOT_LEN, LINK_LEN, META_LEN, PROOF_LEN,
 };
 use krcore::meta::table::{EndpointSchema, RemoteTable, Schema, Table, HEADER_SIZE};
 use krcore::meta::{Endpoint, Key};
@@ -165,13 +165,15 @@ fn meta_seeds() -> Vec<Seed> {
     };
     let request = |op, key| Request { op, req_id: 42, lease_ms: 1000, key, endpoint: endpoint(), secret: 0x5ec2_e7f0_0d15_ea5e };
     vec![
-        ("hello", encoded::<BOOT_LEN>(|b| Hello { gid: GID, qpn: 0x12_3456, psn: U24_MAX }.encode(b))),
+        ("hello", encoded::<BOOT_LEN>(|b| Hello { gid: GID, qpn: 0x12_3456, psn: U24_MAX, incarnation: 0x0123_4567_89ab_cdef }.encode(b))),
         ("welcome", encoded::<BOOT_LEN>(|b| welcome.encode(b))),
         ("welcome_refused", encoded::<BOOT_LEN>(|b| Welcome { status: ENOSPC, ..welcome }.encode(b))),
         ("query_port", encoded::<BOOT_LEN>(|b| Query { key: port }.encode(b))),
         ("query_vqpn", encoded::<BOOT_LEN>(|b| Query { key: vqpn }.encode(b))),
         ("answer_found", encoded::<BOOT_LEN>(|b| Answer { endpoint: Some(endpoint_max()) }.encode(b))),
         ("answer_none", encoded::<BOOT_LEN>(|b| Answer { endpoint: None }.encode(b))),
+        ("presence_query", encoded::<BOOT_LEN>(|b| PresenceQuery { incarnation: 0x0123_4567_89ab_cdef }.encode(b))),
+        ("presence_answer", encoded::<BOOT_LEN>(|b| PresenceAnswer { presence: Presence::Departed }.encode(b))),
         ("request_bind", encoded::<META_LEN>(|b| request(Op::Bind, port).encode(b))),
         ("request_unbind", encoded::<META_LEN>(|b| request(Op::Unbind, vqpn).encode(b))),
         ("request_renew", encoded::<META_LEN>(|b| request(Op::Renew, port).encode(b))),

@@ -33,6 +33,7 @@ fn decodes(target: &str, name: &str, seed: &[u8]) -> bool {
                 || Request::decode(seed).is_ok()
                 || Response::decode(seed).is_ok()
                 || krcore::meta::proto::Proof::decode(seed).is_ok()
+                || krcore::meta::proto::PresenceAnswer::decode(seed).is_ok()
         }
         "meta_table" => {
             let key = table_input::endpoint_key(seed[HEADER_SIZE..].first_chunk().unwrap());

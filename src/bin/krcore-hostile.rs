@@ -82,7 +82,7 @@ fn main() {
             [a, n] if a.as_str() == "garbage" => to.garbage(n.parse().map_err(|_| format!("garbage: not a count: {n}"))?),
             [a] if a.as_str() == "steal-binding" => {
                 let key = Key::Port { gid: victim.gid, port: *m.get_one::<u32>("port").expect("required") };
-                let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3) };
+                let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3), incarnation: 0 };
                 let mc = client::MetaClient::connect(&dev, sgid_index, &addrs, opts).map_err(|e| format!("meta connection: {e:?}"))?;
                 let bound = mc.bind(&key, &victim);
                 let unbound = bound.is_ok().then(|| mc.unbind(&key));
@@ -93,7 +93,7 @@ fn main() {
                 let port = p.parse().map_err(|_| format!("bind-as: not a port: {p}"))?;
                 let vqpn = parse_u32(v).ok_or_else(|| format!("bind-as: not a VQPN: {v}"))?;
                 let key = Key::Port { gid: svc.endpoint().gid, port };
-                let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(60) };
+                let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(60), incarnation: 0 };
                 let mc = client::MetaClient::connect(&dev, sgid_index, &addrs, opts).map_err(|e| format!("meta connection: {e:?}"))?;
                 mc.bind(&key, &Endpoint { vqpn, ..victim }).map_err(|e| format!("bind-as: bind: {e:?}"))?;
                 println!("hostile: bind-as bound port {port} to VQP {vqpn:#x} of QP {}", victim.qpn);
@@ -467,7 +467,8 @@ fn meta_garbage(addrs: &[SocketAddr], n: u64, key: &Key, victim: &Endpoint, svc:
             queries += 1;
         }
         let mut hello = [0u8; proto::BOOT_LEN];
-        proto::Hello { gid: me.gid, qpn: (random_u64() & 0xff_ffff) as u32, psn: (random_u64() & 0xff_ffff) as u32 }.encode(&mut hello);
+        proto::Hello { gid: me.gid, qpn: (random_u64() & 0xff_ffff) as u32, psn: (random_u64() & 0xff_ffff) as u32, incarnation: 0 }
+            .encode(&mut hello);
         let mut query = [0u8; proto::BOOT_LEN];
         proto::Query { key: *key }.encode(&mut query);
         let mut bind = [0u8; proto::META_LEN];

@@ -39,7 +39,7 @@
 //! eventfd, and on the replicas' completion channels, never spinning.
 
 use super::proof::Prover;
-use super::proto::{self, Hello, Op, Request, Response, Welcome};
+use super::proto::{self, Hello, Op, Presence, Request, Response, Welcome};
 use super::table::{Lookup, RemoteEndpointTable, HEADER_SIZE, NEIGHBORHOOD};
 use super::{Endpoint, Key};
 use crate::error::{Errno, Result};
@@ -117,6 +117,9 @@ pub struct Options {
     pub timeout: Duration,
     /// Lease asked for each registration; renewed every third of it.
     pub lease: Duration,
+    /// Our service endpoint's incarnation, whose presence the connections
+    /// vouch for ([`presence`]); 0: none.
+    pub incarnation: u64,
 }
 
 impl Options {
@@ -243,16 +246,46 @@ pub fn query(addrs: &[SocketAddr], key: &Key, timeout: Duration) -> Result<Optio
 }
 
 fn query_one(addr: &SocketAddr, key: &Key, timeout: Duration) -> Result<Option<Endpoint>> {
+    let mut out = [0u8; proto::BOOT_LEN];
+    proto::Query { key: *key }.encode(&mut out);
+    Ok(proto::Answer::decode(&ask(addr, &out, timeout)?)?.endpoint)
+}
+
+/// One boot message over a short TCP connection of its own, and its answer.
+fn ask(addr: &SocketAddr, msg: &[u8; proto::BOOT_LEN], timeout: Duration) -> Result<[u8; proto::BOOT_LEN]> {
     let mut tcp = TcpStream::connect_timeout(addr, timeout)?;
     tcp.set_read_timeout(Some(timeout))?;
     tcp.set_write_timeout(Some(timeout))?;
     let _ = tcp.set_nodelay(true);
-    let mut out = [0u8; proto::BOOT_LEN];
-    proto::Query { key: *key }.encode(&mut out);
-    tcp.write_all(&out)?;
+    tcp.write_all(msg)?;
     let mut buf = [0u8; proto::BOOT_LEN];
     tcp.read_exact(&mut buf)?;
-    Ok(proto::Answer::decode(&buf)?.endpoint)
+    Ok(buf)
+}
+
+/// Whether the process with `incarnation` holds a connection to a meta
+/// server ([`proto::PresenceQuery`], each replica asked over a short TCP
+/// connection): connected to one of them, it lives; departed from one
+/// and connected to none, it is gone (a process that lost one replica
+/// but not the others still counts as connected); else unknown (no
+/// replica answered, or none knows it).
+pub fn presence(addrs: &[SocketAddr], incarnation: u64, timeout: Duration) -> Presence {
+    let mut out = [0u8; proto::BOOT_LEN];
+    proto::PresenceQuery { incarnation }.encode(&mut out);
+    let mut departed = false;
+    for addr in addrs {
+        match ask(addr, &out, timeout).and_then(|b| Ok(proto::PresenceAnswer::decode(&b)?.presence)) {
+            Ok(Presence::Connected) => return Presence::Connected,
+            Ok(Presence::Departed) => departed = true,
+            Ok(Presence::Unknown) => {}
+            Err(e) => klog!(Level::Debug, "meta server {addr}: presence query failed: {e:?}"),
+        }
+    }
+    if departed {
+        Presence::Departed
+    } else {
+        Presence::Unknown
+    }
 }
 
 /// Whether a replica that answered a renewal with `held` entries lost some
@@ -314,7 +347,7 @@ impl MetaClient {
         let mut last = Errno(libc::ECONNREFUSED);
         for addr in addrs {
             let r = Replica { addr: *addr, state: AtomicU8::new(DOWN), tcp_fd: AtomicI32::new(-1), conn: Mutex::new(None) };
-            match Conn::connect(dev, sgid_index, *addr, bound) {
+            match Conn::connect(dev, sgid_index, *addr, bound, opts.incarnation) {
                 Ok(c) => {
                     r.tcp_fd.store(c.tcp.as_raw_fd(), Ordering::Relaxed);
                     *r.conn.lock() = Some(c);
@@ -753,7 +786,7 @@ impl MetaClient {
     /// up (used for lookups) once they all are.
     fn reconnect(&self, i: usize) -> Result<()> {
         let r = &self.replicas[i];
-        let conn = Conn::connect(&self.dev, self.sgid_index, r.addr, self.opts.reconnect_timeout())?;
+        let conn = Conn::connect(&self.dev, self.sgid_index, r.addr, self.opts.reconnect_timeout(), self.opts.incarnation)?;
         let incarnation = conn.incarnation;
         r.tcp_fd.store(conn.tcp.as_raw_fd(), Ordering::Relaxed);
         *r.conn.lock() = Some(conn);
@@ -882,7 +915,7 @@ fn background(me: &Weak<MetaClient>) {
 }
 
 impl Conn {
-    fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration) -> Result<Conn> {
+    fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration, incarnation: u64) -> Result<Conn> {
         let mut tcp = TcpStream::connect_timeout(&addr, timeout)?;
         crate::kmark!("meta: TCP connected to {addr}");
         tcp.set_read_timeout(Some(timeout))?;
@@ -894,7 +927,7 @@ impl Conn {
         let bufs = Region::new(dev, BUFS_LEN, rdma::LOCAL_WRITE)?;
         crate::kmark!("meta: CQ, QP (INIT) and buffers made");
         let psn = rdma::random_psn();
-        let hello = Hello { gid: dev.gid(sgid_index)?, qpn: qp.qpn(), psn };
+        let hello = Hello { gid: dev.gid(sgid_index)?, qpn: qp.qpn(), psn, incarnation };
         let mut out = [0u8; proto::BOOT_LEN];
         hello.encode(&mut out);
         tcp.write_all(&out)?;
@@ -1232,16 +1265,16 @@ mod tests {
 
     #[test]
     fn background_bounds_fit_the_lease() {
-        let o = Options { timeout: Duration::from_secs(2), lease: Duration::from_millis(1500) };
+        let o = Options { timeout: Duration::from_secs(2), lease: Duration::from_millis(1500), incarnation: 0 };
         assert_eq!(o.period(), Duration::from_millis(500));
         assert_eq!(o.background_timeout(), Duration::from_millis(500));
         assert_eq!(o.reconnect_timeout(), Duration::from_millis(250));
         // Renewals wait until the leases renewed a period ago run out,
         // whatever the timeout of the application's waits.
         assert_eq!(o.renew_timeout(), Duration::from_millis(1000));
-        let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(3) };
+        let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(3), incarnation: 0 };
         assert_eq!(o.renew_timeout(), Duration::from_secs(2));
-        let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(30) };
+        let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(30), incarnation: 0 };
         assert_eq!(o.background_timeout(), Duration::from_millis(100));
         assert_eq!(o.reconnect_timeout(), Duration::from_millis(100));
     }

@@ -2,10 +2,12 @@
 //! (GID, virtual QPN) -> endpoint table that `krcore-meta` serves from
 //! registered memory and processes look up with one-sided READs (`table`),
 //! and the messages of the bootstrap, registration and link-setup
-//! protocols (`proto`), and how a client proves the GIDs it binds keys
-//! under (`proof`).
+//! protocols (`proto`), how a client proves the GIDs it binds keys
+//! under (`proof`), and which processes the server's connections vouch
+//! for (`presence`).
 
 pub mod client;
+pub mod presence;
 pub mod proof;
 pub mod proto;
 pub mod server;

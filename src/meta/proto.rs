@@ -6,7 +6,7 @@
 //!
 //! | family | channel | messages | length |
 //! | --- | --- | --- | --- |
-//! | boot | TCP, process <-> `krcore-meta` | [`Hello`] (client), [`Welcome`] (server); [`Query`] (client), [`Answer`] (server) | [`BOOT_LEN`] |
+//! | boot | TCP, process <-> `krcore-meta` | [`Hello`] (client), [`Welcome`] (server); [`Query`] (client), [`Answer`] (server); [`PresenceQuery`] (client), [`PresenceAnswer`] (server) | [`BOOT_LEN`] |
 //! | meta | RC SEND, process <-> `krcore-meta` | [`Request`], [`Response`] | [`META_LEN`] |
 //! | link | UD, service endpoint <-> service endpoint | [`LinkRequest`], [`LinkReply`], [`LinkReady`] | [`LINK_LEN`] |
 //! | proof | UD, process -> `krcore-meta`'s proof QP | [`Proof`] | [`PROOF_LEN`] |
@@ -33,7 +33,7 @@ use crate::error::Result;
 
 /// `b"MK"` read as a little-endian u16.
 pub const MAGIC: u16 = 0x4b4d;
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 
 /// Length of [`Hello`] and [`Welcome`].
 pub const BOOT_LEN: usize = 128;
@@ -59,6 +59,8 @@ const KIND_LINK_READY: u8 = 7;
 const KIND_QUERY: u8 = 8;
 const KIND_ANSWER: u8 = 9;
 const KIND_PROOF: u8 = 10;
+const KIND_PRESENCE_QUERY: u8 = 11;
+const KIND_PRESENCE_ANSWER: u8 = 12;
 
 const KEY_PORT: u8 = 1;
 const KEY_VQPN: u8 = 2;
@@ -67,14 +69,16 @@ const KEY_VQPN: u8 = 2;
 const U24_LIMIT: u32 = 1 << 24;
 
 /// Client -> meta server over TCP: the client's RC QP that will talk to the
-/// server.
+/// server, and the incarnation of the process's service endpoint (0: none),
+/// whose presence the connection then vouches for ([`PresenceQuery`]).
 ///
-/// 4: qpn, 8: psn, 16: gid[16].
+/// 4: qpn, 8: psn, 16: gid[16], 32: incarnation (u64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hello {
     pub gid: [u8; 16],
     pub qpn: u32,
     pub psn: u32,
+    pub incarnation: u64,
 }
 
 /// Meta server -> client over TCP: the server's RC QP, where its table
@@ -137,6 +141,38 @@ pub struct Query {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Answer {
     pub endpoint: Option<Endpoint>,
+}
+
+/// Client -> meta server over TCP: is the process whose service endpoint
+/// has `incarnation` connected to you? A process that binds nothing has no
+/// entry to look up; its connection (the kernel closes it when the process
+/// dies) says whether it lives.
+///
+/// 8: incarnation (u64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PresenceQuery {
+    pub incarnation: u64,
+}
+
+/// Meta server -> client over TCP: the [`PresenceQuery`]'s answer.
+///
+/// 4: presence (u8: 1 connected, 2 departed, 3 unknown).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PresenceAnswer {
+    pub presence: Presence,
+}
+
+/// What a meta server knows of a process by its connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Presence {
+    /// A connection whose `Hello` named it is open.
+    Connected = 1,
+    /// Its connections closed (the process exited, or lost the server),
+    /// and none is open.
+    Departed = 2,
+    /// Never connected here, or departed too long ago to be remembered.
+    Unknown = 3,
 }
 
 /// What a [`Request`] asks of the meta server.
@@ -273,6 +309,7 @@ impl Hello {
         w.u24(self.psn);
         w.skip(4);
         w.bytes(&self.gid);
+        w.u64(self.incarnation);
     }
 
     pub fn decode(buf: &[u8]) -> Result<Hello> {
@@ -281,8 +318,9 @@ impl Hello {
         let psn = r.u24()?;
         r.reserved(4)?;
         let gid = r.bytes()?;
+        let incarnation = r.u64()?;
         r.finish_zeroed()?;
-        Ok(Hello { gid, qpn, psn })
+        Ok(Hello { gid, qpn, psn, incarnation })
     }
 }
 
@@ -359,16 +397,52 @@ impl Proof {
 pub enum BootMessage {
     Hello(Hello),
     Query(Query),
+    Presence(PresenceQuery),
 }
 
 impl BootMessage {
     pub fn decode(buf: &[u8]) -> Result<BootMessage> {
-        let (_, kind) = open(buf, BOOT_LEN, &[KIND_HELLO, KIND_QUERY])?;
-        if kind == KIND_HELLO {
-            Hello::decode(buf).map(BootMessage::Hello)
-        } else {
-            Query::decode(buf).map(BootMessage::Query)
+        let (_, kind) = open(buf, BOOT_LEN, &[KIND_HELLO, KIND_QUERY, KIND_PRESENCE_QUERY])?;
+        match kind {
+            KIND_HELLO => Hello::decode(buf).map(BootMessage::Hello),
+            KIND_QUERY => Query::decode(buf).map(BootMessage::Query),
+            _ => PresenceQuery::decode(buf).map(BootMessage::Presence),
         }
+    }
+}
+
+impl PresenceQuery {
+    pub fn encode(&self, out: &mut [u8; BOOT_LEN]) {
+        let mut w = Writer::new(out, KIND_PRESENCE_QUERY);
+        w.skip(4);
+        w.u64(self.incarnation);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<PresenceQuery> {
+        let (mut r, _) = open(buf, BOOT_LEN, &[KIND_PRESENCE_QUERY])?;
+        r.reserved(4)?;
+        let incarnation = r.u64()?;
+        r.finish_zeroed()?;
+        Ok(PresenceQuery { incarnation })
+    }
+}
+
+impl PresenceAnswer {
+    pub fn encode(&self, out: &mut [u8; BOOT_LEN]) {
+        let mut w = Writer::new(out, KIND_PRESENCE_ANSWER);
+        w.u8(self.presence as u8);
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<PresenceAnswer> {
+        let (mut r, _) = open(buf, BOOT_LEN, &[KIND_PRESENCE_ANSWER])?;
+        let presence = match r.u8()? {
+            1 => Presence::Connected,
+            2 => Presence::Departed,
+            3 => Presence::Unknown,
+            _ => return Err(EBADMSG),
+        };
+        r.finish_zeroed()?;
+        Ok(PresenceAnswer { presence })
     }
 }
 
@@ -784,11 +858,24 @@ mod tests {
 
     #[test]
     fn layouts_are_exact() {
-        let hello = Hello { gid: GID, qpn: 0x12_3456, psn: 0xab_cdef };
+        let hello = Hello { gid: GID, qpn: 0x12_3456, psn: 0xab_cdef, incarnation: 0x0102_0304_0506_0708 };
         assert_eq!(
             boot(Hello::encode, &hello),
-            image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 1]), (4, &[0x56, 0x34, 0x12, 0]), (8, &[0xef, 0xcd, 0xab, 0]), (16, &GID),])
+            image(
+                BOOT_LEN,
+                &[
+                    (0, &[0x4d, 0x4b, VERSION, 1]),
+                    (4, &[0x56, 0x34, 0x12, 0]),
+                    (8, &[0xef, 0xcd, 0xab, 0]),
+                    (16, &GID),
+                    (32, &[8, 7, 6, 5, 4, 3, 2, 1])
+                ]
+            )
         );
+        let pq = PresenceQuery { incarnation: 0x0102_0304_0506_0708 };
+        assert_eq!(boot(PresenceQuery::encode, &pq), image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 11]), (8, &[8, 7, 6, 5, 4, 3, 2, 1])]));
+        let pa = PresenceAnswer { presence: Presence::Departed };
+        assert_eq!(boot(PresenceAnswer::encode, &pa), image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 12]), (4, &[2])]));
         let w = Welcome { status: libc::EAGAIN as u32, ..welcome() };
         assert_eq!(
             boot(Welcome::encode, &w),
@@ -943,6 +1030,14 @@ mod tests {
         Answer::decode(b).map(|m| boot(Answer::encode, &m))
     }
 
+    fn re_presence_query(b: &[u8]) -> Result<Vec<u8>> {
+        PresenceQuery::decode(b).map(|m| boot(PresenceQuery::encode, &m))
+    }
+
+    fn re_presence_answer(b: &[u8]) -> Result<Vec<u8>> {
+        PresenceAnswer::decode(b).map(|m| boot(PresenceAnswer::encode, &m))
+    }
+
     fn re_proof(b: &[u8]) -> Result<Vec<u8>> {
         Proof::decode(b).map(|m| proof(&m))
     }
@@ -952,7 +1047,7 @@ mod tests {
     fn all_messages() -> Vec<(Vec<u8>, Recode)> {
         let mut all: Vec<(Vec<u8>, Recode)> = Vec::new();
         for (gid, qpn, psn) in [([0; 16], 0, 0), ([0xff; 16], MAX_U24, MAX_U24), (GID, 1, 2)] {
-            all.push((boot(Hello::encode, &Hello { gid, qpn, psn }), re_hello));
+            all.push((boot(Hello::encode, &Hello { gid, qpn, psn, incarnation: u64::from(qpn) << 40 | 1 }), re_hello));
         }
         let welcomes = [
             welcome(),
@@ -1009,13 +1104,19 @@ mod tests {
         for (conn_qpn, token) in [(0, 0), (MAX_U24, u32::MAX), (7, 0x5eed)] {
             all.push((proof(&Proof { conn_qpn, token }), re_proof));
         }
+        for incarnation in [0, u64::MAX] {
+            all.push((boot(PresenceQuery::encode, &PresenceQuery { incarnation }), re_presence_query));
+        }
+        for presence in [Presence::Connected, Presence::Departed, Presence::Unknown] {
+            all.push((boot(PresenceAnswer::encode, &PresenceAnswer { presence }), re_presence_answer));
+        }
         all
     }
 
     #[test]
     fn round_trips_every_message_at_its_boundaries() {
         let all = all_messages();
-        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 2 + 3 + 3 * 2 * 5 + 3);
+        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 2 + 3 + 3 * 2 * 5 + 3 + 2 + 3);
         for (bytes, re) in &all {
             assert_eq!(re(bytes).as_ref(), Ok(bytes));
         }
@@ -1028,7 +1129,9 @@ mod tests {
         assert_eq!(LinkMessage::decode(&link(&m)), Ok(m));
         let q = Query { key: Key::Port { gid: GID, port: 18515 } };
         assert_eq!(BootMessage::decode(&boot(Query::encode, &q)), Ok(BootMessage::Query(q)));
-        let h = Hello { gid: GID, qpn: 1, psn: 2 };
+        let p = PresenceQuery { incarnation: 9 };
+        assert_eq!(BootMessage::decode(&boot(PresenceQuery::encode, &p)), Ok(BootMessage::Presence(p)));
+        let h = Hello { gid: GID, qpn: 1, psn: 2, incarnation: 3 };
         assert_eq!(BootMessage::decode(&boot(Hello::encode, &h)), Ok(BootMessage::Hello(h)));
         assert_eq!(BootMessage::decode(&boot(Welcome::encode, &w)), Err(EBADMSG));
         let a = Answer { endpoint: Some(endpoint(3)) };
@@ -1088,7 +1191,7 @@ mod tests {
         };
         let too_big = U24_LIMIT.to_le_bytes();
         let not_errno = (ERRNO_MAX + 1).to_le_bytes();
-        let hello = boot(Hello::encode, &Hello { gid: GID, qpn: 1, psn: 1 });
+        let hello = boot(Hello::encode, &Hello { gid: GID, qpn: 1, psn: 1, incarnation: 1 });
         for at in [4, 8] {
             assert_eq!(Hello::decode(&set(hello.clone(), at, &too_big)), Err(EBADMSG));
         }
@@ -1128,11 +1231,13 @@ mod tests {
     #[test]
     fn every_bit_flip_is_refused_or_canonical() {
         // (kind, [start, end) of each reserved run)
-        let reserved: [(u8, &[(usize, usize)]); 10] = [
+        let reserved: [(u8, &[(usize, usize)]); 12] = [
+            (KIND_PRESENCE_QUERY, &[(4, 8), (16, BOOT_LEN)]),
+            (KIND_PRESENCE_ANSWER, &[(5, BOOT_LEN)]),
             (KIND_QUERY, &[(5, 8), (28, BOOT_LEN)]),
             // Found: the endpoint's reserved word; absent: all of it.
             (KIND_ANSWER, &[(52, BOOT_LEN)]),
-            (KIND_HELLO, &[(12, 16), (32, BOOT_LEN)]),
+            (KIND_HELLO, &[(12, 16), (40, BOOT_LEN)]),
             (KIND_WELCOME, &[(80, BOOT_LEN)]),
             (KIND_PROOF, &[(12, PROOF_LEN)]),
             (KIND_REQUEST, &[(6, 8), (36, 40), (76, 80), (88, META_LEN)]),
@@ -1168,7 +1273,8 @@ mod tests {
     /// decodes re-encodes to the input.
     #[test]
     fn random_garbage_never_panics() {
-        let decoders: [Recode; 8] = [re_hello, re_welcome, re_request, re_response, re_link, re_query, re_answer, re_proof];
+        let decoders: [Recode; 10] =
+            [re_hello, re_welcome, re_request, re_response, re_link, re_query, re_answer, re_proof, re_presence_query, re_presence_answer];
         let mut rng = Rng(0xd1b5_4a32_d192_ed03);
         let mut decoded = 0;
         for _ in 0..20_000 {
@@ -1191,7 +1297,7 @@ mod tests {
                 })
                 .collect();
             if r & (1 << 40) != 0 && len >= 4 {
-                b[..4].copy_from_slice(&[0x4d, 0x4b, VERSION, 1 + (r >> 41) as u8 % 10]);
+                b[..4].copy_from_slice(&[0x4d, 0x4b, VERSION, 1 + (r >> 41) as u8 % 12]);
             }
             for decode in decoders {
                 if let Ok(again) = decode(&b) {

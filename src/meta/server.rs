@@ -42,8 +42,9 @@
 //! (`super::proof`): a `Bind` under another is answered EAGAIN, and the
 //! GIDs a client proves are bounded too.
 
+use super::presence::Presences;
 use super::proof::ProofQp;
-use super::proto::{self, Answer, BootMessage, Hello, Op, Query, Request, Response, Welcome};
+use super::proto::{self, Answer, BootMessage, Hello, Op, PresenceAnswer, PresenceQuery, Query, Request, Response, Welcome};
 use super::table::EndpointTable;
 use super::{Endpoint, Key};
 use crate::error::{Errno, Result};
@@ -187,6 +188,7 @@ struct Connecting {
     peer: std::net::SocketAddr,
     bufs: Region,
     psn: u32,
+    incarnation: u64,
 }
 
 /// A helper thread's result: the QP (its number) and how its RTR and RTS
@@ -217,6 +219,8 @@ struct Client {
     token: u32,
     /// The GIDs it proved: it binds keys under these only.
     proven: Vec<rdma::Gid>,
+    /// Its `Hello`'s: the process its connection vouches for.
+    incarnation: u64,
 }
 
 /// How long a client that connected may take to send its `Hello`.
@@ -359,6 +363,7 @@ pub struct Server {
     incarnation: u64,
     listener: TcpListener,
     clients: HashMap<u32, Client>,
+    presences: Presences,
     /// Accepted connections whose `Hello` has not come yet.
     pending: Vec<Pending>,
     leases: Leases,
@@ -426,6 +431,7 @@ impl Server {
             incarnation,
             listener,
             clients: HashMap::new(),
+            presences: Presences::default(),
             pending: Vec::new(),
             leases: Leases::default(),
             max_lease: cfg.max_lease,
@@ -605,6 +611,10 @@ impl Server {
                         Ok(()) => p.until = now + HELLO_TIMEOUT,
                         Err(e) => crate::klog!(crate::log::Level::Debug, "meta: query from {} not answered: {e:?}", p.peer),
                     },
+                    Ok(BootMessage::Presence(q)) => match self.answer_presence(&p.tcp, &q) {
+                        Ok(()) => p.until = now + HELLO_TIMEOUT,
+                        Err(e) => crate::klog!(crate::log::Level::Debug, "meta: presence query from {} not answered: {e:?}", p.peer),
+                    },
                     Ok(BootMessage::Hello(h)) => hello = Some(h),
                     Err(e) => {
                         self.refuse(Refusal::Malformed, &format_args!("a message from {} ({e:?})", p.peer));
@@ -659,6 +669,15 @@ impl Server {
         Ok(())
     }
 
+    /// A `PresenceQuery`: whether a connection of that process is open.
+    fn answer_presence(&self, tcp: &TcpStream, q: &PresenceQuery) -> Result<()> {
+        let mut out = [0u8; proto::BOOT_LEN];
+        PresenceAnswer { presence: self.presences.of(q.incarnation) }.encode(&mut out);
+        let mut tcp = tcp;
+        tcp.write_all(&out)?;
+        Ok(())
+    }
+
     /// Hello -> a QP for the client, brought up (RTR, RTS) on a helper
     /// thread: the RTR may wait for the kernel's address resolution.
     /// [`Server::welcome`] takes it from there.
@@ -679,7 +698,7 @@ impl Server {
                 unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
             }
         })?;
-        self.connecting.insert(qpn, Connecting { tcp, peer, bufs, psn });
+        self.connecting.insert(qpn, Connecting { tcp, peer, bufs, psn, incarnation: hello.incarnation });
         Ok(())
     }
 
@@ -697,7 +716,7 @@ impl Server {
     fn admit_client(&mut self, c: Connecting, qp: Qp) -> Result<()> {
         let (qpn, psn) = (qp.qpn(), c.psn);
         let token = rdma::random_u64() as u32;
-        let client = Client { tcp: c.tcp, ip: c.peer.ip(), qp, bufs: c.bufs, token, proven: Vec::new() };
+        let client = Client { tcp: c.tcp, ip: c.peer.ip(), qp, bufs: c.bufs, token, proven: Vec::new(), incarnation: c.incarnation };
         for slot in 0..CREDITS {
             client.post_recv(slot)?;
         }
@@ -719,6 +738,7 @@ impl Server {
         let mut tcp = &client.tcp;
         tcp.write_all(&out)?;
         client.tcp.set_read_timeout(None)?;
+        self.presences.connected(client.incarnation);
         self.clients.insert(qpn, client);
         Ok(())
     }
@@ -864,7 +884,9 @@ impl Server {
 
     /// Forget a client and every entry it holds.
     fn drop_client(&mut self, qpn: u32) {
-        self.clients.remove(&qpn);
+        if let Some(c) = self.clients.remove(&qpn) {
+            self.presences.disconnected(c.incarnation);
+        }
         let keys = self.leases.owned_by(qpn);
         self.remove_keys(&keys);
     }

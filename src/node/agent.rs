@@ -89,8 +89,10 @@ impl Meta {
             return Err(Errno(libc::ECONNREFUSED));
         }
         self.tried = Some(Instant::now());
-        // Lookups only: the lease is the library's default, unused.
-        let opts = Options { timeout: self.timeout, lease: Duration::from_millis(3000) };
+        // Lookups only: the lease is the library's default, unused; it
+        // vouches for no process (its attached ones have their own
+        // incarnations, and their presence is not told: docs/node.md).
+        let opts = Options { timeout: self.timeout, lease: Duration::from_millis(3000), incarnation: 0 };
         match MetaClient::connect(&self.dev, self.gid_index, &self.addrs, opts) {
             Ok(c) => {
                 self.client = Some(Arc::clone(&c));

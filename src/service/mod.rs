@@ -91,6 +91,9 @@ pub struct Options {
     /// Called between the start's steps (each milliseconds of QP commands
     /// or registrations): a start in the background may wait there.
     pub between_steps: fn(),
+    /// The endpoint's incarnation, when the caller chose it (its meta-server
+    /// connection, made meanwhile, names it); 0: a random one.
+    pub incarnation: u64,
 }
 
 impl Default for Options {
@@ -104,6 +107,7 @@ impl Default for Options {
             max_ahs: cfg.max_ahs,
             window: cfg.link_window,
             between_steps: || {},
+            incarnation: 0,
         }
     }
 }
@@ -333,7 +337,7 @@ impl Service {
         let tx = Tx { cq: tx_cq, bufs: Region::new(dev, UD_SENDS * mtu, rdma::LOCAL_WRITE)?, free: (0..UD_SENDS as u32).collect() };
         crate::kmark!("service: UD buffers registered");
         (opts.between_steps)();
-        let incarnation = rdma::random_u64();
+        let incarnation = if opts.incarnation != 0 { opts.incarnation } else { rdma::random_u64() };
         // SAFETY: plain syscall.
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {

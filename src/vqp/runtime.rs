@@ -192,13 +192,15 @@ impl Runtime {
             let _ = crate::transport::agent::AgentPath::get();
         }
         let own_meta = crate::config::get().virtualize != crate::config::Virtualize::Off || !attached;
-        let meta_start = if own_meta { start_meta(&dev, gi) } else { None };
+        // Chosen here: the meta-server connection, made meanwhile, names it.
+        let incarnation = crate::rdma::random_u64();
+        let meta_start = if own_meta { start_meta(&dev, gi, incarnation) } else { None };
         // A start in the background gives way to the process's first work
         // through the agent between its steps (none when started for a
         // caller: it asked for the runtime, which ended the giving way).
         let give_way = crate::transport::agent::give_way;
         give_way();
-        let svc = Service::start(&dev, gi, service::Options { between_steps: give_way, ..Default::default() })?;
+        let svc = Service::start(&dev, gi, service::Options { between_steps: give_way, incarnation, ..Default::default() })?;
         // What only links use (header arena, scratch, probe buffer) is
         // made with the links' side, in the background (`prepare_links`):
         // the first operations go on the datagram tier without them.

@@ -90,7 +90,9 @@ impl Runtime {
             meta.forget_process(incarnation);
         }
         self.dgram.forget_process(incarnation);
-        self.gone.lock().insert(incarnation);
+        if self.gone.lock().insert(incarnation) {
+            crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_GONE);
+        }
     }
 
     /// Process `peer` did not answer a link handshake within
@@ -109,9 +111,9 @@ impl Runtime {
             klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but it answers on the datagram tier", peer.gid);
             return;
         }
-        if self.liveness(peer.incarnation) == super::liveness::Liveness::Bound {
+        if self.liveness(peer.incarnation) == super::liveness::Liveness::Alive {
             crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
-            klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but its binding stays", peer.gid);
+            klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but the meta server vouches for it", peer.gid);
             return;
         }
         self.peer_is_gone(peer, index, path);
@@ -120,7 +122,11 @@ impl Runtime {
     /// Process `peer` does not answer and nothing vouches for it: it is
     /// gone; its VQPs move to the error state.
     pub(super) fn peer_is_gone(&self, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
-        klog!(Level::Warn, "vqp: {:02x?} does not answer: the process is gone; its VQPs move to the error state", peer.gid);
+        klog!(
+            Level::Warn,
+            "vqp: {:02x?} does not answer and nothing vouches for it: the process is gone; its VQPs move to the error state",
+            peer.gid
+        );
         self.take_for_gone(peer.incarnation);
         for v in vqp::live() {
             v.on_peer_unreachable(peer, index, path);
@@ -370,13 +376,20 @@ impl Runtime {
             self.take_for_gone(link.peer.incarnation);
         } else {
             // Accepted, never confirmed: its requester may have given the
-            // handshake up (a process starved of CPU), and lives on; only
-            // what went on the link fails.
+            // handshake up (a process starved of CPU), and lives on; what
+            // went on the link fails, and whether the process lives is
+            // asked (a requester killed during its handshake is gone).
             klog!(
                 Level::Info,
-                "vqp: the link to {:02x?} (QP {qpn}), never confirmed by its peer, failed with status {status}",
+                "vqp: the link to {:02x?} (QP {qpn}), never confirmed by its peer, failed with status {status}: does its process live?",
                 link.peer.gid
             );
+            let p = &link.peer;
+            let at =
+                crate::transport::dgram::port::Peer { sgid_index: link.path.sgid_index, dgid: link.path.dgid, qpn: p.qpn, qkey: p.qkey };
+            if !self.doubt_process(p.incarnation, &at) {
+                klog!(Level::Debug, "vqp: no thread to find out whether {:02x?} lives", p.gid);
+            }
         }
         let tag = self.next_tag();
         self.large.track(tag, Control::Fence { link_qpn: qpn });

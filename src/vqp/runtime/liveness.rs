@@ -4,14 +4,19 @@
 //! host) answers the datagram tier and link handshakes seconds late,
 //! where an RC responder's NIC would have answered for it; taking it for
 //! gone after `KRCORE_CONNECT_TIMEOUT_MS` failed live connections. Before
-//! a process is taken for gone, its binding is looked up again: still
-//! there (or, with no binding known, the process sent to us lately), it
-//! is vouched for and waited for (a flow at most `LIVE_BOUND_US` after it
-//! ran out of retries); gone, it is gone.
+//! a process is taken for gone, its binding is looked up again, or, with
+//! no binding known (a client that binds nothing), the meta server is
+//! asked whether the process's own connection to it is open (the kernel
+//! closes it when the process dies: `meta::presence`): there, it is
+//! vouched for and waited for (a flow at most `LIVE_BOUND_US` after it ran
+//! out of retries); gone, it is gone. With neither to ask (no meta server,
+//! a process attached to its host's agent), a process that sent to us
+//! lately is vouched for.
 
 use super::Runtime;
 use crate::klog;
 use crate::log::Level;
+use crate::meta::proto::Presence;
 use crate::meta::{Endpoint, Key};
 use crate::transport::dgram::port::Peer;
 
@@ -22,10 +27,12 @@ pub(super) const MAX_KEYS: usize = 4096;
 /// What the meta server says of a process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Liveness {
-    /// Its binding is there: it renewed its lease lately.
-    Bound,
-    /// Its binding is gone, or names another process now.
-    Unbound,
+    /// Its binding is there (it renewed its lease lately), or, with no
+    /// binding known, its connection to the meta server is open.
+    Alive,
+    /// Its binding is gone or names another process now, or, with no
+    /// binding known, its connection to the meta server closed.
+    Gone,
     /// Nothing to ask by, or the meta server did not answer.
     Unknown,
 }
@@ -47,23 +54,35 @@ impl Runtime {
     }
 
     /// Look process `incarnation`'s binding up again (one READ of the meta
-    /// server's table, or the agent's; blocks up to the connect timeout).
+    /// server's table, or the agent's), or, with none known, ask whether
+    /// its meta-server connection is open (a short TCP exchange per
+    /// replica). Blocks up to the connect timeout for each.
     pub(super) fn liveness(&self, incarnation: u64) -> Liveness {
-        let Some((key, _)) = self.keys.lock().get(&incarnation).copied() else { return Liveness::Unknown };
-        match self.resolve(&key, true) {
-            Ok(Some(ep)) if ep.incarnation == incarnation => Liveness::Bound,
-            Ok(_) => Liveness::Unbound,
-            Err(e) => {
-                klog!(Level::Debug, "vqp: looking up a silent peer's binding failed: {e:?}");
-                Liveness::Unknown
+        let known = self.keys.lock().get(&incarnation).copied();
+        if let Some((key, _)) = known {
+            match self.resolve(&key, true) {
+                Ok(Some(ep)) if ep.incarnation == incarnation => return Liveness::Alive,
+                Ok(_) => return Liveness::Gone,
+                Err(e) => klog!(Level::Debug, "vqp: looking up a silent peer's binding failed: {e:?}"),
             }
+        }
+        let Some(addrs) = crate::config::get().meta.as_deref().and_then(|s| crate::meta::client::parse_addrs(s).ok()) else {
+            return Liveness::Unknown;
+        };
+        crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PRESENCE_QUERIES);
+        match crate::meta::client::presence(&addrs, incarnation, super::connect_timeout()) {
+            Presence::Connected => Liveness::Alive,
+            Presence::Departed => Liveness::Gone,
+            Presence::Unknown => Liveness::Unknown,
         }
     }
 
     /// [`crate::transport::dgram::port::Host::doubt`]: a thread of its own
     /// (one per process at a time) finds out and vouches for the process
-    /// or not. Alive: still bound, or, with no binding to look up (a
-    /// client that binds nothing), heard from on the tier lately.
+    /// or not. Alive: still bound or connected to the meta server, or,
+    /// with neither to ask, heard from on the tier lately. Gone: its
+    /// VQPs move to the error state. Also asked when a link to it that it
+    /// never confirmed fails (`peer` then names the link's end).
     pub(crate) fn doubt_process(&self, incarnation: u64, peer: &Peer) -> bool {
         if !self.doubting.lock().insert(incarnation) {
             return true;
@@ -73,22 +92,22 @@ impl Runtime {
         let body = move || {
             let Some(rt) = weak.upgrade() else { return };
             let timeout = super::connect_timeout();
-            // Its binding says, when it has one (a killed process's goes
-            // at once); else heard within the tier's bound: a process
-            // that binds nothing and sent its last seconds ago may be
-            // starved still (a killed one is waited for that long).
+            // Its binding or its meta-server connection says (a killed
+            // process's go at once); with neither, heard within the
+            // tier's bound: a process that sent its last seconds ago may
+            // be starved still (a killed one is waited for that long).
             let found = rt.liveness(incarnation);
             let within = std::time::Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US);
             let heard = found == Liveness::Unknown && rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], within);
-            let alive = heard || found == Liveness::Bound;
+            let alive = heard || found == Liveness::Alive;
             rt.doubting.lock().remove(&incarnation);
-            if found == Liveness::Unbound {
-                // Silent and unbound (its lease ran out, or it unbound):
-                // gone, its idle VQPs too, as when a link to it fails.
-                let known = rt.keys.lock().get(&incarnation).copied();
-                if let Some((_, ep)) = known {
-                    rt.peer_is_gone(ep, 0, rt.svc.default_path(&ep));
-                }
+            if found == Liveness::Gone {
+                // Silent and gone (its lease ran out, it unbound, or its
+                // connection closed): its idle VQPs too, as when a link to
+                // it fails.
+                let known = rt.keys.lock().get(&incarnation).map(|&(_, ep)| ep);
+                let ep = known.unwrap_or(Endpoint { gid: peer.dgid, qpn: peer.qpn, qkey: peer.qkey, incarnation, vqpn: 0 });
+                rt.peer_is_gone(ep, 0, rt.svc.default_path(&ep));
             }
             if alive {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);

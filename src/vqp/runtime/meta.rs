@@ -54,20 +54,29 @@ pub(super) fn background_meta_bound() -> Duration {
 /// Connect to `KRCORE_META` from our GID at `gid_index`, on a thread of its
 /// own, while the caller builds the rest of the runtime. None without
 /// `KRCORE_META` (or when no thread can be made: `meta()` connects then).
-pub(super) fn start_meta(dev: &Arc<Device>, gid_index: u32) -> Option<Arc<MetaStart>> {
+pub(super) fn start_meta(dev: &Arc<Device>, gid_index: u32, incarnation: u64) -> Option<Arc<MetaStart>> {
     let spec = crate::config::get().meta.as_deref()?;
     let dev = Arc::clone(dev);
     let spec = spec.to_string();
     let start = Arc::new(MetaStart::default());
     let s = Arc::clone(&start);
-    let body = move || s.set(client::parse_addrs(&spec).and_then(|a| connect_meta(&dev, gid_index, &a, background_meta_bound())));
+    let body =
+        move || s.set(client::parse_addrs(&spec).and_then(|a| connect_meta(&dev, gid_index, &a, background_meta_bound(), incarnation)));
     std::thread::Builder::new().name("krcore-meta-connect".into()).spawn(body).ok()?;
     Some(start)
 }
 
-/// Connect to `addrs`, each replica's bootstrap bounded by `bound`.
-fn connect_meta(dev: &Arc<Device>, gid_index: u32, addrs: &[std::net::SocketAddr], bound: Duration) -> Result<Arc<MetaClient>> {
-    let opts = client::Options { timeout: connect_timeout(), lease: Duration::from_millis(crate::config::get().meta_lease_ms) };
+/// Connect to `addrs`, each replica's bootstrap bounded by `bound`; the
+/// connections vouch for the process of service endpoint `incarnation`.
+fn connect_meta(
+    dev: &Arc<Device>,
+    gid_index: u32,
+    addrs: &[std::net::SocketAddr],
+    bound: Duration,
+    incarnation: u64,
+) -> Result<Arc<MetaClient>> {
+    let lease = Duration::from_millis(crate::config::get().meta_lease_ms);
+    let opts = client::Options { timeout: connect_timeout(), lease, incarnation };
     crate::kmark!("meta: connecting");
     let c = MetaClient::connect_within(dev, gid_index, addrs, opts, bound);
     crate::kmark!("meta: connected");
@@ -98,7 +107,7 @@ impl Runtime {
             // query meanwhile.
             let mut start = self.meta_start.lock();
             if start.is_none() {
-                *start = start_meta(self.svc.device(), self.svc.gid_index());
+                *start = start_meta(self.svc.device(), self.svc.gid_index(), self.svc.endpoint().incarnation);
             }
         }
         let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|s| !s.is_finished());
@@ -172,7 +181,7 @@ impl Runtime {
                 };
                 let addrs = client::parse_addrs(spec)?;
                 let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs, left)
+                connect_meta(self.svc.device(), self.svc.gid_index(), &addrs, left, self.svc.endpoint().incarnation)
             })
             .cloned()
     }

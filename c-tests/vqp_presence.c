@@ -1,0 +1,243 @@
+/*
+ * A silent peer that binds nothing (issue 21): whether it lives is asked
+ * of the meta server (is the process's own connection to it open? the
+ * kernel closes it when the process dies), not guessed from its past
+ * traffic. Several processes on emulated nodes, krcore-meta here.
+ *
+ * A server bound on node 1; two clients that bind nothing (nodes 2, 3)
+ * each send one message, which the server takes with qpop_msgs (a src_qp
+ * per client). Every process keeps its VQPs on the datagram tier
+ * (KRCORE_LINK_AFTER huge: no RC link, whose retries would answer for the
+ * peer first): what is tested is how the tier finds out about a peer.
+ *
+ * 1. "a killed client is gone at once": client A is killed (SIGKILL). The
+ *    server's SEND on A's src_qp runs out of the tier's retries (about
+ *    2 s); the meta server says A's connection closed: the SEND fails
+ *    IBV_WC_RETRY_EXC_ERR within PROMPT_MS, A is taken for gone
+ *    (peers_gone + 1; peers_vouched unchanged; a presence query made),
+ *    and qpop_msgs reports A's src_qp closed (IBV_WC_WR_FLUSH_ERR).
+ *    Before: A had sent to the server within 10 s, so it was vouched for,
+ *    and the SEND failed about 10 s after the retries ran out (the race
+ *    vqp_popmsgs met when a sender was killed before its link was
+ *    confirmed).
+ * 2. "a stopped client is waited for": client B is stopped (SIGSTOP) for
+ *    STOP_MS, twice the tier's retries; its connection stays open, so it
+ *    is vouched for (peers_vouched + 1) and the SEND is waited for: it
+ *    lands once B runs again (B checks the bytes), nobody is taken for
+ *    gone.
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PORT 5800
+#define MSG_LEN 64
+#define A 0
+#define B 1
+/* The tier's retries (about 2 s) and a presence query, with room. */
+#define PROMPT_MS 6000
+#define STOP_MS 4000
+
+static int to_parent[2];	/* server -> parent: a step is done */
+static int to_server[2];	/* parent -> server: the next step may go */
+static int go_b[2];		/* parent -> B: take the server's reply */
+static int client_id;
+
+static void step_done(int fd, char c)
+{
+	CT_CHECK(write(fd, &c, 1) == 1, "pipe write");
+}
+
+static void step_wait(int fd, char want)
+{
+	char c = 0;
+
+	CT_CHECK(read(fd, &c, 1) == 1 && c == want, "pipe read: got '%c', wanted '%c'", c, want);
+}
+
+static int server(int ready_fd)
+{
+	struct ct_node n;
+	struct ibv_qp *qp, *src[2] = { 0 };
+	struct ibv_wc wc;
+	int got = 0;
+
+	ct_begin("vqp_presence: the server");
+	ct_node_open(&n, 1, 4 * MSG_LEN, 64);
+	qp = ct_node_vqp(&n, 4, 4);
+	for (int i = 0; i < 2; i++)
+		ct_post_recv1(qp, (uint64_t)i, &n.b, (size_t)i * MSG_LEN, MSG_LEN);
+	CT_OK(qbind(qp, ct_node_gid(1), PORT));
+	step_done(ready_fd, 'R');
+	close(ready_fd);
+	{
+		uint64_t t0 = ct_now_ns();
+
+		while (got < 2) {
+			struct ibv_qp *s;
+			uint32_t id, seq;
+			int k = qpop_msgs(qp, 1, &s, &wc);
+
+			CT_CHECK(k >= 0, "qpop_msgs: %d", k);
+			CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "%d of 2 messages", got);
+			if (k == 0) {
+				usleep(1000);
+				continue;
+			}
+			CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "message: %s",
+				 ibv_wc_status_str(wc.status));
+			memcpy(&id, n.b.p + wc.wr_id * MSG_LEN, 4);
+			memcpy(&seq, n.b.p + wc.wr_id * MSG_LEN + 4, 4);
+			CT_CHECK(id < 2 && !src[id], "client %u", id);
+			ct_expect_msg(n.b.p + wc.wr_id * MSG_LEN, MSG_LEN, id, 0);
+			src[id] = s;
+			got++;
+		}
+	}
+	ct_pass();
+	step_done(to_parent[1], 'M');
+
+	ct_begin("vqp_presence: a killed client is gone at once");
+	step_wait(to_server[0], 'K');
+	{
+		uint64_t gone = krcore_stat_get(KRCORE_STAT_PEERS_GONE);
+		uint64_t vouched = krcore_stat_get(KRCORE_STAT_PEERS_VOUCHED);
+		uint64_t asked = krcore_stat_get(KRCORE_STAT_PRESENCE_QUERIES);
+		uint64_t t0 = ct_now_ns();
+		double ms;
+
+		ct_fill_msg(n.b.p + 2 * MSG_LEN, MSG_LEN, 9, 0);
+		CT_OK(ct_post_send1(src[A], 70, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 2 * MSG_LEN, MSG_LEN, 0, 0, 0));
+		ct_poll_n(n.scq, &wc, 1, 3 * PROMPT_MS);
+		ms = (double)(ct_now_ns() - t0) / 1e6;
+		CT_CHECK(wc.wr_id == 70 && wc.status == IBV_WC_RETRY_EXC_ERR, "the SEND to a killed client: %s",
+			 ibv_wc_status_str(wc.status));
+		CT_CHECK(ms < PROMPT_MS, "the SEND to a killed client failed after %.0f ms", ms);
+		CT_KRCORE_STAT(KRCORE_STAT_PEERS_GONE, ==, gone + 1);
+		CT_KRCORE_STAT(KRCORE_STAT_PEERS_VOUCHED, ==, vouched);
+		CT_KRCORE_STAT(KRCORE_STAT_PRESENCE_QUERIES, >, asked);
+		/* Its src_qp is reported closed once. */
+		{
+			uint64_t t1 = ct_now_ns();
+			struct ibv_qp *s;
+			int k;
+
+			while ((k = qpop_msgs(qp, 1, &s, &wc)) == 0) {
+				CT_CHECK(ct_now_ns() - t1 < (uint64_t)CT_TIMEOUT_MS * 1000000ull,
+					 "the killed client's src_qp never reported closed");
+				usleep(1000);
+			}
+			CT_CHECK(k == 1 && s == src[A] && wc.status == IBV_WC_WR_FLUSH_ERR,
+				 "qpop_msgs after the kill: %d, %s", k, ibv_wc_status_str(wc.status));
+		}
+		ct_note("the SEND to the killed client failed after %.0f ms (%llu presence queries)", ms,
+			(unsigned long long)(krcore_stat_get(KRCORE_STAT_PRESENCE_QUERIES) - asked));
+	}
+	ct_pass();
+	step_done(to_parent[1], 'A');
+
+	ct_begin("vqp_presence: a stopped client is waited for");
+	step_wait(to_server[0], 'S');
+	{
+		uint64_t gone = krcore_stat_get(KRCORE_STAT_PEERS_GONE);
+		uint64_t vouched = krcore_stat_get(KRCORE_STAT_PEERS_VOUCHED);
+		uint64_t t0 = ct_now_ns();
+
+		ct_fill_msg(n.b.p + 3 * MSG_LEN, MSG_LEN, 9, 1);
+		CT_OK(ct_post_send1(src[B], 71, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 3 * MSG_LEN, MSG_LEN, 0, 0, 0));
+		/* Out of retries, asked about, vouched for. */
+		CT_KRCORE_STAT_WITHIN(KRCORE_STAT_PEERS_VOUCHED, >, vouched);
+		while (ct_now_ns() - t0 < (uint64_t)STOP_MS * 1000000ull) {
+			CT_CHECK(ibv_poll_cq(n.scq, 1, &wc) == 0, "the SEND completed while its peer was stopped: %s",
+				 ibv_wc_status_str(wc.status));
+			usleep(10000);
+		}
+		step_done(to_parent[1], 'C');
+		ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
+		CT_CHECK(wc.wr_id == 71 && wc.status == IBV_WC_SUCCESS, "the SEND to a client stopped for %d ms: %s",
+			 STOP_MS, ibv_wc_status_str(wc.status));
+		CT_KRCORE_STAT(KRCORE_STAT_PEERS_GONE, ==, gone);
+		ct_note("a SEND to a client stopped for %d ms completed %.0f ms after it was posted", STOP_MS,
+			(double)(ct_now_ns() - t0) / 1e6);
+	}
+	ct_pass();
+	return 0;
+}
+
+static int client(void)
+{
+	struct ct_node n;
+	struct ibv_qp *qp;
+	struct ibv_wc wc;
+
+	ct_begin(client_id == A ? "vqp_presence: client A (killed)" : "vqp_presence: client B (stopped)");
+	ct_node_open(&n, 2 + client_id, 2 * MSG_LEN, 16);
+	qp = ct_node_vqp(&n, 1, 1);
+	CT_OK(qconnect(qp, ct_node_gid(1), PORT));
+	ct_post_recv1(qp, 1, &n.b, MSG_LEN, MSG_LEN);
+	ct_fill_msg(n.b.p, MSG_LEN, (uint32_t)client_id, 0);
+	CT_OK(ct_post_send1(qp, 0, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 0, MSG_LEN, 0, 0, 0));
+	ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS, "the message: %s", ibv_wc_status_str(wc.status));
+	if (client_id == A)
+		for (;;)
+			pause(); /* until killed */
+	/* Stopped and continued meanwhile; the reply is ours then. */
+	step_wait(go_b[0], 'G');
+	ct_poll_n(n.rcq, &wc, 1, CT_TIMEOUT_MS);
+	CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "the reply: %s", ibv_wc_status_str(wc.status));
+	ct_expect_msg(n.b.p + MSG_LEN, MSG_LEN, 9, 1);
+	CT_OK(ibv_destroy_qp(qp));
+	ct_pass();
+	return 0;
+}
+
+static pid_t start_client(int id)
+{
+	pid_t p = fork();
+
+	CT_CHECK(p >= 0, "fork");
+	if (p == 0) {
+		client_id = id;
+		_exit(client());
+	}
+	return p;
+}
+
+int main(void)
+{
+	pid_t meta_pid, srv, c[2];
+	int fails = 0;
+
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	/* Every VQP stays on the datagram tier (read once per process). */
+	setenv("KRCORE_LINK_AFTER", "1000000000", 1);
+	ct_watchdog(120);
+	meta_pid = ct_start_meta();
+	CT_CHECK(pipe(to_parent) == 0 && pipe(to_server) == 0 && pipe(go_b) == 0, "pipe");
+	srv = ct_fork_ready(server, "the server (node 1)");
+	c[A] = start_client(A);
+	c[B] = start_client(B);
+	step_wait(to_parent[0], 'M');
+	kill(c[A], SIGKILL);
+	waitpid(c[A], NULL, 0);
+	step_done(to_server[1], 'K');
+	step_wait(to_parent[0], 'A');
+	CT_CHECK(kill(c[B], SIGSTOP) == 0, "SIGSTOP");
+	ct_wait_stopped(c[B]);
+	step_done(to_server[1], 'S');
+	step_wait(to_parent[0], 'C');
+	CT_CHECK(kill(c[B], SIGCONT) == 0, "SIGCONT");
+	step_done(go_b[1], 'G');
+	fails += ct_wait_child(c[B], "client B");
+	fails += ct_wait_child(srv, "the server");
+	kill(meta_pid, SIGTERM);
+	waitpid(meta_pid, NULL, 0);
+	CT_CHECK(fails == 0, "%d process(es) failed", fails);
+	return 0;
+}
