@@ -15,7 +15,8 @@
  * address of its own to the honest client's endpoint with the VQPN of the
  * client's connected VQP, and a process on node 3 qconnects there and
  * SENDs to that VQP: over the datagram tier (refused: its first SEND
- * fails with RETRY_EXC_ERR) and over a link (KRCORE_DGRAM=0: the link
+ * fails with RETRY_EXC_ERR, once the tier gave up on a process the meta
+ * server says lives: its retries and up to 10 s more) and over a link (KRCORE_DGRAM=0: the link
  * delivers them, the client drops them; before the fix they landed in
  * the client's receive buffers). Before the injector, krcore-hostile
  * sends 2,000 datagrams of the datagram tier to the server and to the
@@ -77,6 +78,9 @@
 #define INJECT_PORT (PORT + 4)
 /* The new client's bound VQP (its incarnation and VQPN made public). */
 #define LATE_PORT (PORT + 6)
+/* How long the datagram tier waits for a process the meta server vouches
+ * for once its retries ran out (LIVE_BOUND_US). */
+#define LIVE_BOUND_MS 10000
 /* Datagrams of the tier's forgeries, and connections to krcore-meta. */
 #define TIER "2000"
 #define META_CONNS "120"
@@ -275,7 +279,9 @@ static int newcomer(void)
 /* The injector (node 3, this program run again with "inject"): qconnect to
  * the address krcore-hostile bound to the honest client's VQP, and SEND to
  * it. `tier`: on the datagram tier, whose first SEND must fail (nothing
- * acknowledges it); else over a link, each SEND acknowledged by the link
+ * acknowledges it; the client's meta-server connection says it lives, so
+ * it is waited for up to the tier's bound, LIVE_BOUND_MS after its
+ * retries ran out); else over a link, each SEND acknowledged by the link
  * and dropped by the client. */
 static int inject(int tier)
 {
@@ -292,7 +298,7 @@ static int inject(int tier)
 	for (int i = 0; i < sends; i++) {
 		ct_fill_msg(n.b.p, MSG_LEN, 9, (uint32_t)i);
 		CT_OK(ct_post_send1(qp, (uint64_t)i, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 0, MSG_LEN, 0, 0, 0));
-		ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
+		ct_poll_n(n.scq, &wc, 1, tier ? LIVE_BOUND_MS + CT_TIMEOUT_MS : CT_TIMEOUT_MS);
 		if (tier)
 			CT_CHECK(wc.status == IBV_WC_RETRY_EXC_ERR, "a SEND on the tier to another's VQP: %s",
 				 ibv_wc_status_str(wc.status));

@@ -25,12 +25,25 @@
  *    is vouched for (peers_vouched + 1) and the SEND is waited for: it
  *    lands once B runs again (B checks the bytes), nobody is taken for
  *    gone.
+ * 3. "a requester that never confirms its link and lives": krcore-hostile
+ *    (node 4) asks the server for a link from its own endpoint and never
+ *    confirms it (an RC QPN nobody holds), its meta-server connection
+ *    open. The server's accepted link fails (its probe, RC's retries);
+ *    the server asks the meta server (presence_queries + 1), which vouches
+ *    for the requester (peers_vouched + 1): not taken for gone.
+ * 4. "a requester killed during its handshake is gone": the same, the
+ *    requester killed (SIGKILL) once it asked: when the link fails, the
+ *    meta server says its connection closed: taken for gone (peers_gone
+ *    + 1), not vouched for. Before, an unconfirmed link's failure never
+ *    took its peer for gone.
  */
 #define _GNU_SOURCE
 #include "common.h"
 
+#include <arpa/inet.h>
 #include <signal.h>
 #include <stdio.h>
+#include <string.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -42,6 +55,8 @@
 /* The tier's retries (about 2 s) and a presence query, with room. */
 #define PROMPT_MS 6000
 #define STOP_MS 4000
+/* An idle link's probe (every second) and RC's retries (about 3.8 s). */
+#define LINK_FAIL_MS 15000
 
 static int to_parent[2];	/* server -> parent: a step is done */
 static int to_server[2];	/* parent -> server: the next step may go */
@@ -58,6 +73,47 @@ static void step_wait(int fd, char want)
 	char c = 0;
 
 	CT_CHECK(read(fd, &c, 1) == 1 && c == want, "pipe read: got '%c', wanted '%c'", c, want);
+}
+
+/* Wait (bounded) until counter `stat` is above `above`; how long it took. */
+static double wait_above(enum krcore_stat stat, uint64_t above, struct ct_node *n, int ms)
+{
+	uint64_t t0 = ct_now_ns();
+	struct ibv_wc wc;
+
+	while (krcore_stat_get(stat) <= above) {
+		CT_CHECK(ibv_poll_cq(n->scq, 1, &wc) == 0, "a send completion");
+		CT_CHECK(ct_now_ns() - t0 < (uint64_t)ms * 1000000ull, "%s still %llu after %d ms",
+			 krcore_stat_name(stat), (unsigned long long)above, ms);
+		usleep(2000);
+	}
+	return (double)(ct_now_ns() - t0) / 1e6;
+}
+
+/* Cases 3 and 4 on the server's side: a half-made link from
+ * krcore-hostile fails; `alive` says whether its requester lives. */
+static void half_link(struct ct_node *n, int alive)
+{
+	uint64_t failed = krcore_stat_get(KRCORE_STAT_LINKS_FAILED);
+	uint64_t gone = krcore_stat_get(KRCORE_STAT_PEERS_GONE);
+	uint64_t vouched = krcore_stat_get(KRCORE_STAT_PEERS_VOUCHED);
+	uint64_t asked = krcore_stat_get(KRCORE_STAT_PRESENCE_QUERIES);
+	double ms;
+
+	step_done(to_parent[1], 'h');
+	step_wait(to_server[0], 'L');
+	ms = wait_above(KRCORE_STAT_LINKS_FAILED, failed, n, LINK_FAIL_MS);
+	wait_above(KRCORE_STAT_PRESENCE_QUERIES, asked, n, CT_TIMEOUT_MS);
+	if (alive) {
+		wait_above(KRCORE_STAT_PEERS_VOUCHED, vouched, n, CT_TIMEOUT_MS);
+		CT_KRCORE_STAT(KRCORE_STAT_PEERS_GONE, ==, gone);
+	} else {
+		wait_above(KRCORE_STAT_PEERS_GONE, gone, n, CT_TIMEOUT_MS);
+		CT_KRCORE_STAT(KRCORE_STAT_PEERS_VOUCHED, ==, vouched);
+	}
+	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, failed + 1);
+	ct_note("the unconfirmed link failed %.0f ms after it was asked for; its requester %s", ms,
+		alive ? "vouched for" : "taken for gone");
 }
 
 static int server(int ready_fd)
@@ -166,7 +222,54 @@ static int server(int ready_fd)
 			(double)(ct_now_ns() - t0) / 1e6);
 	}
 	ct_pass();
+
+	ct_begin("vqp_presence: a requester that never confirms its link and lives");
+	step_wait(to_server[0], 'H');
+	half_link(&n, 1);
+	step_done(to_parent[1], 'v');
+	ct_pass();
+	ct_begin("vqp_presence: a requester killed during its handshake is gone");
+	step_wait(to_server[0], 'H');
+	half_link(&n, 0);
+	ct_pass();
 	return 0;
+}
+
+/* krcore-hostile half-link from node 4 against the server: its pid, once
+ * it asked; *in is its stdin (closing it releases it), *out_f its stdout
+ * (it says when it is released). */
+static pid_t start_half_link(int *in, FILE **out_f)
+{
+	static char path[4096];
+	const char *bin = ct_release_bin("KRCORE_HOSTILE_BIN", "krcore-hostile", path, sizeof(path));
+	char gid[64], port[16], line[256];
+	int out[2], inp[2];
+	pid_t pid;
+	FILE *f;
+
+	CT_CHECK(inet_ntop(AF_INET6, ct_node_gid(1).raw, gid, sizeof(gid)) != NULL, "inet_ntop");
+	snprintf(port, sizeof(port), "%d", PORT);
+	CT_CHECK(pipe(out) == 0 && pipe(inp) == 0, "pipe");
+	pid = fork();
+	CT_CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		dup2(out[1], 1);
+		dup2(inp[0], 0);
+		close(out[0]);
+		close(inp[1]);
+		execl(bin, "krcore-hostile", "--meta", getenv("KRCORE_META"), "--device", getenv("CT_DEVICE"),
+		      "--gid-index", "4", "--gid", gid, "--port", port, "half-link", (char *)NULL);
+		_exit(127);
+	}
+	close(out[1]);
+	close(inp[0]);
+	f = fdopen(out[0], "r");
+	CT_CHECK(f && fgets(line, sizeof(line), f), "krcore-hostile half-link: no output");
+	line[strcspn(line, "\n")] = 0;
+	CT_CHECK(strstr(line, "half-link asked") != NULL, "krcore-hostile: %s", line);
+	*in = inp[1];
+	*out_f = f;
+	return pid;
 }
 
 static int client(void)
@@ -217,7 +320,7 @@ int main(void)
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	/* Every VQP stays on the datagram tier (read once per process). */
 	setenv("KRCORE_LINK_AFTER", "1000000000", 1);
-	ct_watchdog(120);
+	ct_watchdog(180);
 	meta_pid = ct_start_meta();
 	CT_CHECK(pipe(to_parent) == 0 && pipe(to_server) == 0 && pipe(go_b) == 0, "pipe");
 	srv = ct_fork_ready(server, "the server (node 1)");
@@ -235,6 +338,32 @@ int main(void)
 	CT_CHECK(kill(c[B], SIGCONT) == 0, "SIGCONT");
 	step_done(go_b[1], 'G');
 	fails += ct_wait_child(c[B], "client B");
+	for (int alive = 1; alive >= 0; alive--) {
+		char line[256];
+		FILE *f;
+		int in;
+		pid_t h;
+
+		step_done(to_server[1], 'H');
+		step_wait(to_parent[0], 'h');
+		h = start_half_link(&in, &f);
+		if (!alive) {
+			kill(h, SIGKILL);
+			waitpid(h, NULL, 0);
+		}
+		step_done(to_server[1], 'L');
+		if (alive) {
+			/* Released once the server is done with it. */
+			step_wait(to_parent[0], 'v');
+			close(in);
+			CT_CHECK(fgets(line, sizeof(line), f) && strstr(line, "half-link released"),
+				 "krcore-hostile half-link not released");
+			fails += ct_wait_child(h, "krcore-hostile half-link");
+		} else {
+			close(in);
+		}
+		fclose(f);
+	}
 	fails += ct_wait_child(srv, "the server");
 	kill(meta_pid, SIGTERM);
 	waitpid(meta_pid, NULL, 0);

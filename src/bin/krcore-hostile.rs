@@ -37,6 +37,13 @@
 //!                      to the victim's bound VQP on the routes of the
 //!                      process bound at (G, P) for the K VQPNs after the
 //!                      bound one: its next VQPs' routes, written first
+//!   half-link          a link request to the victim from this process's
+//!                      own endpoint, never confirmed (an RC QPN nobody
+//!                      holds), while a meta-server connection of this
+//!                      process names its incarnation: a requester that
+//!                      gave its handshake up and lives. Prints
+//!                      `hostile: half-link asked`, holds until stdin
+//!                      closes (or it is killed)
 //!   meta-garbage N     N TCP connections to krcore-meta, each sending a
 //!                      truncated, oversized, wrong-version, random or
 //!                      bit-flipped Hello or Query, a Bind (a Request) in
@@ -119,6 +126,17 @@ fn main() {
                 let n = n.parse().map_err(|_| format!("meta-garbage: not a count: {n}"))?;
                 let key = Key::Port { gid: victim.gid, port: *m.get_one::<u32>("port").expect("required") };
                 meta_garbage(&addrs, n, &key, &victim, &svc)
+            }
+            [a] if a.as_str() == "half-link" => {
+                let me = svc.endpoint();
+                let opts = client::Options { timeout: Duration::from_secs(5), lease: Duration::from_secs(3), incarnation: me.incarnation };
+                let mc = client::MetaClient::connect(&dev, sgid_index, &addrs, opts).map_err(|e| format!("meta connection: {e:?}"))?;
+                to.send(&to.request(me))?;
+                println!("hostile: half-link asked as incarnation {:#x}", me.incarnation);
+                std::io::stdout().flush().map_err(|e| e.to_string())?;
+                let _ = std::io::stdin().read_to_end(&mut Vec::new());
+                mc.shutdown();
+                Ok("half-link released".to_string())
             }
             [a, g, p] if a.as_str() == "forge-request" => {
                 let gid = g.parse().map_err(|_| format!("forge-request: not a GID: {g}"))?;

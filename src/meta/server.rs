@@ -10,6 +10,9 @@
 //! process exits (however it dies, the kernel closes the socket) its
 //! entries are removed at once; a process that stops renewing its leases
 //! loses them when they expire.
+//! The same signal answers for a process that binds nothing: its `Hello`
+//! names its incarnation, and a `PresenceQuery` asks whether a connection
+//! that named it is open (`super::presence`).
 //!
 //! One thread, event driven: `poll(2)` on the listening socket, every
 //! client's socket (and those still owing their `Hello`), the completion

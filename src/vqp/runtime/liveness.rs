@@ -113,8 +113,8 @@ impl Runtime {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
                 klog!(
                     Level::Info,
-                    "vqp: a peer process is slow to answer the datagram tier, but it lives ({}): waiting for it",
-                    if heard { "it sends to us" } else { "its binding stays" }
+                    "vqp: a peer process that does not answer lives ({}): waiting for it",
+                    if heard { "it sends to us" } else { "the meta server vouches for it" }
                 );
             }
             // Looked at again when this runs out: a lease renewed within
