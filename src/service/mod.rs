@@ -54,6 +54,9 @@ use std::time::{Duration, Instant};
 
 /// How often an unanswered link request is sent again.
 const RETRANSMIT: Duration = Duration::from_millis(100);
+/// How long a requester told `EALREADY` waits for the peer's link before it
+/// asks again.
+const CROSSED_WAIT: Duration = Duration::from_millis(400);
 /// Receive buffers of the UD QP (a GRH then a link message or a datagram
 /// of the connectionless tier each).
 const UD_RECVS: usize = 128;
@@ -503,9 +506,20 @@ impl Service {
         crate::kmark!("link: the connecting lock taken");
         // The peer's request for this key may be being accepted now: that
         // link serves (a request of ours would make a second).
-        let link = match self.shared.link_or_ask(&key, Instant::now() + timeout) {
-            Ok(l) => l,
-            Err(asking) => self.shared.connect(peer, index, path, timeout, optional, asking)?,
+        let deadline = Instant::now() + timeout;
+        let link = loop {
+            match self.shared.link_or_ask(&key, deadline) {
+                Ok(l) => break l,
+                Err(asking) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match self.shared.connect(peer, index, path, left, optional, asking)? {
+                        Some(l) => break l,
+                        // Crossed, and the peer's link did not come: asked again.
+                        None if Instant::now() < deadline => crate::kmark!("link: asking again after a crossing"),
+                        None => return Err(Errno(libc::ETIMEDOUT)),
+                    }
+                }
+            }
         };
         Ok(self.shared.when_ready(link))
     }
@@ -902,7 +916,17 @@ impl Shared {
     }
 
     /// Our request for the link `key` (out: `asking`), and its handshake.
-    fn connect(&self, peer: &Endpoint, index: u16, path: Path, timeout: Duration, optional: bool, asking: Asking<'_>) -> Result<Arc<Link>> {
+    /// None: the peer said its own link serves the key (`EALREADY`) and
+    /// none came within [`CROSSED_WAIT`]: the caller asks again.
+    fn connect(
+        &self,
+        peer: &Endpoint,
+        index: u16,
+        path: Path,
+        timeout: Duration,
+        optional: bool,
+        asking: Asking<'_>,
+    ) -> Result<Option<Arc<Link>>> {
         let _refill_later = Connecting::new(self);
         let deadline = Instant::now() + timeout;
         let src_gid = self.dev.gid(path.sgid_index).map_err(|_| Errno::EINVAL)?;
@@ -919,11 +943,15 @@ impl Shared {
         self.replies.lock().remove(&req_id);
         let reply = reply?;
         if reply.status == libc::EALREADY as u32 {
-            // The peer asked at the same time and has the lower
-            // incarnation: its request makes the link, here.
+            // The peer has the lower incarnation and a request or a new
+            // link of its own for this key: its request makes the link,
+            // here. Unless the link it means is one we are closing (a
+            // peer over KRCORE_MAX_LINKS reclaims links seconds old, and
+            // the peer may see our request before our LINK_CLOSE): then
+            // none comes, and asking again finds the key free there.
             self.warm.lock().push(qp);
             crate::kmark!("link: crossed the peer's request: waiting for its link");
-            return self.link_when(&key, deadline, |_| true).ok_or(Errno(libc::ETIMEDOUT));
+            return Ok(self.link_when(&key, (Instant::now() + CROSSED_WAIT).min(deadline), |_| true));
         }
         if reply.status != 0 {
             return Err(Errno(reply.status as i32));
@@ -961,7 +989,7 @@ impl Shared {
             klog!(Level::Debug, "service: LINK_READY not sent: {e:?}");
         }
         self.new_link_made(&link);
-        Ok(serving)
+        Ok(Some(serving))
     }
 
     /// The link that serves `key`, waited for until `deadline` while
