@@ -75,6 +75,15 @@ static void step_wait(int fd, char want)
 	CT_CHECK(read(fd, &c, 1) == 1 && c == want, "pipe read: got '%c', wanted '%c'", c, want);
 }
 
+/* The server's reply `seq` (sender id 9), SENT on a client's src_qp. */
+static void post_reply(struct ct_node *n, struct ibv_qp *src, uint64_t wr_id, uint32_t seq)
+{
+	size_t off = (2 + seq) * MSG_LEN;
+
+	ct_fill_msg(n->b.p + off, MSG_LEN, 9, seq);
+	CT_OK(ct_post_send1(src, wr_id, IBV_WR_SEND, IBV_SEND_SIGNALED, &n->b, off, MSG_LEN, 0, 0, 0));
+}
+
 /* Wait (bounded) until counter `stat` is above `above`; how long it took. */
 static double wait_above(enum krcore_stat stat, uint64_t above, struct ct_node *n, int ms)
 {
@@ -136,7 +145,7 @@ static int server(int ready_fd)
 
 		while (got < 2) {
 			struct ibv_qp *s;
-			uint32_t id, seq;
+			uint32_t id;
 			int k = qpop_msgs(qp, 1, &s, &wc);
 
 			CT_CHECK(k >= 0, "qpop_msgs: %d", k);
@@ -148,7 +157,6 @@ static int server(int ready_fd)
 			CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "message: %s",
 				 ibv_wc_status_str(wc.status));
 			memcpy(&id, n.b.p + wc.wr_id * MSG_LEN, 4);
-			memcpy(&seq, n.b.p + wc.wr_id * MSG_LEN + 4, 4);
 			CT_CHECK(id < 2 && !src[id], "client %u", id);
 			ct_expect_msg(n.b.p + wc.wr_id * MSG_LEN, MSG_LEN, id, 0);
 			src[id] = s;
@@ -167,8 +175,7 @@ static int server(int ready_fd)
 		uint64_t t0 = ct_now_ns();
 		double ms;
 
-		ct_fill_msg(n.b.p + 2 * MSG_LEN, MSG_LEN, 9, 0);
-		CT_OK(ct_post_send1(src[A], 70, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 2 * MSG_LEN, MSG_LEN, 0, 0, 0));
+		post_reply(&n, src[A], 70, 0);
 		ct_poll_n(n.scq, &wc, 1, 3 * PROMPT_MS);
 		ms = (double)(ct_now_ns() - t0) / 1e6;
 		CT_CHECK(wc.wr_id == 70 && wc.status == IBV_WC_RETRY_EXC_ERR, "the SEND to a killed client: %s",
@@ -204,8 +211,7 @@ static int server(int ready_fd)
 		uint64_t vouched = krcore_stat_get(KRCORE_STAT_PEERS_VOUCHED);
 		uint64_t t0 = ct_now_ns();
 
-		ct_fill_msg(n.b.p + 3 * MSG_LEN, MSG_LEN, 9, 1);
-		CT_OK(ct_post_send1(src[B], 71, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 3 * MSG_LEN, MSG_LEN, 0, 0, 0));
+		post_reply(&n, src[B], 71, 1);
 		/* Out of retries, asked about, vouched for. */
 		CT_KRCORE_STAT_WITHIN(KRCORE_STAT_PEERS_VOUCHED, >, vouched);
 		while (ct_now_ns() - t0 < (uint64_t)STOP_MS * 1000000ull) {
