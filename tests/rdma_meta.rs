@@ -185,7 +185,9 @@ fn entries_of_a_killed_process_disappear() {
     let key = port_key(4, 7000);
     assert!(watcher.lookup(&key).unwrap().is_some(), "the binder's entry is visible");
     let t = Duration::from_secs(5);
-    assert_eq!(presence(&[meta.addr], BINDER_INCARNATION, t), Presence::Connected, "its connection vouches for it");
+    let g4 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 4));
+    // It bound under its GID: proven, so its connection vouches for it there.
+    assert_eq!(presence(&[meta.addr], BINDER_INCARNATION, &g4, t), Presence::Connected, "its connection vouches for it");
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
     let _ = child.wait();
@@ -194,7 +196,7 @@ fn entries_of_a_killed_process_disappear() {
     // Its connection closed with it: departed, for a process that binds
     // nothing as for this one.
     let t0 = Instant::now();
-    while presence(&[meta.addr], BINDER_INCARNATION, t) != Presence::Departed {
+    while presence(&[meta.addr], BINDER_INCARNATION, &g4, t) != Presence::Departed {
         assert!(t0.elapsed() < Duration::from_secs(5), "the killed process still looks connected");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -224,29 +226,43 @@ fn a_presence_query_says_whether_a_process_is_connected() {
     let meta = Meta::start(30_000);
     let dev = device();
     let t = Duration::from_secs(5);
-    let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, 2))).unwrap();
+    let g2 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 2));
+    let g3 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 3));
+    let gi = dev.gid_index(&g2).unwrap();
     let connect = |incarnation| MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation }).unwrap();
-    assert_eq!(presence(&[meta.addr], 0x77, t), Presence::Unknown, "never connected");
+    // Connected once its connection proved its GID (the proof follows the
+    // Welcome: waited for).
+    let connected = |incarnation, gid: &[u8; 16]| {
+        let t0 = Instant::now();
+        while presence(&[meta.addr], incarnation, gid, t) != Presence::Connected {
+            assert!(t0.elapsed() < t, "not connected after {t:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    assert_eq!(presence(&[meta.addr], 0x77, &g2, t), Presence::Unknown, "never connected");
     let a = connect(0x77);
-    assert_eq!(presence(&[meta.addr], 0x77, t), Presence::Connected);
+    connected(0x77, &g2);
+    // Only under the GID its connection proved: a process elsewhere that
+    // names the same incarnation is not vouched for by it.
+    assert_eq!(presence(&[meta.addr], 0x77, &g3, t), Presence::Unknown);
     // A connection that names no process vouches for none.
     let _anon = connect(0);
-    assert_eq!(presence(&[meta.addr], 0, t), Presence::Unknown);
+    assert_eq!(presence(&[meta.addr], 0, &g2, t), Presence::Unknown);
     // A replica that is down is skipped; one that knows decides.
     let down = SocketAddr::from((SERVER_IP, free_port()));
-    assert_eq!(presence(&[down, meta.addr], 0x77, t), Presence::Connected);
-    assert_eq!(presence(&[down], 0x77, t), Presence::Unknown, "nobody answered");
+    assert_eq!(presence(&[down, meta.addr], 0x77, &g2, t), Presence::Connected);
+    assert_eq!(presence(&[down], 0x77, &g2, t), Presence::Unknown, "nobody answered");
     // Its connection closed (the client dropped): departed.
     a.shutdown();
     drop(a);
     let t0 = Instant::now();
-    while presence(&[meta.addr], 0x77, t) != Presence::Departed {
+    while presence(&[meta.addr], 0x77, &g2, t) != Presence::Departed {
         assert!(t0.elapsed() < t, "a closed connection still vouches");
         std::thread::sleep(Duration::from_millis(20));
     }
     // Connected again (a process that lost its connection and made another).
     let _b = connect(0x77);
-    assert_eq!(presence(&[meta.addr], 0x77, t), Presence::Connected);
+    connected(0x77, &g2);
 }
 
 #[test]

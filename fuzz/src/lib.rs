@@ -172,7 +172,7 @@ fn meta_seeds() -> Vec<Seed> {
         ("query_vqpn", encoded::<BOOT_LEN>(|b| Query { key: vqpn }.encode(b))),
         ("answer_found", encoded::<BOOT_LEN>(|b| Answer { endpoint: Some(endpoint_max()) }.encode(b))),
         ("answer_none", encoded::<BOOT_LEN>(|b| Answer { endpoint: None }.encode(b))),
-        ("presence_query", encoded::<BOOT_LEN>(|b| PresenceQuery { incarnation: 0x0123_4567_89ab_cdef }.encode(b))),
+        ("presence_query", encoded::<BOOT_LEN>(|b| PresenceQuery { incarnation: 0x0123_4567_89ab_cdef, gid: GID }.encode(b))),
         ("presence_answer", encoded::<BOOT_LEN>(|b| PresenceAnswer { presence: Presence::Departed }.encode(b))),
         ("request_bind", encoded::<META_LEN>(|b| request(Op::Bind, port).encode(b))),
         ("request_unbind", encoded::<META_LEN>(|b| request(Op::Unbind, vqpn).encode(b))),

@@ -263,15 +263,15 @@ fn ask(addr: &SocketAddr, msg: &[u8; proto::BOOT_LEN], timeout: Duration) -> Res
     Ok(buf)
 }
 
-/// Whether the process with `incarnation` holds a connection to a meta
-/// server ([`proto::PresenceQuery`], each replica asked over a short TCP
+/// Whether the process with `incarnation` at `gid` holds a connection to a
+/// meta server that proved `gid` ([`proto::PresenceQuery`], each replica asked over a short TCP
 /// connection): connected to one of them, it lives; departed from one
 /// and connected to none, it is gone (a process that lost one replica
 /// but not the others still counts as connected); else unknown (no
 /// replica answered, or none knows it).
-pub fn presence(addrs: &[SocketAddr], incarnation: u64, timeout: Duration) -> Presence {
+pub fn presence(addrs: &[SocketAddr], incarnation: u64, gid: &rdma::Gid, timeout: Duration) -> Presence {
     let mut out = [0u8; proto::BOOT_LEN];
-    proto::PresenceQuery { incarnation }.encode(&mut out);
+    proto::PresenceQuery { incarnation, gid: *gid }.encode(&mut out);
     let mut departed = false;
     for addr in addrs {
         match ask(addr, &out, timeout).and_then(|b| Ok(proto::PresenceAnswer::decode(&b)?.presence)) {

@@ -144,14 +144,16 @@ pub struct Answer {
 }
 
 /// Client -> meta server over TCP: is the process whose service endpoint
-/// has `incarnation` connected to you? A process that binds nothing has no
-/// entry to look up; its connection (the kernel closes it when the process
-/// dies) says whether it lives.
+/// has `incarnation` and `gid` connected to you? A process that binds
+/// nothing has no entry to look up; its connection (the kernel closes it
+/// when the process dies) says whether it lives. Only connections that
+/// proved `gid` count (as for a binding under it).
 ///
-/// 8: incarnation (u64).
+/// 8: incarnation (u64), 16: gid[16].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PresenceQuery {
     pub incarnation: u64,
+    pub gid: [u8; 16],
 }
 
 /// Meta server -> client over TCP: the [`PresenceQuery`]'s answer.
@@ -416,14 +418,16 @@ impl PresenceQuery {
         let mut w = Writer::new(out, KIND_PRESENCE_QUERY);
         w.skip(4);
         w.u64(self.incarnation);
+        w.bytes(&self.gid);
     }
 
     pub fn decode(buf: &[u8]) -> Result<PresenceQuery> {
         let (mut r, _) = open(buf, BOOT_LEN, &[KIND_PRESENCE_QUERY])?;
         r.reserved(4)?;
         let incarnation = r.u64()?;
+        let gid = r.bytes()?;
         r.finish_zeroed()?;
-        Ok(PresenceQuery { incarnation })
+        Ok(PresenceQuery { incarnation, gid })
     }
 }
 
@@ -872,8 +876,11 @@ mod tests {
                 ]
             )
         );
-        let pq = PresenceQuery { incarnation: 0x0102_0304_0506_0708 };
-        assert_eq!(boot(PresenceQuery::encode, &pq), image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 11]), (8, &[8, 7, 6, 5, 4, 3, 2, 1])]));
+        let pq = PresenceQuery { incarnation: 0x0102_0304_0506_0708, gid: GID };
+        assert_eq!(
+            boot(PresenceQuery::encode, &pq),
+            image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 11]), (8, &[8, 7, 6, 5, 4, 3, 2, 1]), (16, &GID)])
+        );
         let pa = PresenceAnswer { presence: Presence::Departed };
         assert_eq!(boot(PresenceAnswer::encode, &pa), image(BOOT_LEN, &[(0, &[0x4d, 0x4b, VERSION, 12]), (4, &[2])]));
         let w = Welcome { status: libc::EAGAIN as u32, ..welcome() };
@@ -1104,8 +1111,8 @@ mod tests {
         for (conn_qpn, token) in [(0, 0), (MAX_U24, u32::MAX), (7, 0x5eed)] {
             all.push((proof(&Proof { conn_qpn, token }), re_proof));
         }
-        for incarnation in [0, u64::MAX] {
-            all.push((boot(PresenceQuery::encode, &PresenceQuery { incarnation }), re_presence_query));
+        for (incarnation, gid) in [(0, [0; 16]), (u64::MAX, [0xff; 16])] {
+            all.push((boot(PresenceQuery::encode, &PresenceQuery { incarnation, gid }), re_presence_query));
         }
         for presence in [Presence::Connected, Presence::Departed, Presence::Unknown] {
             all.push((boot(PresenceAnswer::encode, &PresenceAnswer { presence }), re_presence_answer));
@@ -1129,7 +1136,7 @@ mod tests {
         assert_eq!(LinkMessage::decode(&link(&m)), Ok(m));
         let q = Query { key: Key::Port { gid: GID, port: 18515 } };
         assert_eq!(BootMessage::decode(&boot(Query::encode, &q)), Ok(BootMessage::Query(q)));
-        let p = PresenceQuery { incarnation: 9 };
+        let p = PresenceQuery { incarnation: 9, gid: GID };
         assert_eq!(BootMessage::decode(&boot(PresenceQuery::encode, &p)), Ok(BootMessage::Presence(p)));
         let h = Hello { gid: GID, qpn: 1, psn: 2, incarnation: 3 };
         assert_eq!(BootMessage::decode(&boot(Hello::encode, &h)), Ok(BootMessage::Hello(h)));
@@ -1232,7 +1239,7 @@ mod tests {
     fn every_bit_flip_is_refused_or_canonical() {
         // (kind, [start, end) of each reserved run)
         let reserved: [(u8, &[(usize, usize)]); 12] = [
-            (KIND_PRESENCE_QUERY, &[(4, 8), (16, BOOT_LEN)]),
+            (KIND_PRESENCE_QUERY, &[(4, 8), (32, BOOT_LEN)]),
             (KIND_PRESENCE_ANSWER, &[(5, BOOT_LEN)]),
             (KIND_QUERY, &[(5, 8), (28, BOOT_LEN)]),
             // Found: the endpoint's reserved word; absent: all of it.

@@ -12,7 +12,8 @@
 //! loses them when they expire.
 //! The same signal answers for a process that binds nothing: its `Hello`
 //! names its incarnation, and a `PresenceQuery` asks whether a connection
-//! that named it is open (`super::presence`).
+//! that named it and proved the GID asked about is open
+//! (`super::presence`).
 //!
 //! One thread, event driven: `poll(2)` on the listening socket, every
 //! client's socket (and those still owing their `Hello`), the completion
@@ -222,7 +223,8 @@ struct Client {
     token: u32,
     /// The GIDs it proved: it binds keys under these only.
     proven: Vec<rdma::Gid>,
-    /// Its `Hello`'s: the process its connection vouches for.
+    /// Its `Hello`'s: the process its connection vouches for, under the
+    /// GIDs it proved.
     incarnation: u64,
 }
 
@@ -675,7 +677,7 @@ impl Server {
     /// A `PresenceQuery`: whether a connection of that process is open.
     fn answer_presence(&self, tcp: &TcpStream, q: &PresenceQuery) -> Result<()> {
         let mut out = [0u8; proto::BOOT_LEN];
-        PresenceAnswer { presence: self.presences.of(q.incarnation) }.encode(&mut out);
+        PresenceAnswer { presence: self.presences.of((q.incarnation, q.gid)) }.encode(&mut out);
         let mut tcp = tcp;
         tcp.write_all(&out)?;
         Ok(())
@@ -741,7 +743,6 @@ impl Server {
         let mut tcp = &client.tcp;
         tcp.write_all(&out)?;
         client.tcp.set_read_timeout(None)?;
-        self.presences.connected(client.incarnation);
         self.clients.insert(qpn, client);
         Ok(())
     }
@@ -820,7 +821,10 @@ impl Server {
         let limit = self.limits.gids_per_client;
         match self.clients.get_mut(&proof.conn_qpn) {
             Some(c) if c.token == proof.token && c.proven.contains(&gid) => {}
-            Some(c) if c.token == proof.token && c.proven.len() < limit => c.proven.push(gid),
+            Some(c) if c.token == proof.token && c.proven.len() < limit => {
+                c.proven.push(gid);
+                self.presences.connected((c.incarnation, gid));
+            }
             Some(c) if c.token == proof.token => {
                 self.refuse(Refusal::Proof, &format_args!("a proof of client qp {}: {limit} GIDs proven", proof.conn_qpn))
             }
@@ -888,7 +892,7 @@ impl Server {
     /// Forget a client and every entry it holds.
     fn drop_client(&mut self, qpn: u32) {
         if let Some(c) = self.clients.remove(&qpn) {
-            self.presences.disconnected(c.incarnation);
+            c.proven.iter().for_each(|g| self.presences.disconnected((c.incarnation, *g)));
         }
         let keys = self.leases.owned_by(qpn);
         self.remove_keys(&keys);

@@ -111,7 +111,7 @@ impl Runtime {
             klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but it answers on the datagram tier", peer.gid);
             return;
         }
-        if self.liveness(peer.incarnation) == super::liveness::Liveness::Alive {
+        if self.liveness(peer.incarnation, &peer.gid) == super::liveness::Liveness::Alive {
             crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
             klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but the meta server vouches for it", peer.gid);
             return;
@@ -387,7 +387,7 @@ impl Runtime {
             let p = &link.peer;
             let at =
                 crate::transport::dgram::port::Peer { sgid_index: link.path.sgid_index, dgid: link.path.dgid, qpn: p.qpn, qkey: p.qkey };
-            if !self.doubt_process(p.incarnation, &at) {
+            if !self.find_out(p.incarnation, &at, p.gid) {
                 klog!(Level::Debug, "vqp: no thread to find out whether {:02x?} lives", p.gid);
             }
         }

@@ -55,9 +55,10 @@ impl Runtime {
 
     /// Look process `incarnation`'s binding up again (one READ of the meta
     /// server's table, or the agent's), or, with none known, ask whether
-    /// its meta-server connection is open (a short TCP exchange per
-    /// replica). Blocks up to the connect timeout for each.
-    pub(super) fn liveness(&self, incarnation: u64) -> Liveness {
+    /// its meta-server connection from `gid` (its endpoint's) is open (a
+    /// short TCP exchange per replica). Blocks up to the connect timeout
+    /// for each.
+    pub(super) fn liveness(&self, incarnation: u64, gid: &crate::rdma::Gid) -> Liveness {
         let known = self.keys.lock().get(&incarnation).copied();
         if let Some((key, _)) = known {
             match self.resolve(&key, true) {
@@ -70,7 +71,7 @@ impl Runtime {
             return Liveness::Unknown;
         };
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PRESENCE_QUERIES);
-        match crate::meta::client::presence(&addrs, incarnation, super::connect_timeout()) {
+        match crate::meta::client::presence(&addrs, incarnation, gid, super::connect_timeout()) {
             Presence::Connected => Liveness::Alive,
             Presence::Departed => Liveness::Gone,
             Presence::Unknown => Liveness::Unknown,
@@ -81,9 +82,15 @@ impl Runtime {
     /// (one per process at a time) finds out and vouches for the process
     /// or not. Alive: still bound or connected to the meta server, or,
     /// with neither to ask, heard from on the tier lately. Gone: its
-    /// VQPs move to the error state. Also asked when a link to it that it
-    /// never confirmed fails (`peer` then names the link's end).
+    /// VQPs move to the error state.
     pub(crate) fn doubt_process(&self, incarnation: u64, peer: &Peer) -> bool {
+        self.find_out(incarnation, peer, peer.dgid)
+    }
+
+    /// [`Self::doubt_process`] of the process of endpoint GID `gid`, at
+    /// `peer` (also asked when a link to it that it never confirmed fails:
+    /// `peer` then names the link's end).
+    pub(super) fn find_out(&self, incarnation: u64, peer: &Peer, gid: crate::rdma::Gid) -> bool {
         if !self.doubting.lock().insert(incarnation) {
             return true;
         }
@@ -96,7 +103,7 @@ impl Runtime {
             // process's go at once); with neither, heard within the
             // tier's bound: a process that sent its last seconds ago may
             // be starved still (a killed one is waited for that long).
-            let found = rt.liveness(incarnation);
+            let found = rt.liveness(incarnation, &gid);
             let within = std::time::Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US);
             let heard = found == Liveness::Unknown && rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], within);
             let alive = heard || found == Liveness::Alive;
@@ -106,7 +113,7 @@ impl Runtime {
                 // connection closed): its idle VQPs too, as when a link to
                 // it fails.
                 let known = rt.keys.lock().get(&incarnation).map(|&(_, ep)| ep);
-                let ep = known.unwrap_or(Endpoint { gid: peer.dgid, qpn: peer.qpn, qkey: peer.qkey, incarnation, vqpn: 0 });
+                let ep = known.unwrap_or(Endpoint { gid, qpn: peer.qpn, qkey: peer.qkey, incarnation, vqpn: 0 });
                 rt.peer_is_gone(ep, 0, rt.svc.default_path(&ep));
             }
             if alive {
