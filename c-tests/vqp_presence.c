@@ -75,6 +75,19 @@ static void step_wait(int fd, char want)
 	CT_CHECK(read(fd, &c, 1) == 1 && c == want, "pipe read: got '%c', wanted '%c'", c, want);
 }
 
+/* One message (or close report) taken with qpop_msgs, waited for until
+ * `until` (ns, ct_now_ns's clock). */
+static void pop1(struct ibv_qp *qp, uint64_t until, struct ibv_qp **src, struct ibv_wc *wc, const char *what)
+{
+	int k;
+
+	while ((k = qpop_msgs(qp, 1, src, wc)) == 0) {
+		CT_CHECK(ct_now_ns() < until, "%s: nothing within the bound", what);
+		usleep(1000);
+	}
+	CT_CHECK(k == 1, "qpop_msgs (%s): %d", what, k);
+}
+
 /* The server's reply `seq` (sender id 9), SENT on a client's src_qp. */
 static void post_reply(struct ct_node *n, struct ibv_qp *src, uint64_t wr_id, uint32_t seq)
 {
@@ -130,7 +143,6 @@ static int server(int ready_fd)
 	struct ct_node n;
 	struct ibv_qp *qp, *src[2] = { 0 };
 	struct ibv_wc wc;
-	int got = 0;
 
 	ct_begin("vqp_presence: the server");
 	ct_node_open(&n, 1, 4 * MSG_LEN, 64);
@@ -141,26 +153,19 @@ static int server(int ready_fd)
 	step_done(ready_fd, 'R');
 	close(ready_fd);
 	{
-		uint64_t t0 = ct_now_ns();
+		uint64_t until = ct_now_ns() + (uint64_t)CT_TIMEOUT_MS * 1000000ull;
 
-		while (got < 2) {
+		for (int got = 0; got < 2; got++) {
 			struct ibv_qp *s;
 			uint32_t id;
-			int k = qpop_msgs(qp, 1, &s, &wc);
 
-			CT_CHECK(k >= 0, "qpop_msgs: %d", k);
-			CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "%d of 2 messages", got);
-			if (k == 0) {
-				usleep(1000);
-				continue;
-			}
+			pop1(qp, until, &s, &wc, got == 0 ? "the first message" : "the second message");
 			CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == MSG_LEN, "message: %s",
 				 ibv_wc_status_str(wc.status));
 			memcpy(&id, n.b.p + wc.wr_id * MSG_LEN, 4);
 			CT_CHECK(id < 2 && !src[id], "client %u", id);
 			ct_expect_msg(n.b.p + wc.wr_id * MSG_LEN, MSG_LEN, id, 0);
 			src[id] = s;
-			got++;
 		}
 	}
 	ct_pass();
@@ -186,17 +191,12 @@ static int server(int ready_fd)
 		CT_KRCORE_STAT(KRCORE_STAT_PRESENCE_QUERIES, >, asked);
 		/* Its src_qp is reported closed once. */
 		{
-			uint64_t t1 = ct_now_ns();
 			struct ibv_qp *s;
-			int k;
 
-			while ((k = qpop_msgs(qp, 1, &s, &wc)) == 0) {
-				CT_CHECK(ct_now_ns() - t1 < (uint64_t)CT_TIMEOUT_MS * 1000000ull,
-					 "the killed client's src_qp never reported closed");
-				usleep(1000);
-			}
-			CT_CHECK(k == 1 && s == src[A] && wc.status == IBV_WC_WR_FLUSH_ERR,
-				 "qpop_msgs after the kill: %d, %s", k, ibv_wc_status_str(wc.status));
+			pop1(qp, ct_now_ns() + (uint64_t)CT_TIMEOUT_MS * 1000000ull, &s, &wc,
+			     "the killed client's src_qp reported closed");
+			CT_CHECK(s == src[A] && wc.status == IBV_WC_WR_FLUSH_ERR, "qpop_msgs after the kill: %s",
+				 ibv_wc_status_str(wc.status));
 		}
 		ct_note("the SEND to the killed client failed after %.0f ms (%llu presence queries)", ms,
 			(unsigned long long)(krcore_stat_get(KRCORE_STAT_PRESENCE_QUERIES) - asked));
