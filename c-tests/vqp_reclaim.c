@@ -724,6 +724,9 @@ static int simultaneous(int tier)
 		if (p[i] == 0)
 			_exit(pair_peer());
 	}
+	/* Only the peers write steps: a peer that failed (exited) ends the
+	 * parent's read instead of leaving it waiting. */
+	close(step_pipe[1]);
 	/* Three steps: ready, phase 1 done (duplicates closed), phase 2 done. */
 	for (int s = 0; s < 3; s++) {
 		for (int i = 0; i < 2; i++) {
