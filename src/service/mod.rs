@@ -532,10 +532,14 @@ impl Service {
 
     /// The link that serves link number `index` of process `incarnation`
     /// over `path` now, whichever side made it (a datagram names its
-    /// sender's process, not its home GID).
+    /// sender's process, not its home GID), once confirmed: a link the
+    /// peer asked for and has not said it receives on (its reply may
+    /// still be on its way, or its requester gave the handshake up) is
+    /// left alone meanwhile by work that has another way (the datagram
+    /// tier); a VQP that needs a link waits for it (`link_as`).
     pub fn link_to(&self, incarnation: u64, index: u16, path: Path) -> Option<Arc<Link>> {
         let links = self.shared.links.lock();
-        links.by_key.values().find(|l| l.peer.incarnation == incarnation && l.index == index && l.path == path && l.is_ready()).cloned()
+        links.by_key.values().find(|l| l.peer.incarnation == incarnation && l.index == index && l.path == path && l.confirmed()).cloned()
     }
 
     /// Something came from the peer on `link`: its end receives.
@@ -1467,16 +1471,7 @@ impl Shared {
                 klog!(Level::Debug, "service: a late copy of a link request from QP {} whose link is closed: dropped", peer.qpn);
             }
             Some(l) => self.answer(r, Ok(&l)),
-            None if self.links.lock().crossed(
-                id,
-                &LinkKey::of(&peer, r.info.link, path),
-                self.me.incarnation < peer.incarnation,
-                crate::config::get().connect_timeout_ms,
-            ) =>
-            {
-                klog!(Level::Debug, "service: a link request from QP {} crossed ours: ours makes the link", peer.qpn);
-                self.answer(r, Err(Errno(libc::EALREADY)));
-            }
+            None if self.crossed(r, path, &mut self.links.lock()) => self.answer(r, Err(Errno(libc::EALREADY))),
             None if !self.link_wanted(&peer, &path) => {
                 crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_UNWANTED);
                 klog!(Level::Debug, "service: a link request from QP {}: no VQP here is bound or connected to it", peer.qpn);
@@ -1511,12 +1506,35 @@ impl Shared {
             }
             None => {
                 let key = LinkKey::of(&peer, r.info.link, path);
-                // A copy of a request being accepted: that accept answers.
-                if self.links.lock().accepting.insert(key) {
+                // Crossing asked again in the same hold of the lock as the
+                // accept is marked out: our connect for this key may have
+                // begun since the first look (`link_or_ask` marks it out
+                // under the lock, or waits for a request being accepted);
+                // else both requests would make a link.
+                let mut links = self.links.lock();
+                if self.crossed(r, path, &mut links) {
+                    drop(links);
+                    self.answer(r, Err(Errno(libc::EALREADY)));
+                } else if links.accepting.insert(key) {
+                    // (A copy of a request being accepted: that accept answers.)
+                    drop(links);
                     self.accept_elsewhere(*r, path, key);
                 }
             }
         }
+    }
+
+    /// Whether `r` crossed a request of ours for its key (`Links::crossed`):
+    /// it is to be answered EALREADY.
+    fn crossed(&self, r: &LinkRequest, path: Path, links: &mut Links) -> bool {
+        let peer = r.info.from;
+        let id = (peer.incarnation, r.info.rc_qpn, r.info.psn);
+        let key = LinkKey::of(&peer, r.info.link, path);
+        let crossed = links.crossed(id, &key, self.me.incarnation < peer.incarnation, crate::config::get().connect_timeout_ms);
+        if crossed {
+            klog!(Level::Debug, "service: a link request from QP {} crossed ours: ours makes the link", peer.qpn);
+        }
+        crossed
     }
 
     /// Accept `r` on a thread of its own: its QP's RTR may wait in the
