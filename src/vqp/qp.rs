@@ -44,6 +44,7 @@ use crate::sys::*;
 use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 mod agent;
@@ -752,6 +753,16 @@ pub(super) fn post_header_with(rt: &Runtime, link: &Link, h: &Header, payload: &
     if new_work && !link.is_open() {
         return false;
     }
+    // No GRANT behind our LINK_CLOSE (checked and marked under the send
+    // lock): the peer sends no new message on the link after it, and
+    // destroys its end once it has it and its own LINK_CLOSE completed; a
+    // GRANT that came after would find no QP there, fail
+    // `IBV_WC_RETRY_EXC_ERR` some seconds later and take the peer for
+    // gone (`vqp_reclaim`'s LRU case, once in CI: both ends' VQPs flushed).
+    let link_close = h.link_op() == Some(LinkOp::Close);
+    if h.link_op() == Some(LinkOp::Grant) && link.close_posted.load(Ordering::Acquire) {
+        return false;
+    }
     // A CLOSE is a message the peer's VQP holds: within the link's window.
     let cost = if h.flags.contains(Flags::CLOSE) { HEADER_LEN as u64 } else { 0 };
     if cost > 0 && !link.credit.try_send(cost) {
@@ -782,6 +793,9 @@ pub(super) fn post_header_with(rt: &Runtime, link: &Link, h: &Header, payload: &
         klog!(Level::Warn, "vqp: cannot send a {:?} header: {e:?}", h.flags);
         rt.large.take(tag);
         link.credit.unsend(cost);
+    }
+    if link_close {
+        link.close_posted.store(true, Ordering::Release);
     }
     true
 }

@@ -44,7 +44,7 @@ impl Runtime {
 
     /// Give the peer on `link` back what its messages no longer hold here,
     /// once half the window is owed (when the link has no room, at a
-    /// later progress).
+    /// later progress); none behind our LINK_CLOSE (`post_header_with`).
     pub fn grant(&self, link: &Link) {
         if !link.credit.grant_due() {
             return;
