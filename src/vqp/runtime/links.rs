@@ -154,7 +154,10 @@ impl Runtime {
                 // VQPs with nothing on the tier take it now (the others at
                 // their next post once drained): an idle VQP learns of its
                 // peer's death from the link's probes.
-                Ok(link) => vqp::live().iter().for_each(|v| v.move_if_idle(&link)),
+                // One the peer asked for and has not confirmed is taken
+                // once it is (at their next post: `link_to`).
+                Ok(link) if link.confirmed() => vqp::live().iter().for_each(|v| v.move_if_idle(&link)),
+                Ok(_) => {}
                 Err(e) if e.0 == libc::ETIMEDOUT => rt.peer_unreachable(peer, index, path),
                 Err(e) => {
                     klog!(Level::Info, "vqp: a background link to {:02x?} failed: {e:?} (its VQPs stay on the datagram tier)", peer.gid)
@@ -198,9 +201,7 @@ impl Runtime {
             Box::new(move || {
                 let Some(rt) = weak.upgrade() else { return };
                 if rt.probing.load(Ordering::Acquire) {
-                    if crate::config::get().link_probe_ms > 0 {
-                        rt.probe_links();
-                    }
+                    rt.probe_links(crate::config::get().link_probe_ms > 0);
                     rt.reclaim_links();
                     Runtime::schedule_maintenance(&rt);
                 }
@@ -277,14 +278,16 @@ impl Runtime {
     }
 
     /// One READ of 8 bytes of the peer's probe target on every link with
-    /// nothing outstanding. RC has no keepalive: a link on which nothing
+    /// nothing outstanding (`all`; else only on the accepted links not
+    /// confirmed yet). RC has no keepalive: a link on which nothing
     /// is posted never learns that its peer died, and the VQPs waiting on
     /// it for messages would wait forever. A busy link needs no probe: its
     /// own WQEs fail. The probe's completion wakes the service thread
-    /// (an error one fails the link, see `dispatch`).
-    fn probe_links(&self) {
+    /// (an error one fails the link, see `dispatch`; a good one confirms
+    /// it, if its LINK_READY was lost).
+    fn probe_links(&self, all: bool) {
         let mut posted = false;
-        for link in self.svc.live_links() {
+        for link in self.svc.live_links().into_iter().filter(|l| all || !l.confirmed()) {
             let mut sq = link.sq.lock();
             if sq.outstanding() > 0 {
                 continue;

@@ -197,6 +197,14 @@ impl Runtime {
                                 }
                             }
                         }
+                        // A READ the peer's end answered: it receives (an
+                        // accepted link whose LINK_READY was lost is
+                        // confirmed so).
+                        Control::Probe { .. } if wc.status == ibv_wc_status::IBV_WC_SUCCESS => {
+                            if let Some(link) = self.svc.link_by_qpn(wc.qp_num) {
+                                self.svc.heard_on(&link);
+                            }
+                        }
                         Control::Header { .. } | Control::Bind { .. } | Control::Probe { .. } | Control::Fence { .. } => {}
                     }
                 }
