@@ -68,6 +68,8 @@ pub struct Link {
     peer_seen: Mutex<(u32, u64)>,
     /// When it began closing (`coarse_ms`).
     pub(super) close_started: AtomicU64,
+    /// Counted in the `links` gauge (until forgotten or dropped).
+    gauged: AtomicBool,
     /// The messages' flow control, both directions (`credit`).
     pub credit: LinkCredit,
 }
@@ -109,6 +111,7 @@ impl Link {
             last_used: AtomicU64::new(crate::clock::coarse_ms()),
             peer_seen: Mutex::new((theirs.psn, crate::clock::coarse_ms())),
             close_started: AtomicU64::new(0),
+            gauged: AtomicBool::new(true),
             credit,
         })
     }
@@ -199,9 +202,18 @@ pub(super) struct LinkKey {
     path: Path,
 }
 
+impl Link {
+    /// Out of the `links` gauge (forgotten: its QP may linger a while).
+    pub(super) fn ungauge(&self) {
+        if self.gauged.swap(false, Ordering::AcqRel) {
+            crate::stats::sub(crate::stats::Stat::KRCORE_STAT_LINKS, 1);
+        }
+    }
+}
+
 impl Drop for Link {
     fn drop(&mut self) {
-        crate::stats::sub(crate::stats::Stat::KRCORE_STAT_LINKS, 1);
+        self.ungauge();
     }
 }
 

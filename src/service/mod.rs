@@ -669,6 +669,7 @@ impl Service {
         let mut links = self.shared.links.lock();
         let Some(link) = links.by_qpn.remove(&qpn) else { return false };
         links.retire(&link);
+        link.ungauge();
         true
     }
 

@@ -9,6 +9,10 @@ use super::*;
 /// entry, taken at its first SEND) out of registered arenas of
 /// HDR_ARENA_SLOTS slots: a registration per VQP would cost a kernel call
 /// on its first send.
+/// How long a closed link's QP outlives its close: the peer's RC retries
+/// of its last message (`rdma::Qp::to_rts`: 7 tries of 537 ms).
+const LINGER: Duration = Duration::from_secs(4);
+
 pub const HDR_SLOT: usize = HEADER_LEN + crate::vqp::qp::MAX_INLINE as usize;
 const HDR_ARENA_SLOTS: u32 = 8192;
 /// The arena made with the runtime is small (a few VQPs' worth): the
@@ -275,6 +279,14 @@ impl Runtime {
         }
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_CLOSED);
         klog!(Level::Info, "vqp: the link to {:02x?} (QP {qpn}) is closed", link.peer.gid);
+        // Its QP lingers: our ACK of the peer's LINK_CLOSE may not have
+        // reached it (rxe reports a message received before it sends the
+        // ACK; an ACK can be lost), and its retransmission must find a QP
+        // that ACKs it again, not none (its LINK_CLOSE would fail
+        // `IBV_WC_RETRY_EXC_ERR` and take us for gone: `vqp_reclaim`'s LRU
+        // case, both processes' VQPs flushed).
+        let lingering = Arc::clone(link);
+        self.svc.defer(Instant::now() + LINGER, Box::new(move || drop(lingering)));
     }
 
     /// One READ of 8 bytes of the peer's probe target on every link with
