@@ -444,13 +444,13 @@ static void malformed_is_dropped(void)
 }
 
 /* One message of the agent's protocol (docs/node.md, "Protocol"): 144
- * bytes, magic "KN", version 3, `kind`, a body of a u64 at 16. */
+ * bytes, magic "KN", version 4, `kind`, a body of a u64 at 16. */
 enum { NODE_MSG = 144, NODE_HELLO = 1, NODE_WELCOME = 2, NODE_STAGE = 5, NODE_STAGED = 6, NODE_RING = 12 };
 enum { STAGING = 1 << 20, RINGS = 8192 };
 
 static void node_send(int fd, int kind, uint64_t body)
 {
-	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, 3, (unsigned char)kind };
+	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, 4, (unsigned char)kind };
 
 	memcpy(m + 16, &body, sizeof(body));
 	CT_CHECK(send(fd, m, sizeof(m), 0) == (ssize_t)sizeof(m), "send kind %d: %s", kind, strerror(errno));

@@ -36,6 +36,14 @@
  *    meta server says its connection closed: taken for gone (peers_gone
  *    + 1), not vouched for. Before, an unconfirmed link's failure never
  *    took its peer for gone.
+ * 5. "a killed attached client is gone at once": client C (node 5)
+ *    attached to a krcore-node agent on its GID has no meta-server
+ *    connection of its own; the agent vouches for it (its statistics:
+ *    vouched 1), and once C is killed says it departed (its pidfd:
+ *    departed 1). The server's SEND to C fails IBV_WC_RETRY_EXC_ERR
+ *    within PROMPT_MS, C taken for gone, as in case 1. Before (stop 41),
+ *    an attached process was unknown to the meta server: the SEND failed
+ *    only at the tier's 10 s bound (C had sent within 10 s).
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -52,6 +60,8 @@
 #define MSG_LEN 64
 #define A 0
 #define B 1
+#define C 2
+#define C_NODE 5
 /* The tier's retries (about 2 s) and a presence query, with room. */
 #define PROMPT_MS 6000
 #define STOP_MS 4000
@@ -145,10 +155,12 @@ static int server(int ready_fd)
 	struct ibv_wc wc;
 
 	ct_begin("vqp_presence: the server");
-	ct_node_open(&n, 1, 4 * MSG_LEN, 64);
+	/* Receives in slots 0, 1 (A, B) and 5 (C); replies in 2 + seq. */
+	ct_node_open(&n, 1, 6 * MSG_LEN, 64);
 	qp = ct_node_vqp(&n, 4, 4);
 	for (int i = 0; i < 2; i++)
 		ct_post_recv1(qp, (uint64_t)i, &n.b, (size_t)i * MSG_LEN, MSG_LEN);
+	ct_post_recv1(qp, 5, &n.b, 5 * MSG_LEN, MSG_LEN);
 	CT_OK(qbind(qp, ct_node_gid(1), PORT));
 	step_done(ready_fd, 'R');
 	close(ready_fd);
@@ -238,6 +250,40 @@ static int server(int ready_fd)
 	step_wait(to_server[0], 'H');
 	half_link(&n, 0);
 	ct_pass();
+
+	ct_begin("vqp_presence: a killed attached client is gone at once");
+	step_wait(to_server[0], 'P');
+	{
+		uint64_t gone, vouched, t0;
+		struct ibv_qp *s;
+		double ms;
+		uint32_t id;
+
+		/* B's src_qp is reported closed first (B destroyed its VQP). */
+		pop1(qp, ct_now_ns() + (uint64_t)CT_TIMEOUT_MS * 1000000ull, &s, &wc, "client B's close");
+		CT_CHECK(s == src[B] && wc.status == IBV_WC_WR_FLUSH_ERR, "client B's close: %s",
+			 ibv_wc_status_str(wc.status));
+		pop1(qp, ct_now_ns() + (uint64_t)CT_TIMEOUT_MS * 1000000ull, &s, &wc, "the attached client's message");
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 5, "message: %s", ibv_wc_status_str(wc.status));
+		memcpy(&id, n.b.p + 5 * MSG_LEN, 4);
+		CT_CHECK(id == C, "client %u", id);
+		ct_expect_msg(n.b.p + 5 * MSG_LEN, MSG_LEN, C, 0);
+		step_done(to_parent[1], 'p');
+		step_wait(to_server[0], 'K');
+		gone = krcore_stat_get(KRCORE_STAT_PEERS_GONE);
+		vouched = krcore_stat_get(KRCORE_STAT_PEERS_VOUCHED);
+		t0 = ct_now_ns();
+		post_reply(&n, s, 72, 2);
+		ct_poll_n(n.scq, &wc, 1, 3 * PROMPT_MS);
+		ms = (double)(ct_now_ns() - t0) / 1e6;
+		CT_CHECK(wc.wr_id == 72 && wc.status == IBV_WC_RETRY_EXC_ERR, "the SEND to a killed attached client: %s",
+			 ibv_wc_status_str(wc.status));
+		CT_CHECK(ms < PROMPT_MS, "the SEND to a killed attached client failed after %.0f ms", ms);
+		CT_KRCORE_STAT(KRCORE_STAT_PEERS_GONE, ==, gone + 1);
+		CT_KRCORE_STAT(KRCORE_STAT_PEERS_VOUCHED, ==, vouched);
+		ct_note("the SEND to the killed attached client failed after %.0f ms", ms);
+	}
+	ct_pass();
 	return 0;
 }
 
@@ -284,8 +330,10 @@ static int client(void)
 	struct ibv_qp *qp;
 	struct ibv_wc wc;
 
-	ct_begin(client_id == A ? "vqp_presence: client A (killed)" : "vqp_presence: client B (stopped)");
-	ct_node_open(&n, 2 + client_id, 2 * MSG_LEN, 16);
+	ct_begin(client_id == A   ? "vqp_presence: client A (killed)"
+		 : client_id == B ? "vqp_presence: client B (stopped)"
+				  : "vqp_presence: client C (attached, killed)");
+	ct_node_open(&n, client_id == C ? C_NODE : 2 + client_id, 2 * MSG_LEN, 16);
 	qp = ct_node_vqp(&n, 1, 1);
 	CT_OK(qconnect(qp, ct_node_gid(1), PORT));
 	ct_post_recv1(qp, 1, &n.b, MSG_LEN, MSG_LEN);
@@ -293,7 +341,7 @@ static int client(void)
 	CT_OK(ct_post_send1(qp, 0, IBV_WR_SEND, IBV_SEND_SIGNALED, &n.b, 0, MSG_LEN, 0, 0, 0));
 	ct_poll_n(n.scq, &wc, 1, CT_TIMEOUT_MS);
 	CT_CHECK(wc.status == IBV_WC_SUCCESS, "the message: %s", ibv_wc_status_str(wc.status));
-	if (client_id == A)
+	if (client_id != B)
 		for (;;)
 			pause(); /* until killed */
 	/* Stopped and continued meanwhile; the reply is ours then. */
@@ -316,6 +364,37 @@ static pid_t start_client(int id)
 		_exit(client());
 	}
 	return p;
+}
+
+static char agent_sock[108];
+static int agent_out = -1;
+
+/* krcore-node for node C_NODE's GID at agent_sock, serving once its meta
+ * server is connected. */
+static pid_t start_agent(void)
+{
+	static char path[4096];
+	char gi[8];
+	char *argv[] = { (char *)ct_release_bin("KRCORE_NODE_BIN", "krcore-node", path, sizeof(path)), "--meta",
+			 getenv("KRCORE_META"), "--socket", agent_sock, "--device", getenv("CT_DEVICE"),
+			 "--gid-index", gi, NULL };
+
+	snprintf(gi, sizeof(gi), "%d", C_NODE);
+	snprintf(agent_sock, sizeof(agent_sock), "/tmp/krcore-vqp-presence-%d.sock", (int)getpid());
+	return ct_spawn_ready(argv, "meta server connected", &agent_out);
+}
+
+/* Wait (bounded) until the agent's statistic `field` is at least `want`. */
+static void agent_wait(pid_t agent, const char *field, long want)
+{
+	uint64_t t0 = ct_now_ns();
+	long v;
+
+	while ((v = ct_agent_stat(agent, agent_out, field)) < want) {
+		CT_CHECK(ct_now_ns() - t0 < (uint64_t)CT_TIMEOUT_MS * 1000000ull, "the agent's %s: %ld, want %ld",
+			 field, v, want);
+		usleep(20000);
+	}
 }
 
 int main(void)
@@ -370,7 +449,25 @@ int main(void)
 		}
 		fclose(f);
 	}
-	fails += ct_wait_child(srv, "the server");
+	{
+		pid_t agent = start_agent();
+
+		/* C attaches (its first use of the library reads KRCORE_NODE). */
+		setenv("KRCORE_NODE", agent_sock, 1);
+		c[A] = start_client(C);
+		unsetenv("KRCORE_NODE");
+		step_done(to_server[1], 'P');
+		step_wait(to_parent[0], 'p');
+		agent_wait(agent, "vouched", 1);
+		kill(c[A], SIGKILL);
+		waitpid(c[A], NULL, 0);
+		agent_wait(agent, "departed", 1);
+		step_done(to_server[1], 'K');
+		fails += ct_wait_child(srv, "the server");
+		kill(agent, SIGTERM);
+		waitpid(agent, NULL, 0);
+		close(agent_out);
+	}
 	kill(meta_pid, SIGTERM);
 	waitpid(meta_pid, NULL, 0);
 	CT_CHECK(fails == 0, "%d process(es) failed", fails);

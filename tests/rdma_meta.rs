@@ -267,6 +267,57 @@ fn a_presence_query_says_whether_a_process_is_connected() {
 
 #[test]
 #[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn an_agent_vouches_for_its_processes_under_its_own_gid() {
+    let meta = Meta::start(30_000);
+    let dev = device();
+    let t = Duration::from_secs(5);
+    let g2 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 2));
+    let elsewhere = ipv4_gid(Ipv4Addr::new(10, 99, 0, 1));
+    let gi = dev.gid_index(&g2).unwrap();
+    // An agent's connection: it names no process of its own.
+    let agent = MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation: 0 }).unwrap();
+    assert_eq!(presence(&[meta.addr], 0x51, &g2, t), Presence::Unknown);
+    // Its proof may follow the Welcome: the vouch proves it first.
+    agent.vouch(0x51, &g2).unwrap();
+    assert_eq!(presence(&[meta.addr], 0x51, &g2, t), Presence::Connected);
+    agent.vouch(0x51, &g2).unwrap();
+    // Another host's GID cannot be vouched for (not ours to prove).
+    assert!(agent.vouch(0x52, &elsewhere).is_err(), "a GID the connection cannot prove");
+    assert_eq!(presence(&[meta.addr], 0x52, &elsewhere, t), Presence::Unknown);
+    // The process exited: departed.
+    agent.unvouch(0x51, &g2, true);
+    assert_eq!(presence(&[meta.addr], 0x51, &g2, t), Presence::Departed);
+    // One the agent lost sight of (it may live): unknown.
+    agent.vouch(0x53, &g2).unwrap();
+    agent.unvouch(0x53, &g2, false);
+    assert_eq!(presence(&[meta.addr], 0x53, &g2, t), Presence::Unknown);
+    // The process's own connection and the agent's vouch: the agent's
+    // release leaves it connected, and the process's close departs it.
+    let own = MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation: 0x54 }).unwrap();
+    agent.vouch(0x54, &g2).unwrap();
+    agent.unvouch(0x54, &g2, false);
+    assert_eq!(presence(&[meta.addr], 0x54, &g2, t), Presence::Connected);
+    own.shutdown();
+    drop(own);
+    let t0 = Instant::now();
+    while presence(&[meta.addr], 0x54, &g2, t) != Presence::Departed {
+        assert!(t0.elapsed() < t, "a closed connection still vouches");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The agent's connection closes (it died): what it vouched for is
+    // unknown, not departed (its processes may live).
+    agent.vouch(0x55, &g2).unwrap();
+    agent.shutdown();
+    drop(agent);
+    let t0 = Instant::now();
+    while presence(&[meta.addr], 0x55, &g2, t) != Presence::Unknown {
+        assert!(t0.elapsed() < t, "a closed agent connection still vouches");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
 fn a_lease_that_is_not_renewed_expires() {
     let meta = Meta::start(30_000);
     let dev = device();

@@ -143,6 +143,7 @@ fn node_seeds() -> Vec<Seed> {
         ("connected_error", Message::Connected { id: 11, result: Err(EBUSY) }),
         ("ring", Message::Ring),
         ("close", Message::Close { handle: 1 }),
+        ("present", Message::Present { incarnation: 0x0123_4567_89ab_cdef, gid: [7; 16] }),
     ];
     all.into_iter().map(|(n, m)| (n, m.encode().to_vec())).collect()
 }
@@ -178,6 +179,9 @@ fn meta_seeds() -> Vec<Seed> {
         ("request_unbind", encoded::<META_LEN>(|b| request(Op::Unbind, vqpn).encode(b))),
         ("request_renew", encoded::<META_LEN>(|b| request(Op::Renew, port).encode(b))),
         ("request_renew_all", encoded::<META_LEN>(|b| request(Op::RenewAll, vqpn).encode(b))),
+        ("request_vouch", encoded::<META_LEN>(|b| request(Op::Vouch, port).encode(b))),
+        ("request_departed", encoded::<META_LEN>(|b| request(Op::Departed, port).encode(b))),
+        ("request_released", encoded::<META_LEN>(|b| request(Op::Released, port).encode(b))),
         ("response", encoded::<META_LEN>(|b| Response { req_id: 42, status: EADDRINUSE, held: 3 }.encode(b))),
         ("proof", encoded::<PROOF_LEN>(|b| Proof { conn_qpn: 0x12_3456, token: 0x0a0b_0c0d }.encode(b))),
     ]

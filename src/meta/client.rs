@@ -197,6 +197,9 @@ pub struct MetaClient {
     /// while a registration is sent, so that a replica being repopulated
     /// gets every binding (lock order: `bound`, then a replica's `conn`).
     bound: Mutex<HashMap<Key, Endpoint>>,
+    /// The processes this connection vouches for ([`MetaClient::vouch`]:
+    /// an agent's attached ones), sent again to a replica reconnected.
+    vouched: Mutex<HashSet<(u64, rdma::Gid)>>,
     opts: Options,
     renewer: Mutex<Option<std::thread::JoinHandle<()>>>,
     stop: AtomicBool,
@@ -209,6 +212,12 @@ pub struct MetaClient {
 /// meta servers. Every connection of the process (a reconnect, another
 /// PD's runtime) renews and unbinds what another bound.
 static SECRET: once_cell::sync::Lazy<u64> = once_cell::sync::Lazy::new(crate::rdma::random_u64);
+
+/// A vouch's request fields: the GID in the key, the incarnation in the
+/// endpoint ([`Op::Vouch`]).
+fn vouch_request(incarnation: u64, gid: &rdma::Gid) -> (Key, Endpoint) {
+    (Key::Port { gid: *gid, port: 0 }, Endpoint { gid: *gid, qpn: 0, qkey: 0, incarnation, vqpn: 0 })
+}
 
 /// Parse `KRCORE_META`: `ip:port[,ip:port...]`.
 pub fn parse_addrs(spec: &str) -> Result<Vec<SocketAddr>> {
@@ -374,6 +383,7 @@ impl MetaClient {
             sgid_index,
             cache: Mutex::new(FxHashMap::default()),
             bound: Mutex::new(HashMap::new()),
+            vouched: Mutex::new(HashSet::new()),
             opts,
             renewer: Mutex::new(None),
             stop: AtomicBool::new(false),
@@ -632,6 +642,44 @@ impl MetaClient {
         Ok(())
     }
 
+    /// Vouch for the process of `incarnation` at `gid` (a GID of ours) on
+    /// every connected replica, and on each one reconnected later, until
+    /// [`MetaClient::unvouch`]: a presence query about it says connected
+    /// while this connection is open (docs/vqp.md, "Presence"). Err when
+    /// no replica took it.
+    pub fn vouch(&self, incarnation: u64, gid: &rdma::Gid) -> Result<()> {
+        let mut vouched = self.vouched.lock();
+        let (key, ep) = vouch_request(incarnation, gid);
+        let mut last = Errno(libc::ECONNREFUSED);
+        let mut any = false;
+        for i in 0..self.replicas.len() {
+            match self.request_on(i, Op::Vouch, &key, &ep, self.opts.timeout) {
+                Some(Ok(_)) => any = true,
+                Some(Err((e, _))) => last = e,
+                None => {}
+            }
+        }
+        if !any {
+            return Err(last);
+        }
+        vouched.insert((incarnation, *gid));
+        Ok(())
+    }
+
+    /// Vouch for that process no more: it exited (`departed`), or we lost
+    /// sight of it (it may live: unknown to a presence query).
+    pub fn unvouch(&self, incarnation: u64, gid: &rdma::Gid, departed: bool) {
+        let mut vouched = self.vouched.lock();
+        if !vouched.remove(&(incarnation, *gid)) {
+            return;
+        }
+        let (key, ep) = vouch_request(incarnation, gid);
+        let op = if departed { Op::Departed } else { Op::Released };
+        for i in 0..self.replicas.len() {
+            let _ = self.request_on(i, op, &key, &ep, self.opts.timeout);
+        }
+    }
+
     /// One request on replica `i` if it is connected (None when it is
     /// not): the response's `held`, or the error and whether it was a
     /// transport failure (the replica is then failed).
@@ -744,9 +792,19 @@ impl MetaClient {
     }
 
     /// Register every binding of ours on replica `i` (Bind of a key it has
-    /// with our endpoint is a no-op). False when the replica failed.
+    /// with our endpoint is a no-op), and vouch there again for the
+    /// processes we vouch for. False when the replica failed.
     fn repopulate(&self, i: usize) -> bool {
         let r = &self.replicas[i];
+        {
+            let vouched = self.vouched.lock();
+            for (incarnation, gid) in vouched.iter() {
+                let (key, ep) = vouch_request(*incarnation, gid);
+                if matches!(self.request_on(i, Op::Vouch, &key, &ep, self.opts.background_timeout()), None | Some(Err((_, true)))) {
+                    return false;
+                }
+            }
+        }
         let keys: Vec<Key> = self.bound.lock().keys().copied().collect();
         let mut done = 0;
         for key in keys {
@@ -1054,7 +1112,7 @@ impl Conn {
         timeout: Duration,
         state: &AtomicU8,
     ) -> Result<Vec<Result<u32>>> {
-        if !matches!(op, Op::Bind | Op::Renew) {
+        if !matches!(op, Op::Bind | Op::Renew | Op::Vouch) {
             return self.send_requests(op, lease_ms, keys, ep, timeout, state);
         }
         let mut out: Vec<Result<u32>> = vec![Err(Errno(libc::EAGAIN)); keys.len()];

@@ -16,6 +16,13 @@
 //! dead process it makes look connected is still given up by the peer's
 //! datagram tier within its bound (`LIVE_BOUND_US`), as one with no sign
 //! at all.
+//!
+//! A process attached to its host's agent (`krcore-node`) may have no
+//! connection of its own: the agent vouches for it on its connection
+//! ([`super::proto::Op::Vouch`], under a GID the agent's connection
+//! proved), says when it exited (departed) or when it only lost sight of
+//! it (released: unknown), and its vouches are released with its
+//! connection (an agent that dies says nothing of its processes).
 
 use super::proto::Presence;
 use crate::rdma::Gid;
@@ -65,6 +72,17 @@ impl Presences {
         self.departed.insert(p);
     }
 
+    /// A connection that counted for `p` stopped vouching for it without
+    /// knowing that it ended (an agent's connection closed, or the agent
+    /// lost sight of a process that may live): with no other, unknown.
+    pub fn released(&mut self, p: Proven) {
+        let Some(n) = self.open.get_mut(&p) else { return };
+        *n -= 1;
+        if *n == 0 {
+            self.open.remove(&p);
+        }
+    }
+
     pub fn of(&self, p: Proven) -> Presence {
         if p.0 != 0 && self.open.contains_key(&p) {
             Presence::Connected
@@ -111,6 +129,22 @@ mod tests {
         p.connected((7, G));
         assert_eq!(p.of((7, G)), Presence::Connected);
         assert_eq!(p.departed.len(), 1, "(9, H)");
+    }
+
+    #[test]
+    fn released_is_unknown_not_departed() {
+        let mut p = Presences::default();
+        p.connected((7, G));
+        p.connected((7, G));
+        p.released((7, G));
+        assert_eq!(p.of((7, G)), Presence::Connected, "another connection vouches still");
+        p.released((7, G));
+        assert_eq!(p.of((7, G)), Presence::Unknown);
+        // Released, never departed: a departure after is of nothing open.
+        p.disconnected((7, G));
+        assert_eq!(p.of((7, G)), Presence::Unknown);
+        p.released((8, G));
+        assert_eq!(p.of((8, G)), Presence::Unknown);
     }
 
     #[test]

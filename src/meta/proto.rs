@@ -33,7 +33,7 @@ use crate::error::Result;
 
 /// `b"MK"` read as a little-endian u16.
 pub const MAGIC: u16 = 0x4b4d;
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 
 /// Length of [`Hello`] and [`Welcome`].
 pub const BOOT_LEN: usize = 128;
@@ -191,10 +191,21 @@ pub enum Op {
     /// `endpoint` are ignored): one request per renewal period whatever
     /// the number of entries.
     RenewAll = 4,
+    /// The sender (a host's agent) vouches for the process of incarnation
+    /// `endpoint.incarnation` at GID `key`'s (one it proved): a presence
+    /// query about it says connected while the sender's connection is
+    /// open (`super::presence`); `key`'s port and the rest are ignored.
+    Vouch = 5,
+    /// The process the sender vouched for exited: departed, unless another
+    /// connection vouches for it.
+    Departed = 6,
+    /// The sender vouches for that process no more, not knowing whether it
+    /// lives (it lost sight of it): unknown, unless another vouches.
+    Released = 7,
 }
 
 impl Op {
-    const ALL: [Op; 4] = [Op::Bind, Op::Unbind, Op::Renew, Op::RenewAll];
+    const ALL: [Op; 7] = [Op::Bind, Op::Unbind, Op::Renew, Op::RenewAll, Op::Vouch, Op::Departed, Op::Released];
 }
 
 /// Process -> meta server, SENT on the process's RC QP.
@@ -1123,7 +1134,7 @@ mod tests {
     #[test]
     fn round_trips_every_message_at_its_boundaries() {
         let all = all_messages();
-        assert_eq!(all.len(), 3 + 3 + 4 * 4 * 2 + 3 + 2 + 3 + 3 * 2 * 5 + 3 + 2 + 3);
+        assert_eq!(all.len(), 3 + 3 + 7 * 4 * 2 + 3 + 2 + 3 + 3 * 2 * 5 + 3 + 2 + 3);
         for (bytes, re) in &all {
             assert_eq!(re(bytes).as_ref(), Ok(bytes));
         }
@@ -1210,7 +1221,7 @@ mod tests {
         assert_eq!(Welcome::decode(&set(w, 4, &not_errno)), Err(EBADMSG));
 
         let r = meta(Request::encode, &request(Op::Bind, Key::Port { gid: GID, port: 1 }));
-        for op in [0, 5, 0xff] {
+        for op in [0, 8, 0xff] {
             assert_eq!(Request::decode(&set(r.clone(), 4, &[op])), Err(EBADMSG));
         }
         for key_kind in [0, 3, 0xff] {

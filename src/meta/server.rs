@@ -113,7 +113,8 @@ enum Refusal {
     PerIp,
     /// [`Limits::pending`] connections owe their `Hello`.
     Pending,
-    /// The client holds [`Limits::entries_per_client`].
+    /// The client holds [`Limits::entries_per_client`] (or vouches for
+    /// [`MAX_VOUCHED`] processes).
     Entries,
     /// The process is out of file descriptors.
     Descriptors,
@@ -226,7 +227,15 @@ struct Client {
     /// Its `Hello`'s: the process its connection vouches for, under the
     /// GIDs it proved.
     incarnation: u64,
+    /// The processes it vouches for besides ([`Op::Vouch`]: a host's
+    /// agent, for its attached processes), at most [`MAX_VOUCHED`].
+    vouched: Vec<super::presence::Proven>,
 }
+
+/// Processes one connection may vouch for (an agent's attached processes:
+/// `krcore-node --max-clients`, and a process may present one runtime per
+/// protection domain).
+pub const MAX_VOUCHED: usize = 16_384;
 
 /// How long a client that connected may take to send its `Hello`.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -721,7 +730,16 @@ impl Server {
     fn admit_client(&mut self, c: Connecting, qp: Qp) -> Result<()> {
         let (qpn, psn) = (qp.qpn(), c.psn);
         let token = rdma::random_u64() as u32;
-        let client = Client { tcp: c.tcp, ip: c.peer.ip(), qp, bufs: c.bufs, token, proven: Vec::new(), incarnation: c.incarnation };
+        let client = Client {
+            tcp: c.tcp,
+            ip: c.peer.ip(),
+            qp,
+            bufs: c.bufs,
+            token,
+            proven: Vec::new(),
+            incarnation: c.incarnation,
+            vouched: Vec::new(),
+        };
         for slot in 0..CREDITS {
             client.post_recv(slot)?;
         }
@@ -837,7 +855,7 @@ impl Server {
         let lease = Duration::from_millis(r.lease_ms as u64).min(self.max_lease);
         let now = Instant::now();
         match r.op {
-            Op::Bind | Op::Renew if !self.clients.get(&qpn).is_some_and(|c| c.proven.contains(r.key.gid())) => {
+            Op::Bind | Op::Renew | Op::Vouch if !self.clients.get(&qpn).is_some_and(|c| c.proven.contains(r.key.gid())) => {
                 self.refused.unproven += 1;
                 Errno(libc::EAGAIN)
             }
@@ -862,6 +880,7 @@ impl Server {
                 self.leases.renew_all(qpn, now, lease);
                 Errno(0)
             }
+            Op::Vouch | Op::Departed | Op::Released => self.vouch(qpn, r.op, (r.endpoint.incarnation, *r.key.gid())),
             Op::Unbind => match self.leases.get(&r.key) {
                 Some(l) if l.secret == r.secret && l.endpoint == r.endpoint => {
                     self.table.remove(r.key);
@@ -870,6 +889,38 @@ impl Server {
                 }
                 _ => Errno(libc::ENOENT),
             },
+        }
+    }
+
+    /// Client `qpn` vouches for process `p` (`Op::Vouch`, under a GID it
+    /// proved: checked before), or says it exited (`Departed`) or that it
+    /// vouches for it no more (`Released`): ENOENT for one it does not
+    /// vouch for.
+    fn vouch(&mut self, qpn: u32, op: Op, p: super::presence::Proven) -> Errno {
+        let Some(c) = self.clients.get_mut(&qpn) else { return Errno(libc::ENOTCONN) };
+        let at = c.vouched.iter().position(|v| *v == p);
+        match (op, at) {
+            (Op::Vouch, _) if p.0 == 0 => Errno(libc::EINVAL),
+            (Op::Vouch, Some(_)) => Errno(0),
+            (Op::Vouch, None) if c.vouched.len() >= MAX_VOUCHED => {
+                self.refuse(Refusal::Entries, &format_args!("a Vouch of client qp {qpn}"));
+                Errno(libc::EDQUOT)
+            }
+            (Op::Vouch, None) => {
+                c.vouched.push(p);
+                self.presences.connected(p);
+                Errno(0)
+            }
+            (_, None) => Errno(libc::ENOENT),
+            (op, Some(i)) => {
+                c.vouched.swap_remove(i);
+                if op == Op::Departed {
+                    self.presences.disconnected(p);
+                } else {
+                    self.presences.released(p);
+                }
+                Errno(0)
+            }
         }
     }
 
@@ -893,6 +944,8 @@ impl Server {
     fn drop_client(&mut self, qpn: u32) {
         if let Some(c) = self.clients.remove(&qpn) {
             c.proven.iter().for_each(|g| self.presences.disconnected((c.incarnation, *g)));
+            // An agent gone says nothing of its processes.
+            c.vouched.iter().for_each(|p| self.presences.released(*p));
         }
         let keys = self.leases.owned_by(qpn);
         self.remove_keys(&keys);

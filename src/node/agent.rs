@@ -57,6 +57,14 @@ pub struct Counts {
     pub connects: u64,
     /// Checks of peers' rkeys made again to keep them warm (`super::warm`).
     pub mr_rechecks: u64,
+    /// Service endpoints of attached processes vouched for at the meta
+    /// server (`super::presence`), said departed (exited), released.
+    pub vouched: u64,
+    pub departed: u64,
+    pub released: u64,
+    /// `PRESENT`s not vouched for (another GID than the agent's, an
+    /// incarnation another process presented, no meta server).
+    pub unvouched: u64,
 }
 
 struct Process {
@@ -67,6 +75,8 @@ struct Process {
     serial: u32,
     /// Its staging region and VQPs, once it sent `STAGE`.
     staging: Option<super::path::Staging>,
+    /// What the agent vouches for it at the meta server.
+    vouched: super::presence::Vouched,
 }
 
 /// The host's meta-server connection, made at the start and again (at
@@ -124,6 +134,8 @@ pub struct Agent {
     serials: u32,
     /// Keeps the rkeys the processes use checked (None: lease 0).
     warm: Option<super::warm::Warm>,
+    /// Processes gone from their socket, watched for their exit.
+    leaving: super::presence::Leaving,
 }
 
 /// A process's staging region (`transport::agent` slices it).
@@ -144,6 +156,8 @@ const SPIN: Duration = Duration::from_micros(200);
 enum Asked {
     Lookup(u32, Key, bool),
     Connect(u32, Key),
+    /// Not answered: vouched for.
+    Present(u64, crate::rdma::Gid),
 }
 
 impl Agent {
@@ -181,6 +195,7 @@ impl Agent {
             spares: Vec::new(),
             serials: 0,
             warm: super::warm::Warm::start(),
+            leaving: Default::default(),
         })
     }
 
@@ -201,7 +216,12 @@ impl Agent {
     }
 
     pub fn counts(&self) -> Counts {
-        Counts { mr_rechecks: self.warm.as_ref().map_or(0, super::warm::Warm::renewed), ..self.counts }
+        Counts {
+            mr_rechecks: self.warm.as_ref().map_or(0, super::warm::Warm::renewed),
+            departed: self.leaving.departed,
+            released: self.leaving.released,
+            ..self.counts
+        }
     }
 
     /// Processes attached now.
@@ -231,9 +251,11 @@ impl Agent {
                 }
             }
             let events = self.verbs.as_ref().map(super::path::Verbs::event_fd);
+            let n_proc = self.processes.len();
             let mut fds: Vec<libc::pollfd> = std::iter::once(self.listener.as_raw_fd())
                 .chain(self.processes.iter().map(|p| p.fd.as_raw_fd()))
                 .chain(events)
+                .chain(self.leaving.fds())
                 .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
                 .collect();
             // Spare regions are made when nothing else is asked (a
@@ -245,7 +267,7 @@ impl Agent {
             } else if short {
                 IDLE_MS
             } else {
-                500
+                self.leaving.next_ms().map_or(500, |ms| ms.min(500))
             };
             // SAFETY: `fds` is a live array of fds.len() pollfds.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
@@ -258,9 +280,8 @@ impl Agent {
             }
             let mut asked = Vec::new();
             let mut gone = Vec::new();
-            let event = events.is_some() && fds.last().is_some_and(|p| p.revents != 0);
+            let event = events.is_some() && fds[1 + n_proc].revents != 0;
             let mut worked = if event || spinning { self.complete(event, &mut gone) } else { false };
-            let n_proc = self.processes.len();
             for (i, pfd) in fds.iter().enumerate().skip(1).take(n_proc) {
                 // The ring first: a CLOSE on the socket comes after the
                 // requests the process published before it.
@@ -282,8 +303,10 @@ impl Agent {
             gone.sort_unstable();
             gone.dedup();
             for i in gone.into_iter().rev() {
-                self.processes.swap_remove(i);
+                let p = self.processes.swap_remove(i);
+                self.leaving.add(p.vouched, self.meta.client.as_deref());
             }
+            self.leaving.check(self.meta.client.as_deref());
             if fds[0].revents & libc::POLLIN != 0 {
                 self.accept_all();
             }
@@ -351,7 +374,14 @@ impl Agent {
                 continue;
             }
             self.serials = self.serials.wrapping_add(1);
-            self.processes.push(Process { fd, pid: cred.pid, welcomed: false, serial: self.serials, staging: None });
+            self.processes.push(Process {
+                fd,
+                pid: cred.pid,
+                welcomed: false,
+                serial: self.serials,
+                staging: None,
+                vouched: Default::default(),
+            });
         }
     }
 
@@ -385,6 +415,10 @@ impl Agent {
                 }
                 // The doorbell: the ring is drained after each read.
                 (Ok(Message::Ring), true, None) if p.staging.is_some() => true,
+                (Ok(Message::Present { incarnation, gid }), true, None) => {
+                    asked.push((i, Asked::Present(incarnation, gid)));
+                    true
+                }
                 (Ok(Message::Close { handle }), true, None) if p.staging.is_some() => {
                     if let Some(s) = p.staging.as_mut() {
                         s.close(handle);
@@ -496,6 +530,10 @@ impl Agent {
         }
         for (i, a) in asked {
             let m = match a {
+                Asked::Present(incarnation, gid) => {
+                    self.present(*i, *incarnation, gid);
+                    continue;
+                }
                 Asked::Lookup(id, key, _) => {
                     self.counts.lookups += 1;
                     Message::Found { id: *id, result: found[key] }
@@ -513,6 +551,35 @@ impl Agent {
             };
             if !send(self.processes[*i].fd.as_raw_fd(), &m) {
                 gone.push(*i);
+            }
+        }
+    }
+
+    /// `PRESENT` of process `i`: vouch for that endpoint of it at the meta
+    /// server, if it is on the agent's own GID (the one its connection
+    /// proved) and no other process presented that incarnation.
+    fn present(&mut self, i: usize, incarnation: u64, gid: &crate::rdma::Gid) {
+        let pid = self.processes[i].pid;
+        let ours = self.meta.dev.gid(self.meta.gid_index).is_ok_and(|g| g == *gid);
+        let taken = self.leaving.vouches_for(incarnation)
+            || self.processes.iter().enumerate().any(|(j, p)| j != i && p.vouched.vouches_for(incarnation));
+        let r = match (ours, taken) {
+            (false, _) => Err(Errno(libc::EADDRNOTAVAIL)),
+            (_, true) => Err(Errno(libc::EADDRINUSE)),
+            _ => self.meta.client().and_then(|m| self.processes[i].vouched.add(&m, pid, incarnation, gid)),
+        };
+        match r {
+            Ok(()) => self.counts.vouched += 1,
+            Err(e) => {
+                self.counts.unvouched += 1;
+                // The first ones said (a process on another GID of the
+                // host is an expected case, at every attach); all counted.
+                if self.counts.unvouched <= 10 {
+                    eprintln!(
+                        "krcore-node: pid {pid}: its endpoint {incarnation:#x} is not vouched for at the meta server: {e:?}{}",
+                        if self.counts.unvouched == 10 { " (further ones counted only: unvouched)" } else { "" }
+                    );
+                }
             }
         }
     }

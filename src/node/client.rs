@@ -36,6 +36,10 @@ struct Attached {
 }
 
 static NODE: Mutex<State> = Mutex::new(State::Unknown);
+/// This process's service endpoints named to the agent (`PRESENT`), named
+/// again to an agent attached anew (one restarted); by the pid that named
+/// them (a forked child names only its own).
+static PRESENTED: Mutex<Vec<(libc::pid_t, u64, [u8; 16])>> = Mutex::new(Vec::new());
 /// The first absence is said at info level, later ones at debug.
 static SAID: AtomicBool = AtomicBool::new(false);
 
@@ -43,6 +47,7 @@ const LOOK_AGAIN: Duration = Duration::from_secs(1);
 
 extern "C" fn in_forked_child() {
     release_in_child(&NODE);
+    release_in_child(&PRESENTED);
 }
 
 /// In a forked child (an atfork handler): release `m` if it was held, by
@@ -65,6 +70,17 @@ pub(crate) fn pid() -> libc::pid_t {
 /// whether this process is attached.
 pub fn attach() -> bool {
     with_attached(|_| Ok(())).is_some()
+}
+
+/// Name this process's service endpoint (`incarnation`, at `gid`) to the
+/// agent, which vouches for it at the meta server while the process is
+/// attached (it has no meta-server connection of its own to do so:
+/// `src/node/presence.rs`). Nothing without an agent.
+pub fn present(incarnation: u64, gid: [u8; 16]) {
+    PRESENTED.lock().push((pid(), incarnation, gid));
+    if let Some(Err(e)) = with_attached(|a| send(&a.fd, &Message::Present { incarnation, gid })) {
+        klog!(Level::Debug, "node: PRESENT not sent: {e:?}");
+    }
 }
 
 /// The endpoint bound at `key` as the agent finds it (`fresh`: read from
@@ -145,6 +161,13 @@ fn connect(path: &std::path::Path) -> std::result::Result<Attached, String> {
     crate::kmark!("node: attaching");
     let fd = open(path, None)?;
     crate::kmark!("node: attached");
+    // Attached anew (the agent restarted): named again. A forked child
+    // named none of its parent's (its own runtime names its own).
+    let mut presented = PRESENTED.lock();
+    presented.retain(|(by, ..)| *by == pid());
+    for (_, incarnation, gid) in presented.iter() {
+        send(&fd, &Message::Present { incarnation: *incarnation, gid: *gid }).map_err(|e| format!("PRESENT: {e:?}"))?;
+    }
     Ok(Attached { fd, pid: pid(), next_id: 0 })
 }
 

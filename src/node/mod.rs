@@ -17,6 +17,7 @@
 pub mod agent;
 pub mod client;
 pub mod path;
+pub mod presence;
 pub mod proto;
 pub mod ring;
 pub mod warm;

@@ -29,7 +29,11 @@
 //!   work requests and their completions are in the staging region's
 //!   shared memory; this doorbell is rung only when the other side said it
 //!   sleeps);
-//! - `CLOSE` (process): 16 handle (u32): that VQP goes.
+//! - `CLOSE` (process): 16 handle (u32): that VQP goes;
+//! - `PRESENT` (process), no answer: 16 the incarnation of one of its
+//!   service endpoints (u64), 24 that endpoint's GID: the agent vouches
+//!   for it at the meta server while the process is attached
+//!   (docs/node.md, "Presence of attached processes").
 
 use crate::codec::{Reader, EBADMSG};
 use crate::error::Result;
@@ -37,7 +41,7 @@ use crate::meta::proto::{Answer, Query, BOOT_LEN};
 use crate::meta::{Endpoint, Key};
 
 pub const MAGIC: u16 = 0x4e4b;
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 pub const BODY_LEN: usize = BOOT_LEN;
 pub const LEN: usize = 16 + BODY_LEN;
 
@@ -51,6 +55,7 @@ const CONNECT: u8 = 7;
 const CONNECTED: u8 = 8;
 const CLOSE: u8 = 11;
 const RING: u8 = 12;
+const PRESENT: u8 = 13;
 
 /// Opcodes a request of the rings carries (`ibv_wr_opcode`).
 pub const OP_WRITE: u32 = 0;
@@ -98,6 +103,10 @@ pub enum Message {
     Ring,
     Close {
         handle: u32,
+    },
+    Present {
+        incarnation: u64,
+        gid: [u8; 16],
     },
 }
 
@@ -161,6 +170,11 @@ impl Message {
             Message::Close { handle } => {
                 out[16..20].copy_from_slice(&handle.to_le_bytes());
                 (CLOSE, 0, 0, 0)
+            }
+            Message::Present { incarnation, gid } => {
+                out[16..24].copy_from_slice(&incarnation.to_le_bytes());
+                out[24..40].copy_from_slice(&gid);
+                (PRESENT, 0, 0, 0)
             }
         };
         out[0..2].copy_from_slice(&MAGIC.to_le_bytes());
@@ -258,6 +272,13 @@ impl Message {
                 r.finish_zeroed()?;
                 Message::Close { handle }
             }
+            PRESENT => {
+                quiet(id, status, flags)?;
+                let incarnation = r.u64()?;
+                let gid = r.bytes()?;
+                r.finish_zeroed()?;
+                Message::Present { incarnation, gid }
+            }
             _ => return Err(EBADMSG),
         };
         Ok(m)
@@ -305,6 +326,7 @@ mod tests {
             Message::Connected { id: 13, result: Err(libc::ECONNREFUSED as u32) },
             Message::Ring,
             Message::Close { handle: 7 },
+            Message::Present { incarnation: u64::MAX, gid: [9; 16] },
         ]
     }
 

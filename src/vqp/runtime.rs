@@ -201,6 +201,11 @@ impl Runtime {
         let give_way = crate::transport::agent::give_way;
         give_way();
         let svc = Service::start(&dev, gi, service::Options { between_steps: give_way, incarnation, ..Default::default() })?;
+        if !own_meta {
+            // No meta-server connection says that this process lives: the
+            // agent does (`node::presence`).
+            crate::node::client::present(incarnation, dev.gid(gi)?);
+        }
         // What only links use (header arena, scratch, probe buffer) is
         // made with the links' side, in the background (`prepare_links`):
         // the first operations go on the datagram tier without them.
