@@ -5,14 +5,14 @@
 
 use super::*;
 
-/// Header slots of in-flight SENDs, carved per VQP (one per send-queue
-/// entry, taken at its first SEND) out of registered arenas of
-/// HDR_ARENA_SLOTS slots: a registration per VQP would cost a kernel call
-/// on its first send.
 /// How long a closed link's QP outlives its close: the peer's RC retries
 /// of its last message (`rdma::Qp::to_rts`: 7 tries of 537 ms).
 const LINGER: Duration = Duration::from_secs(4);
 
+/// Header slots of in-flight SENDs, carved per VQP (one per send-queue
+/// entry, taken at its first SEND) out of registered arenas of
+/// HDR_ARENA_SLOTS slots: a registration per VQP would cost a kernel call
+/// on its first send.
 pub const HDR_SLOT: usize = HEADER_LEN + crate::vqp::qp::MAX_INLINE as usize;
 const HDR_ARENA_SLOTS: u32 = 8192;
 /// The arena made with the runtime is small (a few VQPs' worth): the
