@@ -16,8 +16,10 @@
  *   connection) and moves data; a new process finds no agent and works
  *   as without one; a restarted agent (its stale socket replaced) serves
  *   a new process at once;
- * - 1,000 processes attach and are killed with SIGKILL: the agent holds
- *   none of them afterwards (attached=0), its descriptors are as before
+ * - 1,000 processes attach (each also names an endpoint, PRESENT, which
+ *   the agent vouches for at the meta server) and are killed with
+ *   SIGKILL: the agent holds none of them afterwards (attached=0), says
+ *   all 1,000 endpoints departed (none released), its descriptors are as before
  *   and its memory is flat (VmRSS, measured at rest: nobody attached,
  *   its spare staging regions made; a batch that grew is followed by
  *   another 1,000, which must not);
@@ -511,10 +513,30 @@ static void broken_ring_is_dropped(void)
 	ct_pass();
 }
 
+/* PRESENT (kind 13): one of this process's endpoints, for the agent to
+ * vouch for at the meta server (incarnation at 16, GID at 24). */
+static void node_present(int fd, uint64_t incarnation, union ibv_gid gid)
+{
+	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, 4, 13 };
+
+	memcpy(m + 16, &incarnation, sizeof(incarnation));
+	memcpy(m + 24, gid.raw, 16);
+	CT_CHECK(send(fd, m, sizeof(m), 0) == (ssize_t)sizeof(m), "send PRESENT: %s", strerror(errno));
+}
+
 static int attach_and_wait(int ready_fd)
 {
+	int fd;
+
 	if (krcore_node_attached() != 1)
 		_exit(3);
+	/* And an endpoint named on a connection of its own: the agent vouches
+	 * for it, and says it departed once the process is killed. */
+	fd = raw_connect();
+	CT_CHECK(fd >= 0, "connect: %s", strerror(errno));
+	node_send(fd, NODE_HELLO, (uint64_t)getpid());
+	CT_CHECK(node_recv(fd, NULL) == NODE_WELCOME, "no WELCOME");
+	node_present(fd, ((uint64_t)getpid() << 32) | 0x5e, ct_node_gid(CLIENT_NODE));
 	if (write(ready_fd, "a", 1) != 1)
 		_exit(4);
 	pause();
@@ -538,6 +560,26 @@ static long agent_at_rest(void)
 	return ever;
 }
 
+/* Wait (bounded: the agent watches a closed socket's process up to 1 s)
+ * until every endpoint the agent vouched for ended (departed or
+ * released: nobody is attached); what it vouched for in all, and in
+ * *released those released. */
+static long agent_vouches_ended(long *released)
+{
+	uint64_t until = ct_now_ns() + 10000000000ull;
+
+	for (;;) {
+		long vouched = ct_agent_stat(agent_pid, agent_out, "vouched");
+		long departed = ct_agent_stat(agent_pid, agent_out, "departed");
+
+		*released = ct_agent_stat(agent_pid, agent_out, "released");
+		if (departed + *released == vouched)
+			return vouched;
+		CT_CHECK(ct_now_ns() < until, "the agent vouches still for %ld endpoints of processes gone",
+			 vouched - departed - *released);
+	}
+}
+
 /* Processes attach and are killed; returns the agent's RSS growth (KiB). */
 static void cycles(int n)
 {
@@ -551,17 +593,23 @@ static void cycles(int n)
 
 static void attach_kill_cycles(void)
 {
-	long rss0, rss1, ever0, ever1;
+	long rss0, rss1, ever0, ever1, vouched0, vouched1, released0, released1;
 	int fds0, fds1;
 
 	ct_begin("vqp_node: 1,000 processes attach and are killed");
 	cycles(50); /* the agent's buffers and tables at their working size */
 	ever0 = agent_at_rest();
+	vouched0 = agent_vouches_ended(&released0);
 	rss0 = agent_rss_kib();
 	fds0 = agent_fds();
 	cycles(CYCLES);
 	ever1 = agent_at_rest();
 	CT_CHECK(ever1 - ever0 == CYCLES, "%ld attached, %d expected", ever1 - ever0, CYCLES);
+	/* Every endpoint they named was vouched for, and said departed. */
+	vouched1 = agent_vouches_ended(&released1);
+	CT_CHECK(vouched1 - vouched0 == CYCLES, "%ld endpoints vouched for, %d named", vouched1 - vouched0, CYCLES);
+	CT_CHECK(released1 == released0, "%ld endpoints of killed processes released, not departed",
+		 released1 - released0);
 	rss1 = agent_rss_kib();
 	fds1 = agent_fds();
 	ct_note("agent VmRSS %ld KiB -> %ld KiB over %d attach/kill cycles; descriptors %d -> %d",

@@ -62,7 +62,7 @@ pub struct Counts {
     pub vouched: u64,
     pub departed: u64,
     pub released: u64,
-    /// `PRESENT`s not vouched for (another GID than the agent's, an
+    /// `PRESENT`s not vouched for (a GID not on the agent's device, an
     /// incarnation another process presented, no meta server).
     pub unvouched: u64,
 }
@@ -556,11 +556,12 @@ impl Agent {
     }
 
     /// `PRESENT` of process `i`: vouch for that endpoint of it at the meta
-    /// server, if it is on the agent's own GID (the one its connection
-    /// proved) and no other process presented that incarnation.
+    /// server, if it is on a GID of the agent's device (its connection
+    /// proves it, as a process of this host could itself) and no other
+    /// process presented that incarnation.
     fn present(&mut self, i: usize, incarnation: u64, gid: &crate::rdma::Gid) {
         let pid = self.processes[i].pid;
-        let ours = self.meta.dev.gid(self.meta.gid_index).is_ok_and(|g| g == *gid);
+        let ours = self.meta.dev.gid_index(gid).is_ok();
         let taken = self.leaving.vouches_for(incarnation)
             || self.processes.iter().enumerate().any(|(j, p)| j != i && p.vouched.vouches_for(incarnation));
         let r = match (ours, taken) {

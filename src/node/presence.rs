@@ -4,9 +4,10 @@
 //! "Presence"; docs/node.md, "Presence of attached processes").
 //!
 //! A process names each of its service endpoints (`PRESENT`: incarnation
-//! and GID); the agent vouches for it on its own connection, under its own
-//! GID only (the one its connection proved: a process on another GID is
-//! not vouched for), never for an incarnation another process presented.
+//! and GID); the agent vouches for it on its own connection, under a GID
+//! of its device (its connection proves it first, as the process could:
+//! one on another device is not vouched for), never for an incarnation
+//! another process presented.
 //! When the process's socket closes, its pidfd says whether it exited:
 //! then it departed; a process that closed its socket and lives (it gave
 //! the agent up after a slow answer) is released, unknown, as is every
@@ -46,8 +47,8 @@ impl Vouched {
     }
 
     /// Vouch for endpoint `incarnation` at `gid` of process `pid` on
-    /// `meta` (the caller checked that `gid` is the agent's own and that
-    /// no other process presented `incarnation`).
+    /// `meta` (the caller checked that `gid` is on the agent's device and
+    /// that no other process presented `incarnation`).
     pub fn add(&mut self, meta: &MetaClient, pid: i32, incarnation: u64, gid: &Gid) -> Result<()> {
         if incarnation == 0 {
             return Err(Errno::EINVAL);
