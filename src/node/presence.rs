@@ -34,6 +34,9 @@ pub struct Vouched {
     /// Readable once the process exited (`pidfd_open`, made at its first
     /// `PRESENT`; None where the kernel has none).
     pidfd: Option<OwnedFd>,
+    /// Exited before its first `PRESENT` was read (`pidfd_open` found no
+    /// such process: it was killed and reaped meanwhile).
+    gone: bool,
     endpoints: Vec<(u64, Gid)>,
 }
 
@@ -59,8 +62,11 @@ impl Vouched {
         if self.endpoints.len() >= MAX_PER_PROCESS {
             return Err(Errno(libc::EDQUOT));
         }
-        if self.pidfd.is_none() {
-            self.pidfd = pidfd_open(pid);
+        if self.pidfd.is_none() && !self.gone {
+            match pidfd_open(pid) {
+                Ok(fd) => self.pidfd = Some(fd),
+                Err(e) => self.gone = e.0 == libc::ESRCH,
+            }
         }
         meta.vouch(incarnation, gid)?;
         self.endpoints.push((incarnation, *gid));
@@ -69,11 +75,12 @@ impl Vouched {
 
     /// Whether the process exited (false: it lives, or we cannot tell).
     fn exited(&self) -> bool {
-        self.pidfd.as_ref().is_some_and(|fd| {
-            let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one live pollfd, no wait.
-            unsafe { libc::poll(&mut p, 1, 0) == 1 }
-        })
+        self.gone
+            || self.pidfd.as_ref().is_some_and(|fd| {
+                let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one live pollfd, no wait.
+                unsafe { libc::poll(&mut p, 1, 0) == 1 }
+            })
     }
 
     /// Vouch for none of its endpoints any more: `departed` or released.
@@ -104,7 +111,7 @@ impl Leaving {
             return;
         }
         if v.exited() || v.pidfd.is_none() {
-            let departed = v.pidfd.is_some();
+            let departed = v.exited();
             self.count(&v, departed);
             v.end(meta, departed);
             return;
@@ -156,13 +163,16 @@ impl Leaving {
     }
 }
 
-/// A pidfd for `pid` (None where `pidfd_open` is missing, or the process
-/// is gone already).
-fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+/// A pidfd for `pid` (ESRCH: no such process, it exited; ENOSYS: no
+/// `pidfd_open` on this kernel).
+fn pidfd_open(pid: i32) -> Result<OwnedFd> {
     // SAFETY: plain syscall; the fd returned is owned below.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
     // SAFETY: a new fd that nothing else owns.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 #[cfg(test)]
@@ -172,25 +182,32 @@ mod tests {
     #[test]
     fn a_live_process_has_not_exited_and_a_reaped_child_has() {
         // SAFETY: getpid has no preconditions.
-        let me = Vouched { pidfd: pidfd_open(unsafe { libc::getpid() }), endpoints: vec![(7, [1; 16])] };
+        let me = Vouched { pidfd: pidfd_open(unsafe { libc::getpid() }).ok(), gone: false, endpoints: vec![(7, [1; 16])] };
         if me.pidfd.is_none() {
             return; // no pidfd_open on this kernel: processes are released, never departed
         }
         assert!(!me.exited());
         let mut child = std::process::Command::new("true").spawn().expect("spawn true");
-        let v = Vouched { pidfd: pidfd_open(child.id() as i32), endpoints: vec![(8, [1; 16])] };
+        let v = Vouched { pidfd: pidfd_open(child.id() as i32).ok(), gone: false, endpoints: vec![(8, [1; 16])] };
         child.wait().expect("wait");
         assert!(v.exited());
         let mut l = Leaving::default();
         l.add(v, None);
         assert_eq!((l.departed, l.released), (1, 0));
         assert!(!l.vouches_for(8));
+        // Reaped before its pidfd was asked for: no such process, exited.
+        assert_eq!(pidfd_open(child.id() as i32).err(), Some(Errno(libc::ESRCH)));
+        l.add(Vouched { pidfd: None, gone: true, endpoints: vec![(9, [1; 16])] }, None);
+        assert_eq!((l.departed, l.released), (2, 0));
+        // No pidfd (none on this kernel): released, never departed.
+        l.add(Vouched { pidfd: None, gone: false, endpoints: vec![(10, [1; 16])] }, None);
+        assert_eq!((l.departed, l.released), (2, 1));
     }
 
     #[test]
     fn a_watch_that_outlives_its_wait_is_released() {
         // SAFETY: getpid has no preconditions.
-        let me = Vouched { pidfd: pidfd_open(unsafe { libc::getpid() }), endpoints: vec![(9, [1; 16]), (10, [1; 16])] };
+        let me = Vouched { pidfd: pidfd_open(unsafe { libc::getpid() }).ok(), gone: false, endpoints: vec![(9, [1; 16]), (10, [1; 16])] };
         if me.pidfd.is_none() {
             return;
         }
