@@ -707,29 +707,35 @@ pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out)
 	return pid;
 }
 
-long ct_agent_stat(pid_t agent, int out, const char *field)
+const char *ct_agent_stats_line(pid_t agent, int out, char *buf, size_t len)
 {
-	char buf[4096], key[64];
 	size_t used = 0;
 	struct pollfd pfd = { .fd = out, .events = POLLIN };
-	const char *l, *f;
-	long v = 0;
-	int n;
+	const char *l;
 
 	CT_CHECK(kill(agent, SIGUSR1) == 0, "SIGUSR1 to the agent");
 	for (;;) {
 		ssize_t k;
 
-		CT_CHECK(used < sizeof(buf) - 1, "the agent's output: no statistics line in %zu bytes", used);
+		CT_CHECK(used < len - 1, "the agent's output: no statistics line in %zu bytes", used);
 		CT_CHECK(poll(&pfd, 1, 10000) == 1, "no statistics line from the agent within 10 s");
-		k = read(out, buf + used, sizeof(buf) - 1 - used);
+		k = read(out, buf + used, len - 1 - used);
 		CT_CHECK(k > 0, "the agent's stdout closed");
 		used += (size_t)k;
 		buf[used] = 0;
 		l = strstr(buf, "stats attached=");
 		if (l && strchr(l, '\n'))
-			break;
+			return l;
 	}
+}
+
+long ct_agent_stat(pid_t agent, int out, const char *field)
+{
+	char buf[4096], key[64];
+	const char *l = ct_agent_stats_line(agent, out, buf, sizeof(buf)), *f;
+	long v = 0;
+	int n;
+
 	snprintf(key, sizeof(key), " %s: ", field);
 	f = strstr(l, key);
 	n = f ? sscanf(f + strlen(key), "%ld", &v) : 0;

@@ -244,9 +244,11 @@ pid_t ct_start_meta_at(const char *addr, unsigned slots);
  * (bounded) for its first line, which must contain `expect`: its pid, and
  * in *out the pipe (its later lines). */
 pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out);
-/* The value of `field` ("vouched", "departed", ...) in the statistics line
- * krcore-node `agent` prints on SIGUSR1 to its stdout pipe `out` (as
- * ct_spawn_ready gave it), asked for now and waited for (bounded). */
+/* The statistics line krcore-node `agent` prints on SIGUSR1 to its stdout
+ * pipe `out` (as ct_spawn_ready gave it), asked for now and waited for
+ * (bounded), read into `buf`; and the value of one `field` of it
+ * ("vouched", "departed", ...). */
+const char *ct_agent_stats_line(pid_t agent, int out, char *buf, size_t len);
 long ct_agent_stat(pid_t agent, int out, const char *field);
 /* The crate binary `name`: the path in environment variable `env`, else
  * target/release/<name> beside this test's target/c-tests (in `buf`). */

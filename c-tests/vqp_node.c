@@ -85,24 +85,9 @@ static void kill_agent(int sig)
 static void agent_stats(long *now, long *ever, long *spares, long *spares_max, long *rechecks)
 {
 	char buf[4096];
-	size_t used = 0;
-	struct pollfd pfd = { .fd = agent_out, .events = POLLIN };
-	char *l;
+	const char *l = ct_agent_stats_line(agent_pid, agent_out, buf, sizeof(buf));
 	int got;
 
-	CT_CHECK(kill(agent_pid, SIGUSR1) == 0, "SIGUSR1");
-	for (;;) {
-		ssize_t k;
-
-		CT_CHECK(poll(&pfd, 1, 10000) == 1, "no statistics line from the agent within 10 s");
-		k = read(agent_out, buf + used, sizeof(buf) - 1 - used);
-		CT_CHECK(k > 0, "the agent's stdout closed");
-		used += (size_t)k;
-		buf[used] = 0;
-		l = strstr(buf, "stats attached=");
-		if (l && strchr(l, '\n'))
-			break;
-	}
 	got = sscanf(l, "stats attached=%ld spares=%ld/%ld Counts { attached: %ld",
 		     now, spares, spares_max, ever);
 	CT_CHECK(got == 4, "statistics line: %s", l);

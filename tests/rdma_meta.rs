@@ -195,12 +195,8 @@ fn entries_of_a_killed_process_disappear() {
     println!("entry of the killed process gone after {took:?}");
     // Its connection closed with it: departed, for a process that binds
     // nothing as for this one.
-    let t0 = Instant::now();
-    while presence(&[meta.addr], BINDER_INCARNATION, &g4, t) != Presence::Departed {
-        assert!(t0.elapsed() < Duration::from_secs(5), "the killed process still looks connected");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    println!("the killed process departed {:?} after its entry went", t0.elapsed());
+    let took = await_presence(meta.addr, BINDER_INCARNATION, &g4, Presence::Departed, t);
+    println!("the killed process departed {took:?} after its entry went");
 }
 
 /// The binder's service-endpoint incarnation, named in its `Hello`.
@@ -220,6 +216,17 @@ fn binder() {
     panic!("binder was not killed");
 }
 
+/// Wait (bounded by `t`) until a presence query about (`incarnation`,
+/// `gid`) says `want`; how long that took.
+fn await_presence(addr: SocketAddr, incarnation: u64, gid: &[u8; 16], want: Presence, t: Duration) -> Duration {
+    let t0 = Instant::now();
+    while presence(&[addr], incarnation, gid, t) != want {
+        assert!(t0.elapsed() < t, "{incarnation:#x}: not {want:?} after {t:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    t0.elapsed()
+}
+
 #[test]
 #[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
 fn a_presence_query_says_whether_a_process_is_connected() {
@@ -232,13 +239,7 @@ fn a_presence_query_says_whether_a_process_is_connected() {
     let connect = |incarnation| MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation }).unwrap();
     // Connected once its connection proved its GID (the proof follows the
     // Welcome: waited for).
-    let connected = |incarnation, gid: &[u8; 16]| {
-        let t0 = Instant::now();
-        while presence(&[meta.addr], incarnation, gid, t) != Presence::Connected {
-            assert!(t0.elapsed() < t, "not connected after {t:?}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    };
+    let connected = |incarnation, gid: &[u8; 16]| await_presence(meta.addr, incarnation, gid, Presence::Connected, t);
     assert_eq!(presence(&[meta.addr], 0x77, &g2, t), Presence::Unknown, "never connected");
     let a = connect(0x77);
     connected(0x77, &g2);
@@ -255,11 +256,7 @@ fn a_presence_query_says_whether_a_process_is_connected() {
     // Its connection closed (the client dropped): departed.
     a.shutdown();
     drop(a);
-    let t0 = Instant::now();
-    while presence(&[meta.addr], 0x77, &g2, t) != Presence::Departed {
-        assert!(t0.elapsed() < t, "a closed connection still vouches");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_presence(meta.addr, 0x77, &g2, Presence::Departed, t);
     // Connected again (a process that lost its connection and made another).
     let _b = connect(0x77);
     connected(0x77, &g2);
@@ -299,21 +296,13 @@ fn an_agent_vouches_for_its_processes_under_its_own_gid() {
     assert_eq!(presence(&[meta.addr], 0x54, &g2, t), Presence::Connected);
     own.shutdown();
     drop(own);
-    let t0 = Instant::now();
-    while presence(&[meta.addr], 0x54, &g2, t) != Presence::Departed {
-        assert!(t0.elapsed() < t, "a closed connection still vouches");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_presence(meta.addr, 0x54, &g2, Presence::Departed, t);
     // The agent's connection closes (it died): what it vouched for is
     // unknown, not departed (its processes may live).
     agent.vouch(0x55, &g2).unwrap();
     agent.shutdown();
     drop(agent);
-    let t0 = Instant::now();
-    while presence(&[meta.addr], 0x55, &g2, t) != Presence::Unknown {
-        assert!(t0.elapsed() < t, "a closed agent connection still vouches");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_presence(meta.addr, 0x55, &g2, Presence::Unknown, t);
 }
 
 #[test]
