@@ -158,10 +158,7 @@ impl Runtime {
                 // VQPs with nothing on the tier take it now (the others at
                 // their next post once drained): an idle VQP learns of its
                 // peer's death from the link's probes.
-                // One the peer asked for and has not confirmed is taken
-                // once it is (at their next post: `link_to`).
-                Ok(link) if link.confirmed() => vqp::live().iter().for_each(|v| v.move_if_idle(&link)),
-                Ok(_) => {}
+                Ok(link) => vqp::live().iter().for_each(|v| v.move_if_idle(&link)),
                 Err(e) if e.0 == libc::ETIMEDOUT => rt.peer_unreachable(peer, index, path),
                 Err(e) => {
                     klog!(Level::Info, "vqp: a background link to {:02x?} failed: {e:?} (its VQPs stay on the datagram tier)", peer.gid)
