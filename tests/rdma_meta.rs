@@ -94,8 +94,13 @@ fn device() -> Arc<Device> {
 
 /// A client on emulated node `node` (GID index `node`, 10.77.0.`node`).
 fn client(dev: &Arc<Device>, node: u8, meta: &Meta, lease: Duration) -> Arc<MetaClient> {
+    client_of(dev, node, meta, lease, 0)
+}
+
+/// A connection that vouches for the process of `incarnation` (0: none).
+fn client_of(dev: &Arc<Device>, node: u8, meta: &Meta, lease: Duration, incarnation: u64) -> Arc<MetaClient> {
     let gi = dev.gid_index(&ipv4_gid(Ipv4Addr::new(10, 77, 0, node))).expect("node GID");
-    MetaClient::connect(dev, gi, &[meta.addr], Options { timeout: Duration::from_secs(5), lease, incarnation: 0 })
+    MetaClient::connect(dev, gi, &[meta.addr], Options { timeout: Duration::from_secs(5), lease, incarnation })
         .expect("connect to krcore-meta")
 }
 
@@ -235,8 +240,7 @@ fn a_presence_query_says_whether_a_process_is_connected() {
     let t = Duration::from_secs(5);
     let g2 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 2));
     let g3 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 3));
-    let gi = dev.gid_index(&g2).unwrap();
-    let connect = |incarnation| MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation }).unwrap();
+    let connect = |incarnation| client_of(&dev, 2, &meta, t, incarnation);
     // Connected once its connection proved its GID (the proof follows the
     // Welcome: waited for).
     let connected = |incarnation, gid: &[u8; 16]| await_presence(meta.addr, incarnation, gid, Presence::Connected, t);
@@ -270,9 +274,8 @@ fn an_agent_vouches_for_its_processes_under_its_own_gid() {
     let t = Duration::from_secs(5);
     let g2 = ipv4_gid(Ipv4Addr::new(10, 77, 0, 2));
     let elsewhere = ipv4_gid(Ipv4Addr::new(10, 99, 0, 1));
-    let gi = dev.gid_index(&g2).unwrap();
     // An agent's connection: it names no process of its own.
-    let agent = MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation: 0 }).unwrap();
+    let agent = client(&dev, 2, &meta, t);
     assert_eq!(presence(&[meta.addr], 0x51, &g2, t), Presence::Unknown);
     // Its proof may follow the Welcome: the vouch proves it first.
     agent.vouch(0x51, &g2).unwrap();
@@ -290,7 +293,7 @@ fn an_agent_vouches_for_its_processes_under_its_own_gid() {
     assert_eq!(presence(&[meta.addr], 0x53, &g2, t), Presence::Unknown);
     // The process's own connection and the agent's vouch: the agent's
     // release leaves it connected, and the process's close departs it.
-    let own = MetaClient::connect(&dev, gi, &[meta.addr], Options { timeout: t, lease: t, incarnation: 0x54 }).unwrap();
+    let own = client_of(&dev, 2, &meta, t, 0x54);
     agent.vouch(0x54, &g2).unwrap();
     agent.unvouch(0x54, &g2, false);
     assert_eq!(presence(&[meta.addr], 0x54, &g2, t), Presence::Connected);

@@ -63,24 +63,27 @@ impl Presences {
 
     /// A connection that counted for `p` closed.
     pub fn disconnected(&mut self, p: Proven) {
-        let Some(n) = self.open.get_mut(&p) else { return };
-        *n -= 1;
-        if *n > 0 {
-            return;
+        if self.uncount(p) {
+            self.departed.insert(p);
         }
-        self.open.remove(&p);
-        self.departed.insert(p);
     }
 
     /// A connection that counted for `p` stopped vouching for it without
     /// knowing that it ended (an agent's connection closed, or the agent
     /// lost sight of a process that may live): with no other, unknown.
     pub fn released(&mut self, p: Proven) {
-        let Some(n) = self.open.get_mut(&p) else { return };
+        self.uncount(p);
+    }
+
+    /// One connection fewer counts for `p`: whether it was the last.
+    fn uncount(&mut self, p: Proven) -> bool {
+        let Some(n) = self.open.get_mut(&p) else { return false };
         *n -= 1;
-        if *n == 0 {
-            self.open.remove(&p);
+        if *n > 0 {
+            return false;
         }
+        self.open.remove(&p);
+        true
     }
 
     pub fn of(&self, p: Proven) -> Presence {
