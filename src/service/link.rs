@@ -116,6 +116,13 @@ impl Link {
         })
     }
 
+    /// Out of the `links` gauge (forgotten: its QP may linger a while).
+    pub(super) fn ungauge(&self) {
+        if self.gauged.swap(false, Ordering::AcqRel) {
+            crate::stats::sub(crate::stats::Stat::KRCORE_STAT_LINKS, 1);
+        }
+    }
+
     pub fn is_failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
     }
@@ -200,15 +207,6 @@ pub(super) struct LinkKey {
     incarnation: u64,
     index: u16,
     path: Path,
-}
-
-impl Link {
-    /// Out of the `links` gauge (forgotten: its QP may linger a while).
-    pub(super) fn ungauge(&self) {
-        if self.gauged.swap(false, Ordering::AcqRel) {
-            crate::stats::sub(crate::stats::Stat::KRCORE_STAT_LINKS, 1);
-        }
-    }
 }
 
 impl Drop for Link {

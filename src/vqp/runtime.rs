@@ -173,7 +173,8 @@ impl Runtime {
             Some(i) => i,
             None => Runtime::home_gid_index(&dev)?,
         };
-        if dev.gid(gi)? == [0; 16] {
+        let gid = dev.gid(gi)?;
+        if gid == [0; 16] {
             // An empty slot of the GID table (rxe answers for any index
             // below its table's length): nothing could reach us there.
             klog!(Level::Error, "vqp: GID index {gi} of {} holds no GID (KRCORE_GID_INDEX, or qbind's GID)", dev.name);
@@ -204,7 +205,7 @@ impl Runtime {
         if !own_meta {
             // No meta-server connection says that this process lives: the
             // agent does (`node::presence`).
-            crate::node::client::present(incarnation, dev.gid(gi)?);
+            crate::node::client::present(incarnation, gid);
         }
         // What only links use (header arena, scratch, probe buffer) is
         // made with the links' side, in the background (`prepare_links`):

@@ -243,9 +243,9 @@ impl Runtime {
     pub(super) fn close_link(&self, link: &Arc<service::Link>) {
         if !link.close_posted.load(Ordering::Acquire) {
             let h = Header::link(LinkOp::Close, 0, 0, 0);
-            // No room: the next tick tries again.
+            // No room: the next tick tries again. Posted, it marks the
+            // link `close_posted` (under its send lock).
             if crate::vqp::qp::post_header_as(self, link, &h, |retired| Control::LinkClose { retired }) {
-                link.close_posted.store(true, Ordering::Release);
                 if let Err(e) = self.svc.want_link_events() {
                     klog!(Level::Warn, "vqp: arming the links' CQ: {e:?}");
                 }
