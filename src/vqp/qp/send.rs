@@ -216,8 +216,16 @@ impl Vqp {
                 // connection has an open one.
                 let Some(link) = conn.open_link().cloned() else { return Ok(None) };
                 drop(guard);
-                let known =
-                    if *fetches >= MAX_FETCHES { Err(Errno(libc::ETIMEDOUT)) } else { self.fetch_remote(rt, &link, rkey, sw.remote_addr) };
+                let known = if *fetches >= MAX_FETCHES {
+                    klog!(
+                        Level::Info,
+                        "vqp {:#x}: {MAX_FETCHES} answers to checks of rkey {rkey:#x} came after the MR lease (KRCORE_MR_LEASE_MS)",
+                        self.vqpn
+                    );
+                    Err(Errno(libc::ETIMEDOUT))
+                } else {
+                    self.fetch_remote(rt, &link, rkey, sw.remote_addr)
+                };
                 match known {
                     Ok(true) => {
                         *fetches += 1;
