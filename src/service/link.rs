@@ -42,6 +42,8 @@ pub struct Link {
     /// peer's word be lost.
     pub(super) ready: AtomicBool,
     pub(super) ready_after_ms: u64,
+    /// When it was made (`coarse_ms`).
+    made_ms: u64,
     /// The PSN our side starts sending with (told to the peer).
     pub(super) psn: u32,
     /// Overflow accounting of the send queue; held while posting, so that
@@ -100,6 +102,7 @@ impl Link {
             initiated,
             ready: AtomicBool::new(initiated),
             ready_after_ms: crate::clock::coarse_ms() + READY_WAIT_MS,
+            made_ms: crate::clock::coarse_ms(),
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
             failed: AtomicBool::new(false),
@@ -114,6 +117,16 @@ impl Link {
             gauged: AtomicBool::new(true),
             credit,
         })
+    }
+
+    /// Ours, made at a late reply (`Shared::on_late_reply`): handed out
+    /// once the peer is heard on it (a probe READ confirms it), or after
+    /// [`LATE_READY_WAIT_MS`] (by then a probe of an end that gave up
+    /// failed it).
+    pub(super) fn confirmed_when_heard(mut self) -> Link {
+        self.ready = AtomicBool::new(false);
+        self.ready_after_ms = self.made_ms + LATE_READY_WAIT_MS;
+        self
     }
 
     /// Out of the `links` gauge (forgotten: its QP may linger a while).
@@ -198,6 +211,11 @@ const PSN_MASK: u32 = 0x00ff_ffff;
 /// How long an accepted link waits for its requester's word that its end
 /// is in RTR before it is used anyway (RC retransmits what was too early).
 pub(super) const READY_WAIT_MS: u64 = 200;
+
+/// How long a link made at a late reply waits to be heard on before it is
+/// handed out anyway: RC's retries (about 3.8 s) for a probe of an end that
+/// gave up on ours to fail it, and a maintenance tick to post that probe.
+const LATE_READY_WAIT_MS: u64 = 5000;
 
 /// Links are found by the peer's endpoint, the link's index and path.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -345,7 +363,7 @@ impl Links {
             return true;
         }
         let now = crate::clock::coarse_ms();
-        let ours_new = |l: &Arc<Link>| l.initiated && l.is_open() && now < l.ready_after_ms.saturating_sub(READY_WAIT_MS) + window_ms;
+        let ours_new = |l: &Arc<Link>| l.initiated && l.is_open() && now < l.made_ms + window_ms;
         let crossed = lower && (self.asking.contains(key) || self.by_key.get(key).is_some_and(ours_new));
         if crossed {
             self.crossed.insert(id);

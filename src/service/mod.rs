@@ -57,6 +57,16 @@ const RETRANSMIT: Duration = Duration::from_millis(100);
 /// How long a requester told `EALREADY` waits for the peer's link before it
 /// asks again.
 const CROSSED_WAIT: Duration = Duration::from_millis(400);
+/// How long after its handshake gave up a link request of ours still takes
+/// its reply. The peer made its end when it answered, and hands it out
+/// (`READY_WAIT_MS`) unconfirmed: what it sends there is lost unless our end
+/// comes up within RC's retries (about 3.8 s) of its first send. A reply
+/// late because this process was starved of CPU is the common case in a
+/// burst of new processes.
+const LATE_REPLY_WAIT: Duration = Duration::from_secs(5);
+/// Link requests whose handshake gave up, each holding its QP until its
+/// reply or `LATE_REPLY_WAIT`.
+const MAX_LATE: usize = 32;
 /// Receive buffers of the UD QP (a GRH then a link message or a datagram
 /// of the connectionless tier each).
 const UD_RECVS: usize = 128;
@@ -120,6 +130,19 @@ struct Awaited {
     /// The endpoint it was sent to: the only one whose reply counts.
     from: Endpoint,
     reply: Option<LinkReply>,
+}
+
+/// One of our link requests whose handshake gave up (`Shared::connect`):
+/// its QP (INIT) and what the link needs, should the reply still come.
+struct Late {
+    peer: Endpoint,
+    index: u16,
+    path: Path,
+    qp: Qp,
+    psn: u32,
+    /// Our request's half of the link (told to the peer again in LINK_READY).
+    ours: LinkInfo,
+    until: Instant,
 }
 
 /// A link message that is malformed or does not come from the endpoint it
@@ -220,6 +243,9 @@ struct Shared {
     /// went to (a reply from anywhere else is dropped).
     replies: Mutex<HashMap<u32, Awaited>>,
     reply_ready: Condvar,
+    /// Requests whose handshake gave up, by request id (locked after
+    /// `replies` when both are).
+    late: Mutex<HashMap<u32, Late>>,
     /// Signalled (under `links`) when an accepted link becomes ready, is
     /// in `by_key`, or its accepting ends.
     link_ready: Condvar,
@@ -361,6 +387,7 @@ impl Service {
             on_datagram: Mutex::new(None),
             ud_turn: Mutex::new(()),
             link_msgs: Mutex::new(Vec::new()),
+            late: Mutex::new(HashMap::new()),
             ahs: Mutex::new(ahs::Bounded::new(opts.max_ahs)),
             grants_due: Arc::default(),
             gid_indexes: Mutex::new(HashMap::new()),
@@ -942,9 +969,25 @@ impl Shared {
         req.encode(&mut msg);
         let key = asking.key;
         self.replies.lock().insert(req_id, Awaited { from: *peer, reply: None });
-        let reply = self.await_reply(peer, req_id, &msg, deadline);
-        self.replies.lock().remove(&req_id);
-        let reply = reply?;
+        let reply = match self.await_reply(peer, req_id, &msg, deadline) {
+            Err(e) if e.0 == libc::ETIMEDOUT => {
+                // In the same hold of `replies` as the waiter goes: a reply
+                // that comes after finds the request parked.
+                let mut replies = self.replies.lock();
+                match replies.remove(&req_id).and_then(|a| a.reply) {
+                    Some(r) => r,
+                    None => {
+                        let until = Instant::now() + LATE_REPLY_WAIT;
+                        self.park_late(req_id, Late { peer: *peer, index, path, qp, psn, ours: req.info, until });
+                        return Err(e);
+                    }
+                }
+            }
+            r => {
+                self.replies.lock().remove(&req_id);
+                r?
+            }
+        };
         if reply.status == libc::EALREADY as u32 {
             // The peer has the lower incarnation and a request or a new
             // link of its own for this key: its request makes the link,
@@ -964,13 +1007,20 @@ impl Shared {
             return Err(Errno(libc::ECONNREFUSED));
         }
         let link = Arc::new(Link::new(qp, *peer, index, path, &theirs, true, psn, self.credit(&theirs)?)?);
-        // Known by its QP number before RTR, where it starts receiving: the
-        // peer may send at once (a message, its LINK_CLOSE of a duplicate),
-        // and a completion of a QP not in the table is dropped. Until RTS
-        // the link's send lock is held (nothing posts on a QP that cannot
-        // send yet). A link the peer asked for meanwhile may serve this key
-        // instead: ours is kept until closed (the peer may send on its
-        // other end), and the caller uses the one that serves.
+        self.establish(key, link, &theirs, req_id, req.info).map(Some)
+    }
+
+    /// Bring up `link`, ours by request `req_id` (`ours`), to the peer's
+    /// end `theirs`, and tell the peer (LINK_READY): the link that serves
+    /// `key` now. Known by its QP number before RTR, where it starts
+    /// receiving: the peer may send at once (a message, its LINK_CLOSE of a
+    /// duplicate), and a completion of a QP not in the table is dropped.
+    /// Until RTS the link's send lock is held (nothing posts on a QP that
+    /// cannot send yet). A link the peer asked for meanwhile may serve this
+    /// key instead: ours is kept until closed (the peer may send on its
+    /// other end), and the caller uses the one that serves.
+    fn establish(&self, key: LinkKey, link: Arc<Link>, theirs: &LinkInfo, req_id: u32, ours: LinkInfo) -> Result<Arc<Link>> {
+        let (peer, path, psn) = (link.peer, link.path, link.psn);
         let serving = {
             let _sends_wait = link.sq.lock();
             let serving = self.links.lock().insert(key, Arc::clone(&link), &self.me);
@@ -987,12 +1037,73 @@ impl Shared {
         // The peer uses its end once it knows ours receives (a loss costs
         // it READY_WAIT_MS at most: see `Link::ready`).
         let mut ready = [0u8; LINK_LEN];
-        LinkReady { req_id, info: req.info }.encode(&mut ready);
+        LinkReady { req_id, info: ours }.encode(&mut ready);
         if let Err(e) = self.send_ud(self.home_path(peer.gid), peer.qpn, peer.qkey, &ready) {
             klog!(Level::Debug, "service: LINK_READY not sent: {e:?}");
         }
         self.new_link_made(&link);
-        Ok(Some(serving))
+        Ok(serving)
+    }
+
+    /// Keep request `id`'s QP for its reply: expired ones go, and the
+    /// oldest beyond [`MAX_LATE`].
+    fn park_late(&self, id: u32, late: Late) {
+        let now = Instant::now();
+        let mut parked = self.late.lock();
+        parked.retain(|_, l| l.until > now);
+        if parked.len() >= MAX_LATE {
+            if let Some(oldest) = parked.iter().min_by_key(|(_, l)| l.until).map(|(id, _)| *id) {
+                parked.remove(&oldest);
+            }
+        }
+        parked.insert(id, late);
+    }
+
+    /// A reply to no waiting request: one whose handshake gave up, come
+    /// late. Its link is made after all (on the progress thread: QP
+    /// commands), so that the peer's end, maybe carrying work already, is
+    /// not left to fail; it is handed out once the peer is heard on it (a
+    /// probe READ, or anything it sends), not before: its end may have
+    /// given up on ours meanwhile, and a link that fails unconfirmed does
+    /// not take the process for gone.
+    fn on_late_reply(&self, r: LinkReply, src: &Source, progress: bool) {
+        let mut parked = self.late.lock();
+        match parked.get(&r.req_id) {
+            None => return,
+            Some(l) if !self.sent_to_us_by(&l.peer, src) => {
+                drop(parked);
+                link_msg_dropped(format_args!("a late reply to request {} from {src:?}, not the endpoint asked", r.req_id));
+                return;
+            }
+            Some(_) if !progress => {
+                drop(parked);
+                let mut q = self.link_msgs.lock();
+                if q.len() < UD_RECVS {
+                    q.push((LinkMessage::Reply(r), *src));
+                }
+                drop(q);
+                self.kick();
+                return;
+            }
+            Some(_) => {}
+        }
+        let Some(l) = parked.remove(&r.req_id) else { return };
+        drop(parked);
+        let theirs = r.info;
+        let from_peer = theirs.from.incarnation == l.peer.incarnation && theirs.from.gid == l.peer.gid && theirs.src_gid == l.path.dgid;
+        if r.status != 0 || !from_peer || Instant::now() > l.until || !self.link_wanted(&l.peer, &l.path) {
+            klog!(Level::Debug, "service: a late reply to link request {} (status {}): no link made", r.req_id, r.status);
+            return;
+        }
+        let key = LinkKey::of(&l.peer, l.index, l.path);
+        let made = self
+            .credit(&theirs)
+            .and_then(|credit| Link::new(l.qp, l.peer, l.index, l.path, &theirs, true, l.psn, credit))
+            .and_then(|link| self.establish(key, Arc::new(link.confirmed_when_heard()), &theirs, r.req_id, l.ours));
+        match made {
+            Ok(_) => klog!(Level::Info, "service: a late reply to link request {}: its link made, used once the peer is heard on it", r.req_id),
+            Err(e) => klog!(Level::Info, "service: a late reply to link request {}: its link failed: {e:?}", r.req_id),
+        }
     }
 
     /// The link that serves `key`, waited for until `deadline` while
@@ -1275,7 +1386,7 @@ impl Shared {
             {
                 let _turn = self.ud_turn.lock();
                 for (m, src) in std::mem::take(&mut *self.link_msgs.lock()) {
-                    self.on_link_message(m, &src);
+                    self.on_link_message(m, &src, true);
                 }
                 self.drain_ud(true);
             }
@@ -1380,7 +1491,7 @@ impl Shared {
                     if !self.sent_by_its_endpoint(&m, &src) {
                         link_msg_dropped(format_args!("{m:?} from {src:?}: not the endpoint it names"));
                     } else if progress || matches!(m, LinkMessage::Reply(_)) {
-                        self.on_link_message(m, &src);
+                        self.on_link_message(m, &src, progress);
                     } else {
                         // Bounded as the UD queue is: a peer repeats its
                         // request until answered.
@@ -1421,7 +1532,9 @@ impl Shared {
         ep.gid == src.gid && ep.qpn == src.qpn && src.to_gid == self.me.gid
     }
 
-    fn on_link_message(&self, msg: LinkMessage, src: &Source) {
+    /// `progress`: on the progress thread (else what makes or moves QPs
+    /// waits for it).
+    fn on_link_message(&self, msg: LinkMessage, src: &Source, progress: bool) {
         match msg {
             LinkMessage::Request(r) => {
                 crate::kmark!("link: request {} received", r.req_id);
@@ -1435,11 +1548,16 @@ impl Shared {
                 crate::kmark!("link: reply {} received", r.req_id);
                 // Only from the endpoint the request went to: anyone else's
                 // "reply" (a guessed request id) would fail or hijack it.
-                match self.replies.lock().get_mut(&r.req_id) {
+                let mut replies = self.replies.lock();
+                match replies.get_mut(&r.req_id) {
                     Some(a) if self.sent_to_us_by(&a.from, src) => a.reply = Some(r),
                     Some(_) => link_msg_dropped(format_args!("a reply to request {} from {src:?}, not the endpoint asked", r.req_id)),
-                    None => {}
+                    None => {
+                        drop(replies);
+                        return self.on_late_reply(r, src, progress);
+                    }
                 }
+                drop(replies);
                 self.reply_ready.notify_all();
             }
         }
