@@ -202,6 +202,13 @@ impl Runtime {
             Box::new(move || {
                 let Some(rt) = weak.upgrade() else { return };
                 if rt.probing.load(Ordering::Acquire) {
+                    // What completed first: a link with a WQE outstanding
+                    // is not probed, and the completion of a header posted
+                    // here (an MR check's answer) raises no event: until
+                    // the next message woke a progress run, its link went
+                    // unprobed (`vqp_reclaim`'s readers, once their checks
+                    // came every 2.5 s).
+                    rt.progress();
                     rt.probe_links(crate::config::get().link_probe_ms > 0);
                     rt.reclaim_links();
                     Runtime::schedule_maintenance(&rt);
