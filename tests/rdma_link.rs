@@ -82,7 +82,7 @@ fn link_handshake_read_and_reuse() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "link_handshake_read_and_reuse", "--nocapture"])
         .env("KRCORE_TEST_ROLE", "peer")
-        // Five links with us (four is the default bound per peer).
+        // Six links with us (four is the default bound per peer).
         .env("KRCORE_MAX_PEER_LINKS", "8")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -185,6 +185,24 @@ fn link_handshake_read_and_reuse() {
     assert!(t0.elapsed() < Duration::from_secs(3));
     ask("want all");
     svc.link(&ep, 2, svc.default_path(&ep), Duration::from_secs(5)).expect("a wanted link");
+
+    // A reply that comes after our handshake gave up (a bound of 0: the
+    // request goes, its reply cannot be here yet) still makes the link:
+    // the peer made its end and may use it. Ours is handed out only once
+    // the peer is heard on it (the runtime's probe READ), and the peer
+    // holds one link for it, not two.
+    let home = svc.default_path(&ep);
+    let before = svc.links();
+    assert_eq!(svc.link(&ep, 3, home, Duration::ZERO).unwrap_err(), Errno(libc::ETIMEDOUT));
+    eventually("the late reply made the link", Duration::from_secs(5), || svc.links() == before + 1);
+    let late = svc.all_links().into_iter().find(|l| l.index == 3).expect("the late link");
+    assert!(late.initiated && !late.confirmed());
+    assert!(svc.link_to(ep.incarnation, 3, home).is_none(), "handed out before the peer is heard on it");
+    read(&svc, &late, &buf, addr, rkey, 8);
+    svc.heard_on(&late);
+    assert!(svc.link_to(ep.incarnation, 3, home).is_some_and(|l| Arc::ptr_eq(&l, &late)), "handed out once heard on");
+    child.stdin.as_mut().unwrap().write_all(b"links?\n").unwrap();
+    assert_eq!(lines.next().expect("peer answer").unwrap(), "peer links 5", "the peer made one link for the late request");
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
     println!("cold link {cold:?}, warm link {warm:?}");

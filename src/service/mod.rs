@@ -1101,7 +1101,9 @@ impl Shared {
             .and_then(|credit| Link::new(l.qp, l.peer, l.index, l.path, &theirs, true, l.psn, credit))
             .and_then(|link| self.establish(key, Arc::new(link.confirmed_when_heard()), &theirs, r.req_id, l.ours));
         match made {
-            Ok(_) => klog!(Level::Info, "service: a late reply to link request {}: its link made, used once the peer is heard on it", r.req_id),
+            Ok(_) => {
+                klog!(Level::Info, "service: a late reply to link request {}: its link made, used once the peer is heard on it", r.req_id)
+            }
             Err(e) => klog!(Level::Info, "service: a late reply to link request {}: its link failed: {e:?}", r.req_id),
         }
     }
