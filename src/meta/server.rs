@@ -22,8 +22,9 @@
 //! RTR: it resolves the GID its `Hello` names to a MAC address, and the
 //! kernel waits for an ARP answer up to a second (1.02 s measured on a
 //! veth with nobody at the address; a NOARP netdev such as the testbed's
-//! dummy answers at once). So a client's QP is brought up (RTR, RTS) on a
-//! short-lived helper thread, at most [`MAX_CONNECTING`] at once (more
+//! dummy answers at once). So a client's QP is made and brought up (RTR,
+//! RTS) on a short-lived helper thread (its creation and registration are
+//! kernel work queries would otherwise wait behind), at most [`MAX_CONNECTING`] at once (more
 //! `Hello`s wait their turn in `pending`), which hands it back over a
 //! channel and wakes the loop through an eventfd; the `Welcome` follows.
 //!
@@ -191,14 +192,19 @@ const MAX_CONNECTING: usize = 16;
 struct Connecting {
     tcp: TcpStream,
     peer: std::net::SocketAddr,
-    bufs: Region,
-    psn: u32,
     incarnation: u64,
 }
 
-/// A helper thread's result: the QP (its number) and how its RTR and RTS
-/// went.
-type Brought = (u32, Qp, Result<()>);
+/// A client's QP brought up (RTS) by a helper thread: the QP, its receive
+/// buffers and the PSN it sends with.
+struct BroughtUp {
+    qp: Qp,
+    bufs: Region,
+    psn: u32,
+}
+
+/// A helper thread's result, for the handshake it was given (its number).
+type Brought = (u64, Result<BroughtUp>);
 
 /// How the server runs.
 #[derive(Clone, Debug)]
@@ -382,8 +388,10 @@ pub struct Server {
     pending: Vec<Pending>,
     leases: Leases,
     max_lease: Duration,
-    /// Clients whose QP a helper thread brings up, by QP number.
-    connecting: HashMap<u32, Connecting>,
+    /// Clients whose QP a helper thread makes and brings up, by the
+    /// handshake's number (`handshakes`).
+    connecting: HashMap<u64, Connecting>,
+    handshakes: u64,
     brought_tx: std::sync::mpsc::Sender<Brought>,
     brought_rx: std::sync::mpsc::Receiver<Brought>,
     /// Written by a helper thread when it is done (wakes the loop).
@@ -450,6 +458,7 @@ impl Server {
             leases: Leases::default(),
             max_lease: cfg.max_lease,
             connecting: HashMap::new(),
+            handshakes: 0,
             brought_tx,
             brought_rx,
             brought_fd,
@@ -549,8 +558,8 @@ impl Server {
                 // SAFETY: an 8-byte read of our eventfd into a buffer of 8.
                 unsafe { libc::read(self.brought_fd.as_raw_fd(), n.as_mut_ptr().cast(), 8) };
             }
-            while let Ok((qpn, qp, r)) = self.brought_rx.try_recv() {
-                self.welcome(qpn, qp, r);
+            while let Ok((handshake, r)) = self.brought_rx.try_recv() {
+                self.welcome(handshake, r);
             }
             let ready: Vec<bool> = fds[FIXED_FDS + order.len()..][..npending].iter().map(|f| f.revents != 0).collect();
             self.greet(&ready);
@@ -692,54 +701,47 @@ impl Server {
         Ok(())
     }
 
-    /// Hello -> a QP for the client, brought up (RTR, RTS) on a helper
-    /// thread: the RTR may wait for the kernel's address resolution.
-    /// [`Server::welcome`] takes it from there.
+    /// Hello -> a QP for the client, made and brought up (RTR, RTS) on a
+    /// helper thread: the RTR may wait for the kernel's address resolution,
+    /// and the QP's creation and registration are milliseconds of kernel
+    /// work the loop would otherwise do while queries wait (a burst of new
+    /// processes each sends one of each). [`Server::welcome`] takes it from
+    /// there.
     fn handshake(&mut self, tcp: TcpStream, peer: std::net::SocketAddr, hello: &Hello) -> Result<()> {
-        let caps = Caps { send_wr: CREDITS as u32 * 2, recv_wr: CREDITS as u32, send_sge: 1, recv_sge: 1, inline: 0 };
-        let qp = Qp::new(&self.dev, ibv_qp_type::IBV_QPT_RC, &self.cq, &self.cq, caps)?;
-        let bufs = Region::new(&self.dev, 2 * CREDITS * proto::META_LEN, rdma::LOCAL_WRITE)?;
-        let psn = rdma::random_psn();
-        qp.to_init()?;
-        let qpn = qp.qpn();
+        let handshake = self.handshakes;
+        self.handshakes += 1;
+        let (dev, cq) = (Arc::clone(&self.dev), Arc::clone(&self.cq));
         let (sgid_index, to) = (self.sgid_index, RcPeer { gid: hello.gid, qpn: hello.qpn, psn: hello.psn });
         let (tx, fd) = (self.brought_tx.clone(), Arc::clone(&self.brought_fd));
-        std::thread::Builder::new().name("meta-rtr".into()).spawn(move || {
-            let r = qp.rc_connect(sgid_index, psn, &to);
-            if tx.send((qpn, qp, r)).is_ok() {
+        std::thread::Builder::new().name("meta-connect".into()).spawn(move || {
+            if tx.send((handshake, bring_up(&dev, &cq, sgid_index, &to))).is_ok() {
                 let one = 1u64.to_ne_bytes();
                 // SAFETY: an 8-byte write to our eventfd.
                 unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
             }
         })?;
-        self.connecting.insert(qpn, Connecting { tcp, peer, bufs, psn, incarnation: hello.incarnation });
+        self.connecting.insert(handshake, Connecting { tcp, peer, incarnation: hello.incarnation });
         Ok(())
     }
 
-    /// A helper thread brought client `qpn`'s QP up (or failed to): its
-    /// receives, then the `Welcome`.
-    fn welcome(&mut self, qpn: u32, qp: Qp, r: Result<()>) {
-        let Some(c) = self.connecting.remove(&qpn) else { return };
+    /// A helper thread made and brought up a client's QP (or failed to):
+    /// its receives, then the `Welcome`.
+    fn welcome(&mut self, handshake: u64, r: Result<BroughtUp>) {
+        let Some(c) = self.connecting.remove(&handshake) else { return };
         let peer = c.peer;
-        match r.and_then(|()| self.admit_client(c, qp)) {
-            Ok(()) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
+        match r.and_then(|b| self.admit_client(c, b)) {
+            Ok(qpn) => crate::klog!(crate::log::Level::Info, "meta: client {peer} connected (qp {qpn})"),
             Err(e) => crate::klog!(crate::log::Level::Warn, "meta: client {peer} failed to connect: {e:?}"),
         }
     }
 
-    fn admit_client(&mut self, c: Connecting, qp: Qp) -> Result<()> {
-        let (qpn, psn) = (qp.qpn(), c.psn);
+    /// The client's QP number.
+    fn admit_client(&mut self, c: Connecting, b: BroughtUp) -> Result<u32> {
+        let BroughtUp { qp, bufs, psn } = b;
+        let qpn = qp.qpn();
         let token = rdma::random_u64() as u32;
-        let client = Client {
-            tcp: c.tcp,
-            ip: c.peer.ip(),
-            qp,
-            bufs: c.bufs,
-            token,
-            proven: Vec::new(),
-            incarnation: c.incarnation,
-            vouched: Vec::new(),
-        };
+        let client =
+            Client { tcp: c.tcp, ip: c.peer.ip(), qp, bufs, token, proven: Vec::new(), incarnation: c.incarnation, vouched: Vec::new() };
         for slot in 0..CREDITS {
             client.post_recv(slot)?;
         }
@@ -762,7 +764,7 @@ impl Server {
         tcp.write_all(&out)?;
         client.tcp.set_read_timeout(None)?;
         self.clients.insert(qpn, client);
-        Ok(())
+        Ok(qpn)
     }
 
     /// Serve what the CQ holds, [`COMPLETIONS_PER_PASS`] at most; whether
@@ -1013,6 +1015,18 @@ impl Client {
 
 /// The GID of `dev` that clients prove their IPv6 GIDs to: a global one
 /// (routed) rather than a link-local one; zero when it has none.
+/// A client's QP, made, registered and brought up to RTS towards `to`
+/// (on a helper thread).
+fn bring_up(dev: &Arc<Device>, cq: &Arc<Cq>, sgid_index: u32, to: &RcPeer) -> Result<BroughtUp> {
+    let caps = Caps { send_wr: CREDITS as u32 * 2, recv_wr: CREDITS as u32, send_sge: 1, recv_sge: 1, inline: 0 };
+    let qp = Qp::new(dev, ibv_qp_type::IBV_QPT_RC, cq, cq, caps)?;
+    let bufs = Region::new(dev, 2 * CREDITS * proto::META_LEN, rdma::LOCAL_WRITE)?;
+    let psn = rdma::random_psn();
+    qp.to_init()?;
+    qp.rc_connect(sgid_index, psn, to)?;
+    Ok(BroughtUp { qp, bufs, psn })
+}
+
 fn ipv6_gid(dev: &Device) -> rdma::Gid {
     let v6: Vec<rdma::Gid> = dev.usable_gids().into_iter().filter(|g| !rdma::is_ipv4_gid(g)).collect();
     let link_local = |g: &rdma::Gid| g[0] == 0xfe && g[1] & 0xc0 == 0x80;
