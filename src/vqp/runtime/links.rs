@@ -102,8 +102,10 @@ impl Runtime {
     /// Process `peer` did not answer a link handshake within
     /// `KRCORE_CONNECT_TIMEOUT_MS` and no link to it is open: it is gone
     /// (its VQPs on the tier fail, as they would on a link whose peer
-    /// died), unless it answers on the tier or its binding stays (then its
-    /// VQPs stay on the tier, whose own retries and doubts find a death).
+    /// died), unless it answers on the tier, its binding or meta-server
+    /// connection stays, or, the meta server knowing nothing of it, it sent
+    /// to us within the tier's bound (then its VQPs stay on the tier, whose
+    /// own retries and doubts find a death).
     fn peer_unreachable(&self, peer: crate::meta::Endpoint, index: u16, path: service::Path) {
         if self.svc.live_links().iter().any(|l| l.peer.incarnation == peer.incarnation) {
             return;
@@ -115,9 +117,21 @@ impl Runtime {
             klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but it answers on the datagram tier", peer.gid);
             return;
         }
-        if self.liveness(peer.incarnation, &peer.gid) == super::liveness::Liveness::Alive {
+        // As a silent flow's doubt is settled (`find_out`): the meta
+        // server's word, and with none (a fresh process whose own meta
+        // connection is still being made, in a burst), its traffic within
+        // the tier's bound.
+        let tier_bound = Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US);
+        let vouched = match self.liveness(peer.incarnation, &peer.gid) {
+            super::liveness::Liveness::Alive => Some("the meta server vouches for it"),
+            super::liveness::Liveness::Unknown if self.dgram.heard_from(peer.incarnation, peer.qpn, &[peer.gid, path.dgid], tier_bound) => {
+                Some("it sent to us within the tier's bound")
+            }
+            _ => None,
+        };
+        if let Some(why) = vouched {
             crate::stats::inc(crate::stats::Stat::KRCORE_STAT_PEERS_VOUCHED);
-            klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but the meta server vouches for it", peer.gid);
+            klog!(Level::Info, "vqp: no link to {:02x?} within the connect timeout, but {why}", peer.gid);
             return;
         }
         self.peer_is_gone(peer, index, path);
