@@ -270,7 +270,8 @@ impl Asking<'_> {
 /// the transport's bound.
 pub fn ask(rt: &Runtime, link: &Link, rkey: u32, addr: u64) -> Result<Option<(MrInfo, u64)>> {
     crate::kmark!("MR check: asking");
-    let deadline = Instant::now() + connect_timeout().max(TRANSPORT_WAIT);
+    let asked = Instant::now();
+    let deadline = asked + connect_timeout().max(TRANSPORT_WAIT);
     let checks = &rt.mr_checks;
     let mut asking = Asking { checks, tags: Vec::new() };
     loop {
@@ -280,7 +281,7 @@ pub fn ask(rt: &Runtime, link: &Link, rkey: u32, addr: u64) -> Result<Option<(Mr
         asking.tags.push(tag);
         let check = Header::link(LinkOp::MrCheck, rkey, addr, tag);
         while !super::qp::post_header_with(rt, link, &check, &[], |retired| Control::Header { retired }) {
-            wait_turn(rt, link, deadline)?;
+            wait_turn(rt, link, asked, deadline)?;
         }
         let resend = Instant::now() + RESEND;
         loop {
@@ -297,16 +298,16 @@ pub fn ask(rt: &Runtime, link: &Link, rkey: u32, addr: u64) -> Result<Option<(Mr
                     break;
                 }
                 None if Instant::now() > resend => break,
-                None => wait_turn(rt, link, deadline)?,
+                None => wait_turn(rt, link, asked, deadline)?,
             }
         }
         // Asked again: the answer to this check or any earlier one will do.
     }
 }
 
-/// Between two looks at a check: the link must still be open, the bound
-/// not passed.
-fn wait_turn(rt: &Runtime, link: &Link, deadline: Instant) -> Result<()> {
+/// Between two looks at a check `asked` then: the link must still be
+/// open, the bound not passed.
+fn wait_turn(rt: &Runtime, link: &Link, asked: Instant, deadline: Instant) -> Result<()> {
     if !link.is_open() {
         return Err(Errno(libc::ENOTCONN));
     }
@@ -314,7 +315,7 @@ fn wait_turn(rt: &Runtime, link: &Link, deadline: Instant) -> Result<()> {
         return Err(Errno(libc::ETIMEDOUT));
     }
     rt.progress();
-    std::thread::yield_now();
+    super::runtime::pause(asked.elapsed());
     Ok(())
 }
 

@@ -45,6 +45,7 @@ pub(super) use links::Ranges;
 pub use links::{HdrArena, HDR_SLOT};
 use meta::{background_meta_bound, start_meta, MetaStart};
 pub use peer_mrs::PeerMrs;
+pub(crate) use progress::pause;
 use progress::LastVqp;
 
 /// Payload bytes a message may carry (a receive buffer holds the header

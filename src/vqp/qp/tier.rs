@@ -70,7 +70,8 @@ impl Vqp {
     /// also when the VQP is not connected or failed: the caller looks
     /// again. An error when the peer cannot be reached.
     pub(super) fn ensure_tier(&self, rt: &Arc<Runtime>, tier_ok: bool) -> Result<Tier> {
-        let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout().max(crate::vqp::runtime::TRANSPORT_WAIT);
+        let started = std::time::Instant::now();
+        let deadline = started + crate::vqp::runtime::connect_timeout().max(crate::vqp::runtime::TRANSPORT_WAIT);
         loop {
             let (peer, index, path, dst, old, flow) = {
                 let st = self.st.lock();
@@ -84,7 +85,7 @@ impl Vqp {
             let busy = |l: &Arc<Link>| l.is_failed() || l.sq.lock().outstanding() > 0;
             let waiting_tier = flow.as_ref().is_some_and(|f| f.outstanding() > 0);
             if old.as_ref().is_some_and(busy) {
-                self.wait_a_little(rt, deadline)?;
+                self.wait_a_little(rt, started, deadline)?;
                 continue;
             }
             if old.is_some() {
@@ -99,7 +100,7 @@ impl Vqp {
             if let Some(link) = rt.svc.link_to(peer.incarnation, index, path).filter(|l| l.is_open()) {
                 if waiting_tier {
                     // The move waits for the tier to drain.
-                    self.wait_a_little(rt, deadline)?;
+                    self.wait_a_little(rt, started, deadline)?;
                     continue;
                 }
                 self.take_link(old.as_ref(), link);
@@ -113,7 +114,7 @@ impl Vqp {
                     Some(f) => f,
                     None => match self.open_flow(rt, peer, path, dst) {
                         Err(e) if e.0 == libc::EAGAIN => {
-                            self.wait_a_little(rt, deadline)?;
+                            self.wait_a_little(rt, started, deadline)?;
                             continue;
                         }
                         r => r?,
@@ -122,7 +123,7 @@ impl Vqp {
                 return Ok(Tier::Dgram(flow));
             }
             if waiting_tier {
-                self.wait_a_little(rt, deadline)?;
+                self.wait_a_little(rt, started, deadline)?;
                 continue;
             }
             let new = rt.make_link(&peer, index, path, false)?;
@@ -130,13 +131,14 @@ impl Vqp {
         }
     }
 
-    /// Progress, and give the other threads a turn; ETIMEDOUT past `deadline`.
-    fn wait_a_little(&self, rt: &Runtime, deadline: std::time::Instant) -> Result<()> {
+    /// Progress, and give the other threads a turn (a wait `started` then:
+    /// [`crate::vqp::runtime::pause`]); ETIMEDOUT past `deadline`.
+    fn wait_a_little(&self, rt: &Runtime, started: std::time::Instant, deadline: std::time::Instant) -> Result<()> {
         if std::time::Instant::now() > deadline {
             return Err(Errno(libc::ETIMEDOUT));
         }
         rt.progress();
-        std::thread::yield_now();
+        crate::vqp::runtime::pause(started.elapsed());
         Ok(())
     }
 

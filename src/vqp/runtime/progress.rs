@@ -22,6 +22,30 @@ impl LastVqp {
     }
 }
 
+/// How long a wait for what only a peer's CPU answers (an MR check, the
+/// tier's first contact) spins before it sleeps between looks.
+const SPIN: Duration = Duration::from_millis(1);
+/// The longest sleep between two looks.
+const MAX_NAP: Duration = Duration::from_millis(2);
+
+/// Between two looks at what a peer's process answers, `waited` into the
+/// wait: a turn for the other threads while the answer may be a round
+/// trip away, then naps growing with the wait (up to [`MAX_NAP`]): in a
+/// burst of new processes on a few CPUs the peer is starved for seconds,
+/// and a spinning asker burns the CPU the answer needs (a first GET's
+/// MR check cost clients of a burst of 64 about 110 ms of CPU each).
+pub(crate) fn pause(waited: Duration) {
+    match nap(waited) {
+        None => std::thread::yield_now(),
+        Some(d) => std::thread::sleep(d),
+    }
+}
+
+/// [`pause`]'s sleep `waited` into a wait (None: a yield).
+fn nap(waited: Duration) -> Option<Duration> {
+    (waited >= SPIN).then(|| (waited / 16).clamp(Duration::from_micros(50), MAX_NAP))
+}
+
 impl Runtime {
     /// Poll the links' completions and deliver them. Returns at once when
     /// another thread is already doing it.
@@ -285,5 +309,19 @@ impl Runtime {
         if let Err(e) = self.post_recv_buf(bufs, buf) {
             klog!(Level::Warn, "vqp: cannot repost a receive buffer: {e:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_spins_a_millisecond_then_naps_longer_up_to_two() {
+        assert_eq!(nap(Duration::ZERO), None);
+        assert_eq!(nap(Duration::from_micros(999)), None);
+        assert_eq!(nap(SPIN), Some(Duration::from_nanos(62_500)));
+        assert_eq!(nap(Duration::from_millis(16)), Some(Duration::from_millis(1)));
+        assert_eq!(nap(Duration::from_secs(5)), Some(MAX_NAP));
     }
 }
