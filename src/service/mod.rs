@@ -31,9 +31,11 @@
 mod ahs;
 pub mod credit;
 mod gate;
+mod late;
 mod link;
 mod link_side;
 
+use late::Late;
 pub use link::{Link, Path};
 use link::{LinkKey, Links};
 use link_side::LinkSide;
@@ -57,16 +59,6 @@ const RETRANSMIT: Duration = Duration::from_millis(100);
 /// How long a requester told `EALREADY` waits for the peer's link before it
 /// asks again.
 const CROSSED_WAIT: Duration = Duration::from_millis(400);
-/// How long after its handshake gave up a link request of ours still takes
-/// its reply. The peer made its end when it answered, and hands it out
-/// (`READY_WAIT_MS`) unconfirmed: what it sends there is lost unless our end
-/// comes up within RC's retries (about 3.8 s) of its first send. A reply
-/// late because this process was starved of CPU is the common case in a
-/// burst of new processes.
-const LATE_REPLY_WAIT: Duration = Duration::from_secs(5);
-/// Link requests whose handshake gave up, each holding its QP until its
-/// reply or `LATE_REPLY_WAIT`.
-const MAX_LATE: usize = 32;
 /// Receive buffers of the UD QP (a GRH then a link message or a datagram
 /// of the connectionless tier each).
 const UD_RECVS: usize = 128;
@@ -130,19 +122,6 @@ struct Awaited {
     /// The endpoint it was sent to: the only one whose reply counts.
     from: Endpoint,
     reply: Option<LinkReply>,
-}
-
-/// One of our link requests whose handshake gave up (`Shared::connect`):
-/// its QP (INIT) and what the link needs, should the reply still come.
-struct Late {
-    peer: Endpoint,
-    index: u16,
-    path: Path,
-    qp: Qp,
-    psn: u32,
-    /// Our request's half of the link (told to the peer again in LINK_READY).
-    ours: LinkInfo,
-    until: Instant,
 }
 
 /// A link message that is malformed or does not come from the endpoint it
@@ -977,8 +956,7 @@ impl Shared {
                 match replies.remove(&req_id).and_then(|a| a.reply) {
                     Some(r) => r,
                     None => {
-                        let until = Instant::now() + LATE_REPLY_WAIT;
-                        self.park_late(req_id, Late { peer: *peer, index, path, qp, psn, ours: req.info, until });
+                        self.park_late(req_id, Late::new(*peer, index, path, qp, psn, req.info));
                         return Err(e);
                     }
                 }
@@ -1043,69 +1021,6 @@ impl Shared {
         }
         self.new_link_made(&link);
         Ok(serving)
-    }
-
-    /// Keep request `id`'s QP for its reply: expired ones go, and the
-    /// oldest beyond [`MAX_LATE`].
-    fn park_late(&self, id: u32, late: Late) {
-        let now = Instant::now();
-        let mut parked = self.late.lock();
-        parked.retain(|_, l| l.until > now);
-        if parked.len() >= MAX_LATE {
-            if let Some(oldest) = parked.iter().min_by_key(|(_, l)| l.until).map(|(id, _)| *id) {
-                parked.remove(&oldest);
-            }
-        }
-        parked.insert(id, late);
-    }
-
-    /// A reply to no waiting request: one whose handshake gave up, come
-    /// late. Its link is made after all (on the progress thread: QP
-    /// commands), so that the peer's end, maybe carrying work already, is
-    /// not left to fail; it is handed out once the peer is heard on it (a
-    /// probe READ, or anything it sends), not before: its end may have
-    /// given up on ours meanwhile, and a link that fails unconfirmed does
-    /// not take the process for gone.
-    fn on_late_reply(&self, r: LinkReply, src: &Source, progress: bool) {
-        let mut parked = self.late.lock();
-        match parked.get(&r.req_id) {
-            None => return,
-            Some(l) if !self.sent_to_us_by(&l.peer, src) => {
-                drop(parked);
-                link_msg_dropped(format_args!("a late reply to request {} from {src:?}, not the endpoint asked", r.req_id));
-                return;
-            }
-            Some(_) if !progress => {
-                drop(parked);
-                let mut q = self.link_msgs.lock();
-                if q.len() < UD_RECVS {
-                    q.push((LinkMessage::Reply(r), *src));
-                }
-                drop(q);
-                self.kick();
-                return;
-            }
-            Some(_) => {}
-        }
-        let Some(l) = parked.remove(&r.req_id) else { return };
-        drop(parked);
-        let theirs = r.info;
-        let from_peer = theirs.from.incarnation == l.peer.incarnation && theirs.from.gid == l.peer.gid && theirs.src_gid == l.path.dgid;
-        if r.status != 0 || !from_peer || Instant::now() > l.until || !self.link_wanted(&l.peer, &l.path) {
-            klog!(Level::Debug, "service: a late reply to link request {} (status {}): no link made", r.req_id, r.status);
-            return;
-        }
-        let key = LinkKey::of(&l.peer, l.index, l.path);
-        let made = self
-            .credit(&theirs)
-            .and_then(|credit| Link::new(l.qp, l.peer, l.index, l.path, &theirs, true, l.psn, credit))
-            .and_then(|link| self.establish(key, Arc::new(link.confirmed_when_heard()), &theirs, r.req_id, l.ours));
-        match made {
-            Ok(_) => {
-                klog!(Level::Info, "service: a late reply to link request {}: its link made, used once the peer is heard on it", r.req_id)
-            }
-            Err(e) => klog!(Level::Info, "service: a late reply to link request {}: its link failed: {e:?}", r.req_id),
-        }
     }
 
     /// The link that serves `key`, waited for until `deadline` while
