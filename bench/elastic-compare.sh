@@ -56,6 +56,10 @@
 #   KRCORE_BENCH_META_PORT     krcore-meta's TCP port (18791)
 #   KRCORE_BENCH_READY_S       wait for a server's ready line (60 s)
 #   KRCORE_BENCH_BURST_S       bound on one burst, spawn to the last exit (300 s)
+#   KRCORE_BENCH_STALL_S       a burst still running this long (60 s): what its
+#                              server, krcore-meta and 3 clients wait in goes to
+#                              stall-MODE-nN-R.txt (threads' state and kernel
+#                              wait channel; user stacks with gdb, if installed)
 #   KRCORE_BENCH_LIB_DIR       where libkrcore.so, krcore-meta and krcore-node
 #                              are taken from (target/release)
 #   KRCORE_BENCH_AGENT_ARGS    krcore-node's arguments (default: --socket SOCK --gid-index 2)
@@ -85,6 +89,7 @@ port="${KRCORE_BENCH_PORT:-18800}"
 meta_port="${KRCORE_BENCH_META_PORT:-18791}"
 ready_s="${KRCORE_BENCH_READY_S:-60}"
 burst_s="${KRCORE_BENCH_BURST_S:-300}"
+stall_s="${KRCORE_BENCH_STALL_S:-60}"
 agent_sock=/tmp/krcore-node-bench.sock
 agent_args="${KRCORE_BENCH_AGENT_ARGS:---socket $agent_sock --gid-index 2}"
 agent_ready="${KRCORE_BENCH_AGENT_READY:-/serving at/p}"
@@ -181,6 +186,26 @@ client_cmd() {
     esac
 }
 
+# A burst (tag $1) still running after stall_s: where its processes wait
+# (a stall seen only in runs without logs: stop 42). Killed with the
+# burst's end otherwise (it looks at the clock every second).
+stall_watch() {
+    local end=$((SECONDS + stall_s)) pid t
+    while ((SECONDS < end)); do sleep 1; done
+    {
+        echo "# $(date +%T): the burst still runs after $stall_s s"
+        for pid in "$server_pid" ${meta_pid:-} $(pgrep -f "$bindir/kv_client" | head -3); do
+            echo "## pid $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-160)"
+            for t in /proc/"$pid"/task/*; do
+                echo "${t##*/} $(cat "$t/comm" 2>/dev/null) state $(cut -d' ' -f3 "$t/stat" 2>/dev/null) wchan $(cat "$t/wchan" 2>/dev/null)"
+            done
+            if command -v gdb >/dev/null; then
+                timeout 60 gdb -p "$pid" -batch -ex 'thread apply all bt 16' 2>/dev/null | grep -E '^(Thread|#)'
+            fi
+        done
+    } >"$out/stall-$1.txt" 2>&1
+}
+
 # One burst: mode $1, N $2, repeat $3.
 run_burst() {
     local mode="$1" n="$2" i="$3" tag="$1-n$2-$3" rc=0 cmd
@@ -200,10 +225,14 @@ run_burst() {
     # Each krcore client writes its counters at exit (observation only:
     # which of its work requests went on the datagram tier).
     mkdir -p "$out/stats-$tag"
+    stall_watch "$tag" &
+    local watch=$!
     # shellcheck disable=SC2086
     KRCORE_STATS_FILE="$PWD/$out/stats-$tag/%p.json" "$bindir/elastic_launch" burst -n "$n" -g "$client_gids" -t "$burst_s" -- \
         $cmd -a "$addr" -P "$port" -k "$keys" -n $((gets + 1)) -T -W 3 \
         >"$out/burst-$tag.txt" 2>"$out/burst-$tag.err" || rc=$?
+    kill "$watch" 2>/dev/null || true
+    wait "$watch" 2>/dev/null || true
     stop_servers "$tag" || rc=1
     grep '^burst ' "$out/burst-$tag.txt" || true
     if ((rc)); then
@@ -315,7 +344,7 @@ if ((!report_only)); then
             KRCORE_BENCH_NS="$ns" KRCORE_BENCH_GETS="$gets" KRCORE_BENCH_KEYS="$keys" \
             KRCORE_BENCH_SERVERLESS="$serverless" KRCORE_BENCH_CLIENT_GIDS="$client_gids" \
             KRCORE_BENCH_PORT="$port" KRCORE_BENCH_META_PORT="$meta_port" \
-            KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_BURST_S="$burst_s" \
+            KRCORE_BENCH_READY_S="$ready_s" KRCORE_BENCH_BURST_S="$burst_s" KRCORE_BENCH_STALL_S="$stall_s" \
             KRCORE_BENCH_LIB_DIR="$libdir" ${KRCORE_BENCH_MODES:+KRCORE_BENCH_MODES="$KRCORE_BENCH_MODES"} \
             ${KRCORE_BENCH_AGENT_ARGS:+KRCORE_BENCH_AGENT_ARGS="$KRCORE_BENCH_AGENT_ARGS"} \
             ${KRCORE_BENCH_AGENT_READY:+KRCORE_BENCH_AGENT_READY="$KRCORE_BENCH_AGENT_READY"} \
