@@ -1013,8 +1013,6 @@ impl Client {
     }
 }
 
-/// The GID of `dev` that clients prove their IPv6 GIDs to: a global one
-/// (routed) rather than a link-local one; zero when it has none.
 /// A client's QP, made, registered and brought up to RTS towards `to`
 /// (on a helper thread).
 fn bring_up(dev: &Arc<Device>, cq: &Arc<Cq>, sgid_index: u32, to: &RcPeer) -> Result<BroughtUp> {
@@ -1027,6 +1025,8 @@ fn bring_up(dev: &Arc<Device>, cq: &Arc<Cq>, sgid_index: u32, to: &RcPeer) -> Re
     Ok(BroughtUp { qp, bufs, psn })
 }
 
+/// The GID of `dev` that clients prove their IPv6 GIDs to: a global one
+/// (routed) rather than a link-local one; zero when it has none.
 fn ipv6_gid(dev: &Device) -> rdma::Gid {
     let v6: Vec<rdma::Gid> = dev.usable_gids().into_iter().filter(|g| !rdma::is_ipv4_gid(g)).collect();
     let link_local = |g: &rdma::Gid| g[0] == 0xfe && g[1] & 0xc0 == 0x80;
