@@ -48,6 +48,9 @@
 #define MAX_TESTED (64u << 20)
 
 static int info_pipe[2];
+/* client -> server: its last check done (the server's memory and QP must
+ * outlive the client's last WRITE and READ of it). */
+static int done_pipe[2];
 
 /* Message k of the client: ct_fill(seed 100 + k) of len[k] bytes. */
 static const uint32_t msg_len[NMSG] = { 100, 100, BIG, 3000, 64 };
@@ -114,6 +117,13 @@ static int server(int ready_fd)
 	}
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
 	printf("server: %d messages checked\n", seen);
+	{
+		char c;
+
+		/* End of file if the client died first. */
+		close(done_pipe[1]);
+		CT_CHECK(read(done_pipe[0], &c, 1) == 1, "the client's last check");
+	}
 	CT_OK(ibv_destroy_qp(qp));
 	if (big.mr)
 		ct_buf_free(&big);
@@ -297,6 +307,7 @@ static int client(const uint64_t info[4])
 	send_msg(&n, qp, 4, sbuf, n.b.mr->lkey, IBV_SEND_INLINE);
 	write_and_check(&n, qp, info, 16384, 5000, 0, 9);
 	CT_KRCORE_STAT(KRCORE_STAT_LINKS_FAILED, ==, 0);
+	CT_CHECK(write(done_pipe[1], "D", 1) == 1, "done");
 	ct_pass();
 	CT_OK(ibv_destroy_qp(qp));
 	node_close(&n);
@@ -540,7 +551,7 @@ int main(int argc, char **argv)
 		return flooder((unsigned)atoi(argv[2]), (unsigned)atoi(argv[3]));
 	ct_watchdog(300);
 	meta_pid = ct_start_meta();
-	CT_CHECK(pipe(info_pipe) == 0, "pipe");
+	CT_CHECK(pipe(info_pipe) == 0 && pipe(done_pipe) == 0, "pipe");
 	srv = ct_fork_ready(server, "the server (node 1)");
 	CT_CHECK(read(info_pipe[0], info, sizeof(info)) == sizeof(info), "info");
 	fails += client(info);
