@@ -439,6 +439,12 @@ impl Port {
         }
     }
 
+    /// Whether a flow of ours goes to process `incarnation` (its doubts
+    /// will look into the process's silence).
+    pub fn has_flows_to(&self, incarnation: u64) -> bool {
+        self.out.lock().values().any(|f| f.route.dst_incarnation == incarnation)
+    }
+
     /// Whether process `incarnation`, whose service QP is `qpn` on one of
     /// `gids`, was heard from on the tier (answered one of our flows, or
     /// sent on one of its own) in the last `within`. Flows from another

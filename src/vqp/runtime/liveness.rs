@@ -108,7 +108,25 @@ impl Runtime {
             let heard = found == Liveness::Unknown && rt.dgram.heard_from(incarnation, peer.qpn, &[peer.dgid], within);
             let alive = heard || found == Liveness::Alive;
             rt.doubting.lock().remove(&incarnation);
-            if found == Liveness::Gone {
+            // With no flow and no link to it (an unconfirmed link of its
+            // failed), nothing else looks into its silence again: unvouched,
+            // it is gone now; vouched for by its traffic alone, it is looked
+            // at again once that vouch runs out (else it could stay alive
+            // for good: likely `vqp_popmsgs`'s rare killed sender never
+            // taken for gone).
+            let unwatched = !rt.dgram.has_flows_to(incarnation) && !rt.svc.live_links().iter().any(|l| l.peer.incarnation == incarnation);
+            if heard && unwatched {
+                let weak = rt.weak_self();
+                rt.svc.defer(
+                    std::time::Instant::now() + timeout,
+                    Box::new(move || {
+                        if let Some(rt) = weak.upgrade() {
+                            rt.find_out(incarnation, &peer, gid);
+                        }
+                    }),
+                );
+            }
+            if found == Liveness::Gone || (!alive && unwatched) {
                 // Silent and gone (its lease ran out, it unbound, or its
                 // connection closed): its idle VQPs too, as when a link to
                 // it fails.
