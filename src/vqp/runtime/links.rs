@@ -221,8 +221,10 @@ impl Runtime {
                     // here (an MR check's answer) raises no event: until
                     // the next message woke a progress run, its link went
                     // unprobed (`vqp_reclaim`'s readers, once their checks
-                    // came every 2.5 s).
-                    rt.progress();
+                    // came every 2.5 s). Send completions only: taking the
+                    // messages here would look like the application
+                    // polling to the service thread (`polls`).
+                    rt.progress_for(false, None);
                     rt.probe_links(crate::config::get().link_probe_ms > 0);
                     rt.reclaim_links();
                     Runtime::schedule_maintenance(&rt);
