@@ -7,7 +7,7 @@
 //! QP is kept a while, and a reply that comes makes the link after all.
 
 use super::link::{Link, LinkKey, Path};
-use super::{link_msg_dropped, Shared, Source, UD_RECVS};
+use super::{link_msg_dropped, Shared, Source};
 use crate::klog;
 use crate::log::Level;
 use crate::meta::proto::{LinkInfo, LinkMessage, LinkReply};
@@ -75,13 +75,7 @@ impl Shared {
             }
             Some(_) if !progress => {
                 drop(parked);
-                let mut q = self.link_msgs.lock();
-                if q.len() < UD_RECVS {
-                    q.push((LinkMessage::Reply(r), *src));
-                }
-                drop(q);
-                self.kick();
-                return;
+                return self.for_progress_thread(LinkMessage::Reply(r), *src);
             }
             Some(_) => {}
         }

@@ -91,6 +91,7 @@ impl Link {
         credit: LinkCredit,
     ) -> crate::error::Result<Link> {
         let qp_depth = qp.caps.send_wr;
+        let now = crate::clock::coarse_ms();
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS);
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_LINKS_OPENED);
         Ok(Link {
@@ -101,8 +102,8 @@ impl Link {
             peer_probe: (theirs.probe_addr, theirs.probe_rkey),
             initiated,
             ready: AtomicBool::new(initiated),
-            ready_after_ms: crate::clock::coarse_ms() + READY_WAIT_MS,
-            made_ms: crate::clock::coarse_ms(),
+            ready_after_ms: now + READY_WAIT_MS,
+            made_ms: now,
             psn,
             sq: Mutex::new(PhysSq::new(qp_depth)?),
             failed: AtomicBool::new(false),
@@ -111,8 +112,8 @@ impl Link {
             close_done: AtomicBool::new(false),
             close_heard: AtomicBool::new(false),
             used: AtomicBool::new(false),
-            last_used: AtomicU64::new(crate::clock::coarse_ms()),
-            peer_seen: Mutex::new((theirs.psn, crate::clock::coarse_ms())),
+            last_used: AtomicU64::new(now),
+            peer_seen: Mutex::new((theirs.psn, now)),
             close_started: AtomicU64::new(0),
             gauged: AtomicBool::new(true),
             credit,

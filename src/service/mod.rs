@@ -1410,14 +1410,7 @@ impl Shared {
                     } else if progress || matches!(m, LinkMessage::Reply(_)) {
                         self.on_link_message(m, &src, progress);
                     } else {
-                        // Bounded as the UD queue is: a peer repeats its
-                        // request until answered.
-                        let mut q = self.link_msgs.lock();
-                        if q.len() < UD_RECVS {
-                            q.push((m, src));
-                        }
-                        drop(q);
-                        self.kick();
+                        self.for_progress_thread(m, src);
                     }
                 }
                 (Ok(m), None) => link_msg_dropped(format_args!("{m:?} without a GRH")),
@@ -1427,6 +1420,18 @@ impl Shared {
         if let Err(e) = self.post_ud_recv(slot) {
             klog!(Level::Warn, "service: cannot repost a UD receive: {e:?}");
         }
+    }
+
+    /// Hand link message `m` to the progress thread (it makes and moves
+    /// QPs). Bounded as the UD queue is: a peer repeats its request until
+    /// answered.
+    fn for_progress_thread(&self, m: LinkMessage, src: Source) {
+        let mut q = self.link_msgs.lock();
+        if q.len() < UD_RECVS {
+            q.push((m, src));
+        }
+        drop(q);
+        self.kick();
     }
 
     /// Whether link message `m` came from the endpoint it speaks for, as
