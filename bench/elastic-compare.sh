@@ -227,12 +227,16 @@ run_burst() {
     mkdir -p "$out/stats-$tag"
     stall_watch "$tag" &
     local watch=$!
+    # The kernel's TCP counters over the burst (listen queue overflows
+    # and SYN retransmissions delay a connect by a second each).
+    nstat -n 2>/dev/null || true
     # shellcheck disable=SC2086
     KRCORE_STATS_FILE="$PWD/$out/stats-$tag/%p.json" "$bindir/elastic_launch" burst -n "$n" -g "$client_gids" -t "$burst_s" -- \
         $cmd -a "$addr" -P "$port" -k "$keys" -n $((gets + 1)) -T -W 3 \
         >"$out/burst-$tag.txt" 2>"$out/burst-$tag.err" || rc=$?
     kill "$watch" 2>/dev/null || true
     wait "$watch" 2>/dev/null || true
+    nstat -z TcpExtListenOverflows TcpExtListenDrops TcpExtTCPSynRetrans TcpRetransSegs TcpExtTCPTimeouts >"$out/tcp-$tag.txt" 2>&1 || true
     stop_servers "$tag" || rc=1
     grep '^burst ' "$out/burst-$tag.txt" || true
     if ((rc)); then

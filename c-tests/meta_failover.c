@@ -37,10 +37,12 @@
  *    waits for the late answer instead of closing its connection (which
  *    made the server drop its bindings); in the 4 s after SIGCONT every
  *    lookup finds the binding and the binder has not reconnected.
- * 6. "a new process's meta connection outlives a qconnect's wait": M3
- *    stopped, a new process's first qconnect times out within its bound;
- *    after SIGCONT its next qconnect succeeds, and the connection its
- *    runtime started making before the first is made (none failed).
+ * 6. "a new process's first qconnect waits for a meta server that answers
+ *    late": M3 stopped when a new process starts; its first qconnect
+ *    still waits 3 s later (the answer to its TCP query is waited for as
+ *    a live peer's, not for the 1 s connect timeout); after SIGCONT it
+ *    succeeds, and the connection its runtime started making at the start
+ *    is made (none failed).
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -567,36 +569,41 @@ int main(void)
 	ct_pass();
 
 	/* 6 ------------------------------------------------------------------ */
-	ct_begin("meta_failover: a new process's meta connection outlives a qconnect's wait");
-	/* M3 stopped before a new process's first verb: its connection
-	 * made at the runtime's start waits (longer than one caller's
-	 * bound); the qconnect waits its own 1 s and fails; the next finds
-	 * the same connection made once M3 answers. */
+	ct_begin("meta_failover: a new process's first qconnect waits for a meta server that answers late");
+	/* M3 stopped before a new process's first verb (a meta server
+	 * starved of CPU by a burst of new processes, taken to the
+	 * extreme): the TCP query its first qconnect sends is taken by the
+	 * kernel and answered once M3 runs again. Its answer is waited
+	 * for as a live peer's (10 s), not a connect timeout's 1 s: the
+	 * qconnect still waits after 3 s, then succeeds; the connection
+	 * its runtime began at the start is made too (none failed). */
 	CT_CHECK(kill(p3, SIGSTOP) == 0, "SIGSTOP M3");
 	spawn(&newcomer, 7, m3, NULL, "a process started while M3 is stopped (node 7)");
 	{
-		struct resp first = call(&newcomer, CMD_CONNECT, 6, PORT + 50, 0), again, s;
+		struct cmd c = { CMD_CONNECT, 6, PORT + 50, 0 };
+		struct pollfd pfd = { newcomer.from, POLLIN, 0 };
+		struct resp first, s;
 
+		CT_CHECK(write(newcomer.to, &c, sizeof(c)) == sizeof(c), "command to the newcomer");
+		CT_CHECK(poll(&pfd, 1, 3 * CONNECT_TIMEOUT_MS) == 0,
+			 "the qconnect ended within %d ms of M3 stopped", 3 * CONNECT_TIMEOUT_MS);
 		CT_CHECK(kill(p3, SIGCONT) == 0, "SIGCONT M3");
-		CT_CHECK(first.rc == ETIMEDOUT, "qconnect with M3 stopped: %d (%s)", first.rc,
+		CT_CHECK(poll(&pfd, 1, 60000) == 1, "no answer 60 s after SIGCONT");
+		CT_CHECK(read(newcomer.from, &first, sizeof(first)) == sizeof(first), "the newcomer died");
+		CT_CHECK(first.rc == 0, "qconnect with M3 stopped, then running: %d (%s)", first.rc,
 			 strerror(first.rc));
-		/* A TCP query, then the connection: one bound each. */
-		CT_CHECK(ms_of(&first) < 2 * CONNECT_TIMEOUT_MS + 500, "it waited %.0f ms", ms_of(&first));
-		again = call(&newcomer, CMD_CONNECT, 6, PORT + 50, 0);
-		CT_CHECK(again.rc == 0, "qconnect after SIGCONT: %d (%s)", again.rc, strerror(again.rc));
-		/* (It may have been answered by a query over TCP while the
-		 * connection was finishing: polled until it is made.) */
+		CT_CHECK(ms_of(&first) < 10000, "it waited %.0f ms", ms_of(&first));
 		do {
 			s = call(&newcomer, CMD_STATS, 0, 0, 0);
-			CT_CHECK(ct_now_ns() - again.t_end < 10000 * MS, "no meta connection 10 s after");
+			CT_CHECK(ct_now_ns() - first.t_end < 10000 * MS, "no meta connection 10 s after");
 		} while (s.connections == 0 && s.connect_failures == 0);
 		CT_CHECK(s.connect_failures == 0 && s.connections == 1,
 			 "meta connections %llu made, %llu failed: the one made at the start was "
 			 "given up", (unsigned long long)s.connections,
 			 (unsigned long long)s.connect_failures);
-		ct_note("M3 stopped: the first qconnect timed out in %.0f ms, the next (M3 answering) "
-			"took %.0f ms; the connection begun at the start made, none failed", ms_of(&first),
-			ms_of(&again));
+		ct_note("M3 stopped %d ms, then running: the first qconnect waited and succeeded in "
+			"%.0f ms; the connection begun at the start made, none failed",
+			3 * CONNECT_TIMEOUT_MS, ms_of(&first));
 	}
 	ct_pass();
 

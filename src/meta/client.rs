@@ -141,10 +141,17 @@ impl Options {
         self.lease.saturating_sub(self.period()).max(self.period())
     }
 
-    /// Bound on a reconnection attempt (TCP connect, Welcome, header READ):
-    /// half a period, so that an unreachable replica does not delay the
-    /// renewals on the others.
-    fn reconnect_timeout(&self) -> Duration {
+    /// Bound on a reconnection attempt (TCP connect, Welcome, header READ)
+    /// to one of `replicas`: half a period, so that an unreachable replica
+    /// does not delay the renewals on the others. A lone replica delays
+    /// nothing: its attempt may take what a renewal may (a meta server
+    /// busy with a burst of new processes brings a QP up seconds late, and
+    /// an attempt given up wastes that work and queues again behind the
+    /// burst: a bound of half a period never got through one).
+    fn reconnect_timeout(&self, replicas: usize) -> Duration {
+        if replicas == 1 {
+            return self.renew_timeout();
+        }
         self.timeout.min(self.period() / 2).max(Duration::from_millis(1))
     }
 }
@@ -239,10 +246,18 @@ pub fn parse_addrs(spec: &str) -> Result<Vec<SocketAddr>> {
 /// the key answers; `Ok(None)` when one that answered knows nothing of it
 /// and none knows it.
 pub fn query(addrs: &[SocketAddr], key: &Key, timeout: Duration) -> Result<Option<Endpoint>> {
+    query_within(addrs, key, timeout, timeout)
+}
+
+/// [`query`], each replica's TCP connect bounded by `connect` and its
+/// answer, once connected, by `answer`: a replica that took the
+/// connection lives (a dead one's port refuses, and its death resets
+/// the connection) and may only be slow.
+pub fn query_within(addrs: &[SocketAddr], key: &Key, connect: Duration, answer: Duration) -> Result<Option<Endpoint>> {
     let mut last = Errno(libc::ECONNREFUSED);
     let mut absent = false;
     for addr in addrs {
-        match query_one(addr, key, timeout) {
+        match query_one(addr, key, connect, answer) {
             Ok(Some(ep)) => return Ok(Some(ep)),
             Ok(None) => absent = true,
             Err(e) => last = e,
@@ -254,17 +269,18 @@ pub fn query(addrs: &[SocketAddr], key: &Key, timeout: Duration) -> Result<Optio
     Err(last)
 }
 
-fn query_one(addr: &SocketAddr, key: &Key, timeout: Duration) -> Result<Option<Endpoint>> {
+fn query_one(addr: &SocketAddr, key: &Key, connect: Duration, answer: Duration) -> Result<Option<Endpoint>> {
     let mut out = [0u8; proto::BOOT_LEN];
     proto::Query { key: *key }.encode(&mut out);
-    Ok(proto::Answer::decode(&ask(addr, &out, timeout)?)?.endpoint)
+    Ok(proto::Answer::decode(&ask(addr, &out, connect, answer)?)?.endpoint)
 }
 
-/// One boot message over a short TCP connection of its own, and its answer.
-fn ask(addr: &SocketAddr, msg: &[u8; proto::BOOT_LEN], timeout: Duration) -> Result<[u8; proto::BOOT_LEN]> {
-    let mut tcp = TcpStream::connect_timeout(addr, timeout)?;
-    tcp.set_read_timeout(Some(timeout))?;
-    tcp.set_write_timeout(Some(timeout))?;
+/// One boot message over a short TCP connection of its own (connected
+/// within `connect`), and its answer (within `answer`).
+fn ask(addr: &SocketAddr, msg: &[u8; proto::BOOT_LEN], connect: Duration, answer: Duration) -> Result<[u8; proto::BOOT_LEN]> {
+    let mut tcp = TcpStream::connect_timeout(addr, connect)?;
+    tcp.set_read_timeout(Some(answer))?;
+    tcp.set_write_timeout(Some(answer))?;
     let _ = tcp.set_nodelay(true);
     tcp.write_all(msg)?;
     let mut buf = [0u8; proto::BOOT_LEN];
@@ -283,7 +299,7 @@ pub fn presence(addrs: &[SocketAddr], incarnation: u64, gid: &rdma::Gid, timeout
     proto::PresenceQuery { incarnation, gid: *gid }.encode(&mut out);
     let mut departed = false;
     for addr in addrs {
-        match ask(addr, &out, timeout).and_then(|b| Ok(proto::PresenceAnswer::decode(&b)?.presence)) {
+        match ask(addr, &out, timeout, timeout).and_then(|b| Ok(proto::PresenceAnswer::decode(&b)?.presence)) {
             Ok(Presence::Connected) => return Presence::Connected,
             Ok(Presence::Departed) => departed = true,
             Ok(Presence::Unknown) => {}
@@ -844,7 +860,8 @@ impl MetaClient {
     /// up (used for lookups) once they all are.
     fn reconnect(&self, i: usize) -> Result<()> {
         let r = &self.replicas[i];
-        let conn = Conn::connect(&self.dev, self.sgid_index, r.addr, self.opts.reconnect_timeout(), self.opts.incarnation)?;
+        let conn =
+            Conn::connect(&self.dev, self.sgid_index, r.addr, self.opts.reconnect_timeout(self.replicas.len()), self.opts.incarnation)?;
         let incarnation = conn.incarnation;
         r.tcp_fd.store(conn.tcp.as_raw_fd(), Ordering::Relaxed);
         *r.conn.lock() = Some(conn);
@@ -1326,7 +1343,9 @@ mod tests {
         let o = Options { timeout: Duration::from_secs(2), lease: Duration::from_millis(1500), incarnation: 0 };
         assert_eq!(o.period(), Duration::from_millis(500));
         assert_eq!(o.background_timeout(), Duration::from_millis(500));
-        assert_eq!(o.reconnect_timeout(), Duration::from_millis(250));
+        assert_eq!(o.reconnect_timeout(2), Duration::from_millis(250));
+        // Alone, an attempt is bounded as a renewal.
+        assert_eq!(o.reconnect_timeout(1), Duration::from_millis(1000));
         // Renewals wait until the leases renewed a period ago run out,
         // whatever the timeout of the application's waits.
         assert_eq!(o.renew_timeout(), Duration::from_millis(1000));
@@ -1334,7 +1353,7 @@ mod tests {
         assert_eq!(o.renew_timeout(), Duration::from_secs(2));
         let o = Options { timeout: Duration::from_millis(100), lease: Duration::from_secs(30), incarnation: 0 };
         assert_eq!(o.background_timeout(), Duration::from_millis(100));
-        assert_eq!(o.reconnect_timeout(), Duration::from_millis(100));
+        assert_eq!(o.reconnect_timeout(3), Duration::from_millis(100));
     }
 
     #[test]

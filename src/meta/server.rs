@@ -538,16 +538,20 @@ impl Server {
             if rc < 0 && Errno::last().0 != libc::EINTR {
                 return Err(Errno::last());
             }
-            // Sweep first: requests served below must not delay it.
-            self.expire(Instant::now());
-            if fds[0].revents != 0 {
-                self.accept();
-            }
+            // Requests first, then the sweep: a renewal that came in time
+            // while this loop was starved of CPU (a burst of new processes
+            // on the host) renews its leases; swept first, they ran out and
+            // lookups found nothing until the binder registered them
+            // again. (At most COMPLETIONS_PER_PASS before the sweep.)
             if fds[1].revents != 0 {
                 self.cq.wait(Some(Duration::ZERO))?;
             }
             // Completions may have arrived since the last event: always poll.
             more = self.serve_completions()?;
+            self.expire(Instant::now());
+            if fds[0].revents != 0 {
+                self.accept();
+            }
             for (i, q) in order.iter().enumerate() {
                 if fds[FIXED_FDS + i].revents != 0 {
                     self.check_alive(*q);

@@ -94,10 +94,11 @@ impl Runtime {
     /// at the start is still on its way (its RC QP and handshake take
     /// milliseconds), the key is asked over TCP instead (one round trip, no
     /// QP on the connect's path: [`client::query`]); if that fails, the
-    /// lookup waits for the connection: each wait bounded by
-    /// `KRCORE_CONNECT_TIMEOUT_MS` (a fresh process's first lookup in a
-    /// burst of new ones may wait twice that: one bound measured those
-    /// bursts failing more often, 29 of 64 processes against 1 of 64).
+    /// lookup waits for the connection. The query's connect and the wait
+    /// for the connection are bounded by `KRCORE_CONNECT_TIMEOUT_MS`, the
+    /// query's answer by `LIVE_BOUND_US` (10 s), as a live peer that is
+    /// slow: 2 s failed 1-3 of 64 new processes in bursts, their meta
+    /// server starved of CPU (one bound for both waits failed 29 of 64).
     pub fn resolve(&self, key: &crate::meta::Key, fresh: bool) -> Result<Option<crate::meta::Endpoint>> {
         if self.meta.get().is_none() {
             if let Some(found) = crate::node::client::lookup(key, fresh) {
@@ -113,7 +114,10 @@ impl Runtime {
         let starting = self.meta.get().is_none() && self.meta_start.lock().as_ref().is_some_and(|s| !s.is_finished());
         if let (true, Some(spec)) = (starting, crate::config::get().meta.as_deref()) {
             crate::kmark!("meta: lookup by query (TCP)");
-            match client::parse_addrs(spec).and_then(|addrs| client::query(&addrs, key, connect_timeout())) {
+            // Its answer waited for as a peer that lives but is slow (a
+            // meta server starved by the burst this process is part of).
+            let answer = connect_timeout().max(Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US));
+            match client::parse_addrs(spec).and_then(|addrs| client::query_within(&addrs, key, connect_timeout(), answer)) {
                 Ok(found) => {
                     crate::kmark!("meta: query answered");
                     crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_QUERIES);
