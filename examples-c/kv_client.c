@@ -165,7 +165,7 @@ static double cpu_us(void)
 static void wait_wcs(struct client *c, int want, const char *what)
 {
 	double start = kv_now_us(), since = 0;
-	int got = 0;
+	int got = 0, sends = 0, recvs = 0;
 
 	while (got < want) {
 		struct ibv_wc wc;
@@ -175,8 +175,9 @@ static void wait_wcs(struct client *c, int want, const char *what)
 			fail("%s: ibv_poll_cq failed", what);
 		if (k == 0) {
 			if (kv_now_us() - start > OP_TIMEOUT_US)
-				fail("%s: no completion within %.0f s (is the server "
-				     "alive?)", what, OP_TIMEOUT_US / 1e6);
+				fail("%s: %d of %d completions within %.0f s (%d send, %d "
+				     "receive: is the server alive?)", what, got, want,
+				     OP_TIMEOUT_US / 1e6, sends, recvs);
 			kv_backoff(&since);
 			continue;
 		}
@@ -186,6 +187,10 @@ static void wait_wcs(struct client *c, int want, const char *what)
 			     wc.opcode == IBV_WC_RECV ? "receive" : "send",
 			     ibv_wc_status_str(wc.status), wc.vendor_err);
 		got++;
+		if (wc.opcode == IBV_WC_RECV)
+			recvs++;
+		else
+			sends++;
 	}
 }
 
