@@ -32,14 +32,18 @@
 #           order "ordered" (a rank qconnects back to a lower rank once
 #           that one announced its own connect) and order "natural" (every
 #           process qconnects to all others at once; a failure there is
-#           recorded, not fatal: see the report); mem: bytes per RC QP,
+#           recorded, not fatal: see the report), then, when the snapshot
+#           has krcore-node, "ordered" again with every process attached
+#           to one agent started for it (the host's: the emulated nodes
+#           are one machine); mem: bytes per RC QP,
 #           and per VQP and per link (MEM_PEERS peer processes).
 # Readiness comes from the printed lines (server "ready", krcore-meta
 # "serving on", the mesh workers' "ready"/"done" read by their
 # coordinator); every wait and every process is bounded (READY_S,
 # RUN_S). Results in target/bench/vqp: dp-{raw,krcore}-N.txt (client),
 # dp-*-server-N.txt, hw-dp-N.txt (rxe hardware counters during the run),
-# mesh-raw-N-R.txt, mesh-krcore-{ordered,natural}-N-R.txt (+ .rc),
+# mesh-raw-N-R.txt, mesh-krcore-{ordered,natural,ordered-agent}-N-R.txt
+# (+ .rc), node-N.txt (the agent's output),
 # mem-{raw,krcore}-N.txt, meta-N.txt, and table.md (bench/vqp_report.py).
 #
 # Environment:
@@ -168,16 +172,18 @@ run_datapath() {
     return "$failed"
 }
 
-# One mesh: mode $1, order $2 (- for raw), repeat $3, round $4, port $5.
-# A failure of the krcore natural order is recorded (.rc) and tolerated.
+# One mesh: mode $1, order $2 (- for raw), repeat $3, round $4, port $5,
+# and for krcore the host's agent's socket $6 (the file's name says
+# "agent"; none: KRCORE_NODE=off). A failure of the krcore natural order
+# is recorded (.rc) and tolerated.
 run_mesh() {
-    local mode="$1" order="$2" i="$3" r="$4" p="$5" b f rc=0
+    local mode="$1" order="$2" i="$3" r="$4" p="$5" sock="${6:-}" b f rc=0
     if [[ "$mode" == raw ]]; then
         b="$bin"; f="$out/mesh-raw-$i-$r.txt"
         timeout "$run_s" "$b" mesh -N "$mesh_procs" -p "$p" -Q >"$f" 2>&1 || rc=$?
     else
-        b="$kbin"; f="$out/mesh-krcore-$order-$i-$r.txt"
-        timeout "$run_s" "$b" mesh -N "$mesh_procs" -p "$p" -Q -o "$order" >"$f" 2>&1 || rc=$?
+        b="$kbin"; f="$out/mesh-krcore-$order${sock:+-agent}-$i-$r.txt"
+        KRCORE_NODE="${sock:-off}" timeout "$run_s" "$b" mesh -N "$mesh_procs" -p "$p" -Q -o "$order" >"$f" 2>&1 || rc=$?
     fi
     echo "$rc" >"$f.rc"
     grep -e '^mesh_summary' -e '^qps_summary' "$f" || true
@@ -221,9 +227,27 @@ run_phase() {
             for r in $(seq 1 "$mesh_rounds"); do run_mesh raw - "$i" "$r" $((p + 1 + r)) || return 1; done ;;
         mesh/krcore)
             for r in $(seq 1 "$mesh_rounds"); do
-                run_mesh krcore ordered "$i" "$r" $((p + 1 + 2 * r)) || return 1
-                run_mesh krcore natural "$i" "$r" $((p + 2 + 2 * r)) || return 1
-            done ;;
+                run_mesh krcore ordered "$i" "$r" $((p + 1 + 3 * r)) || return 1
+                run_mesh krcore natural "$i" "$r" $((p + 2 + 3 * r)) || return 1
+            done
+            # The ordered mesh again, every process attached to the host's
+            # agent (issue 21): their first READs go through it until their
+            # own links are up.
+            if [[ -x "$klib/krcore-node" ]]; then
+                local npid sock=/tmp/vqp-compare-node.sock rc=0
+                "$klib/krcore-node" --meta "$KRCORE_META" --socket "$sock" >"$out/node-$i.txt" 2>&1 &
+                npid=$!
+                if wait_ready "$out/node-$i.txt" "$npid" '/serving at/p' >/dev/null; then
+                    for r in $(seq 1 "$mesh_rounds"); do
+                        run_mesh krcore ordered "$i" "$r" $((p + 3 + 3 * r)) "$sock" || { rc=1; break; }
+                    done
+                else
+                    rc=1
+                fi
+                kill -TERM "$npid" 2>/dev/null || true
+                wait "$npid" || true
+                return "$rc"
+            fi ;;
         mem/raw) run_mem raw "$i" $((p + 10)) ;;
         mem/krcore) run_mem krcore "$i" $((p + 15)) ;;
     esac

@@ -183,6 +183,7 @@ def main():
     mraw, fraw = meshes("mesh-raw-{i}-{r}.txt")
     mord, ford = meshes("mesh-krcore-ordered-{i}-{r}.txt")
     mnat, fnat = meshes("mesh-krcore-natural-{i}-{r}.txt")
+    magt, fagt = meshes("mesh-krcore-ordered-agent-{i}-{r}.txt")
     procs = int(mraw[0]["procs"]) if mraw else 0
     print(f"Full mesh: {procs} processes on {procs} emulated nodes (GID indexes 1..{procs}) "
           f"connect all-to-all; per process, from the common \"go\" to \"every peer answered a "
@@ -194,9 +195,11 @@ def main():
           f"each announced to the peer by a 4-byte SEND; a lower rank is `qconnect`ed once its "
           f"announcement arrived (`qpop_msgs`), over the link it made. krcore \"natural\": "
           f"every process `qconnect`s to all others at once.\n")
+    agent = bool(magt or fagt)
     print("| mesh (ms) | raw: median | min – max | krcore ordered: median | min – max | "
-          "ordered / raw: median | min – max |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "ordered / raw: median | min – max |"
+          + (" attached to the agent: median | min – max | attached / raw: median | min – max |" if agent else ""))
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: | ---: |" if agent else ""))
 
     def per_repeat(ms, key):
         by = {}
@@ -211,8 +214,19 @@ def main():
         a = per_repeat(mraw, key)
         b = per_repeat(mord, key)
         rr = [b[i] / a[i] for i in R if i in a and i in b and a[i] > 0]
-        print(f"| {label} | {spread([v / 1e3 for v in a.values()])} | "
-              f"{spread([v / 1e3 for v in b.values()])} | {fmt_ratio(rr)} |")
+        row = (f"| {label} | {spread([v / 1e3 for v in a.values()])} | "
+               f"{spread([v / 1e3 for v in b.values()])} | {fmt_ratio(rr)} |")
+        if agent:
+            g = per_repeat(magt, key)
+            rg = [g[i] / a[i] for i in R if i in a and i in g and a[i] > 0]
+            row += f" {spread([v / 1e3 for v in g.values()])} | {fmt_ratio(rg)} |"
+        print(row)
+    if agent:
+        print(f"\nAttached to the agent (every process of the ordered mesh attached to one "
+              f"`krcore-node`, the emulated nodes being one host): {len(magt)} of "
+              f"{len(magt) + len(fagt)} meshes completed.")
+        for i, r, rc, err in fagt:
+            print(f"- repeat {i} round {r}: exit {rc}: {'; '.join(err) or 'see the log'}")
     print()
     print("Phases (median over processes, then over runs), ms:\n")
     print("| raw phase | median | min – max | krcore ordered phase | median | min – max |")
