@@ -991,16 +991,19 @@ fn background(me: &Weak<MetaClient>) {
 
 impl Conn {
     fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration, incarnation: u64) -> Result<Conn> {
-        let mut tcp = TcpStream::connect_timeout(&addr, timeout)?;
-        crate::kmark!("meta: TCP connected to {addr}");
-        tcp.set_read_timeout(Some(timeout))?;
-        let _ = tcp.set_nodelay(true);
+        // Our objects first: the server drops a connection whose `Hello`
+        // does not come within 2 s, and these kernel commands take that
+        // long in a process starved of CPU (a burst of new ones).
         let cq = Arc::new(Cq::new(dev, 2 * PIPELINE as u32)?);
         let caps = Caps { send_wr: PIPELINE as u32, recv_wr: PIPELINE as u32, send_sge: 1, recv_sge: 1, inline: 0 };
         let qp = Qp::new(dev, ibv_qp_type::IBV_QPT_RC, &cq, &cq, caps)?;
         qp.to_init()?;
         let bufs = Region::new(dev, BUFS_LEN, rdma::LOCAL_WRITE)?;
         crate::kmark!("meta: CQ, QP (INIT) and buffers made");
+        let mut tcp = TcpStream::connect_timeout(&addr, timeout)?;
+        crate::kmark!("meta: TCP connected to {addr}");
+        tcp.set_read_timeout(Some(timeout))?;
+        let _ = tcp.set_nodelay(true);
         let psn = rdma::random_psn();
         let hello = Hello { gid: dev.gid(sgid_index)?, qpn: qp.qpn(), psn, incarnation };
         let mut out = [0u8; proto::BOOT_LEN];
