@@ -37,7 +37,7 @@ impl Vqp {
         let key = crate::meta::Key::Port { gid, port };
         match self.connect_via_agent(&key) {
             super::agent::Via::Agent => Ok(()),
-            super::agent::Via::Own(known) => self.connect_to(&key, None, known),
+            super::agent::Via::Own => self.connect_to(&key, None, None),
         }
     }
 
