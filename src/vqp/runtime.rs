@@ -79,6 +79,11 @@ pub struct Runtime {
     /// runtime started (with `KRCORE_META`), taken by the first `meta()`
     /// that finds it made.
     meta_start: Mutex<Option<Arc<MetaStart>>>,
+    /// The teardown began (set under `meta_start`'s lock): no connection
+    /// to the meta server is made any more. One started then (a silent
+    /// peer's liveness looked up during the teardown) made its QP on the
+    /// PD after the runtime was gone: `ibv_dealloc_pd` failed `EBUSY`.
+    meta_closed: AtomicBool,
     /// The links' receive buffers, posted on the SRQ: made in the
     /// background once the runtime is up, or by the first link made
     /// before that ([`Self::receive_side`]); a VQP on the datagram tier
@@ -220,6 +225,7 @@ impl Runtime {
             svc,
             meta: OnceCell::new(),
             meta_start: Mutex::new(meta_start),
+            meta_closed: AtomicBool::new(false),
             recv_bufs: OnceCell::new(),
             preparing: AtomicBool::new(false),
             progress: Mutex::new(LastVqp::default()),
@@ -327,8 +333,12 @@ impl Runtime {
         self.svc.run_deferred_now();
         // A connection still being made holds objects on the PD too.
         // (Bounded: the attempt's own bound.)
-        let started =
-            self.meta_start.lock().take().and_then(|s| s.wait_until(Instant::now() + background_meta_bound())).and_then(|(r, _)| r.ok());
+        let started = {
+            let mut start = self.meta_start.lock();
+            self.meta_closed.store(true, Ordering::Release);
+            start.take()
+        };
+        let started = started.and_then(|s| s.wait_until(Instant::now() + background_meta_bound())).and_then(|(r, _)| r.ok());
         for meta in self.meta.get().into_iter().chain(started.as_ref()) {
             meta.shutdown();
         }

@@ -9,6 +9,7 @@ use crate::log::Level;
 use crate::meta::client::{self, MetaClient};
 use crate::rdma::Device;
 use parking_lot::Mutex;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -107,6 +108,9 @@ impl Runtime {
             // No agent (any more): this process's own connection, asked by
             // query meanwhile.
             let mut start = self.meta_start.lock();
+            if self.meta_closed.load(Ordering::Acquire) {
+                return Err(Errno(libc::ESHUTDOWN));
+            }
             if start.is_none() {
                 *start = start_meta(self.svc.device(), self.svc.gid_index(), self.svc.endpoint().incarnation);
             }
@@ -175,6 +179,9 @@ impl Runtime {
         }
         self.meta
             .get_or_try_init(|| {
+                if self.meta_closed.load(Ordering::Acquire) {
+                    return Err(Errno(libc::ESHUTDOWN));
+                }
                 let cfg = crate::config::get();
                 let Some(spec) = cfg.meta.as_deref() else {
                     klog!(
