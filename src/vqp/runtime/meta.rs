@@ -45,11 +45,12 @@ impl MetaStart {
 
 /// How long a connection made in the background may take: nobody waits
 /// on it but through their own bound (`meta()`), and a meta server busy
-/// with a burst of new processes answers late, not never. Given up
-/// sooner, its work on the server is wasted and the next attempt queues
-/// behind the same burst.
+/// with a burst of new processes answers late, not never: as long as a
+/// live peer that is slow (`LIVE_BOUND_US`, 10 s). Given up sooner, its
+/// work on the server is wasted and the next attempt queues behind the
+/// same burst. (The PD's teardown waits for it as long.)
 pub(super) fn background_meta_bound() -> Duration {
-    connect_timeout().max(Duration::from_millis(crate::config::get().meta_lease_ms)) * 3
+    connect_timeout().max(Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US))
 }
 
 /// Connect to `KRCORE_META` from our GID at `gid_index`, on a thread of its
