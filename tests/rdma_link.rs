@@ -58,8 +58,13 @@ fn read(svc: &Service, link: &krcore::service::Link, dst: &Region, addr: u64, rk
     wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
     wr.wr.rdma.remote_addr = addr;
     wr.wr.rdma.rkey = rkey;
+    // As the library posts: under the link's send lock, which the link's
+    // maker holds until its QP is in RTS (a link is in the table from
+    // just before, so that its first message finds it).
+    let sends = link.sq.lock();
     // SAFETY: one WR into a registered buffer of ours.
     unsafe { link.qp.post_send(&mut wr) }.expect("post READ");
+    drop(sends);
     // SAFETY: plain C data.
     let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
     let t0 = Instant::now();
