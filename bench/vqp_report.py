@@ -212,14 +212,15 @@ def main():
                        ("per process: slowest", "proc_max_us"),
                        ("setup before \"go\" (untimed), median", "setup_med_us")):
         a = per_repeat(mraw, key)
-        b = per_repeat(mord, key)
-        rr = [b[i] / a[i] for i in R if i in a and i in b and a[i] > 0]
-        row = (f"| {label} | {spread([v / 1e3 for v in a.values()])} | "
-               f"{spread([v / 1e3 for v in b.values()])} | {fmt_ratio(rr)} |")
+
+        def against_raw(ms):
+            b = per_repeat(ms, key)
+            rr = [b[i] / a[i] for i in R if i in a and i in b and a[i] > 0]
+            return f" {spread([v / 1e3 for v in b.values()])} | {fmt_ratio(rr)} |"
+
+        row = f"| {label} | {spread([v / 1e3 for v in a.values()])} |" + against_raw(mord)
         if agent:
-            g = per_repeat(magt, key)
-            rg = [g[i] / a[i] for i in R if i in a and i in g and a[i] > 0]
-            row += f" {spread([v / 1e3 for v in g.values()])} | {fmt_ratio(rg)} |"
+            row += against_raw(magt)
         print(row)
     if agent:
         print(f"\nAttached to the agent (every process of the ordered mesh attached to one "

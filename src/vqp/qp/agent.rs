@@ -10,8 +10,7 @@
 //! order into the VQP's send CQ. A `qconnect` in a process whose runtime
 //! is up connects by itself (its own datagram tier meets a new peer as
 //! soon, and does not queue behind the agent). The move: the first post
-//! that finds
-//! the process's own link to the peer open (asked for after the first
+//! that finds the process's own link to the peer open (asked for after the first
 //! completion on the agent's path, or `ASK_LATE` after the connect, once
 //! the runtime is up: its handshake does not compete with the first work),
 //! or that the path cannot carry (a SEND, an atomic, a larger one),

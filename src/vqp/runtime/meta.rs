@@ -50,6 +50,13 @@ impl MetaStart {
 /// work on the server is wasted and the next attempt queues behind the
 /// same burst. (The PD's teardown waits for it as long.)
 pub(super) fn background_meta_bound() -> Duration {
+    slow_meta_bound()
+}
+
+/// How long the meta server is waited for once it took our connection:
+/// as a live peer that is slow (`LIVE_BOUND_US`, or the connect timeout
+/// if larger).
+fn slow_meta_bound() -> Duration {
     connect_timeout().max(Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US))
 }
 
@@ -121,8 +128,7 @@ impl Runtime {
             crate::kmark!("meta: lookup by query (TCP)");
             // Its answer waited for as a peer that lives but is slow (a
             // meta server starved by the burst this process is part of).
-            let answer = connect_timeout().max(Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US));
-            match client::parse_addrs(spec).and_then(|addrs| client::query_within(&addrs, key, connect_timeout(), answer)) {
+            match client::parse_addrs(spec).and_then(|addrs| client::query_within(&addrs, key, connect_timeout(), slow_meta_bound())) {
                 Ok(found) => {
                     crate::kmark!("meta: query answered");
                     crate::stats::inc(crate::stats::Stat::KRCORE_STAT_META_QUERIES);
