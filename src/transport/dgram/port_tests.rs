@@ -197,9 +197,12 @@ fn a_writes_first_segments_are_acknowledged_though_unanswered() {
     for p in &packets[..packets.len() - 1] {
         b.on_datagram(&hb, p, &A);
     }
-    assert!(hb.sent.lock().is_empty(), "no RESPONSE before the last segment");
+    // The ACK is delayed 200 µs: a test thread descheduled that long
+    // between two segments sees it sent already, else it is due.
+    let sent = std::mem::take(&mut *hb.sent.lock());
+    assert!(sent.iter().all(|p| matches!(Message::decode(p), Ok(Message::Ack(_)))), "no RESPONSE before the last segment");
     let due = b.inbound.lock().get(&FlowKey::of(ROUTE, &A)).and_then(|f| f.receiver.next_deadline());
-    assert!(due.is_some(), "an ACK is due for the unanswered segments");
+    assert!(!sent.is_empty() || due.is_some(), "an ACK is sent or due for the unanswered segments");
     // The last one's RESPONSE completes the WRITE; the bytes landed.
     b.on_datagram(&hb, packets.last().expect("last"), &A);
     for r in std::mem::take(&mut *hb.sent.lock()) {
