@@ -25,7 +25,11 @@
  *   another 1,000, which must not);
  * - the agent keeps checking the rkey a process READ with before its
  *   lease runs out (its mr_rechecks statistic moves), and a new process
- *   READs through it after.
+ *   READs through it after;
+ * - a send CQ with a completion channel: a FETCH_ADD through the agent
+ *   raises its event, and so do a CMP_SWP and a READ after it, whose
+ *   results follow the FETCH_ADD's; the PD deallocated before that CQ
+ *   is destroyed.
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -282,6 +286,83 @@ static int through_agent(void)
 	return 0;
 }
 
+/* Wait (bounded) for the completion event of `cq` on `ch`, then poll the
+ * one completion it announced and arm the CQ again. */
+static struct ibv_wc evented_wc(struct ibv_comp_channel *ch, struct ibv_cq *cq, const char *what)
+{
+	struct pollfd pfd = { .fd = ch->fd, .events = POLLIN };
+	struct ibv_cq *ev_cq = NULL;
+	void *ev_ctx = NULL;
+	struct ibv_wc wc;
+	int n;
+
+	CT_CHECK(poll(&pfd, 1, 10000) == 1, "%s: no completion event within 10 s", what);
+	CT_OK(ibv_get_cq_event(ch, &ev_cq, &ev_ctx));
+	CT_CHECK(ev_cq == cq, "%s: the event of CQ %p, not %p", what, (void *)ev_cq, (void *)cq);
+	ibv_ack_cq_events(cq, 1);
+	CT_OK(ibv_req_notify_cq(cq, 0));
+	n = ibv_poll_cq(cq, 1, &wc);
+	CT_CHECK(n == 1, "%s: the event came, ibv_poll_cq returned %d", what, n);
+	return wc;
+}
+
+/* A send CQ with a completion channel, and atomics: the first ones go
+ * through the agent (node_wrs), each completion raises its event, the
+ * results are the remote word's values in order. */
+static int evented_atomics_through_agent(void)
+{
+	struct ibv_comp_channel *ch;
+	struct ct_node n;
+	struct ibv_qp *q;
+	struct ibv_wc wc;
+	uint64_t raddr = target[0] + 128, old, now;
+
+	ct_begin("vqp_node: atomics through the agent, completion events");
+	setenv("KRCORE_PRESTART", "0", 1);
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	ch = CT_PTR(ibv_create_comp_channel(n.d.ctx));
+	CT_OK(ibv_destroy_cq(n.scq));
+	n.scq = CT_PTR(ibv_create_cq(n.d.ctx, 64, NULL, ch, 0));
+	q = ct_node_vqp(&n, 16, 16);
+	CT_OK(ibv_req_notify_cq(n.scq, 0));
+	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 1, "node_connects %llu: an evented CQ kept the VQP off the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
+	CT_OK(ct_post_atomic(q, 1, IBV_WR_ATOMIC_FETCH_AND_ADD, &n.b, 2048, raddr, (uint32_t)target[1], 5, 0));
+	wc = evented_wc(ch, n.scq, "the FETCH_ADD");
+	ct_expect_wc(&wc, 1, IBV_WC_FETCH_ADD, "the FETCH_ADD through the agent");
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 1, "node_wrs %llu: the FETCH_ADD did not go through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
+	memcpy(&old, n.b.p + 2048, 8);
+	/* Compare with what the add left: swapped, the word's value returned. */
+	CT_OK(ct_post_atomic(q, 2, IBV_WR_ATOMIC_CMP_AND_SWP, &n.b, 2056, raddr, (uint32_t)target[1], old + 5,
+			     0x5eed0000ull + old));
+	wc = evented_wc(ch, n.scq, "the CMP_SWP");
+	ct_expect_wc(&wc, 2, IBV_WC_COMP_SWAP, "the CMP_SWP");
+	memcpy(&now, n.b.p + 2056, 8);
+	CT_CHECK(now == old + 5, "CMP_SWP returned %llu, the FETCH_ADD left %llu", (unsigned long long)now,
+		 (unsigned long long)(old + 5));
+	memset(n.b.p + 2064, 0, 8);
+	CT_OK(ct_post_send1(q, 3, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2064, 8, raddr, (uint32_t)target[1], 0));
+	wc = evented_wc(ch, n.scq, "the READ");
+	ct_expect_wc(&wc, 3, IBV_WC_RDMA_READ, "the READ of the word");
+	memcpy(&now, n.b.p + 2064, 8);
+	CT_CHECK(now == 0x5eed0000ull + old, "the word is %llu after the swap to %llu", (unsigned long long)now,
+		 (unsigned long long)(0x5eed0000ull + old));
+	ct_expect_quiet(n.scq, 50, "the send CQ after the READ");
+	CT_OK(ibv_destroy_qp(q));
+	/* The PD may go before the CQ whose events were raised. */
+	ct_buf_free(&n.b);
+	CT_OK(ibv_dealloc_pd(n.d.pd));
+	n.d.pd = NULL;
+	CT_OK(ibv_destroy_cq(n.scq));
+	CT_OK(ibv_destroy_cq(n.rcq));
+	CT_OK(ibv_destroy_comp_channel(ch));
+	CT_OK(ibv_close_device(n.d.ctx));
+	ct_pass();
+	return 0;
+}
+
 /* The agent keeps the rkey a process READ with checked (the owner asked
  * again before each 1 s lease runs out): within 10 s it has checked it
  * again at least twice, and a new process's READ through the agent then
@@ -431,13 +512,13 @@ static void malformed_is_dropped(void)
 }
 
 /* One message of the agent's protocol (docs/node.md, "Protocol"): 144
- * bytes, magic "KN", version 4, `kind`, a body of a u64 at 16. */
-enum { NODE_MSG = 144, NODE_HELLO = 1, NODE_WELCOME = 2, NODE_STAGE = 5, NODE_STAGED = 6, NODE_RING = 12 };
+ * bytes, magic "KN", its version, `kind`, a body of a u64 at 16. */
+enum { NODE_MSG = 144, NODE_VERSION = 5, NODE_HELLO = 1, NODE_WELCOME = 2, NODE_STAGE = 5, NODE_STAGED = 6, NODE_RING = 12 };
 enum { STAGING = 1 << 20, RINGS = 8192 };
 
 static void node_send(int fd, int kind, uint64_t body)
 {
-	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, 4, (unsigned char)kind };
+	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, NODE_VERSION, (unsigned char)kind };
 
 	memcpy(m + 16, &body, sizeof(body));
 	CT_CHECK(send(fd, m, sizeof(m), 0) == (ssize_t)sizeof(m), "send kind %d: %s", kind, strerror(errno));
@@ -502,7 +583,7 @@ static void broken_ring_is_dropped(void)
  * vouch for at the meta server (incarnation at 16, GID at 24). */
 static void node_present(int fd, uint64_t incarnation, union ibv_gid gid)
 {
-	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, 4, 13 };
+	unsigned char m[NODE_MSG] = { 0x4b, 0x4e, NODE_VERSION, 13 };
 
 	memcpy(m + 16, &incarnation, sizeof(incarnation));
 	memcpy(m + 24, gid.raw, 16);
@@ -644,6 +725,7 @@ int main(void)
 	fails += ct_run_child(through_agent, "through the agent");
 	rkeys_kept_warm();
 	fails += ct_run_child(through_agent, "through the agent, its rkey kept warm");
+	fails += ct_run_child(evented_atomics_through_agent, "atomics and events through the agent");
 	attach_kill_cycles();
 
 	CT_CHECK(pipe(stop_pipe) == 0 && pipe(stopped_pipe) == 0, "pipe");

@@ -10,7 +10,7 @@
 //! process's token. Nothing of a process outlives its connection: its
 //! VQPs are destroyed, its region deregistered and unmapped.
 
-use super::proto::{Post, OP_READ, OP_WRITE};
+use super::proto::{Post, OP_CMP_AND_SWP, OP_FETCH_AND_ADD, OP_READ, OP_WRITE};
 use crate::error::{Errno, Result};
 use crate::meta::Key;
 use crate::sys::*;
@@ -269,9 +269,13 @@ impl Staging {
     /// unknown, its range outside the region, the VQP's queue full).
     pub fn post(&self, p: &Post, wr_id: u64) -> Result<()> {
         let qp = *self.qps.get(&p.handle).ok_or(Errno::EINVAL)?;
-        if p.opcode != OP_READ && p.opcode != OP_WRITE {
-            return Err(Errno::EINVAL);
-        }
+        let opcode = match p.opcode {
+            OP_READ => ibv_wr_opcode::IBV_WR_RDMA_READ,
+            OP_WRITE => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            OP_CMP_AND_SWP if p.len == 8 => ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP,
+            OP_FETCH_AND_ADD if p.len == 8 => ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD,
+            _ => return Err(Errno::EINVAL),
+        };
         let r = &self.region;
         let end = p.offset.checked_add(p.len as u64).ok_or(Errno::EINVAL)?;
         if end > r.len as u64 {
@@ -284,10 +288,17 @@ impl Staging {
         wr.wr_id = wr_id;
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
-        wr.opcode = if p.opcode == OP_READ { ibv_wr_opcode::IBV_WR_RDMA_READ } else { ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+        wr.opcode = opcode;
         wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        wr.wr.rdma.remote_addr = p.remote;
-        wr.wr.rdma.rkey = p.rkey;
+        if matches!(p.opcode, OP_READ | OP_WRITE) {
+            wr.wr.rdma.remote_addr = p.remote;
+            wr.wr.rdma.rkey = p.rkey;
+        } else {
+            wr.wr.atomic.remote_addr = p.remote;
+            wr.wr.atomic.rkey = p.rkey;
+            wr.wr.atomic.compare_add = p.compare_add;
+            wr.wr.atomic.swap = p.swap;
+        }
         let mut bad = std::ptr::null_mut();
         // SAFETY: ibv_post_send is inline in verbs.h: the context's op, on
         // our live VQP with a WR whose SGE lies in our MR.

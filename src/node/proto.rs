@@ -41,7 +41,7 @@ use crate::meta::proto::{Answer, Query, BOOT_LEN};
 use crate::meta::{Endpoint, Key};
 
 pub const MAGIC: u16 = 0x4e4b;
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 pub const BODY_LEN: usize = BOOT_LEN;
 pub const LEN: usize = 16 + BODY_LEN;
 
@@ -60,6 +60,8 @@ const PRESENT: u8 = 13;
 /// Opcodes a request of the rings carries (`ibv_wr_opcode`).
 pub const OP_WRITE: u32 = 0;
 pub const OP_READ: u32 = 4;
+pub const OP_CMP_AND_SWP: u32 = 5;
+pub const OP_FETCH_AND_ADD: u32 = 6;
 
 /// `LOOKUP`: read the meta server's table now, whatever is cached (an
 /// address may have been bound anew since).
@@ -111,8 +113,9 @@ pub enum Message {
 }
 
 /// One work request through the agent (an entry of the requests' ring):
-/// its bytes at `offset` of the staging region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// its bytes at `offset` of the staging region (an atomic's result: 8
+/// bytes there; `compare_add` and `swap` as in `ibv_send_wr.wr.atomic`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Post {
     pub token: u32,
     pub handle: u32,
@@ -121,6 +124,8 @@ pub struct Post {
     pub rkey: u32,
     pub offset: u64,
     pub remote: u64,
+    pub compare_add: u64,
+    pub swap: u64,
 }
 
 impl Message {

@@ -9,7 +9,8 @@
 //! completions' head (u32, the agent), 192 `reader_asleep` (u32, the
 //! process: 1 while nothing of its reads the completions); 256 [`SLOTS`]
 //! requests of 64 bytes (token, handle, opcode, length, rkey (u32 each),
-//! pad, offset in the region, remote address (u64 each)); then [`SLOTS`]
+//! pad, offset in the region, remote address, an atomic's compare/add and
+//! swap (u64 each), pad); then [`SLOTS`]
 //! completions of 16 bytes (token, status, byte_len (u32 each), pad).
 //!
 //! Each side keeps its own tail (never read from the shared memory), so a
@@ -124,8 +125,9 @@ impl Rings {
             for (i, v) in [p.token, p.handle, p.opcode, p.len, p.rkey].into_iter().enumerate() {
                 self.u32(e + 4 * i).store(v, Ordering::Relaxed);
             }
-            self.u64(e + 24).store(p.offset, Ordering::Relaxed);
-            self.u64(e + 32).store(p.remote, Ordering::Relaxed);
+            for (i, v) in [p.offset, p.remote, p.compare_add, p.swap].into_iter().enumerate() {
+                self.u64(e + 24 + 8 * i).store(v, Ordering::Relaxed);
+            }
         })
     }
 
@@ -134,14 +136,17 @@ impl Rings {
     pub fn take_requests(&self, tail: &mut u32) -> Result<Vec<Post>, Broken> {
         self.take(&REQUESTS, tail, |e| {
             let f = |i: usize| self.u32(e + 4 * i).load(Ordering::Relaxed);
+            let g = |i: usize| self.u64(e + 24 + 8 * i).load(Ordering::Relaxed);
             Post {
                 token: f(0),
                 handle: f(1),
                 opcode: f(2),
                 len: f(3),
                 rkey: f(4),
-                offset: self.u64(e + 24).load(Ordering::Relaxed),
-                remote: self.u64(e + 32).load(Ordering::Relaxed),
+                offset: g(0),
+                remote: g(1),
+                compare_add: g(2),
+                swap: g(3),
             }
         })
     }
@@ -200,7 +205,19 @@ mod tests {
     }
 
     fn post(token: u32) -> Post {
-        Post { token, handle: 3, opcode: super::super::proto::OP_READ, len: 8, rkey: 9, offset: 16 << 10, remote: u64::MAX - token as u64 }
+        // Every field distinct, the atomic's operands at their extremes.
+        let opcode = super::super::proto::OP_CMP_AND_SWP;
+        Post {
+            token,
+            handle: 3,
+            opcode,
+            len: 8,
+            rkey: 9,
+            offset: 16 << 10,
+            remote: u64::MAX - token as u64,
+            compare_add: u64::MAX,
+            swap: 1 << 63 | token as u64,
+        }
     }
 
     #[test]

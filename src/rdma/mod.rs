@@ -46,8 +46,19 @@ pub struct Device {
     pub port_attr: ibv_port_attr,
     pub dev_attr: ibv_device_attr,
     pub name: String,
-    /// Opened here (closed on drop), or the application's (left alone).
-    owned: bool,
+    /// What goes with it.
+    owns: Owns,
+}
+
+/// What a [`Device`] made, and so releases on drop.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Owns {
+    /// The application's context and PD (left alone).
+    Nothing,
+    /// A PD of its own on the application's context.
+    Pd,
+    /// A context it opened and its PD.
+    All,
 }
 
 // SAFETY: libibverbs contexts and PDs may be used from any thread.
@@ -102,7 +113,7 @@ impl Device {
             e
         };
         let pd = call_real!(ibv_alloc_pd(ctx)).and_then(non_null).map_err(close)?;
-        Device::describe(ctx, pd, dname, true).inspect_err(|_| {
+        Device::describe(ctx, pd, dname, Owns::All).inspect_err(|_| {
             let _ = call_real!(ibv_dealloc_pd(pd));
             let _ = call_real!(ibv_close_device(ctx));
         })
@@ -114,25 +125,44 @@ impl Device {
     /// # Safety
     /// `ctx` and `pd` are live real objects that outlive the result.
     pub unsafe fn borrow(ctx: *mut ibv_context, pd: *mut ibv_pd) -> Result<Arc<Device>> {
+        // SAFETY: caller contract.
+        Device::describe(ctx, pd, unsafe { Device::name_of(ctx) }, Owns::Nothing)
+    }
+
+    /// The application's real context with a PD of our own (deallocated
+    /// on drop), for objects that must not hold the application's PD.
+    ///
+    /// # Safety
+    /// `ctx` is a live real context that outlives the result.
+    pub unsafe fn with_own_pd(ctx: *mut ibv_context) -> Result<Arc<Device>> {
+        let pd = call_real!(ibv_alloc_pd(ctx)).and_then(non_null)?;
+        // SAFETY: caller contract.
+        Device::describe(ctx, pd, unsafe { Device::name_of(ctx) }, Owns::Pd).inspect_err(|_| {
+            let _ = call_real!(ibv_dealloc_pd(pd));
+        })
+    }
+
+    /// # Safety
+    /// `ctx` is a live real context.
+    unsafe fn name_of(ctx: *mut ibv_context) -> String {
         // SAFETY: a live real context (caller contract).
         let dev = unsafe { (*ctx).device };
-        let name = call_real!(ibv_get_device_name(dev))
+        call_real!(ibv_get_device_name(dev))
             .ok()
             .filter(|p| !p.is_null())
             // SAFETY: a NUL-terminated name owned by the device.
             .map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        Device::describe(ctx, pd, name, false)
+            .unwrap_or_default()
     }
 
-    fn describe(ctx: *mut ibv_context, pd: *mut ibv_pd, name: String, owned: bool) -> Result<Arc<Device>> {
+    fn describe(ctx: *mut ibv_context, pd: *mut ibv_pd, name: String, owns: Owns) -> Result<Arc<Device>> {
         // SAFETY: a plain C struct, filled by the query.
         let mut dev_attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         let port = PORT;
         // SAFETY: the live real context describe is given.
         let port_attr = unsafe { query_port(ctx) }?;
         ok_or_errno(call_real!(ibv_query_device(ctx, &mut dev_attr))?)?;
-        Ok(Arc::new(Device { ctx, pd, port, port_attr, dev_attr, name, owned }))
+        Ok(Arc::new(Device { ctx, pd, port, port_attr, dev_attr, name, owns }))
     }
 
     /// The GID at `index` of our port.
@@ -212,8 +242,10 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        if self.owned {
+        if self.owns != Owns::Nothing {
             let _ = call_real!(ibv_dealloc_pd(self.pd));
+        }
+        if self.owns == Owns::All {
             let _ = call_real!(ibv_close_device(self.ctx));
         }
     }

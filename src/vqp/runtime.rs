@@ -98,11 +98,8 @@ pub struct Runtime {
     /// and whose event woke only that thread waits for the next poll; an
     /// application asleep on a completion channel never makes one).
     progress_again: AtomicBool,
-    /// The CQs this runtime's VQPs deliver to (their notifiers live on
-    /// this PD).
-    cqs: Mutex<Vec<Weak<CqSoft>>>,
-    /// How many of those CQs are armed: the service thread wakes on link
-    /// completions only while some are.
+    /// How many of the CQs this runtime's VQPs deliver to are armed: the
+    /// service thread wakes on link completions only while some are.
     armed_cqs: std::sync::atomic::AtomicUsize,
     /// Checks of peers' rkeys waiting for answers, answers owed.
     pub mr_checks: super::mrcheck::Checks,
@@ -230,7 +227,6 @@ impl Runtime {
             preparing: AtomicBool::new(false),
             progress: Mutex::new(LastVqp::default()),
             progress_again: AtomicBool::new(false),
-            cqs: Mutex::new(Vec::new()),
             armed_cqs: std::sync::atomic::AtomicUsize::new(0),
             mr_checks: super::mrcheck::Checks::default(),
             next_tag: std::sync::atomic::AtomicU32::new(1),
@@ -341,11 +337,6 @@ impl Runtime {
         let started = started.and_then(|s| s.wait_until(Instant::now() + background_meta_bound())).and_then(|(r, _)| r.ok());
         for meta in self.meta.get().into_iter().chain(started.as_ref()) {
             meta.shutdown();
-        }
-        // Notifiers are QPs on this PD; a CQ that needs one again makes it
-        // again (with the next runtime).
-        for cq in self.cqs.lock().iter().filter_map(Weak::upgrade) {
-            cq.drop_notifier();
         }
     }
 

@@ -5,7 +5,7 @@
 //! yet (its start is under way, from `ibv_alloc_pd`, or started now in the
 //! background) connects a VQP of the agent's instead of waiting, and
 //! returns. Its RDMA READs and WRITEs (up to
-//! [`agent::SLOT`] bytes, not inline) go through the agent from then on,
+//! [`agent::SLOT`] bytes, not inline) and atomics go through the agent from then on,
 //! copied through the staging region, their completions delivered in
 //! order into the VQP's send CQ. A `qconnect` in a process whose runtime
 //! is up connects by itself (its own datagram tier meets a new peer as
@@ -13,13 +13,12 @@
 //! that finds the process's own link to the peer open (asked for after the first
 //! completion on the agent's path, or `ASK_LATE` after the connect, once
 //! the runtime is up: its handshake does not compete with the first work),
-//! or that the path cannot carry (a SEND, an atomic, a larger one),
+//! or that the path cannot carry (a SEND, a larger one),
 //! waits until everything on the agent's path completed, then connects the
 //! VQP itself (`connect_to`) and goes on there: nothing posted after can
 //! overtake what went through the agent.
 //!
-//! Not taken when the send CQ has a completion channel (events on it need
-//! the process's runtime), for transparent VQPs, or for bound ones.
+//! Not taken for transparent VQPs, or for bound ones.
 
 use super::*;
 use crate::transport::agent::{self, AgentPath};
@@ -57,11 +56,26 @@ struct InFlight {
     token: u32,
     wr_id: u64,
     signaled: bool,
-    read: bool,
+    /// The work request's (`ibv_wr_opcode`).
+    opcode: u32,
     len: u32,
     slot: u16,
-    /// A READ's destination: the application's SGEs.
+    /// Where a READ's bytes or an atomic's result go: the application's
+    /// SGEs.
     sges: Vec<ibv_sge>,
+}
+
+// A request's opcode is the work request's.
+const _: () = assert!(
+    crate::node::proto::OP_WRITE == ibv_wr_opcode::IBV_WR_RDMA_WRITE
+        && crate::node::proto::OP_READ == ibv_wr_opcode::IBV_WR_RDMA_READ
+        && crate::node::proto::OP_CMP_AND_SWP == ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP
+        && crate::node::proto::OP_FETCH_AND_ADD == ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD
+);
+
+/// Whether work of `opcode` brings bytes back into its SGEs.
+fn returns_bytes(opcode: u32) -> bool {
+    opcode != ibv_wr_opcode::IBV_WR_RDMA_WRITE
 }
 
 impl agent::User for Vqp {
@@ -73,7 +87,7 @@ impl agent::User for Vqp {
         // connection carries stays in order.
         debug_assert_eq!(pos, 0, "the agent's completions come in order");
         let f = leg.inflight.remove(pos).expect("found");
-        if status == ibv_wc_status::IBV_WC_SUCCESS && f.read {
+        if status == ibv_wc_status::IBV_WC_SUCCESS && returns_bytes(f.opcode) {
             // SAFETY: the slot is this work request's, back from the agent;
             // the SGEs were checked against the application's MRs at post.
             let src = unsafe { leg.path.bytes(f.slot) };
@@ -93,9 +107,9 @@ impl agent::User for Vqp {
             self.ask_own_link(leg);
         }
         if f.signaled || status != ibv_wc_status::IBV_WC_SUCCESS {
-            let opcode = if f.read { ibv_wc_opcode::IBV_WC_RDMA_READ } else { ibv_wc_opcode::IBV_WC_RDMA_WRITE };
-            let byte_len = if f.read && status == ibv_wc_status::IBV_WC_SUCCESS { f.len } else { 0 };
-            let wc = super::super::queue::Completion { wr_id: f.wr_id, status, opcode, byte_len }.to_wc(self.qpn());
+            // The length as the process's own path reports it.
+            let byte_len = if status == ibv_wc_status::IBV_WC_SUCCESS { f.len } else { 0 };
+            let wc = super::super::queue::Completion { wr_id: f.wr_id, status, opcode: wc_opcode_of(f.opcode), byte_len }.to_wc(self.qpn());
             self.send_soft.push(wc);
         }
         drop(g);
@@ -107,11 +121,6 @@ impl Vqp {
     /// `qconnect` through the agent, when it applies (see the module
     /// doc); else [`Via::Own`].
     pub(super) fn connect_via_agent(&self, key: &crate::meta::Key) -> Via {
-        // SAFETY: the application's live CQ (a VQP's CQs outlive it).
-        let evented = unsafe { !(*self.app.send_cq).channel.is_null() };
-        if evented {
-            return Via::Own;
-        }
         // Our runtime is up: by ourselves. A warm process met a new peer
         // no sooner through the agent (4.3 ms, against 4.3-4.9 ms on its
         // own datagram tier: bench/connect-compare.sh, stops 36-37), and
@@ -195,11 +204,7 @@ impl Vqp {
             self.send_soft.push(wc);
             return Some(Ok(()));
         }
-        let carried = matches!(w.opcode, ibv_wr_opcode::IBV_WR_RDMA_READ | ibv_wr_opcode::IBV_WR_RDMA_WRITE)
-            && w.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 == 0
-            && total <= agent::SLOT as u64
-            && !leg.path.is_dead()
-            && self.local_ok(sges, w.opcode == ibv_wr_opcode::IBV_WR_RDMA_READ);
+        let carried = carried(w, sges, total) && !leg.path.is_dead() && self.local_ok(sges, returns_bytes(w.opcode));
         if !carried || self.own_link_open(leg) {
             drop(g);
             return match self.move_off_agent() {
@@ -227,8 +232,7 @@ impl Vqp {
             }
         };
         let leg = g.as_mut().expect("on the path");
-        let read = w.opcode == ibv_wr_opcode::IBV_WR_RDMA_READ;
-        if !read {
+        if !returns_bytes(w.opcode) {
             // SAFETY: the slot is ours until its completion.
             let dst = unsafe { leg.path.bytes(slot) };
             let mut at = 0;
@@ -239,20 +243,26 @@ impl Vqp {
             }
         }
         let token = leg.path.token();
-        // SAFETY: a plain union read: RDMA opcodes use `rdma`.
-        let (remote, rkey) = unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
-        let post = crate::node::proto::Post {
-            token,
-            handle: leg.handle,
-            opcode: if read { crate::node::proto::OP_READ } else { crate::node::proto::OP_WRITE },
-            len: total as u32,
-            rkey,
-            offset: 0,
-            remote,
-        };
+        let mut post = crate::node::proto::Post { token, handle: leg.handle, opcode: w.opcode, len: total as u32, ..Default::default() };
+        if returns_bytes(w.opcode) && w.opcode != ibv_wr_opcode::IBV_WR_RDMA_READ {
+            // SAFETY: a plain union read: atomic opcodes use `atomic`.
+            let a = unsafe { w.wr.atomic };
+            (post.remote, post.rkey, post.compare_add, post.swap) = (a.remote_addr, a.rkey, a.compare_add, a.swap);
+        } else {
+            // SAFETY: a plain union read: RDMA opcodes use `rdma`.
+            (post.remote, post.rkey) = unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
+        }
         let Some(me) = lookup(self.slot, self.gen) else { return Some(Err(Errno::EINVAL)) };
         let me: Weak<dyn agent::User> = Arc::downgrade(&me) as Weak<dyn agent::User>;
-        leg.inflight.push_back(InFlight { token, wr_id: w.wr_id, signaled, read, len: total as u32, slot, sges: sges.to_vec() });
+        leg.inflight.push_back(InFlight {
+            token,
+            wr_id: w.wr_id,
+            signaled,
+            opcode: w.opcode,
+            len: total as u32,
+            slot,
+            sges: sges.to_vec(),
+        });
         if let Err(e) = leg.path.post(post, slot, me) {
             leg.inflight.pop_back();
             leg.path.release(slot);
@@ -263,8 +273,8 @@ impl Vqp {
     }
 
     /// Whether `sges` lie in the application's MRs of our PD, with local
-    /// write access for a READ (else the process's own path reports the
-    /// error as RC does).
+    /// write access where bytes come back (else the process's own path
+    /// reports the error as RC does).
     fn local_ok(&self, sges: &[ibv_sge], read: bool) -> bool {
         let pd = self.app.real_pd as usize;
         sges.iter().all(|s| {
@@ -317,6 +327,24 @@ impl Vqp {
             klog!(Level::Warn, "vqp {:#x}: destroyed with {} work requests still with the agent", self.qpn(), leg.inflight.len());
         }
         leg.path.close(leg.handle);
+    }
+}
+
+/// Whether the agent's path carries `w` (its `sges`, of `total` bytes):
+/// RDMA READ and WRITE up to a slot, not inline, and atomics on one
+/// aligned 8-byte word (anything else makes the move: the process's own
+/// path reports its errors as RC does).
+fn carried(w: &ibv_send_wr, sges: &[ibv_sge], total: u64) -> bool {
+    match w.opcode {
+        ibv_wr_opcode::IBV_WR_RDMA_READ | ibv_wr_opcode::IBV_WR_RDMA_WRITE => {
+            w.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 == 0 && total <= agent::SLOT as u64
+        }
+        ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP | ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD => {
+            // SAFETY: a plain union read: atomic opcodes use `atomic`.
+            let remote = unsafe { w.wr.atomic.remote_addr };
+            sges.len() == 1 && total == 8 && remote % 8 == 0
+        }
+        _ => false,
     }
 }
 

@@ -13,23 +13,31 @@ pub const NOTIFY_WR_ID: u64 = 0x4b52_4e4f_5449_4659;
 /// posted there) whose send completion lands in the application's real
 /// CQ, which the kernel then signals on the CQ's completion channel like
 /// any other completion. `ibv_poll_cq` drops that completion.
+///
+/// Its objects are on a PD of its own: it needs no runtime (a VQP on the
+/// agent's path completes before its process's runtime is up), and the
+/// application may deallocate its PDs before it destroys the CQ.
 struct Notifier {
     qp: Qp,
     ah: Ah,
     _cq: Arc<Cq>,
+    _dev: Arc<Device>,
 }
 
 impl Notifier {
-    fn new(rt: &Runtime, real_cq: *mut ibv_cq) -> Result<Notifier> {
-        let dev = rt.svc.device();
-        let cq = Arc::new(Cq::new(dev, 4)?);
+    fn new(real_cq: *mut ibv_cq) -> Result<Notifier> {
+        // SAFETY: the application's live CQ and its context, which
+        // outlives it.
+        let dev = unsafe { Device::with_own_pd((*real_cq).context) }?;
+        let cq = Arc::new(Cq::new(&dev, 4)?);
         let caps = Caps { send_wr: 64, recv_wr: 1, send_sge: 1, recv_sge: 1, inline: 0 };
-        let qp = Qp::with_send_cq(dev, ibv_qp_type::IBV_QPT_UD, SendCq::Foreign(real_cq), &cq, None, caps)?;
+        let qp = Qp::with_send_cq(&dev, ibv_qp_type::IBV_QPT_UD, SendCq::Foreign(real_cq), &cq, None, caps)?;
         qp.ud_ready()?;
-        let gid = dev.gid(rt.svc.gid_index())?;
-        let mut attr = qp.ah_attr(rt.svc.gid_index(), &gid);
-        let ah = Ah::new(dev, &mut attr)?;
-        Ok(Notifier { qp, ah, _cq: cq })
+        // To itself: any usable GID of the port.
+        let index = dev.default_gid_index()?;
+        let mut attr = qp.ah_attr(index, &dev.gid(index)?);
+        let ah = Ah::new(&dev, &mut attr)?;
+        Ok(Notifier { qp, ah, _cq: cq, _dev: dev })
     }
 
     fn ring(&self) -> Result<()> {
@@ -148,7 +156,6 @@ impl CqSoft {
         let mut r = self.runtimes.lock();
         if !r.iter().any(|w| w.as_ptr() == Arc::as_ptr(rt)) {
             r.push(Arc::downgrade(rt));
-            rt.cqs.lock().push(Arc::downgrade(self));
             // Armed already: this runtime's completions must raise the
             // event too.
             if self.armed.load(Ordering::Acquire) {
@@ -313,9 +320,7 @@ impl CqSoft {
             return;
         }
         if n.is_none() {
-            let rt = self.runtimes.lock().iter().find_map(Weak::upgrade);
-            let Some(rt) = rt else { return };
-            match Notifier::new(&rt, self.real_cq) {
+            match Notifier::new(self.real_cq) {
                 Ok(made) => {
                     self.notifier_qpn.store(made.qp.qpn(), Ordering::Release);
                     *n = Some(made);
@@ -331,12 +336,6 @@ impl CqSoft {
                 klog!(Level::Warn, "vqp: raising a completion event failed: {e:?}");
             }
         }
-    }
-
-    /// The notifier goes (a QP on the runtime's PD, which is going); the
-    /// next arm makes another.
-    pub(super) fn drop_notifier(&self) {
-        self.notifier.lock().take();
     }
 
     /// Whether a notifier was made (its completions land in the real CQ).
