@@ -68,6 +68,9 @@
 #                              diagnosis: logs go to the servers' logs and
 #                              burst-*.err, and change the timings; "info"
 #                              costs little, "debug" ruins a burst)
+#   KRCORE_BENCH_SERVER_LOG    KRCORE_LOG for kv_server alone (the side a
+#                              burst's failures were seen on; overrides
+#                              KRCORE_BENCH_LOG there)
 #   KRCORE_VM_MEMORY           the VM's memory (scripts/vm-run.sh; this
 #                              script's default 3G: 64 clients and a server)
 set -euo pipefail
@@ -154,7 +157,7 @@ start_servers() {
         start_agent "$tag" || return 1
     fi
     KRCORE_GID_INDEX="$server_gid" KRCORE_STATS_FILE="$PWD/$out/server-$tag.json" \
-        "$bindir/$sbin" -a "$addr" -P "$port" >"$out/server-$tag.log" 2>&1 &
+        ${KRCORE_BENCH_SERVER_LOG:+KRCORE_LOG="$KRCORE_BENCH_SERVER_LOG"} "$bindir/$sbin" -a "$addr" -P "$port" >"$out/server-$tag.log" 2>&1 &
     server_pid=$!
     wait_ready "$out/server-$tag.log" "$server_pid" '/^kv_server: ready:/p' >/dev/null
 }
@@ -353,6 +356,7 @@ if ((!report_only)); then
             ${KRCORE_BENCH_AGENT_ARGS:+KRCORE_BENCH_AGENT_ARGS="$KRCORE_BENCH_AGENT_ARGS"} \
             ${KRCORE_BENCH_AGENT_READY:+KRCORE_BENCH_AGENT_READY="$KRCORE_BENCH_AGENT_READY"} \
             ${KRCORE_BENCH_LOG:+KRCORE_LOG="$KRCORE_BENCH_LOG"} \
+            ${KRCORE_BENCH_SERVER_LOG:+KRCORE_BENCH_SERVER_LOG="$KRCORE_BENCH_SERVER_LOG"} \
             bash bench/elastic-compare.sh "$repeats" || vm_rc=$?
     fi
     kill "$sampler" 2>/dev/null || true

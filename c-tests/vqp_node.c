@@ -6,6 +6,8 @@
  *   makes no meta-server connection of its own: a SEND echoed by a bound
  *   VQP and a READ of the server's buffer, checked byte for byte;
  *   node_lookups >= 1, meta_connections 0, meta_queries 0;
+ * - a process whose runtime is up connects by itself (node_connects 0),
+ *   its lookup still the agent's;
  * - the socket is its user's only (mode 0600), and a process of another
  *   user cannot attach;
  * - a process that sends a malformed message is dropped, and the agent
@@ -223,6 +225,32 @@ static int attached_client(void)
 		 (unsigned long long)stat_of(KRCORE_STAT_META_QUERIES));
 	CT_CHECK(stat_of(KRCORE_STAT_NODE_FALLBACKS) == 0, "node_fallbacks %llu",
 		 (unsigned long long)stat_of(KRCORE_STAT_NODE_FALLBACKS));
+	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
+/* A process whose runtime is up (started at its first PD, waited for)
+ * connects by itself: its lookup through the agent, its VQP its own
+ * (node_connects 0), and still no meta-server connection of its own. */
+static int warm_attached_client(void)
+{
+	struct ct_node n;
+	uint64_t until;
+
+	ct_begin("vqp_node: a warm attached process connects by itself");
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	until = ct_now_ns() + 10000000000ull;
+	while (stat_of(KRCORE_STAT_RUNTIMES_PRESTARTED) == 0) {
+		CT_CHECK(ct_now_ns() < until, "the runtime not started within 10 s of the first PD");
+		usleep(1000);
+	}
+	exchange(&n, 2);
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 0, "node_connects %llu: a warm process went through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_LOOKUPS) >= 1, "node_lookups 0: the lookup was not the agent's");
+	CT_CHECK(stat_of(KRCORE_STAT_META_CONNECTIONS) == 0, "meta_connections %llu",
+		 (unsigned long long)stat_of(KRCORE_STAT_META_CONNECTIONS));
 	node_close(&n);
 	ct_pass();
 	return 0;
@@ -721,6 +749,7 @@ int main(void)
 	fails += ct_run_child(other_user, "another user");
 	malformed_is_dropped();
 	fails += ct_run_child(attached_client, "attached client after junk");
+	fails += ct_run_child(warm_attached_client, "warm attached client");
 	broken_ring_is_dropped();
 	fails += ct_run_child(through_agent, "through the agent");
 	rkeys_kept_warm();
