@@ -157,7 +157,7 @@ start_servers() {
         start_agent "$tag" || return 1
     fi
     KRCORE_GID_INDEX="$server_gid" KRCORE_STATS_FILE="$PWD/$out/server-$tag.json" \
-        ${KRCORE_BENCH_SERVER_LOG:+KRCORE_LOG="$KRCORE_BENCH_SERVER_LOG"} "$bindir/$sbin" -a "$addr" -P "$port" >"$out/server-$tag.log" 2>&1 &
+        env ${KRCORE_BENCH_SERVER_LOG:+KRCORE_LOG="$KRCORE_BENCH_SERVER_LOG"} "$bindir/$sbin" -a "$addr" -P "$port" >"$out/server-$tag.log" 2>&1 &
     server_pid=$!
     wait_ready "$out/server-$tag.log" "$server_pid" '/^kv_server: ready:/p' >/dev/null
 }

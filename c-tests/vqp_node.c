@@ -28,9 +28,10 @@
  * - the agent keeps checking the rkey a process READ with before its
  *   lease runs out (its mr_rechecks statistic moves), and a new process
  *   READs through it after;
- * - a send CQ with a completion channel: a FETCH_ADD through the agent
- *   raises its event, and so do a CMP_SWP and a READ after it, whose
- *   results follow the FETCH_ADD's; the PD deallocated before that CQ
+ * - a send CQ with a completion channel: a WRITE and a FETCH_ADD through
+ *   the agent (the FETCH_ADD's event raised, the written value returned),
+ *   then a CMP_SWP and a READ, each with its event, whose results follow
+ *   the FETCH_ADD's; the PD deallocated before that CQ
  *   is destroyed.
  */
 #define _GNU_SOURCE
@@ -356,12 +357,20 @@ static int evented_atomics_through_agent(void)
 	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
 	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 1, "node_connects %llu: an evented CQ kept the VQP off the agent",
 		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
+	/* The word set (an unsignaled WRITE), then added to: its old value
+	 * comes back. */
+	now = 0x1234567890ull;
+	memcpy(n.b.p + 2040, &now, 8);
+	CT_OK(ct_post_send1(q, 9, IBV_WR_RDMA_WRITE, 0, &n.b, 2040, 8, raddr, (uint32_t)target[1], 0));
 	CT_OK(ct_post_atomic(q, 1, IBV_WR_ATOMIC_FETCH_AND_ADD, &n.b, 2048, raddr, (uint32_t)target[1], 5, 0));
 	wc = evented_wc(ch, n.scq, "the FETCH_ADD");
 	ct_expect_wc(&wc, 1, IBV_WC_FETCH_ADD, "the FETCH_ADD through the agent");
-	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 1, "node_wrs %llu: the FETCH_ADD did not go through the agent",
+	CT_CHECK(wc.byte_len == 8, "the FETCH_ADD's byte_len %u", wc.byte_len);
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 2, "node_wrs %llu: the WRITE and FETCH_ADD did not go through the agent",
 		 (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
 	memcpy(&old, n.b.p + 2048, 8);
+	CT_CHECK(old == now, "FETCH_ADD returned %llu, the word was %llu", (unsigned long long)old,
+		 (unsigned long long)now);
 	/* Compare with what the add left: swapped, the word's value returned. */
 	CT_OK(ct_post_atomic(q, 2, IBV_WR_ATOMIC_CMP_AND_SWP, &n.b, 2056, raddr, (uint32_t)target[1], old + 5,
 			     0x5eed0000ull + old));
