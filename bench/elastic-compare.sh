@@ -157,9 +157,21 @@ start_servers() {
         start_agent "$tag" || return 1
     fi
     KRCORE_GID_INDEX="$server_gid" KRCORE_STATS_FILE="$PWD/$out/server-$tag.json" \
-        env ${KRCORE_BENCH_SERVER_LOG:+KRCORE_LOG="$KRCORE_BENCH_SERVER_LOG"} "$bindir/$sbin" -a "$addr" -P "$port" >"$out/server-$tag.log" 2>&1 &
+        env ${KRCORE_BENCH_SERVER_LOG:+KRCORE_LOG="$KRCORE_BENCH_SERVER_LOG"} "$bindir/$sbin" -a "$addr" -P "$port" >"$(server_log "$tag")" 2>&1 &
     server_pid=$!
-    wait_ready "$out/server-$tag.log" "$server_pid" '/^kv_server: ready:/p' >/dev/null
+    wait_ready "$(server_log "$tag")" "$server_pid" '/^kv_server: ready:/p' >/dev/null
+}
+
+# Where kv_server (tag $1) logs: with KRCORE_BENCH_SERVER_LOG, in the VM's
+# memory (a write to the shared results directory blocks the writer, and
+# a server logging every packet there starves its own service thread),
+# moved into $out when it stops.
+server_log() {
+    if [[ -n "${KRCORE_BENCH_SERVER_LOG:-}" && -w /dev/shm ]]; then
+        echo "/dev/shm/server-$1.log"
+    else
+        echo "$out/server-$1.log"
+    fi
 }
 
 # Stops whatever start_servers started (tag $1); 1 if the server did not
@@ -168,6 +180,9 @@ stop_servers() {
     local tag="$1" rc=0
     if [[ -n "$server_pid" ]]; then stop_pid "$server_pid" || rc=$?; fi
     server_pid=
+    if [[ "$(server_log "$tag")" != "$out/server-$tag.log" ]]; then
+        mv "$(server_log "$tag")" "$out/server-$tag.log" 2>/dev/null || true
+    fi
     stop_agent
     if [[ -n "$meta_pid" ]]; then stop_pid "$meta_pid" || true; fi
     meta_pid=

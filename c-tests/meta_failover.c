@@ -43,6 +43,10 @@
  *    a live peer's, not for the 1 s connect timeout); after SIGCONT it
  *    succeeds, and the connection its runtime started making at the start
  *    is made (none failed).
+ * 7. "a meta server that never answers fails a new process's first
+ *    qconnect, bounded": as 6, M3 never continued: ETIMEDOUT after the
+ *    10 s a live peer's answer is waited for (more than 3 connect
+ *    timeouts, less than 10 s and 5).
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -345,7 +349,7 @@ int main(void)
 	char m1[64], m2[64], m3[64], both[160];
 	int base = 20000 + (getpid() % 6000) * 3;
 	pid_t p1, p2, p3;
-	struct worker binder, looker, late, checker, b3, c3, fresh3, victim, prober, slow, newcomer;
+	struct worker binder, looker, late, checker, b3, c3, fresh3, victim, prober, slow, newcomer, forsaken;
 	int fails = 0;
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -607,6 +611,29 @@ int main(void)
 	}
 	ct_pass();
 
+	/* 7 ------------------------------------------------------------------ */
+	ct_begin("meta_failover: a meta server that never answers fails a new process's first qconnect, bounded");
+	/* As 6, but M3 stays stopped: the query's answer is waited for as a
+	 * live peer's (10 s) and no longer; the qconnect fails ETIMEDOUT. */
+	CT_CHECK(kill(p3, SIGSTOP) == 0, "SIGSTOP M3");
+	spawn(&forsaken, 8, m3, NULL, "a process started while M3 stays stopped (node 8)");
+	{
+		struct cmd c = { CMD_CONNECT, 6, PORT + 50, 0 };
+		struct pollfd pfd = { forsaken.from, POLLIN, 0 };
+		struct resp r;
+
+		CT_CHECK(write(forsaken.to, &c, sizeof(c)) == sizeof(c), "command to the process");
+		CT_CHECK(poll(&pfd, 1, 30000) == 1, "no answer 30 s after M3 stopped");
+		CT_CHECK(read(forsaken.from, &r, sizeof(r)) == sizeof(r), "the process died");
+		CT_CHECK(kill(p3, SIGCONT) == 0, "SIGCONT M3");
+		CT_CHECK(r.rc == ETIMEDOUT, "qconnect with M3 stopped: %d (%s), not ETIMEDOUT", r.rc, strerror(r.rc));
+		CT_CHECK(ms_of(&r) > 3 * CONNECT_TIMEOUT_MS && ms_of(&r) < 10000 + 5 * CONNECT_TIMEOUT_MS,
+			 "it failed after %.0f ms, not about 10 s", ms_of(&r));
+		ct_note("M3 stopped: the first qconnect failed ETIMEDOUT after %.0f ms", ms_of(&r));
+	}
+	ct_pass();
+
+	fails += quit(&forsaken);
 	fails += quit(&newcomer);
 	fails += quit(&slow);
 	fails += quit(&prober);

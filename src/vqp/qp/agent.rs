@@ -359,3 +359,43 @@ unsafe fn sge_list(w: &ibv_send_wr) -> &[ibv_sge] {
     // SAFETY: caller contract.
     unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wr(opcode: u32, flags: u32, remote: u64) -> ibv_send_wr {
+        // SAFETY: a plain C struct.
+        let mut w: ibv_send_wr = unsafe { std::mem::zeroed() };
+        w.opcode = opcode;
+        w.send_flags = flags;
+        w.wr.atomic.remote_addr = remote;
+        w
+    }
+
+    fn sges(lens: &[u32]) -> Vec<ibv_sge> {
+        lens.iter().map(|&length| ibv_sge { addr: 0x1000, length, lkey: 1 }).collect()
+    }
+
+    #[test]
+    fn the_path_carries_one_sided_work_within_a_slot_and_aligned_atomics() {
+        use ibv_wr_opcode::*;
+        let (read, write) = (IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE);
+        let slot = agent::SLOT as u32;
+        assert!(carried(&wr(read, 0, 0), &sges(&[slot]), slot as u64));
+        assert!(carried(&wr(write, 0, 0), &sges(&[8, 8]), 16));
+        assert!(!carried(&wr(read, 0, 0), &sges(&[slot, 1]), slot as u64 + 1), "larger than a slot");
+        let inline = ibv_send_flags::IBV_SEND_INLINE.0;
+        assert!(!carried(&wr(write, inline, 0), &sges(&[8]), 8), "inline");
+        for op in [IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD] {
+            assert!(carried(&wr(op, 0, 0x1008), &sges(&[8]), 8));
+            assert!(!carried(&wr(op, 0, 0x1004), &sges(&[8]), 8), "misaligned");
+            assert!(!carried(&wr(op, 0, 0x1008), &sges(&[4, 4]), 8), "two SGEs");
+            assert!(!carried(&wr(op, 0, 0x1008), &sges(&[16]), 16), "not one word");
+        }
+        for op in [IBV_WR_SEND, IBV_WR_SEND_WITH_IMM, IBV_WR_RDMA_WRITE_WITH_IMM] {
+            assert!(!carried(&wr(op, 0, 0), &sges(&[8]), 8), "opcode {op}: makes the move");
+        }
+        assert!(returns_bytes(read) && returns_bytes(IBV_WR_ATOMIC_FETCH_AND_ADD) && !returns_bytes(write));
+    }
+}
