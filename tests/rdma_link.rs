@@ -490,3 +490,55 @@ fn address_handles_are_bounded_and_the_idle_ones_make_room() {
     send(&peers[1]).expect("node 4 kept (used last)");
     drop((peers, a));
 }
+
+#[test]
+#[ignore = "needs an RDMA device (run by the integration suite in the VM)"]
+fn a_flood_of_datagrams_leaves_the_progress_thread_its_turn() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let dev = device();
+    let a = Arc::new(service_on(&dev, 2));
+    let b = Arc::new(service_on(&dev, 3));
+    // Every datagram costs its handler 1 ms (a server starved of CPU):
+    // the flood below arrives faster than that.
+    let handled = Arc::new(AtomicUsize::new(0));
+    let h = Arc::clone(&handled);
+    a.on_datagram(Box::new(move |_, _| {
+        h.fetch_add(1, SeqCst);
+        std::thread::sleep(Duration::from_millis(1));
+    }));
+    let stop = Arc::new(AtomicBool::new(false));
+    // The application's thread takes datagrams without pause.
+    let poller = {
+        let (a, stop) = (Arc::clone(&a), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !stop.load(SeqCst) {
+                a.poll_datagrams();
+            }
+        })
+    };
+    let flood = {
+        let (b, stop, to) = (Arc::clone(&b), Arc::clone(&stop), a.endpoint());
+        std::thread::spawn(move || {
+            let mut msg = [0u8; 64];
+            msg[..2].copy_from_slice(&0x444bu16.to_le_bytes()); // the tier's magic
+            while !stop.load(SeqCst) {
+                let _ = b.send_datagram(b.default_path(&to), to.qpn, to.qkey, &msg);
+            }
+        })
+    };
+    eventually("the flood arriving", Duration::from_secs(10), || handled.load(SeqCst) >= 300);
+    // Work of the progress thread (timers, link requests) runs meanwhile:
+    // it waits for the UD queue's turn, which a poll gives back after a
+    // queue's worth (before: a poll kept it as long as datagrams came).
+    let ran = Arc::new(AtomicBool::new(false));
+    let r = Arc::clone(&ran);
+    let t0 = Instant::now();
+    a.defer(t0, Box::new(move || r.store(true, SeqCst)));
+    eventually("deferred work run during the flood", Duration::from_secs(3), || ran.load(SeqCst));
+    let waited = t0.elapsed();
+    let during = handled.load(SeqCst);
+    stop.store(true, SeqCst);
+    poller.join().expect("poller");
+    flood.join().expect("flood");
+    eprintln!("deferred work ran {waited:?} after it was due, {during} datagrams handled by then");
+}

@@ -431,6 +431,8 @@ impl Service {
     /// meanwhile go to the progress thread.
     pub fn poll_datagrams(&self) {
         if let Some(_turn) = self.shared.ud_turn.try_lock() {
+            // What is left (a queue's worth taken) is the progress thread's
+            // or the next poll's.
             self.shared.drain_ud(false);
         }
     }
@@ -1300,19 +1302,21 @@ impl Shared {
                     klog!(Level::Warn, "service: completion channel: {e:?}");
                 }
             }
-            {
+            let more = {
                 let _turn = self.ud_turn.lock();
                 for (m, src) in std::mem::take(&mut *self.link_msgs.lock()) {
                     self.on_link_message(m, &src, true);
                 }
-                self.drain_ud(true);
-            }
+                self.drain_ud(true)
+            };
             // Timers after what arrived: a retransmission timer that went
             // off while this thread was starved must not fail a flow whose
             // answers wait in the UD queue.
             self.run_due();
-            if self.refill_one() {
-                // More to make: look at the UD queue first, without sleeping.
+            let refill = self.refill_one();
+            if more || refill {
+                // More to take or make: look at the UD queue first, without
+                // sleeping.
                 self.kick();
             }
         }
@@ -1362,17 +1366,24 @@ impl Shared {
         }
     }
 
-    /// Take what the UD queue holds (`ud_turn` held); `progress`: on the
-    /// progress thread, else link requests and readies wait for it.
-    fn drain_ud(&self, progress: bool) {
+    /// Take what the UD queue holds (`ud_turn` held), at most a queue's
+    /// worth: whether more may wait. `progress`: on the progress thread,
+    /// else link requests and readies wait for it.
+    ///
+    /// Bounded: datagrams that arrive as fast as they are handled (a
+    /// server starved of CPU by a burst of new clients, each retransmitting)
+    /// would keep the turn with one thread for good, and the progress
+    /// thread, waiting for it, would run no timer and answer no link
+    /// request meanwhile (a burst stalled for minutes so).
+    fn drain_ud(&self, progress: bool) -> bool {
         // SAFETY: plain C data.
         let mut wcs: [ibv_wc; 16] = unsafe { std::mem::zeroed() };
-        loop {
+        for _ in 0..UD_RECVS / wcs.len() {
             let n = match self.ud_cq.poll(&mut wcs) {
                 Ok(n) => n,
                 Err(e) => {
                     klog!(Level::Warn, "service: polling the UD CQ: {e:?}");
-                    return;
+                    return false;
                 }
             };
             if n > 0 {
@@ -1382,9 +1393,10 @@ impl Shared {
                 self.on_recv(wc, progress);
             }
             if n < wcs.len() {
-                return;
+                return false;
             }
         }
+        true
     }
 
     fn on_recv(&self, wc: &ibv_wc, progress: bool) {
