@@ -81,6 +81,16 @@ pub unsafe fn query_port(ctx: *mut ibv_context) -> Result<ibv_port_attr> {
     Ok(a)
 }
 
+/// The name of a real device (empty if it has none).
+fn device_name(dev: *mut ibv_device) -> String {
+    call_real!(ibv_get_device_name(dev))
+        .ok()
+        .filter(|p| !p.is_null())
+        // SAFETY: a NUL-terminated name owned by the device.
+        .map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
 impl Device {
     /// Open the device named `name` (the first one when `None`), port 1.
     pub fn open(name: Option<&str>) -> Result<Arc<Device>> {
@@ -93,12 +103,7 @@ impl Device {
         for i in 0..n.max(0) as usize {
             // SAFETY: the list holds n devices.
             let dev = unsafe { *list.add(i) };
-            let dname = call_real!(ibv_get_device_name(dev))
-                .ok()
-                .filter(|p| !p.is_null())
-                // SAFETY: a NUL-terminated name owned by the device.
-                .map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let dname = device_name(dev);
             if name.is_none_or(|w| w == dname) {
                 found = Some((dev, dname));
                 break;
@@ -125,8 +130,8 @@ impl Device {
     /// # Safety
     /// `ctx` and `pd` are live real objects that outlive the result.
     pub unsafe fn borrow(ctx: *mut ibv_context, pd: *mut ibv_pd) -> Result<Arc<Device>> {
-        // SAFETY: caller contract.
-        Device::describe(ctx, pd, unsafe { Device::name_of(ctx) }, Owns::Nothing)
+        // SAFETY: a live real context (caller contract).
+        Device::describe(ctx, pd, device_name(unsafe { (*ctx).device }), Owns::Nothing)
     }
 
     /// The application's real context with a PD of our own (deallocated
@@ -136,23 +141,10 @@ impl Device {
     /// `ctx` is a live real context that outlives the result.
     pub unsafe fn with_own_pd(ctx: *mut ibv_context) -> Result<Arc<Device>> {
         let pd = call_real!(ibv_alloc_pd(ctx)).and_then(non_null)?;
-        // SAFETY: caller contract.
-        Device::describe(ctx, pd, unsafe { Device::name_of(ctx) }, Owns::Pd).inspect_err(|_| {
+        // SAFETY: a live real context (caller contract).
+        Device::describe(ctx, pd, device_name(unsafe { (*ctx).device }), Owns::Pd).inspect_err(|_| {
             let _ = call_real!(ibv_dealloc_pd(pd));
         })
-    }
-
-    /// # Safety
-    /// `ctx` is a live real context.
-    unsafe fn name_of(ctx: *mut ibv_context) -> String {
-        // SAFETY: a live real context (caller contract).
-        let dev = unsafe { (*ctx).device };
-        call_real!(ibv_get_device_name(dev))
-            .ok()
-            .filter(|p| !p.is_null())
-            // SAFETY: a NUL-terminated name owned by the device.
-            .map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
-            .unwrap_or_default()
     }
 
     fn describe(ctx: *mut ibv_context, pd: *mut ibv_pd, name: String, owns: Owns) -> Result<Arc<Device>> {

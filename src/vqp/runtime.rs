@@ -43,7 +43,7 @@ mod progress;
 pub use cq::{CqSoft, Sink, NOTIFY_WR_ID};
 pub(super) use links::Ranges;
 pub use links::{HdrArena, HDR_SLOT};
-use meta::{background_meta_bound, start_meta, MetaStart};
+use meta::{slow_meta_bound, start_meta, MetaStart};
 pub use peer_mrs::PeerMrs;
 pub(crate) use progress::pause;
 use progress::LastVqp;
@@ -334,7 +334,7 @@ impl Runtime {
             self.meta_closed.store(true, Ordering::Release);
             start.take()
         };
-        let started = started.and_then(|s| s.wait_until(Instant::now() + background_meta_bound())).and_then(|(r, _)| r.ok());
+        let started = started.and_then(|s| s.wait_until(Instant::now() + slow_meta_bound())).and_then(|(r, _)| r.ok());
         for meta in self.meta.get().into_iter().chain(started.as_ref()) {
             meta.shutdown();
         }

@@ -244,7 +244,7 @@ impl Vqp {
         }
         let token = leg.path.token();
         let mut post = crate::node::proto::Post { token, handle: leg.handle, opcode: w.opcode, len: total as u32, ..Default::default() };
-        if returns_bytes(w.opcode) && w.opcode != ibv_wr_opcode::IBV_WR_RDMA_READ {
+        if send::is_atomic(w.opcode) {
             // SAFETY: a plain union read: atomic opcodes use `atomic`.
             let a = unsafe { w.wr.atomic };
             (post.remote, post.rkey, post.compare_add, post.swap) = (a.remote_addr, a.rkey, a.compare_add, a.swap);
@@ -339,7 +339,7 @@ fn carried(w: &ibv_send_wr, sges: &[ibv_sge], total: u64) -> bool {
         ibv_wr_opcode::IBV_WR_RDMA_READ | ibv_wr_opcode::IBV_WR_RDMA_WRITE => {
             w.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 == 0 && total <= agent::SLOT as u64
         }
-        ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP | ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD => {
+        op if send::is_atomic(op) => {
             // SAFETY: a plain union read: atomic opcodes use `atomic`.
             let remote = unsafe { w.wr.atomic.remote_addr };
             sges.len() == 1 && total == 8 && remote % 8 == 0

@@ -43,20 +43,15 @@ impl MetaStart {
     }
 }
 
-/// How long a connection made in the background may take: nobody waits
-/// on it but through their own bound (`meta()`), and a meta server busy
-/// with a burst of new processes answers late, not never: as long as a
-/// live peer that is slow (`LIVE_BOUND_US`, 10 s). Given up sooner, its
-/// work on the server is wasted and the next attempt queues behind the
-/// same burst. (The PD's teardown waits for it as long.)
-pub(super) fn background_meta_bound() -> Duration {
-    slow_meta_bound()
-}
-
-/// How long the meta server is waited for once it took our connection:
-/// as a live peer that is slow (`LIVE_BOUND_US`, or the connect timeout
-/// if larger).
-fn slow_meta_bound() -> Duration {
+/// How long the meta server is waited for once it took our connection
+/// (a query's answer; the connection made in the background, and the
+/// PD's teardown waiting for it): as a live peer that is slow
+/// (`LIVE_BOUND_US`, 10 s, or the connect timeout if larger). A meta
+/// server busy with a burst of new processes answers late, not never:
+/// given up sooner, its work on the server is wasted and the next attempt
+/// queues behind the same burst. Nobody waits on the background
+/// connection but through their own bound (`meta()`).
+pub(super) fn slow_meta_bound() -> Duration {
     connect_timeout().max(Duration::from_micros(crate::transport::dgram::port::LIVE_BOUND_US))
 }
 
@@ -69,8 +64,7 @@ pub(super) fn start_meta(dev: &Arc<Device>, gid_index: u32, incarnation: u64) ->
     let spec = spec.to_string();
     let start = Arc::new(MetaStart::default());
     let s = Arc::clone(&start);
-    let body =
-        move || s.set(client::parse_addrs(&spec).and_then(|a| connect_meta(&dev, gid_index, &a, background_meta_bound(), incarnation)));
+    let body = move || s.set(client::parse_addrs(&spec).and_then(|a| connect_meta(&dev, gid_index, &a, slow_meta_bound(), incarnation)));
     std::thread::Builder::new().name("krcore-meta-connect".into()).spawn(body).ok()?;
     Some(start)
 }
