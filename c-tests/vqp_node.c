@@ -58,10 +58,15 @@
 #define TARGET CT_ECHO_TARGET
 #define SEED 91
 #define CYCLES 1000
+#define BIG_PORT (PORT + 1)
+#define BIG (64 << 10) /* the largest work request the agent's path carries */
+#define BIG_SEED (SEED + 7)
 
 static char sock_path[108];
 static int info_pipe[2];
 static uint64_t target[2];
+static int big_pipe[2];
+static uint64_t big[2]; /* the larger target: address, rkey */
 
 /* ---- the agent --------------------------------------------------------- */
 
@@ -165,6 +170,28 @@ static int raw_connect(void)
 static int server(int ready_fd)
 {
 	return ct_echo_target_server("vqp_node: server", SERVER_NODE, PORT, SEED, info_pipe[1], ready_fd);
+}
+
+/* BIG + 4 KiB of pattern BIG_SEED, bound at BIG_PORT for one-sided work
+ * (it answers no message). */
+static int big_server(int ready_fd)
+{
+	struct ct_node n;
+	struct ibv_qp *q;
+	uint64_t tgt[2];
+
+	ct_begin("vqp_node: a larger target");
+	ct_node_open(&n, SERVER_NODE, BIG + 4096, 64);
+	ct_fill(n.b.p, BIG + 4096, BIG_SEED);
+	q = ct_node_vqp(&n, 16, 16);
+	CT_OK(qbind(q, ct_node_gid(SERVER_NODE), BIG_PORT));
+	tgt[0] = (uint64_t)(uintptr_t)n.b.p;
+	tgt[1] = n.b.mr->rkey;
+	ct_oob_write(big_pipe[1], tgt, sizeof(tgt));
+	CT_CHECK(write(ready_fd, "r", 1) == 1, "ready");
+	for (;;)
+		pause();
+	return 0;
 }
 
 /* ---- clients ------------------------------------------------------------ */
@@ -396,6 +423,55 @@ static int evented_atomics_through_agent(void)
 	CT_OK(ibv_destroy_cq(n.rcq));
 	CT_OK(ibv_destroy_comp_channel(ch));
 	CT_OK(ibv_close_device(n.d.ctx));
+	ct_pass();
+	return 0;
+}
+
+/* Work of up to 64 KiB goes through the agent (in a run of staging slots),
+ * bytes checked both ways; one byte more makes the move. */
+static int large_through_agent(void)
+{
+	const uint32_t written = BIG - 16384;
+	struct ct_node n;
+	struct ibv_qp *q;
+	struct ibv_wc wc;
+	uint8_t *want;
+
+	ct_begin("vqp_node: 64 KiB through the agent, one byte more by the process itself");
+	setenv("KRCORE_PRESTART", "0", 1); /* the runtime starts at qconnect, in the background */
+	ct_node_open(&n, CLIENT_NODE, 4 * BIG, 64);
+	q = ct_node_vqp(&n, 16, 16);
+	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), BIG_PORT));
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 1, "node_connects %llu: not connected through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
+	/* The target as it will be: 48 KiB written, then its own bytes. */
+	want = malloc(BIG + 4096);
+	CT_CHECK(want != NULL, "malloc");
+	ct_fill(want, BIG + 4096, BIG_SEED);
+	ct_fill(want, written, SEED + 8);
+	/* An unsignaled WRITE of 48 KiB, then a READ of 64 KiB: one completion. */
+	ct_fill(n.b.p, written, SEED + 8);
+	CT_OK(ct_post_send1(q, 1, IBV_WR_RDMA_WRITE, 0, &n.b, 0, written, big[0], (uint32_t)big[1], 0));
+	CT_OK(ct_post_send1(q, 2, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, BIG, BIG, big[0], (uint32_t)big[1], 0));
+	wc = ct_poll1(n.scq);
+	ct_expect_wc(&wc, 2, IBV_WC_RDMA_READ, "the READ of 64 KiB");
+	CT_CHECK(wc.byte_len == BIG, "byte_len %u", wc.byte_len);
+	ct_expect_bytes(n.b.p + BIG, want, BIG, "64 KiB read back through the agent");
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 2, "node_wrs %llu: the WRITE and the READ not both through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
+	/* One byte more than the path carries: the move, the READ the process's own. */
+	CT_OK(ct_post_send1(q, 3, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2 * BIG, BIG + 1, big[0] + 1024,
+			    (uint32_t)big[1], 0));
+	wc = ct_poll1(n.scq);
+	ct_expect_wc(&wc, 3, IBV_WC_RDMA_READ, "the READ of 64 KiB + 1");
+	CT_CHECK(wc.byte_len == BIG + 1, "byte_len %u", wc.byte_len);
+	ct_expect_bytes(n.b.p + 2 * BIG, want + 1024, BIG + 1, "64 KiB + 1 read by the process itself");
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 2, "node_wrs %llu: the agent carried more than 64 KiB",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
+	ct_expect_quiet(n.scq, 50, "the send CQ after the last READ");
+	free(want);
+	CT_OK(ibv_destroy_qp(q));
+	node_close(&n);
 	ct_pass();
 	return 0;
 }
@@ -738,7 +814,7 @@ static void attach_kill_cycles(void)
 int main(void)
 {
 	struct stat st;
-	pid_t meta, srv, child;
+	pid_t meta, srv, big_srv, child;
 	int fails = 0;
 	char c;
 
@@ -750,6 +826,9 @@ int main(void)
 	CT_CHECK(pipe(info_pipe) == 0, "pipe");
 	srv = ct_fork_ready(server, "server");
 	ct_oob_read(info_pipe[0], target, sizeof(target));
+	CT_CHECK(pipe(big_pipe) == 0, "pipe");
+	big_srv = ct_fork_ready(big_server, "larger target");
+	ct_oob_read(big_pipe[0], big, sizeof(big));
 	fails += ct_run_child(no_agent_client, "no agent yet");
 	start_agent();
 
@@ -764,6 +843,7 @@ int main(void)
 	rkeys_kept_warm();
 	fails += ct_run_child(through_agent, "through the agent, its rkey kept warm");
 	fails += ct_run_child(evented_atomics_through_agent, "atomics and events through the agent");
+	fails += ct_run_child(large_through_agent, "64 KiB through the agent");
 	attach_kill_cycles();
 
 	CT_CHECK(pipe(stop_pipe) == 0 && pipe(stopped_pipe) == 0, "pipe");
@@ -797,6 +877,8 @@ int main(void)
 
 	kill(srv, SIGKILL);
 	waitpid(srv, NULL, 0);
+	kill(big_srv, SIGKILL);
+	waitpid(big_srv, NULL, 0);
 	kill(meta, SIGTERM);
 	waitpid(meta, NULL, 0);
 	CT_CHECK(fails == 0, "%d case(s) failed", fails);

@@ -29,15 +29,21 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-/// The largest work request the path carries (a larger one waits for the
-/// process's own runtime).
+/// A unit of the staging region: a work request takes one or more in a
+/// row.
 pub const SLOT: usize = 16 << 10;
 const SLOTS: usize = 64;
+/// The largest work request the path carries, 4 slots (a new process's
+/// first READ of an object up to 64 KiB; a larger one waits for the
+/// process's own runtime, whose path has no copy).
+pub const MAX_WR: usize = 4 * SLOT;
+// The agent's VQP carries it on its datagram tier until its link is up.
+const _: () = assert!(MAX_WR <= crate::transport::dgram::port::MAX_MSG as usize);
 /// 1 MiB: the region the agent registered for a process before it asked.
 pub const STAGING: usize = SLOT * SLOTS;
 /// The region as mapped: its slots, then its rings.
 const MAPPED: usize = STAGING + crate::node::ring::LEN;
-const _: () = assert!(SLOTS == crate::node::ring::SLOTS);
+const _: () = assert!(SLOTS == crate::node::ring::SLOTS && SLOTS == u64::BITS as usize);
 /// Work requests one VQP keeps outstanding on the path (the agent's VQP
 /// holds more).
 pub const WINDOW: usize = 16;
@@ -63,7 +69,7 @@ pub struct AgentPath {
     /// reader thread's, or a caller's that waits for its `CONNECTED` (it
     /// takes its own answer: no second wake-up).
     turn: Mutex<()>,
-    free: Mutex<Vec<u16>>,
+    free: Mutex<FreeSlots>,
     /// Work outstanding: token -> who posted it.
     pending: Mutex<HashMap<u32, Weak<dyn User>>>,
     /// Answers to `CONNECT`s, by request id.
@@ -74,10 +80,43 @@ pub struct AgentPath {
 }
 
 // SAFETY: `map` is a shared mapping owned by the path for its life; slots
-// are handed to one work request at a time (the free list's lock).
+// are handed to one work request at a time (`free`'s lock).
 unsafe impl Send for AgentPath {}
 // SAFETY: as above.
 unsafe impl Sync for AgentPath {}
+
+/// The staging region's free slots, a bit each (set: free). A work
+/// request takes the lowest free run long enough for its bytes.
+struct FreeSlots(u64);
+
+impl Default for FreeSlots {
+    fn default() -> Self {
+        FreeSlots(u64::MAX)
+    }
+}
+
+impl FreeSlots {
+    /// The first of `n` free slots in a row (taken), if there are.
+    fn take(&mut self, n: u16) -> Option<u16> {
+        if n == 0 || n as usize > SLOTS {
+            return None;
+        }
+        let run = Self::run(n);
+        let first = (0..=SLOTS as u16 - n).find(|&i| self.0 & (run << i) == run << i)?;
+        self.0 &= !(run << first);
+        Some(first)
+    }
+
+    fn give(&mut self, first: u16, n: u16) {
+        let run = Self::run(n) << first;
+        debug_assert_eq!(self.0 & run, 0, "slots given back twice");
+        self.0 |= run;
+    }
+
+    fn run(n: u16) -> u64 {
+        u64::MAX >> (SLOTS - n as usize)
+    }
+}
 
 static PATH: Mutex<Option<Arc<AgentPath>>> = Mutex::new(None);
 
@@ -217,7 +256,7 @@ impl AgentPath {
             req_head: Mutex::new(0),
             done_tail: Mutex::new(0),
             turn: Mutex::new(()),
-            free: Mutex::new((0..SLOTS as u16).rev().collect()),
+            free: Mutex::new(FreeSlots::default()),
             pending: Mutex::new(HashMap::new()),
             answers: Mutex::new(HashMap::new()),
             next: AtomicU32::new(1),
@@ -292,29 +331,31 @@ impl AgentPath {
         self.next.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// A free slot of the staging region, if any.
-    pub fn slot(&self) -> Option<u16> {
-        self.free.lock().pop()
+    /// The first of `n` free slots in a row of the staging region, if any.
+    pub fn slots(&self, n: u16) -> Option<u16> {
+        self.free.lock().take(n)
     }
 
-    pub fn release(&self, slot: u16) {
-        self.free.lock().push(slot);
+    pub fn release(&self, first: u16, n: u16) {
+        self.free.lock().give(first, n);
     }
 
-    /// The bytes of `slot`.
+    /// The first `len` bytes of the slots from `first` on.
     ///
     /// # Safety
-    /// The caller holds `slot` (from [`Self::slot`], not released) and no
-    /// work request of it is with the agent while the slice is used.
+    /// The caller holds those slots (from [`Self::slots`], not released;
+    /// `len` within them) and no work request of them is with the agent
+    /// while the slice is used.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn bytes(&self, slot: u16) -> &mut [u8] {
-        // SAFETY: the slot lies inside the mapping; its holder is the only user.
-        unsafe { std::slice::from_raw_parts_mut(self.map.add(slot as usize * SLOT), SLOT) }
+    pub unsafe fn bytes(&self, first: u16, len: usize) -> &mut [u8] {
+        debug_assert!(first as usize * SLOT + len <= STAGING);
+        // SAFETY: the slots lie inside the mapping; their holder is the only user.
+        unsafe { std::slice::from_raw_parts_mut(self.map.add(first as usize * SLOT), len) }
     }
 
-    /// Hand `post` (its slot's bytes in place) to the agent; `user` hears
-    /// of its completion.
-    pub fn post(&self, post: Post, slot: u16, user: Weak<dyn User>) -> Result<()> {
+    /// Hand `post` (its bytes in place in the slots from `first` on) to
+    /// the agent; `user` hears of its completion.
+    pub fn post(&self, post: Post, first: u16, user: Weak<dyn User>) -> Result<()> {
         if self.dead.load(Ordering::Acquire) {
             return Err(Errno(libc::ECONNRESET));
         }
@@ -322,7 +363,7 @@ impl AgentPath {
             p.insert(post.token, user);
         });
         let mut head = self.req_head.lock();
-        if self.rings.push_request(&mut head, &Post { offset: (slot as usize * SLOT) as u64, ..post }) {
+        if self.rings.push_request(&mut head, &Post { offset: (first as usize * SLOT) as u64, ..post }) {
             // The agent sleeps: its doorbell. (Failing, the agent is gone:
             // the reader fails the request with the rest.)
             crate::kmark!("node: path: doorbell");
@@ -471,5 +512,34 @@ impl AgentPath {
                 u.done(token, crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR, 0);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FreeSlots;
+
+    #[test]
+    fn work_requests_take_the_lowest_free_run_of_slots() {
+        let mut f = FreeSlots::default();
+        assert_eq!(f.take(1), Some(0));
+        assert_eq!(f.take(4), Some(1));
+        assert_eq!(f.take(2), Some(5));
+        f.give(1, 4);
+        // The hole of 4 takes 3, then 1; a run of 2 goes past it.
+        assert_eq!(f.take(3), Some(1));
+        assert_eq!(f.take(2), Some(7));
+        assert_eq!(f.take(1), Some(4));
+        assert_eq!(f.take(0), None);
+        assert_eq!(f.take(65), None);
+        // Full, but for one run of 4 at the end.
+        while f.take(1).is_some() {}
+        assert_eq!(f.0, 0);
+        f.give(60, 4);
+        assert_eq!(f.take(5), None);
+        assert_eq!(f.take(4), Some(60));
+        f.give(0, 64);
+        assert_eq!(f.0, u64::MAX);
+        assert_eq!(f.take(64), Some(0));
     }
 }

@@ -5,7 +5,7 @@
 //! yet (its start is under way, from `ibv_alloc_pd`, or started now in the
 //! background) connects a VQP of the agent's instead of waiting, and
 //! returns. Its RDMA READs and WRITEs (up to
-//! [`agent::SLOT`] bytes, not inline) and atomics go through the agent from then on,
+//! [`agent::MAX_WR`] bytes, not inline) and atomics go through the agent from then on,
 //! copied through the staging region, their completions delivered in
 //! order into the VQP's send CQ. A `qconnect` in a process whose runtime
 //! is up connects by itself (its own datagram tier meets a new peer as
@@ -59,7 +59,9 @@ struct InFlight {
     /// The work request's (`ibv_wr_opcode`).
     opcode: u32,
     len: u32,
+    /// The first of its staging slots, and how many.
     slot: u16,
+    slots: u16,
     /// Where a READ's bytes or an atomic's result go: the application's
     /// SGEs.
     sges: Vec<ibv_sge>,
@@ -90,7 +92,7 @@ impl agent::User for Vqp {
         if status == ibv_wc_status::IBV_WC_SUCCESS && returns_bytes(f.opcode) {
             // SAFETY: the slot is this work request's, back from the agent;
             // the SGEs were checked against the application's MRs at post.
-            let src = unsafe { leg.path.bytes(f.slot) };
+            let src = unsafe { leg.path.bytes(f.slot, f.len as usize) };
             let mut at = 0;
             for s in &f.sges {
                 let n = (s.length as usize).min(byte_len as usize - at.min(byte_len as usize));
@@ -99,7 +101,7 @@ impl agent::User for Vqp {
                 at += n;
             }
         }
-        leg.path.release(f.slot);
+        leg.path.release(f.slot, f.slots);
         if status != ibv_wc_status::IBV_WC_SUCCESS {
             leg.failed = true;
         } else if !leg.completed {
@@ -215,12 +217,13 @@ impl Vqp {
         if leg.inflight.len() >= self.sq_cap as usize {
             return Some(Err(Errno::ENOMEM));
         }
-        // Room on the path: a window per VQP and a staging slot.
+        // Room on the path: a window per VQP and staging slots in a row.
+        let slots = total.div_ceil(agent::SLOT as u64).max(1) as u16;
         let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout();
         let slot = loop {
             let leg = g.as_mut().expect("on the path");
             if leg.inflight.len() < agent::WINDOW {
-                if let Some(s) = leg.path.slot() {
+                if let Some(s) = leg.path.slots(slots) {
                     break s;
                 }
             }
@@ -233,8 +236,8 @@ impl Vqp {
         };
         let leg = g.as_mut().expect("on the path");
         if !returns_bytes(w.opcode) {
-            // SAFETY: the slot is ours until its completion.
-            let dst = unsafe { leg.path.bytes(slot) };
+            // SAFETY: the slots are ours until its completion.
+            let dst = unsafe { leg.path.bytes(slot, total as usize) };
             let mut at = 0;
             for s in sges {
                 // SAFETY: inside a registered MR of the application's (local_ok).
@@ -261,11 +264,12 @@ impl Vqp {
             opcode: w.opcode,
             len: total as u32,
             slot,
+            slots,
             sges: sges.to_vec(),
         });
         if let Err(e) = leg.path.post(post, slot, me) {
             leg.inflight.pop_back();
-            leg.path.release(slot);
+            leg.path.release(slot, slots);
             return Some(Err(e));
         }
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_NODE_WRS);
@@ -331,13 +335,13 @@ impl Vqp {
 }
 
 /// Whether the agent's path carries `w` (its `sges`, of `total` bytes):
-/// RDMA READ and WRITE up to a slot, not inline, and atomics on one
+/// RDMA READ and WRITE up to [`agent::MAX_WR`] bytes, not inline, and atomics on one
 /// aligned 8-byte word (anything else makes the move: the process's own
 /// path reports its errors as RC does).
 fn carried(w: &ibv_send_wr, sges: &[ibv_sge], total: u64) -> bool {
     match w.opcode {
         ibv_wr_opcode::IBV_WR_RDMA_READ | ibv_wr_opcode::IBV_WR_RDMA_WRITE => {
-            w.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 == 0 && total <= agent::SLOT as u64
+            w.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 == 0 && total <= agent::MAX_WR as u64
         }
         op if send::is_atomic(op) => {
             // SAFETY: a plain union read: atomic opcodes use `atomic`.
@@ -378,13 +382,14 @@ mod tests {
     }
 
     #[test]
-    fn the_path_carries_one_sided_work_within_a_slot_and_aligned_atomics() {
+    fn the_path_carries_one_sided_work_up_to_its_largest_and_aligned_atomics() {
         use ibv_wr_opcode::*;
         let (read, write) = (IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE);
-        let slot = agent::SLOT as u32;
-        assert!(carried(&wr(read, 0, 0), &sges(&[slot]), slot as u64));
+        let max = agent::MAX_WR as u32;
+        assert!(carried(&wr(read, 0, 0), &sges(&[max]), max as u64));
         assert!(carried(&wr(write, 0, 0), &sges(&[8, 8]), 16));
-        assert!(!carried(&wr(read, 0, 0), &sges(&[slot, 1]), slot as u64 + 1), "larger than a slot");
+        assert!(carried(&wr(read, 0, 0), &sges(&[0]), 0), "empty: one slot");
+        assert!(!carried(&wr(read, 0, 0), &sges(&[max, 1]), max as u64 + 1), "larger than the largest");
         let inline = ibv_send_flags::IBV_SEND_INLINE.0;
         assert!(!carried(&wr(write, inline, 0), &sges(&[8]), 8), "inline");
         for op in [IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD] {
