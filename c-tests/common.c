@@ -516,6 +516,19 @@ void ct_expect_quiet(struct ibv_cq *cq, int ms, const char *what)
 	}
 }
 
+void ct_cq_event(struct ibv_comp_channel *ch, struct ibv_cq *cq, void *ctx, const char *what)
+{
+	struct pollfd pfd = { .fd = ch->fd, .events = POLLIN };
+	struct ibv_cq *ev_cq = NULL;
+	void *ev_ctx = NULL;
+
+	CT_CHECK(poll(&pfd, 1, CT_TIMEOUT_MS) == 1, "%s: no completion event within %d ms", what, CT_TIMEOUT_MS);
+	CT_OK(ibv_get_cq_event(ch, &ev_cq, &ev_ctx));
+	CT_CHECK(ev_cq == cq, "%s: the event of CQ %p, not %p", what, (void *)ev_cq, (void *)cq);
+	CT_CHECK(!ctx || ev_ctx == ctx, "%s: cq_context %p, expected %p", what, ev_ctx, ctx);
+	ibv_ack_cq_events(cq, 1);
+}
+
 void ct_expect_wc(const struct ibv_wc *wc, uint64_t wr_id,
 		  enum ibv_wc_opcode opcode, const char *what)
 {

@@ -171,6 +171,9 @@ void ct_poll_n(struct ibv_cq *cq, struct ibv_wc *wc, int n, int timeout_ms);
 struct ibv_wc ct_poll1(struct ibv_cq *cq);
 /* Asserts that no completion arrives on cq within ms milliseconds. */
 void ct_expect_quiet(struct ibv_cq *cq, int ms, const char *what);
+/* Waits (up to CT_TIMEOUT_MS) for a completion event on ch, asserts that
+ * it is cq's (and carries cq_context ctx, unless ctx is NULL), acks it. */
+void ct_cq_event(struct ibv_comp_channel *ch, struct ibv_cq *cq, void *ctx, const char *what);
 /* Asserts status==SUCCESS, wr_id and opcode. */
 void ct_expect_wc(const struct ibv_wc *wc, uint64_t wr_id,
 		  enum ibv_wc_opcode opcode, const char *what);

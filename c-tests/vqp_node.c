@@ -346,16 +346,10 @@ static int through_agent(void)
  * one completion it announced and arm the CQ again. */
 static struct ibv_wc evented_wc(struct ibv_comp_channel *ch, struct ibv_cq *cq, const char *what)
 {
-	struct pollfd pfd = { .fd = ch->fd, .events = POLLIN };
-	struct ibv_cq *ev_cq = NULL;
-	void *ev_ctx = NULL;
 	struct ibv_wc wc;
 	int n;
 
-	CT_CHECK(poll(&pfd, 1, 10000) == 1, "%s: no completion event within 10 s", what);
-	CT_OK(ibv_get_cq_event(ch, &ev_cq, &ev_ctx));
-	CT_CHECK(ev_cq == cq, "%s: the event of CQ %p, not %p", what, (void *)ev_cq, (void *)cq);
-	ibv_ack_cq_events(cq, 1);
+	ct_cq_event(ch, cq, NULL, what);
 	CT_OK(ibv_req_notify_cq(cq, 0));
 	n = ibv_poll_cq(cq, 1, &wc);
 	CT_CHECK(n == 1, "%s: the event came, ibv_poll_cq returned %d", what, n);
