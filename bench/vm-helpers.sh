@@ -24,7 +24,8 @@ host_preflight() {
 wait_ready() {
     local log="$1" pid="$2" expr="$3" deadline=$((SECONDS + ready_s)) got
     while ((SECONDS < deadline)); do
-        got="$(sed -n "$expr" "$log")"
+        # Not there yet: the process's shell, forked, has not opened it.
+        got="$(sed -n "$expr" "$log" 2>/dev/null)"
         if [[ -n "$got" ]]; then echo "$got"; return 0; fi
         kill -0 "$pid" 2>/dev/null || { echo "$me: $log: the process exited before it was ready:" >&2; cat "$log" >&2; return 1; }
         sleep 0.05
