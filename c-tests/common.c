@@ -688,6 +688,11 @@ const char *ct_release_bin(const char *env, const char *name, char *buf, size_t 
 
 pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out)
 {
+	return ct_spawn_ready_line(argv, expect, out, NULL, 0);
+}
+
+pid_t ct_spawn_ready_line(char *const argv[], const char *expect, int *out, char *first, size_t len)
+{
 	char line[1024];
 	size_t used = 0;
 	struct pollfd pfd;
@@ -716,6 +721,8 @@ pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out)
 	}
 	line[used] = 0;
 	CT_CHECK(strstr(line, expect) != NULL, "%s said: %s", argv[0], line);
+	if (first)
+		snprintf(first, len, "%s", line);
 	*out = p[0];
 	return pid;
 }

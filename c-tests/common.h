@@ -247,6 +247,8 @@ pid_t ct_start_meta_at(const char *addr, unsigned slots);
  * (bounded) for its first line, which must contain `expect`: its pid, and
  * in *out the pipe (its later lines). */
 pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out);
+/* The same, its first line copied into `first` (`len` bytes at most). */
+pid_t ct_spawn_ready_line(char *const argv[], const char *expect, int *out, char *first, size_t len);
 /* The statistics line krcore-node `agent` prints on SIGUSR1 to its stdout
  * pipe `out` (as ct_spawn_ready gave it), asked for now and waited for
  * (bounded), read into `buf`; and the value of one `field` of it

@@ -22,7 +22,7 @@
  *     the local GID (default: the one routed to the meta server).
  *
  *   kv_client -a ADDR [-P PORT] [-d DEV] [-g GID_INDEX] [-k KEYS]
- *             [-L [-U ROUNDS]] [-G GEN|any] [-n GETS] [-O] [-T] [-W FD]
+ *             [-L [-U ROUNDS]] [-G GEN|any] [-n GETS] [-O | -o ADDR:RKEY] [-T] [-W FD]
  *
  *   -a ADDR      the server's address (IPv4, i.e. GID ::ffff:ADDR, or a
  *                GID in IPv6 notation; raw: IPv4 only, its TCP address)
@@ -42,6 +42,12 @@
  *                loading), each checked (1000; 0: none)
  *   -O           object: READ the server's 64 KiB object once, check it
  *                byte for byte and exit (the "serverless" fetch)
+ *   -o ADDR:RKEY as -O, the object's location given (hex, as kv_server's
+ *                ready line prints it), as a serverless function is handed
+ *                where its input lies: krcore sends no HELLO (qconnect,
+ *                then the READ); raw verbs still makes its TCP exchange
+ *                (its QP needs one) and checks that the server names the
+ *                same location
  *   -T           print a line of absolute CLOCK_MONOTONIC times (us) for
  *                benchmarks: "kv_times main_us=.. setup_us=.. path_us=..
  *                connected_us=.. first_get_us=.. get_start_us=..
@@ -72,6 +78,7 @@
  */
 #define _GNU_SOURCE
 #include <getopt.h>
+#include <inttypes.h>
 #include <stdarg.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -145,6 +152,7 @@ struct client {
 	double cpu_setup, cpu_path;	/* the CPU time used by then (us) */
 	double t_path;		/* raw: the server's answer over TCP received;
 				 * krcore: qconnect returned */
+	int given;		/* -o: info.object_addr and info.rkey given */
 };
 
 /* CPU time (user + system) of all this process's threads so far, us. */
@@ -528,6 +536,8 @@ static void connect_server(struct client *c, const char *addr, int port,
 		die_connect(rc, addr, port);
 	c->t_path = kv_now_us();
 	c->cpu_path = cpu_us();
+	if (c->given)
+		return; /* where the object lies is known: no HELLO */
 	memset(tx, 0, sizeof(*tx));
 	tx->type = KV_HELLO;
 	rx = call(c, "HELLO");
@@ -536,10 +546,18 @@ static void connect_server(struct client *c, const char *addr, int port,
 
 #endif /* KRCORE */
 
-static void check_info(const struct client *c)
+static void check_info(const struct client *c, const struct kv_table_info *given)
 {
 	const struct kv_table_info *i = &c->info;
 
+	if (c->given) {
+		/* krcore asked nothing; raw's TCP exchange told it where. */
+		if (i->object_addr != given->object_addr || i->rkey != given->rkey)
+			fail("-o %#" PRIx64 ":%#x: the server's object is at %#" PRIx64
+			     " rkey %#x", given->object_addr, given->rkey,
+			     i->object_addr, i->rkey);
+		return;
+	}
 	if (!i->nbuckets || (i->nbuckets & (i->nbuckets - 1)) ||
 	    i->object_len != KV_OBJECT_LEN)
 		fail("the server sent a bad table description (%u buckets, "
@@ -575,7 +593,7 @@ static void usage(void)
 {
 	fprintf(stderr,
 		"usage: kv_client -a ADDR [-P PORT] [-d DEV] [-g GID_INDEX] "
-		"[-k KEYS] [-L [-U ROUNDS]] [-G GEN|any] [-n GETS] [-O] [-T] [-W FD]\n"
+		"[-k KEYS] [-L [-U ROUNDS]] [-G GEN|any] [-n GETS] [-O | -o ADDR:RKEY] [-T] [-W FD]\n"
 #ifdef KRCORE
 		"  (KRCORE_META=ip:port of krcore-meta must be set; "
 		"KRCORE_GID_INDEX picks the local GID)\n"
@@ -607,9 +625,11 @@ int main(int argc, char **argv)
 	long keys = 1000, gets = 1000, gid_index = -1, wait_fd = -1, rounds = 1;
 	int port = KV_DEFAULT_PORT, load = 0, object = 0, times = 0, opt, rc;
 	uint64_t gen = 1, rng;
+	struct kv_table_info given = { 0 };
 	struct client c;
+	char tail;
 
-	while ((opt = getopt(argc, argv, "a:P:d:g:k:LU:G:n:OTW:")) != -1) {
+	while ((opt = getopt(argc, argv, "a:P:d:g:k:LU:G:n:Oo:TW:")) != -1) {
 		switch (opt) {
 		case 'a': addr = optarg; break;
 		case 'P': port = (int)parse_num(optarg, 1, 65535, "-P"); break;
@@ -625,13 +645,21 @@ int main(int argc, char **argv)
 			break;
 		case 'n': gets = parse_num(optarg, 0, 1L << 40, "-n"); break;
 		case 'O': object = 1; break;
+		case 'o':
+			if (sscanf(optarg, "%" SCNx64 ":%" SCNx32 "%c", &given.object_addr,
+				   &given.rkey, &tail) != 2) {
+				fprintf(stderr, "kv_client: -o %s: not ADDR:RKEY (hex)\n", optarg);
+				return 2;
+			}
+			object = 2;
+			break;
 		case 'T': times = 1; break;
 		case 'W': wait_fd = parse_num(optarg, 0, 1 << 20, "-W"); break;
 		default: usage();
 		}
 	}
 	if (!addr || optind != argc || (load && gen == GEN_ANY) ||
-	    (rounds > 1 && !load))
+	    (rounds > 1 && !load) || (object == 2 && load))
 		usage();
 #ifdef KRCORE
 	if (gid_index >= 0) {
@@ -643,6 +671,9 @@ int main(int argc, char **argv)
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	memset(&c, 0, sizeof(c));
 	c.fd = -1;
+	c.given = object == 2;
+	if (c.given)
+		c.info = given;
 	rng = ((uint64_t)getpid() << 32) ^ (uint64_t)t_main ^ 0x9e3779b97f4a7c15ull;
 
 	c.ctx = kv_open_device("kv_client", devname);
@@ -665,7 +696,7 @@ int main(int argc, char **argv)
 	c.t_setup = kv_now_us();
 	c.cpu_setup = cpu_us();
 	connect_server(&c, addr, port, (int)gid_index);
-	check_info(&c);
+	check_info(&c, &given);
 	t_conn = kv_now_us();
 	cpu_conn = cpu_us();
 

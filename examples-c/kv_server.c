@@ -40,8 +40,10 @@
  * When clients may connect it prints one line on stdout (scripts wait for
  * it), e.g.
  *
- *   kv_server: ready: 4096 buckets (16384 slots, 0 keys) at 10.77.0.1 port 18800 on rxe0 (raw verbs)
+ *   kv_server: ready: 4096 buckets (16384 slots, 0 keys) at 10.77.0.1 port 18800 on rxe0 (raw verbs); object 0x7f3c5e7fe000 rkey 0x1a2b
  *
+ * (where its 64 KiB object lies: what a "serverless" client is handed,
+ * kv_client -o ADDR:RKEY),
  * and, on SIGTERM or SIGINT, a summary ("kv_server: 64 clients, 1000 PUTs
  * (0 refused: probe path full), 1000 keys"). Exit status 0, or 1 after an
  * error (printed on stderr), 2 for a usage error.
@@ -52,6 +54,7 @@
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <getopt.h>
+#include <inttypes.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -578,8 +581,10 @@ static int run(struct server *s, const char *addr, int port)
 	if (listen(lfd, MAX_CLIENTS))
 		die("listen", errno);
 	printf("kv_server: ready: %u buckets (%u slots, %lu keys) at %s port %d "
-	       "on %s (raw verbs)\n", s->nbuckets, s->nbuckets * KV_SLOTS, s->keys,
-	       addr, port, ibv_get_device_name(s->ctx->device));
+	       "on %s (raw verbs); object 0x%" PRIx64 " rkey 0x%x\n", s->nbuckets,
+	       s->nbuckets * KV_SLOTS, s->keys, addr, port,
+	       ibv_get_device_name(s->ctx->device), (uint64_t)(uintptr_t)s->object,
+	       s->table_mr->rkey);
 
 	while (!stop) {
 		int n = 2, map[MAX_CLIENTS];
@@ -728,8 +733,10 @@ static int run(struct server *s, const char *addr, int port)
 	if ((rc = qbind(s->vqp, s->gid_bind, port)))
 		die_bind(rc, addr, port);
 	printf("kv_server: ready: %u buckets (%u slots, %lu keys) at %s port %d "
-	       "on %s (krcore VQP)\n", s->nbuckets, s->nbuckets * KV_SLOTS, s->keys,
-	       addr, port, ibv_get_device_name(s->ctx->device));
+	       "on %s (krcore VQP); object 0x%" PRIx64 " rkey 0x%x\n", s->nbuckets,
+	       s->nbuckets * KV_SLOTS, s->keys, addr, port,
+	       ibv_get_device_name(s->ctx->device), (uint64_t)(uintptr_t)s->object,
+	       s->table_mr->rkey);
 
 	while (!stop) {
 		struct ibv_qp *src[16];
