@@ -19,7 +19,10 @@
 # N together after they were all served.
 # Serverless fetch: SERVERLESS fresh processes one after the other, each
 # connecting and READing the server's 64 KiB object (checked byte for
-# byte): start to data verified.
+# byte): start to data verified. Each is handed where the object lies
+# (kv_client -o ADDR:RKEY, from kv_server's ready line), as a serverless
+# function is given its input's location: krcore sends no HELLO; raw
+# verbs still makes its TCP exchange, which its QP needs.
 #
 # Modes (their order alternates per repeat, so that neither always runs
 # first after boot):
@@ -139,10 +142,12 @@ stop_agent() {
 meta_pid=
 server_pid=
 addr=
+object_at=
 
 # Starts mode $1's servers (tag $2): krcore-meta (krcore, agent), the
-# agent (agent), kv_server; sets addr, server_pid, and for the krcore
-# modes exports KRCORE_META.
+# agent (agent), kv_server; sets addr, server_pid, object_at (where the
+# server's 64 KiB object lies: ADDR:RKEY), and for the krcore modes exports
+# KRCORE_META.
 start_servers() {
     local mode="$1" tag="$2" sbin=kv_server
     addr="$(gid_ipv4 "$server_gid")" || return 1
@@ -159,7 +164,8 @@ start_servers() {
     KRCORE_GID_INDEX="$server_gid" KRCORE_STATS_FILE="$PWD/$out/server-$tag.json" \
         env ${KRCORE_BENCH_SERVER_LOG:+KRCORE_LOG="$KRCORE_BENCH_SERVER_LOG"} "$bindir/$sbin" -a "$addr" -P "$port" >"$(server_log "$tag")" 2>&1 &
     server_pid=$!
-    wait_ready "$(server_log "$tag")" "$server_pid" '/^kv_server: ready:/p' >/dev/null
+    object_at="$(wait_ready "$(server_log "$tag")" "$server_pid" \
+        's/^kv_server: ready:.*; object 0x\([0-9a-f]*\) rkey 0x\([0-9a-f]*\).*/\1:\2/p')"
 }
 
 # Where kv_server (tag $1) logs: with KRCORE_BENCH_SERVER_LOG, in the VM's
@@ -272,7 +278,7 @@ run_serverless() {
     if [[ "$mode" == agent ]]; then export KRCORE_NODE="$agent_sock"; fi
     # shellcheck disable=SC2086
     "$bindir/elastic_launch" serial -n "$serverless" -g "$client_gids" -t 60 -- \
-        $cmd -a "$addr" -P "$port" -O -T \
+        $cmd -a "$addr" -P "$port" -o "$object_at" -T \
         >"$out/serverless-$mode-$i.txt" 2>"$out/serverless-$mode-$i.err" || rc=$?
     stop_servers "$tag" || rc=1
     grep '^serial ' "$out/serverless-$mode-$i.txt" || true
