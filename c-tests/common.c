@@ -691,11 +691,8 @@ pid_t ct_spawn_ready(char *const argv[], const char *expect, int *out)
 	return ct_spawn_ready_line(argv, expect, out, NULL, 0);
 }
 
-pid_t ct_spawn_ready_line(char *const argv[], const char *expect, int *out, char *first, size_t len)
+pid_t ct_spawn_piped(char *const argv[], int *out)
 {
-	char line[1024];
-	size_t used = 0;
-	struct pollfd pfd;
 	pid_t pid;
 	int p[2];
 
@@ -709,13 +706,26 @@ pid_t ct_spawn_ready_line(char *const argv[], const char *expect, int *out, char
 		_exit(127);
 	}
 	close(p[1]);
-	pfd.fd = p[0];
+	*out = p[0];
+	return pid;
+}
+
+pid_t ct_spawn_ready_line(char *const argv[], const char *expect, int *out, char *first, size_t len)
+{
+	char line[1024];
+	size_t used = 0;
+	struct pollfd pfd;
+	pid_t pid;
+	int fd;
+
+	pid = ct_spawn_piped(argv, &fd);
+	pfd.fd = fd;
 	pfd.events = POLLIN;
 	while (!memchr(line, '\n', used)) {
 		ssize_t k;
 
 		CT_CHECK(poll(&pfd, 1, 30000) == 1, "%s did not start", argv[0]);
-		k = read(p[0], line + used, sizeof(line) - 1 - used);
+		k = read(fd, line + used, sizeof(line) - 1 - used);
 		CT_CHECK(k > 0, "%s exited", argv[0]);
 		used += (size_t)k;
 	}
@@ -723,7 +733,7 @@ pid_t ct_spawn_ready_line(char *const argv[], const char *expect, int *out, char
 	CT_CHECK(strstr(line, expect) != NULL, "%s said: %s", argv[0], line);
 	if (first)
 		snprintf(first, len, "%s", line);
-	*out = p[0];
+	*out = fd;
 	return pid;
 }
 

@@ -243,6 +243,9 @@ pid_t ct_start_meta_slots(unsigned slots);
  * whose GIDs include ip serves its table) with `slots` slots, wait for it
  * to serve; its pid. KRCORE_META is left alone. */
 pid_t ct_start_meta_at(const char *addr, unsigned slots);
+/* Start argv[0] (argv NULL-terminated) with its stdout on a pipe (its
+ * read end in *out): its pid. */
+pid_t ct_spawn_piped(char *const argv[], int *out);
 /* Start argv[0] (argv NULL-terminated) with its stdout on a pipe and wait
  * (bounded) for its first line, which must contain `expect`: its pid, and
  * in *out the pipe (its later lines). */

@@ -40,14 +40,32 @@ static const char *prog(const char *name, char *buf, size_t len)
 	return buf;
 }
 
+/* Everything `fd` gives until its end (bounded), into `buf`. */
+static void read_all(int fd, char *buf, size_t len, const char *who)
+{
+	struct pollfd pfd = { .fd = fd, .events = POLLIN };
+	size_t used = 0;
+
+	for (;;) {
+		ssize_t k;
+
+		CT_CHECK(poll(&pfd, 1, CT_TIMEOUT_MS * 6) == 1, "%s: no end within %d s", who,
+			 CT_TIMEOUT_MS * 6 / 1000);
+		k = read(fd, buf + used, len - 1 - used);
+		if (k <= 0)
+			break;
+		used += (size_t)k;
+		CT_CHECK(used < len - 1, "%s: more output than %zu bytes", who, len);
+	}
+	buf[used] = 0;
+}
+
 /* Run the client with `args` (NULL-terminated) from CLIENT_NODE; its
  * stdout in `out`; its exit status. */
 static int client(char *const args[], char *out, size_t len)
 {
 	char path[4300], gid[16], *argv[16];
-	struct pollfd pfd;
-	size_t used = 0;
-	int p[2], st, n = 0;
+	int fd, st, n = 0;
 	pid_t pid;
 
 	snprintf(gid, sizeof(gid), "%d", CLIENT_NODE);
@@ -59,33 +77,9 @@ static int client(char *const args[], char *out, size_t len)
 	for (int i = 0; args[i]; i++)
 		argv[n++] = args[i];
 	argv[n] = NULL;
-	CT_CHECK(pipe(p) == 0, "pipe");
-	pid = fork();
-	CT_CHECK(pid >= 0, "fork");
-	if (pid == 0) {
-		dup2(p[1], 1);
-		close(p[0]);
-		if (!raw)
-			setenv("KRCORE_GID_INDEX", gid, 1);
-		execv(argv[0], argv);
-		_exit(127);
-	}
-	close(p[1]);
-	pfd.fd = p[0];
-	pfd.events = POLLIN;
-	for (;;) {
-		ssize_t k;
-
-		CT_CHECK(poll(&pfd, 1, CT_TIMEOUT_MS * 6) == 1, "kv_client %s: no end within %d s", args[0],
-			 CT_TIMEOUT_MS * 6 / 1000);
-		k = read(p[0], out + used, len - 1 - used);
-		if (k <= 0)
-			break;
-		used += (size_t)k;
-		CT_CHECK(used < len - 1, "kv_client %s: more output than %zu bytes", args[0], len);
-	}
-	out[used] = 0;
-	close(p[0]);
+	pid = ct_spawn_piped(argv, &fd);
+	read_all(fd, out, len, "kv_client");
+	close(fd);
 	CT_CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
@@ -100,28 +94,9 @@ static void expect_client(char *const args[], int status, const char *says)
 	CT_CHECK(!says || strstr(out, says), "kv_client %s ...: said %s, not \"%s\"", args[0], out, says);
 }
 
-/* The server's output after SIGTERM, read to its end (bounded). */
-static void read_rest(int fd, char *buf, size_t len)
-{
-	struct pollfd pfd = { .fd = fd, .events = POLLIN };
-	size_t used = 0;
-
-	for (;;) {
-		ssize_t k;
-
-		CT_CHECK(poll(&pfd, 1, CT_TIMEOUT_MS) == 1, "kv_server: no end within %d ms of SIGTERM", CT_TIMEOUT_MS);
-		k = read(fd, buf + used, len - 1 - used);
-		if (k <= 0)
-			break;
-		used += (size_t)k;
-		CT_CHECK(used < len - 1, "kv_server: more output than %zu bytes", len);
-	}
-	buf[used] = 0;
-}
-
 static void run_build(const char *build, int port)
 {
-	char here[4000], path[4300], addr[32], ports[8], ready[1024], where[64], wrong[64], rest[4096];
+	char here[4000], path[4300], addr[32], ports[8], gid[16], ready[1024], where[64], wrong[64], rest[4096];
 	char *sargv[] = { NULL, "-a", addr, "-P", ports, NULL };
 	char *load[] = { "-a", addr, "-P", ports, "-k", KEYS, "-L", "-n", "0", NULL };
 	char *get[] = { "-a", addr, "-P", ports, "-k", KEYS, "-n", "500", NULL };
@@ -146,7 +121,11 @@ static void run_build(const char *build, int port)
 	sargv[0] = (char *)prog("kv_server", path, sizeof(path));
 
 	ct_begin(raw ? "kv_example: raw verbs" : "kv_example: krcore");
+	unsetenv("KRCORE_GID_INDEX"); /* the server's: its qbind's GID */
 	server = ct_spawn_ready_line(sargv, "kv_server: ready:", &out, ready, sizeof(ready));
+	/* The krcore clients' local GID (inherited; raw clients get -g). */
+	snprintf(gid, sizeof(gid), "%d", CLIENT_NODE);
+	setenv("KRCORE_GID_INDEX", gid, 1);
 	at = strstr(ready, "; object ");
 	named = at ? sscanf(at, "; object %" SCNx64 " rkey %x", &obj, &rkey) : 0;
 	CT_CHECK(named == 2, "kv_server's ready line names no object: %s", ready);
@@ -171,7 +150,7 @@ static void run_build(const char *build, int port)
 	expect_client(bad, 1, NULL);
 
 	CT_CHECK(kill(server, SIGTERM) == 0, "SIGTERM");
-	read_rest(out, rest, sizeof(rest));
+	read_all(out, rest, sizeof(rest), "kv_server after SIGTERM");
 	CT_CHECK(waitpid(server, &st, 0) == server, "waitpid server");
 	CT_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "kv_server: status %#x; it said: %s", st, rest);
 	CT_CHECK(strstr(rest, KEYS " PUTs"), "kv_server's summary counts no " KEYS " PUTs: %s", rest);
