@@ -32,7 +32,10 @@
  *   the agent (the FETCH_ADD's event raised, the written value returned),
  *   then a CMP_SWP and a READ, each with its event, whose results follow
  *   the FETCH_ADD's; the PD deallocated before that CQ
- *   is destroyed.
+ *   is destroyed;
+ * - a WRITE of 48 KiB and a READ of 64 KiB through the agent, one byte more
+ *   by the process itself; two VQPs sharing the staging region (one fills
+ *   it, the other's READ waits for the slots it gives back).
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -470,6 +473,58 @@ static int large_through_agent(void)
 	return 0;
 }
 
+/* The staging region is the process's, shared by its VQPs: one fills it
+ * (its window of 16 READs of 64 KiB), another's READ waits for the slots
+ * the first gives back and goes through the agent too (before, it waited
+ * for its own completions only: ENOMEM after the connect timeout). */
+static int region_shared_through_agent(void)
+{
+	struct ct_node n;
+	struct ibv_qp *a, *b;
+	struct ibv_wc wc;
+	uint8_t *want;
+	uint64_t t0;
+
+	ct_begin("vqp_node: two VQPs share the staging region");
+	setenv("KRCORE_PRESTART", "0", 1); /* the runtime starts at qconnect, in the background */
+	ct_node_open(&n, CLIENT_NODE, 17 * BIG, 64);
+	a = ct_node_vqp(&n, 16, 16);
+	b = ct_node_vqp(&n, 16, 16);
+	CT_OK(qconnect(a, ct_node_gid(SERVER_NODE), BIG_PORT));
+	CT_OK(qconnect(b, ct_node_gid(SERVER_NODE), BIG_PORT));
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 2, "node_connects %llu: not both through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
+	for (int i = 0; i < 16; i++)
+		CT_OK(ct_post_send1(a, (uint64_t)i, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, (size_t)i * BIG, BIG,
+				    big[0], (uint32_t)big[1], 0));
+	t0 = ct_now_ns();
+	CT_OK(ct_post_send1(b, 100, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 16 * BIG, 64, big[0] + BIG,
+			    (uint32_t)big[1], 0));
+	ct_note("the second VQP's READ waited %.1f ms for room", (double)(ct_now_ns() - t0) / 1e6);
+	for (int i = 0; i < 17; i++) {
+		wc = ct_poll1(n.scq);
+		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RDMA_READ, "completion %d: wr_id %llu status %d",
+			 i, (unsigned long long)wc.wr_id, wc.status);
+	}
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 17, "node_wrs %llu: not all 17 through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
+	/* The same 64 KiB 16 times (its last 16 KiB never written by any case),
+	 * and the 64 bytes after them. */
+	want = malloc(BIG + 4096);
+	CT_CHECK(want != NULL, "malloc");
+	ct_fill(want, BIG + 4096, BIG_SEED);
+	for (int i = 1; i < 16; i++)
+		ct_expect_bytes(n.b.p + (size_t)i * BIG, n.b.p, BIG, "a READ of the same 64 KiB");
+	ct_expect_bytes(n.b.p + BIG - 16384, want + BIG - 16384, 16384, "the target's last 16 KiB");
+	ct_expect_bytes(n.b.p + 16 * BIG, want + BIG, 64, "the second VQP's READ");
+	free(want);
+	CT_OK(ibv_destroy_qp(a));
+	CT_OK(ibv_destroy_qp(b));
+	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
 /* The agent keeps the rkey a process READ with checked (the owner asked
  * again before each 1 s lease runs out): within 10 s it has checked it
  * again at least twice, and a new process's READ through the agent then
@@ -838,6 +893,7 @@ int main(void)
 	fails += ct_run_child(through_agent, "through the agent, its rkey kept warm");
 	fails += ct_run_child(evented_atomics_through_agent, "atomics and events through the agent");
 	fails += ct_run_child(large_through_agent, "64 KiB through the agent");
+	fails += ct_run_child(region_shared_through_agent, "two VQPs share the staging region");
 	attach_kill_cycles();
 
 	CT_CHECK(pipe(stop_pipe) == 0 && pipe(stopped_pipe) == 0, "pipe");

@@ -67,6 +67,10 @@ struct InFlight {
     sges: Vec<ibv_sge>,
 }
 
+/// How often a post that found the staging region without room for it
+/// looks again (the region is the process's, shared by its VQPs).
+const SLOTS_LOOK_AGAIN: std::time::Duration = std::time::Duration::from_millis(5);
+
 // A request's opcode is the work request's.
 const _: () = assert!(
     crate::node::proto::OP_WRITE == ibv_wr_opcode::IBV_WR_RDMA_WRITE
@@ -222,14 +226,21 @@ impl Vqp {
         let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout();
         let slot = loop {
             let leg = g.as_mut().expect("on the path");
-            if leg.inflight.len() < agent::WINDOW {
+            let window = leg.inflight.len() < agent::WINDOW;
+            if window {
                 if let Some(s) = leg.path.slots(slots) {
                     break s;
                 }
             }
-            if self.agent_moved.wait_until(&mut g, deadline).timed_out() {
+            let now = std::time::Instant::now();
+            if now >= deadline {
                 return Some(Err(Errno::ENOMEM));
             }
+            // Our own completions wake us; slots another VQP of the
+            // process gives back do not: looked at again while the region
+            // has no room.
+            let until = if window { deadline.min(now + SLOTS_LOOK_AGAIN) } else { deadline };
+            let _ = self.agent_moved.wait_until(&mut g, until);
             if g.is_none() {
                 return None;
             }
