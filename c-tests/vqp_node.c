@@ -483,7 +483,7 @@ static int region_shared_through_agent(void)
 	struct ibv_qp *a, *b;
 	struct ibv_wc wc;
 	uint8_t *want;
-	uint64_t t0;
+	uint64_t t0, waited;
 
 	ct_begin("vqp_node: two VQPs share the staging region");
 	setenv("KRCORE_PRESTART", "0", 1); /* the runtime starts at qconnect, in the background */
@@ -500,7 +500,12 @@ static int region_shared_through_agent(void)
 	t0 = ct_now_ns();
 	CT_OK(ct_post_send1(b, 100, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 16 * BIG, 64, big[0] + BIG,
 			    (uint32_t)big[1], 0));
-	ct_note("the second VQP's READ waited %.1f ms for room", (double)(ct_now_ns() - t0) / 1e6);
+	waited = ct_now_ns() - t0;
+	ct_note("the second VQP's READ waited %.1f ms for room", (double)waited / 1e6);
+	/* Until the first READ of the other VQP completed, not until the
+	 * connect timeout (2 s) at which a post gives up. */
+	CT_CHECK(waited < 1500000000ull, "the READ waited %llu ms for room: slots given back not seen",
+		 (unsigned long long)(waited / 1000000));
 	for (int i = 0; i < 17; i++) {
 		wc = ct_poll1(n.scq);
 		CT_CHECK(wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RDMA_READ, "completion %d: wr_id %llu status %d",
