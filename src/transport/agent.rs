@@ -85,6 +85,11 @@ unsafe impl Send for AgentPath {}
 // SAFETY: as above.
 unsafe impl Sync for AgentPath {}
 
+/// How many slots `len` bytes take (at least one).
+fn slots_for(len: usize) -> u16 {
+    len.div_ceil(SLOT).max(1) as u16
+}
+
 /// The staging region's free slots, a bit each (set: free). A work
 /// request takes the lowest free run long enough for its bytes.
 struct FreeSlots(u64);
@@ -331,13 +336,15 @@ impl AgentPath {
         self.next.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// The first of `n` free slots in a row of the staging region, if any.
-    pub fn slots(&self, n: u16) -> Option<u16> {
-        self.free.lock().take(n)
+    /// The first of the free slots in a row of the staging region that
+    /// hold `len` bytes (at least one), if there are.
+    pub fn slots(&self, len: usize) -> Option<u16> {
+        self.free.lock().take(slots_for(len))
     }
 
-    pub fn release(&self, first: u16, n: u16) {
-        self.free.lock().give(first, n);
+    /// Give back what [`Self::slots`] took for `len` bytes from `first` on.
+    pub fn release(&self, first: u16, len: usize) {
+        self.free.lock().give(first, slots_for(len));
     }
 
     /// The first `len` bytes of the slots from `first` on.

@@ -59,9 +59,8 @@ struct InFlight {
     /// The work request's (`ibv_wr_opcode`).
     opcode: u32,
     len: u32,
-    /// The first of its staging slots, and how many.
+    /// The first of its staging slots (as many as `len` takes).
     slot: u16,
-    slots: u16,
     /// Where a READ's bytes or an atomic's result go: the application's
     /// SGEs.
     sges: Vec<ibv_sge>,
@@ -105,7 +104,7 @@ impl agent::User for Vqp {
                 at += n;
             }
         }
-        leg.path.release(f.slot, f.slots);
+        leg.path.release(f.slot, f.len as usize);
         if status != ibv_wc_status::IBV_WC_SUCCESS {
             leg.failed = true;
         } else if !leg.completed {
@@ -222,13 +221,12 @@ impl Vqp {
             return Some(Err(Errno::ENOMEM));
         }
         // Room on the path: a window per VQP and staging slots in a row.
-        let slots = total.div_ceil(agent::SLOT as u64).max(1) as u16;
         let deadline = std::time::Instant::now() + crate::vqp::runtime::connect_timeout();
         let slot = loop {
             let leg = g.as_mut().expect("on the path");
             let window = leg.inflight.len() < agent::WINDOW;
             if window {
-                if let Some(s) = leg.path.slots(slots) {
+                if let Some(s) = leg.path.slots(total as usize) {
                     break s;
                 }
             }
@@ -275,12 +273,11 @@ impl Vqp {
             opcode: w.opcode,
             len: total as u32,
             slot,
-            slots,
             sges: sges.to_vec(),
         });
         if let Err(e) = leg.path.post(post, slot, me) {
             leg.inflight.pop_back();
-            leg.path.release(slot, slots);
+            leg.path.release(slot, total as usize);
             return Some(Err(e));
         }
         crate::stats::inc(crate::stats::Stat::KRCORE_STAT_NODE_WRS);
