@@ -6,8 +6,11 @@
  *   makes no meta-server connection of its own: a SEND echoed by a bound
  *   VQP and a READ of the server's buffer, checked byte for byte;
  *   node_lookups >= 1, meta_connections 0, meta_queries 0;
- * - a process whose runtime is up connects by itself (node_connects 0),
- *   its lookup still the agent's;
+ * - a process whose runtime is up (started 200 ms after its first qconnect,
+ *   which went through the agent) connects by itself (node_connects stays
+ *   1), its lookup still the agent's; a process that connects nothing
+ *   starts no runtime of its own, nor one whose READ through the agent and
+ *   exit come within 200 ms of its qconnect;
  * - the socket is its user's only (mode 0600), and a process of another
  *   user cannot attach;
  * - a process that sends a malformed message is dropped, and the agent
@@ -261,28 +264,84 @@ static int attached_client(void)
 	return 0;
 }
 
-/* A process whose runtime is up (started at its first PD, waited for)
- * connects by itself: its lookup through the agent, its VQP its own
- * (node_connects 0), and still no meta-server connection of its own. */
+/* A process whose runtime is up connects by itself: its lookup through
+ * the agent, its VQP its own (node_connects stays 1), and still no
+ * meta-server connection of its own. Its runtime starts 200 ms after
+ * its first qconnect, which went through the agent (waited for). */
 static int warm_attached_client(void)
 {
 	struct ct_node n;
+	struct ibv_qp *q;
 	uint64_t until;
 
 	ct_begin("vqp_node: a warm attached process connects by itself");
 	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	q = ct_node_vqp(&n, 16, 16);
+	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 1, "node_connects %llu: the first qconnect not through the agent",
+		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
 	until = ct_now_ns() + 10000000000ull;
 	while (stat_of(KRCORE_STAT_RUNTIMES_PRESTARTED) == 0) {
-		CT_CHECK(ct_now_ns() < until, "the runtime not started within 10 s of the first PD");
+		CT_CHECK(ct_now_ns() < until, "the runtime not started within 10 s of the first qconnect");
 		usleep(1000);
 	}
 	exchange(&n, 2);
-	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 0, "node_connects %llu: a warm process went through the agent",
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 1, "node_connects %llu: a warm process went through the agent",
 		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
 	CT_CHECK(stat_of(KRCORE_STAT_NODE_LOOKUPS) >= 1, "node_lookups 0: the lookup was not the agent's");
 	CT_CHECK(stat_of(KRCORE_STAT_META_CONNECTIONS) == 0, "meta_connections %llu",
 		 (unsigned long long)stat_of(KRCORE_STAT_META_CONNECTIONS));
+	CT_OK(ibv_destroy_qp(q));
 	node_close(&n);
+	ct_pass();
+	return 0;
+}
+
+/* An attached process makes its own runtime only when it needs one: none
+ * for a process that connects nothing (its PD and device freed at once,
+ * the start waiting for its time not begun), none before 200 ms after its
+ * first qconnect through the agent (a fetch of one object and exit), and
+ * no link of its own then. */
+static int runtime_when_needed(void)
+{
+	struct ct_node n;
+	struct ibv_qp *q;
+	struct ibv_wc wc;
+	uint64_t t0, ms, started, links;
+
+	ct_begin("vqp_node: an attached process makes its own runtime only when it needs one");
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	CT_CHECK(krcore_node_attached() == 1, "not attached to the agent at %s", sock_path);
+	t0 = ct_now_ns();
+	node_close(&n);
+	ms = (ct_now_ns() - t0) / 1000000;
+	CT_CHECK(stat_of(KRCORE_STAT_RUNTIMES_PRESTARTED) == 0, "a runtime started for a process that connected nothing");
+	CT_CHECK(ms < 1000, "freeing the PD and device took %llu ms", (unsigned long long)ms);
+	ct_note("PD and device freed in %llu ms, no runtime started", (unsigned long long)ms);
+
+	ct_node_open(&n, CLIENT_NODE, 4096, 64);
+	q = ct_node_vqp(&n, 16, 16);
+	t0 = ct_now_ns();
+	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
+	CT_OK(ct_post_send1(q, 1, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
+			    target[0], (uint32_t)target[1], 0));
+	wc = ct_poll1(n.scq);
+	ct_expect_wc(&wc, 1, IBV_WC_RDMA_READ, "the READ through the agent");
+	ct_expect_pattern(n.b.p + 2048, 64, SEED, "the READ's bytes");
+	CT_OK(ibv_destroy_qp(q));
+	/* Read before the clock: a runtime counted then began 200 ms after the
+	 * qconnect at the soonest, so the time read after is at least that. */
+	started = stat_of(KRCORE_STAT_RUNTIMES_PRESTARTED);
+	links = stat_of(KRCORE_STAT_LINKS_OPENED);
+	ms = (ct_now_ns() - t0) / 1000000;
+	CT_CHECK(started == 0 || ms >= 200, "a runtime started %llu ms after the first qconnect (200 ms at the soonest)",
+		 (unsigned long long)ms);
+	CT_CHECK(links == 0 || ms >= 200, "links_opened %llu after %llu ms", (unsigned long long)links,
+		 (unsigned long long)ms);
+	node_close(&n);
+	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 1, "node_wrs %llu", (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
+	ct_note("qconnect, READ through the agent and destroy in %llu ms; runtimes started %llu, links opened %llu",
+		(unsigned long long)ms, (unsigned long long)started, (unsigned long long)links);
 	ct_pass();
 	return 0;
 }
@@ -892,6 +951,7 @@ int main(void)
 	malformed_is_dropped();
 	fails += ct_run_child(attached_client, "attached client after junk");
 	fails += ct_run_child(warm_attached_client, "warm attached client");
+	fails += ct_run_child(runtime_when_needed, "runtime when needed");
 	broken_ring_is_dropped();
 	fails += ct_run_child(through_agent, "through the agent");
 	rkeys_kept_warm();

@@ -126,22 +126,31 @@ impl FreeSlots {
 static PATH: Mutex<Option<Arc<AgentPath>>> = Mutex::new(None);
 
 /// The process's first work through the agent, which its runtime's start
-/// in the background gives way to: on a host short of CPUs the start's
-/// steps (QP commands, registrations: milliseconds each) otherwise delay
-/// the agent's answers and the application's thread that waits for them.
+/// in the background waits for: an attached process makes its own
+/// runtime only [`OWN_AFTER`] after its first `CONNECT` (a short-lived one,
+/// a serverless function's fetch, never does), or at once when a caller
+/// needs it; and on a host short of CPUs the start's steps (QP commands,
+/// registrations: milliseconds each) give way to the first work, which
+/// they would otherwise delay.
 struct FirstWork {
     pid: libc::pid_t,
     /// When the first `CONNECT` went out.
     since: Option<Instant>,
     /// Its first completion came, the path went, or a caller needs the
-    /// runtime now: the start no longer waits.
+    /// runtime now: the start no longer gives way.
     over: bool,
+    /// A caller needs the runtime now, or the path went: a start waiting
+    /// for its time begins.
+    needed: bool,
 }
-static FIRST_WORK: Mutex<FirstWork> = Mutex::new(FirstWork { pid: 0, since: None, over: false });
+static FIRST_WORK: Mutex<FirstWork> = Mutex::new(FirstWork { pid: 0, since: None, over: false, needed: false });
 static FIRST_WORK_CHANGED: Condvar = Condvar::new();
-/// The longest a background start gives way (the own link is asked for
-/// this long after a connect at the latest, too).
+/// The longest a background start gives way.
 const GIVE_WAY: Duration = Duration::from_millis(200);
+/// How long after its first `CONNECT` an attached process starts its own
+/// runtime, which its VQPs then move onto (unless a caller needs it
+/// sooner).
+pub const OWN_AFTER: Duration = Duration::from_millis(200);
 
 /// Between the steps of a runtime's start in the background: wait while
 /// the process's first work through the agent is under way (from its
@@ -158,10 +167,40 @@ pub fn give_way() {
     }
 }
 
+/// Before an attached process's runtime starts in the background: wait
+/// until a caller needs it, the path went, or [`OWN_AFTER`] passed since
+/// the first `CONNECT` (none yet: until there is one). False when
+/// `cancel` was set meanwhile ([`wake_deferred`]): its PD goes.
+pub fn wait_until_needed(cancel: &AtomicBool) -> bool {
+    let mut w = FIRST_WORK.lock();
+    fresh(&mut w);
+    loop {
+        if cancel.load(Ordering::Acquire) {
+            return false;
+        }
+        if w.needed {
+            return true;
+        }
+        match w.since {
+            Some(since) if Instant::now() >= since + OWN_AFTER => return true,
+            Some(since) => {
+                let _ = FIRST_WORK_CHANGED.wait_until(&mut w, since + OWN_AFTER);
+            }
+            None => FIRST_WORK_CHANGED.wait(&mut w),
+        }
+    }
+}
+
+/// Wake the starts waiting in [`wait_until_needed`] (one was cancelled).
+pub fn wake_deferred() {
+    let _w = FIRST_WORK.lock();
+    FIRST_WORK_CHANGED.notify_all();
+}
+
 /// A forked child's own record, not its parent's.
 fn fresh(w: &mut FirstWork) {
     if w.pid != pid() {
-        *w = FirstWork { pid: pid(), since: None, over: false };
+        *w = FirstWork { pid: pid(), since: None, over: false, needed: false };
     }
 }
 
@@ -170,16 +209,28 @@ fn first_work_begun() {
     fresh(&mut w);
     if w.since.is_none() {
         w.since = Some(Instant::now());
+        FIRST_WORK_CHANGED.notify_all();
     }
 }
 
-/// The first work through the agent is over (or a caller needs the
-/// runtime now): a start that gave way goes on.
-pub fn first_work_over() {
+/// The first work through the agent is over: a start that gave way goes
+/// on.
+fn first_work_over() {
     let mut w = FIRST_WORK.lock();
     fresh(&mut w);
     if !w.over {
         w.over = true;
+        FIRST_WORK_CHANGED.notify_all();
+    }
+}
+
+/// A caller needs the runtime now (or the path went): a start neither
+/// gives way nor waits for its time.
+pub fn runtime_needed() {
+    let mut w = FIRST_WORK.lock();
+    fresh(&mut w);
+    if !w.needed {
+        (w.over, w.needed) = (true, true);
         FIRST_WORK_CHANGED.notify_all();
     }
 }
@@ -510,7 +561,7 @@ impl AgentPath {
             return;
         }
         klog!(Level::Warn, "node: the agent's path closed ({why}): its outstanding work fails");
-        first_work_over();
+        runtime_needed();
         let mut all: Vec<(u32, Weak<dyn User>)> = self.pending_mut(|p| p.drain().collect());
         // Tokens grow; a VQP's completions are delivered in order.
         all.sort_unstable_by_key(|(token, _)| token.wrapping_sub(self.next.load(Ordering::Relaxed)));

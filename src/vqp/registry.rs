@@ -20,9 +20,10 @@ static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
 /// milliseconds; other PDs' lookups must not wait for it).
 static STARTS: Mutex<Option<HashMap<usize, Arc<Mutex<()>>>>> = Mutex::new(None);
 /// Starts in the background (`KRCORE_PRESTART`): PD -> (context, process,
-/// thread). A forked child does not join its parent's thread.
+/// thread, set when the PD goes: a start still waiting for its time does
+/// not begin). A forked child does not join its parent's thread.
 static PRESTARTS: Mutex<Option<HashMap<usize, Prestart>>> = Mutex::new(None);
-type Prestart = (usize, libc::pid_t, std::thread::JoinHandle<()>);
+type Prestart = (usize, libc::pid_t, std::thread::JoinHandle<()>, Arc<AtomicBool>);
 
 /// The runtime of real `pd`, if started.
 pub fn of(pd: usize) -> Option<Arc<Runtime>> {
@@ -46,8 +47,8 @@ impl Runtime {
             return Ok(rt);
         }
         // Needed now: a start in the background stops giving way to the
-        // first work through the agent.
-        crate::transport::agent::first_work_over();
+        // first work through the agent, or waiting for its time.
+        crate::transport::agent::runtime_needed();
         // SAFETY: caller contract.
         unsafe { Runtime::get_or_start_in_background(ctx, pd, gid_index) }
     }
@@ -90,6 +91,11 @@ pub fn prestart(ctx: *mut ibv_context, pd: *mut ibv_pd) {
 
 /// Start the runtime of real `pd` on a thread, unless it is started or
 /// its start is under way (a VQP on the agent's path moves onto it).
+/// A process attached to the host's agent opens its path to the agent
+/// there, and starts the runtime only when it needs one
+/// (`transport::agent::wait_until_needed`): its first operations go
+/// through the agent, and one that ends soon after never pays for a
+/// runtime of its own.
 pub fn start_soon(ctx: *mut ibv_context, pd: *mut ibv_pd) {
     let (c, p) = (ctx as usize, pd as usize);
     // Held until the start is recorded: one start per PD.
@@ -97,7 +103,19 @@ pub fn start_soon(ctx: *mut ibv_context, pd: *mut ibv_pd) {
     if of(p).is_some() || starts.as_ref().is_some_and(|m| m.contains_key(&p)) {
         return;
     }
+    let cancel = Arc::new(AtomicBool::new(false));
+    let cancelled = Arc::clone(&cancel);
     let body = move || {
+        // A transparent QP needs the runtime at its creation: no waiting.
+        let deferred = crate::config::get().virtualize == crate::config::Virtualize::Off
+            && crate::node::client::attach()
+            && crate::transport::agent::AgentPath::get().is_some();
+        if deferred {
+            crate::kmark!("runtime: its start waits until it is needed");
+            if !crate::transport::agent::wait_until_needed(&cancelled) {
+                return;
+            }
+        }
         // SAFETY: the PD and its context outlive this thread:
         // ibv_dealloc_pd and ibv_close_device join it first.
         match unsafe { Runtime::get_or_start_in_background(c as *mut ibv_context, p as *mut ibv_pd, None) } {
@@ -112,16 +130,19 @@ pub fn start_soon(ctx: *mut ibv_context, pd: *mut ibv_pd) {
         Ok(t) => {
             // SAFETY: getpid has no preconditions.
             let pid = unsafe { libc::getpid() };
-            starts.get_or_insert_with(HashMap::new).insert(p, (c, pid, t));
+            starts.get_or_insert_with(HashMap::new).insert(p, (c, pid, t, cancel));
         }
         Err(e) => klog!(Level::Info, "vqp: no thread to start the runtime at ibv_alloc_pd: {e}"),
     }
 }
 
-/// Wait for the background start of real `pd`, if any.
+/// Wait for the background start of real `pd`, if any (one still waiting
+/// for its time does not begin).
 fn join_prestart(pd: usize) {
     let t = PRESTARTS.lock().as_mut().and_then(|m| m.remove(&pd));
-    if let Some((_, pid, t)) = t {
+    if let Some((_, pid, t, cancel)) = t {
+        cancel.store(true, Ordering::Release);
+        crate::transport::agent::wake_deferred();
         // SAFETY: getpid has no preconditions.
         if pid == unsafe { libc::getpid() } {
             let _ = t.join();
@@ -210,7 +231,7 @@ pub fn release_context(ctx: *mut ibv_context) {
     let starting: Vec<usize> = PRESTARTS
         .lock()
         .as_ref()
-        .map(|m| m.iter().filter(|(_, (c, _, _))| *c == ctx as usize).map(|(pd, _)| *pd).collect())
+        .map(|m| m.iter().filter(|(_, (c, _, _, _))| *c == ctx as usize).map(|(pd, _)| *pd).collect())
         .unwrap_or_default();
     starting.into_iter().for_each(join_prestart);
     let pds: Vec<usize> = RUNTIMES
