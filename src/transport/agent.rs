@@ -575,7 +575,39 @@ impl AgentPath {
 
 #[cfg(test)]
 mod tests {
-    use super::FreeSlots;
+    use super::*;
+
+    /// The one test of the process's `FIRST_WORK` (tests run in parallel).
+    #[test]
+    fn a_deferred_start_waits_for_its_time_a_need_or_its_cancel() {
+        let reset = |since| *FIRST_WORK.lock() = FirstWork { pid: pid(), since, over: false, needed: false };
+        let cancel = AtomicBool::new(false);
+        // No CONNECT yet: waits until cancelled (from another thread).
+        reset(None);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| wait_until_needed(&cancel));
+            cancel.store(true, Ordering::Release);
+            wake_deferred();
+            assert!(!waiter.join().unwrap(), "cancelled: no start");
+        });
+        cancel.store(false, Ordering::Release);
+        // A caller's need ends the wait at once.
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| wait_until_needed(&cancel));
+            runtime_needed();
+            assert!(waiter.join().unwrap());
+        });
+        // OWN_AFTER after the first CONNECT, not sooner.
+        let connected = Instant::now();
+        reset(Some(connected));
+        assert!(wait_until_needed(&cancel));
+        assert!(connected.elapsed() >= OWN_AFTER);
+        // And a CONNECT long ago: no wait.
+        reset(Some(Instant::now() - OWN_AFTER));
+        let t = Instant::now();
+        assert!(wait_until_needed(&cancel));
+        assert!(t.elapsed() < OWN_AFTER);
+    }
 
     #[test]
     fn work_requests_take_the_lowest_free_run_of_slots() {
