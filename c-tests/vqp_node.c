@@ -6,11 +6,11 @@
  *   makes no meta-server connection of its own: a SEND echoed by a bound
  *   VQP and a READ of the server's buffer, checked byte for byte;
  *   node_lookups >= 1, meta_connections 0, meta_queries 0;
- * - a process whose runtime is up (started 200 ms after its first qconnect,
- *   which went through the agent) connects by itself (node_connects stays
- *   1), its lookup still the agent's; a process that connects nothing
- *   starts no runtime of its own, nor one whose READ through the agent and
- *   exit come within 200 ms of its qconnect;
+ * - a process whose runtime is up (started once its first VQP, connected
+ *   through the agent, still posted there 200 ms after its qconnect)
+ *   connects by itself (node_connects stays 1), its lookup still the
+ *   agent's; a process that connects nothing starts no runtime of its
+ *   own, nor one that READs once through the agent and exits;
  * - the socket is its user's only (mode 0600), and a process of another
  *   user cannot attach;
  * - a process that sends a malformed message is dropped, and the agent
@@ -266,8 +266,9 @@ static int attached_client(void)
 
 /* A process whose runtime is up connects by itself: its lookup through
  * the agent, its VQP its own (node_connects stays 1), and still no
- * meta-server connection of its own. Its runtime starts 200 ms after
- * its first qconnect, which went through the agent (waited for). */
+ * meta-server connection of its own. Its runtime starts once its first
+ * VQP, connected through the agent, still posts there 200 ms after its
+ * qconnect (READs until then, bounded). */
 static int warm_attached_client(void)
 {
 	struct ct_node n;
@@ -282,8 +283,14 @@ static int warm_attached_client(void)
 		 (unsigned long long)stat_of(KRCORE_STAT_NODE_CONNECTS));
 	until = ct_now_ns() + 10000000000ull;
 	while (stat_of(KRCORE_STAT_RUNTIMES_PRESTARTED) == 0) {
+		struct ibv_wc wc;
+
 		CT_CHECK(ct_now_ns() < until, "the runtime not started within 10 s of the first qconnect");
-		usleep(1000);
+		CT_OK(ct_post_send1(q, 1, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
+				    target[0], (uint32_t)target[1], 0));
+		wc = ct_poll1(n.scq);
+		ct_expect_wc(&wc, 1, IBV_WC_RDMA_READ, "a READ");
+		usleep(5000);
 	}
 	exchange(&n, 2);
 	CT_CHECK(stat_of(KRCORE_STAT_NODE_CONNECTS) == 1, "node_connects %llu: a warm process went through the agent",
@@ -299,9 +306,9 @@ static int warm_attached_client(void)
 
 /* An attached process makes its own runtime only when it needs one: none
  * for a process that connects nothing (its PD and device freed at once,
- * the start waiting for its time not begun), none before 200 ms after its
- * first qconnect through the agent (a fetch of one object and exit), and
- * no link of its own then. */
+ * the start waiting not begun), none for one that READs once through the
+ * agent and exits (its post within 200 ms of its qconnect), and no link
+ * of its own then. */
 static int runtime_when_needed(void)
 {
 	struct ct_node n;
@@ -325,22 +332,21 @@ static int runtime_when_needed(void)
 	CT_OK(qconnect(q, ct_node_gid(SERVER_NODE), PORT));
 	CT_OK(ct_post_send1(q, 1, IBV_WR_RDMA_READ, IBV_SEND_SIGNALED, &n.b, 2048, 64,
 			    target[0], (uint32_t)target[1], 0));
+	ms = (ct_now_ns() - t0) / 1000000;
 	wc = ct_poll1(n.scq);
 	ct_expect_wc(&wc, 1, IBV_WC_RDMA_READ, "the READ through the agent");
 	ct_expect_pattern(n.b.p + 2048, 64, SEED, "the READ's bytes");
 	CT_OK(ibv_destroy_qp(q));
-	/* Read before the clock: a runtime counted then began 200 ms after the
-	 * qconnect at the soonest, so the time read after is at least that. */
+	node_close(&n);
+	/* A post 200 ms after the qconnect would have asked for the runtime:
+	 * only on a host too slow to tell. */
 	started = stat_of(KRCORE_STAT_RUNTIMES_PRESTARTED);
 	links = stat_of(KRCORE_STAT_LINKS_OPENED);
-	ms = (ct_now_ns() - t0) / 1000000;
-	CT_CHECK(started == 0 || ms >= 200, "a runtime started %llu ms after the first qconnect (200 ms at the soonest)",
+	CT_CHECK(started == 0 || ms >= 200, "a runtime started (the READ posted %llu ms after the qconnect)",
 		 (unsigned long long)ms);
-	CT_CHECK(links == 0 || ms >= 200, "links_opened %llu after %llu ms", (unsigned long long)links,
-		 (unsigned long long)ms);
-	node_close(&n);
+	CT_CHECK(links == 0, "links_opened %llu", (unsigned long long)links);
 	CT_CHECK(stat_of(KRCORE_STAT_NODE_WRS) == 1, "node_wrs %llu", (unsigned long long)stat_of(KRCORE_STAT_NODE_WRS));
-	ct_note("qconnect, READ through the agent and destroy in %llu ms; runtimes started %llu, links opened %llu",
+	ct_note("READ posted %llu ms after the qconnect; runtimes started %llu, links opened %llu",
 		(unsigned long long)ms, (unsigned long long)started, (unsigned long long)links);
 	ct_pass();
 	return 0;

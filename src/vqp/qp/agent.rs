@@ -209,6 +209,12 @@ impl Vqp {
             self.send_soft.push(wc);
             return Some(Ok(()));
         }
+        if leg.since.elapsed() >= agent::OWN_AFTER {
+            // Still on the agent's path: worth a runtime and a link of our
+            // own to move onto (a process that ends after its first work
+            // never makes one).
+            agent::runtime_needed();
+        }
         let carried = carried(w, sges, total) && !leg.path.is_dead() && self.local_ok(sges, returns_bytes(w.opcode));
         if !carried || self.own_link_open(leg) {
             drop(g);
