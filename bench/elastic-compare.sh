@@ -35,6 +35,13 @@
 #   agent   krcore with the per-host krcore-node agent (issue 21): only when
 #           the snapshot has a krcore-node binary (one agent on the clients' first
 #           GID, their KRCORE_NODE its socket).
+#   agent-b with KRCORE_BENCH_LIB_DIR_B: the agent mode with that library
+#           (kv_server-krcore-b and kv_client-krcore-b built against it, its
+#           krcore-meta and krcore-node), so that two libraries are compared
+#           in one boot. (Only the clients through LD_LIBRARY_PATH was
+#           tried: their library, mapped by no process that lives, was read
+#           again from the VM's host file system by each new process, 50-70
+#           ms of the fetch whichever library it was.)
 #
 # The library is not built here: run `cargo build --release` first. The
 # library, krcore-meta (and krcore-node) are copied to
@@ -65,6 +72,8 @@
 #                              wait channel; user stacks with gdb, if installed)
 #   KRCORE_BENCH_LIB_DIR       where libkrcore.so, krcore-meta and krcore-node
 #                              are taken from (target/release)
+#   KRCORE_BENCH_LIB_DIR_B     a second library (libkrcore.so, krcore-meta,
+#                              krcore-node): adds the agent-b mode (above)
 #   KRCORE_BENCH_AGENT_ARGS    krcore-node's arguments (default: --socket SOCK --gid-index 2)
 #   KRCORE_BENCH_AGENT_READY   sed expression of krcore-node's ready line
 #   KRCORE_BENCH_LOG           KRCORE_LOG for every process in the VM (a
@@ -85,6 +94,8 @@ repeats="${1:-2}"
 out=target/bench/elastic
 bindir=target/bench/bin
 klib=target/bench/elastic-lib
+klib_b=target/bench/elastic-lib-b
+libdir_b="${KRCORE_BENCH_LIB_DIR_B:-}"
 libdir="${KRCORE_BENCH_LIB_DIR:-target/release}"
 ns="${KRCORE_BENCH_NS:-8 32 64}"
 gets="${KRCORE_BENCH_GETS:-1000}"
@@ -125,11 +136,15 @@ stop_pid() {
 # snapshot the mode is skipped (with a message).
 agent_pid=
 have_agent() { [[ -x "$klib/krcore-node" ]]; }
+# The library of mode $1.
+lib_of() { if [[ "$1" == agent-b ]]; then echo "$klib_b"; else echo "$klib"; fi; }
+# The agent of mode $1 for run $2.
 start_agent() {
-    local tag="$1"
+    local lib tag="$2"
+    lib="$(lib_of "$1")"
     rm -f "$agent_sock"
     # shellcheck disable=SC2086  # the arguments are meant to split
-    KRCORE_GID_INDEX=2 "$klib/krcore-node" $agent_args >"$out/agent-$tag.log" 2>&1 &
+    KRCORE_GID_INDEX=2 "$lib/krcore-node" $agent_args >"$out/agent-$tag.log" 2>&1 &
     agent_pid=$!
     wait_ready "$out/agent-$tag.log" "$agent_pid" "$agent_ready" >/dev/null
 }
@@ -152,14 +167,15 @@ start_servers() {
     local mode="$1" tag="$2" sbin=kv_server
     addr="$(gid_ipv4 "$server_gid")" || return 1
     if [[ "$mode" != raw ]]; then
-        "$klib/krcore-meta" --listen "$addr:$meta_port" >"$out/meta-$tag.log" 2>&1 &
+        "$(lib_of "$mode")/krcore-meta" --listen "$addr:$meta_port" >"$out/meta-$tag.log" 2>&1 &
         meta_pid=$!
         wait_ready "$out/meta-$tag.log" "$meta_pid" '/serving on/p' >/dev/null || return 1
         export KRCORE_META="$addr:$meta_port"
         sbin=kv_server-krcore
+        if [[ "$mode" == agent-b ]]; then sbin=kv_server-krcore-b; fi
     fi
-    if [[ "$mode" == agent ]]; then
-        start_agent "$tag" || return 1
+    if [[ "$mode" == agent* ]]; then
+        start_agent "$mode" "$tag" || return 1
     fi
     KRCORE_GID_INDEX="$server_gid" KRCORE_STATS_FILE="$PWD/$out/server-$tag.json" \
         env ${KRCORE_BENCH_SERVER_LOG:+KRCORE_LOG="$KRCORE_BENCH_SERVER_LOG"} "$bindir/$sbin" -a "$addr" -P "$port" >"$(server_log "$tag")" 2>&1 &
@@ -206,6 +222,7 @@ stop_servers() {
 client_cmd() {
     case "$1" in
         raw) echo "$bindir/kv_client -g %g" ;;
+        agent-b) echo "$bindir/kv_client-krcore-b" ;;
         *) echo "$bindir/kv_client-krcore" ;;
     esac
 }
@@ -245,7 +262,7 @@ run_burst() {
         stop_servers "$tag" || true
         return 1
     fi
-    if [[ "$mode" == agent ]]; then export KRCORE_NODE="$agent_sock"; fi
+    if [[ "$mode" == agent* ]]; then export KRCORE_NODE="$agent_sock"; fi
     # Each krcore client writes its counters at exit (observation only:
     # which of its work requests went on the datagram tier).
     mkdir -p "$out/stats-$tag"
@@ -275,7 +292,7 @@ run_serverless() {
     local mode="$1" i="$2" tag="$1-sl-$2" rc=0 cmd
     cmd="$(client_cmd "$mode")"
     start_servers "$mode" "$tag" || { stop_servers "$tag" || true; return 1; }
-    if [[ "$mode" == agent ]]; then export KRCORE_NODE="$agent_sock"; fi
+    if [[ "$mode" == agent* ]]; then export KRCORE_NODE="$agent_sock"; fi
     # shellcheck disable=SC2086
     "$bindir/elastic_launch" serial -n "$serverless" -g "$client_gids" -t 60 -- \
         $cmd -a "$addr" -P "$port" -o "$object_at" -T \
@@ -302,6 +319,7 @@ if [[ "${KRCORE_IN_VM:-}" == 1 ]]; then
     else
         echo "== $me: no krcore-node in $libdir: the \"krcore + agent\" mode is skipped"
     fi
+    if [[ -x "$bindir/kv_client-krcore-b" ]]; then modes+=(agent-b); fi
     if [[ -n "${KRCORE_BENCH_MODES:-}" ]]; then
         read -r -a modes <<<"$KRCORE_BENCH_MODES"
     fi
@@ -342,6 +360,12 @@ if ((!report_only)); then
     rm -rf "$klib" && mkdir -p "$klib" "$bindir"
     cp "$libdir/libkrcore.so" "$libdir/krcore-meta" "$klib/"
     if [[ -x "$libdir/krcore-node" ]]; then cp "$libdir/krcore-node" "$klib/"; fi
+    rm -rf "$klib_b"
+    rm -f "$bindir"/kv_*-krcore-b
+    if [[ -n "$libdir_b" ]]; then
+        mkdir -p "$klib_b"
+        cp "$libdir_b/libkrcore.so" "$libdir_b/krcore-meta" "$libdir_b/krcore-node" "$klib_b/"
+    fi
     cflags=(-O2 -std=gnu11 -Wall -Wextra -Werror)
     cc "${cflags[@]}" examples-c/kv_server.c -libverbs -o "$bindir/kv_server"
     cc "${cflags[@]}" examples-c/kv_client.c -libverbs -o "$bindir/kv_client"
@@ -349,12 +373,19 @@ if ((!report_only)); then
         cc "${cflags[@]}" -DKRCORE -I include "examples-c/$p.c" -L "$klib" -lkrcore \
             -Wl,-rpath,"$PWD/$klib" -o "$bindir/$p-krcore"
     done
+    if [[ -n "$libdir_b" ]]; then
+        for p in kv_server kv_client; do
+            cc "${cflags[@]}" -DKRCORE -I include "examples-c/$p.c" -L "$klib_b" -lkrcore \
+                -Wl,-rpath,"$PWD/$klib_b" -o "$bindir/$p-krcore-b"
+        done
+    fi
     cc "${cflags[@]}" bench/elastic_launch.c -o "$bindir/elastic_launch"
     rm -rf "$out" && mkdir -p "$out"
     {
         echo "library: $libdir/libkrcore.so, copied $(date -u +%FT%TZ)"
         echo "built: $(date -u -r "$libdir/libkrcore.so" +%FT%TZ)"
         (cd "$klib" && sha256sum ./*)
+        if [[ -n "$libdir_b" ]]; then echo "library B (agent-b): $libdir_b"; (cd "$klib_b" && sha256sum ./*); fi
         echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?'), uncommitted changes in src/: $(git --no-optional-locks status --porcelain -- src 2>/dev/null | wc -l) file(s)"
         echo "host load average before the run: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPU(s)"
         echo "NS=$ns GETS=$gets KEYS=$keys SERVERLESS=$serverless CLIENT_GIDS=$client_gids"

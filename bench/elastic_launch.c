@@ -53,10 +53,12 @@
  * serial: ROUNDS children one after the other (each must exit 0 before the
  * next starts; the program is run with -O, the serverless fetch): per
  * round, the child's start to its object READ and verified
- * ("object_us="). Output: "round I exec_to_data_ms=.. main_ms=..
- * setup_ms=.. path_ms=.. connected_ms=.." and "serial rounds=R
- * exec_to_data_med_ms=.. min_ms=.. max_ms=.. main_med_ms=..
- * setup_med_ms=.. path_med_ms=.. connected_med_ms=..".
+ * ("object_us="), and the CPU time it used in all (user + system, all
+ * its threads, at its exit). Output: "round I exec_to_data_ms=..
+ * main_ms=.. setup_ms=.. path_ms=.. connected_ms=.. cpu_ms=.." and
+ * "serial rounds=R exec_to_data_med_ms=.. min_ms=.. max_ms=..
+ * main_med_ms=.. setup_med_ms=.. path_med_ms=.. connected_med_ms=..
+ * cpu_med_ms=..".
  *
  * Bounded: everything must be done within SECONDS (-t, default 300; in
  * serial mode per round), else the children still running are killed
@@ -76,6 +78,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -96,6 +99,7 @@ struct child {
 	double fork_us;		/* burst: the instant before its fork */
 	double first_us;	/* kv_first: its first GET done (0: not yet) */
 	double cpu_us;		/* kv_first: its CPU time by then (-1: none) */
+	double exit_cpu_us;	/* its CPU time in all, at its exit */
 	char out[OUT_CAP];
 	size_t used;
 };
@@ -344,10 +348,13 @@ static void reap_all(double deadline)
 		struct child *c = &kids[i];
 
 		while (!c->exited) {
-			pid_t r = waitpid(c->pid, &c->status, WNOHANG);
+			struct rusage ru;
+			pid_t r = wait4(c->pid, &c->status, WNOHANG, &ru);
 
 			if (r == c->pid) {
 				c->exited = 1;
+				c->exit_cpu_us = (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1e6 +
+						 (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 				break;
 			}
 			if (r < 0 && errno != EINTR)
@@ -485,9 +492,10 @@ static int serial(int rounds, double timeout_s, char **args)
 	       *mainv = calloc((size_t)rounds, sizeof(double)),
 	       *conn = calloc((size_t)rounds, sizeof(double)),
 	       *setup = calloc((size_t)rounds, sizeof(double)),
-	       *path = calloc((size_t)rounds, sizeof(double)), lo = 1e18, hi = 0;
+	       *path = calloc((size_t)rounds, sizeof(double)),
+	       *cpu = calloc((size_t)rounds, sizeof(double)), lo = 1e18, hi = 0;
 
-	if (!e2d || !mainv || !conn || !setup || !path)
+	if (!e2d || !mainv || !conn || !setup || !path || !cpu)
 		die("calloc");
 	for (int r = 0; r < rounds; r++) {
 		struct child *c = &kids[0];
@@ -509,20 +517,22 @@ static int serial(int rounds, double timeout_s, char **args)
 		conn[r] = (field(t, "connected_us") - c->start_us) / 1e3;
 		setup[r] = (field(t, "setup_us") - c->start_us) / 1e3;
 		path[r] = (field(t, "path_us") - c->start_us) / 1e3;
+		cpu[r] = c->exit_cpu_us / 1e3;
 		if (e2d[r] < lo)
 			lo = e2d[r];
 		if (e2d[r] > hi)
 			hi = e2d[r];
 		printf("round %d gid=%d exec_to_data_ms=%.1f main_ms=%.1f "
-		       "setup_ms=%.1f path_ms=%.1f connected_ms=%.1f\n", r + 1,
-		       c->gid, e2d[r], mainv[r], setup[r], path[r], conn[r]);
+		       "setup_ms=%.1f path_ms=%.1f connected_ms=%.1f cpu_ms=%.1f\n", r + 1,
+		       c->gid, e2d[r], mainv[r], setup[r], path[r], conn[r], cpu[r]);
 		nkids = 0;
 	}
 	printf("serial rounds=%d exec_to_data_med_ms=%.1f min_ms=%.1f max_ms=%.1f "
 	       "main_med_ms=%.1f setup_med_ms=%.1f path_med_ms=%.1f "
-	       "connected_med_ms=%.1f\n", rounds, median(e2d, rounds), lo, hi,
+	       "connected_med_ms=%.1f cpu_med_ms=%.1f\n", rounds, median(e2d, rounds), lo, hi,
 	       median(mainv, rounds), median(setup, rounds),
-	       median(path, rounds), median(conn, rounds));
+	       median(path, rounds), median(conn, rounds), median(cpu, rounds));
+	free(cpu);
 	free(setup);
 	free(path);
 	free(e2d);

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from kvlines import last_line
 
-MODES = [("raw", "raw verbs"), ("krcore", "krcore"), ("agent", "krcore + agent")]
+MODES = [("raw", "raw verbs"), ("krcore", "krcore"), ("agent", "krcore + agent"),
+         ("agent-b", "krcore + agent, library B")]
 ALL_SERVED_TARGET = 5.0  # issue 21: at N = 32, all served >= 5x sooner than raw
 
 
@@ -182,18 +183,21 @@ def main():
 
     print("**Serverless fetch** (paper §5.3.2): a fresh process that connects, READs the "
           "server's 64 KiB object, checks it byte for byte and exits, one after the other; "
-          "its start (just before `posix_spawn`) to the data verified. Per repeat the median "
-          "of its processes; then median over the repeats | min – max.\n")
+          "its start (just before `posix_spawn`) to the data verified; *CPU*: the CPU time "
+          "the process used in all (user + system, all threads, at its exit). Per repeat the "
+          "median of its processes; then median over the repeats | min – max.\n")
     print("| mode | start → data (ms) | min – max | start → `main` (ms) | min – max "
-          "| start → connected (ms) | min – max |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| start → connected (ms) | min – max | CPU (ms) | min – max |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for m, label in present:
         rows = [r for r in serial[m] if r]
         nfail = repeats - len(rows)
         tag = label + (f" ({nfail} failed)" if nfail else "")
+        cpu = [r["cpu_med_ms"] for r in rows if "cpu_med_ms" in r]
         print(f"| {tag} | {spread([r['exec_to_data_med_ms'] for r in rows])} "
               f"| {spread([r['main_med_ms'] for r in rows])} "
-              f"| {spread([r['connected_med_ms'] for r in rows])} |")
+              f"| {spread([r['connected_med_ms'] for r in rows])} "
+              f"| {spread(cpu) if cpu else '– | –'} |")
     for m, label in others:
         if "raw" not in serial:
             break
@@ -201,7 +205,7 @@ def main():
         rr = [a["exec_to_data_med_ms"] / b["exec_to_data_med_ms"] for a, b in pairs
               if b["exec_to_data_med_ms"] > 0]
         cell = ratio_cell(rr).split(" | ")
-        print(f"| raw / {label} (per repeat; above 1: krcore sooner) | {cell[0]} | {cell[1]} | | | | |")
+        print(f"| raw / {label} (per repeat; above 1: krcore sooner) | {cell[0]} | {cell[1]} | | | | | | |")
     print()
     fails = []
     for f in sorted(out.glob("*.err")):
