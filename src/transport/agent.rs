@@ -226,6 +226,7 @@ pub fn runtime_needed() {
         FIRST_WORK_CHANGED.notify_all();
     }
 }
+
 /// Work requests outstanding on the path (a poll of a CQ looks for their
 /// completions itself while there are any).
 static OUTSTANDING: AtomicUsize = AtomicUsize::new(0);

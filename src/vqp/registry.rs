@@ -20,7 +20,7 @@ static RUNTIMES: Mutex<Option<HashMap<usize, Arc<Runtime>>>> = Mutex::new(None);
 /// milliseconds; other PDs' lookups must not wait for it).
 static STARTS: Mutex<Option<HashMap<usize, Arc<Mutex<()>>>>> = Mutex::new(None);
 /// Starts in the background (`KRCORE_PRESTART`): PD -> (context, process,
-/// thread, set when the PD goes: a start still waiting for its time does
+/// thread, set when the PD goes: a start still waiting to be needed does
 /// not begin). A forked child does not join its parent's thread.
 static PRESTARTS: Mutex<Option<HashMap<usize, Prestart>>> = Mutex::new(None);
 type Prestart = (usize, libc::pid_t, std::thread::JoinHandle<()>, Arc<AtomicBool>);
@@ -47,7 +47,7 @@ impl Runtime {
             return Ok(rt);
         }
         // Needed now: a start in the background stops giving way to the
-        // first work through the agent, or waiting for its time.
+        // first work through the agent, or waiting to be needed.
         crate::transport::agent::runtime_needed();
         // SAFETY: caller contract.
         unsafe { Runtime::get_or_start_in_background(ctx, pd, gid_index) }
@@ -137,7 +137,7 @@ pub fn start_soon(ctx: *mut ibv_context, pd: *mut ibv_pd) {
 }
 
 /// Wait for the background start of real `pd`, if any (one still waiting
-/// for its time does not begin).
+/// to be needed does not begin).
 fn join_prestart(pd: usize) {
     let t = PRESTARTS.lock().as_mut().and_then(|m| m.remove(&pd));
     if let Some((_, pid, t, cancel)) = t {
