@@ -209,10 +209,11 @@ impl Vqp {
             self.send_soft.push(wc);
             return Some(Ok(()));
         }
-        if leg.since.elapsed() >= agent::OWN_AFTER {
+        if leg.own.is_none() && leg.since.elapsed() >= agent::OWN_AFTER {
             // Still on the agent's path: worth a runtime and a link of our
             // own to move onto (a process that ends after its first work
-            // never makes one).
+            // never makes one). Once our link is asked for, the runtime is
+            // up: no need to say so at every post.
             agent::runtime_needed();
         }
         let carried = carried(w, sges, total) && !leg.path.is_dead() && self.local_ok(sges, returns_bytes(w.opcode));
