@@ -188,13 +188,11 @@ impl Runtime {
         // no meta-server connection of its own (lookups go through the
         // agent; a bind makes it then). A transparent QP publishes its QPN
         // at creation: made now.
+        // The agent's path is not opened here: a qconnect once this runtime
+        // is up connects by itself, so only a start that waits until it is
+        // needed opens it first (`registry::start_soon`), for the qconnects
+        // meanwhile; a transparent QP never uses it.
         let attached = crate::node::client::attach();
-        if attached {
-            // The agent's path ready before the first qconnect (its staging
-            // registered by the agent): made here, off the caller's path
-            // when this start is in the background.
-            let _ = crate::transport::agent::AgentPath::get();
-        }
         let own_meta = crate::config::get().virtualize != crate::config::Virtualize::Off || !attached;
         // Chosen here: the meta-server connection, made meanwhile, names it.
         let incarnation = crate::rdma::random_u64();
