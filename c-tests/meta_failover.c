@@ -90,7 +90,7 @@ struct resp {
 	/* ct_now_ns() when the call started, when it returned. */
 	uint64_t t_start, t_end;
 	/* CMD_STATS: the meta counters. */
-	uint64_t reconnects, rebinds, failovers, connections, connect_failures;
+	uint64_t reconnects, rebinds, failovers, connections, connect_failures, renewals;
 	/* CMD_PROBE: the start of the last probe that found the binding (0:
 	 * none), the end of the first refused one, and probes that found it
 	 * after a refusal. */
@@ -253,6 +253,7 @@ static int worker_main(int node, int from_parent, int to_parent)
 			r.failovers = krcore_stat_get(KRCORE_STAT_META_LOOKUP_FAILOVERS);
 			r.connections = krcore_stat_get(KRCORE_STAT_META_CONNECTIONS);
 			r.connect_failures = krcore_stat_get(KRCORE_STAT_META_CONNECT_FAILURES);
+			r.renewals = krcore_stat_get(KRCORE_STAT_META_RENEWALS);
 			break;
 		case CMD_QUIT:
 			return 0;
@@ -504,6 +505,43 @@ int main(void)
 			"a running client found a binding of before %.0f ms after (%d attempts)",
 			ms_of(&down_c), strerror(down_c.rc), ms_of(&down_b), strerror(down_b.rc),
 			(double)(again.t_end - t_restart) / 1e6, again.attempts);
+	}
+	ct_pass();
+
+	/* 3b ----------------------------------------------------------------- */
+	ct_begin("meta_failover: a single meta server killed while a renewal waits for it");
+	{
+		struct resp s0, s, down_b, down_c, back;
+		uint64_t until;
+
+		/* Stopped, the server leaves the binder's next renewal waiting
+		 * (its lookups' READs the kernel still answers); killed then, its
+		 * connection closes under that wait, which must end at once: the
+		 * binder's own thread waits there, and every bind or lookup of
+		 * the process behind it (it used to wait the renewal's whole
+		 * bound, 1 s here). */
+		s0 = call(&b3, CMD_STATS, 0, 0, 0);
+		CT_CHECK(kill(p3, SIGSTOP) == 0, "SIGSTOP");
+		until = ct_now_ns() + 3ull * PERIOD_MS * MS;
+		while ((s = call(&b3, CMD_STATS, 0, 0, 0)).renewals == s0.renewals) {
+			CT_CHECK(ct_now_ns() < until, "no renewal sent within %d ms", 3 * PERIOD_MS);
+			usleep(1000);
+		}
+		kill_meta(p3);
+		down_b = call(&b3, CMD_BIND, 6, PORT + 33, 0);
+		down_c = call(&c3, CMD_CONNECT, 6, PORT + 34, 0);
+		CT_CHECK(down_b.rc != 0 && down_c.rc != 0, "with M3 killed: qbind %d, qconnect %d",
+			 down_b.rc, down_c.rc);
+		CT_CHECK(ms_of(&down_b) < 500 && ms_of(&down_c) < 500,
+			 "with M3 killed under a renewal: qbind took %.1f ms, qconnect %.1f ms",
+			 ms_of(&down_b), ms_of(&down_c));
+		ct_note("M3 killed while the binder's renewal waited for it: qbind failed in %.2f ms "
+			"(%s), qconnect in %.2f ms (%s)", ms_of(&down_b), strerror(down_b.rc),
+			ms_of(&down_c), strerror(down_c.rc));
+		/* Back for the cases below, the binder's keys registered again. */
+		p3 = ct_start_meta_at(m3, 4096);
+		back = call(&c3, CMD_WAIT_CONNECT, 6, PORT + 30, 10000);
+		CT_CHECK(back.rc == 0, "M3 restarted: %d (%s)", back.rc, strerror(back.rc));
 	}
 	ct_pass();
 

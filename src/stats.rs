@@ -232,6 +232,9 @@ pub enum krcore_stat {
     /// Times the meta server was asked whether a silent peer's own
     /// connection to it is open (a peer with no binding known here).
     KRCORE_STAT_PRESENCE_QUERIES,
+    /// Lease renewals sent to meta servers (one request per replica
+    /// renews every binding of the process there).
+    KRCORE_STAT_META_RENEWALS,
     /// Number of counters (not a counter).
     KRCORE_STAT_COUNT,
 }
@@ -322,6 +325,7 @@ const NAMES_NUL: [&str; COUNT] = [
     "peers_vouched\0",
     "peers_gone\0",
     "presence_queries\0",
+    "meta_renewals\0",
 ];
 
 /// A counter's name ("post_send").

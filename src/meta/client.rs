@@ -101,6 +101,9 @@ const PROOF_WAIT: Duration = Duration::from_secs(1);
 /// The longest sleep of a request's wait between looks at its replica's
 /// state (only while a request is outstanding).
 const WAIT_SLICE: Duration = Duration::from_millis(10);
+/// How often a polling request's wait looks whether its server closed
+/// the connection (a system call: not at every poll of the CQ).
+const SERVER_LOOK: Duration = Duration::from_millis(1);
 
 /// A replica's state ([`Replica::state`]).
 const DOWN: u8 = 0;
@@ -789,6 +792,9 @@ impl MetaClient {
         let deadline = Instant::now() + self.opts.renew_timeout();
         for (i, r) in self.replicas.iter().enumerate() {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            if matches!(r.state(), REPOPULATING | UP) {
+                stats::inc(Stat::KRCORE_STAT_META_RENEWALS);
+            }
             match self.request_on(i, Op::RenewAll, &any, &none, left) {
                 Some(Ok(held)) => {
                     let refused = r.conn.lock().as_ref().map_or(0, |c| c.refused.len());
@@ -990,6 +996,15 @@ fn background(me: &Weak<MetaClient>) {
 }
 
 impl Conn {
+    /// Whether the server closed our TCP connection: it never sends on it
+    /// after its `Welcome`, so readable (or hung up) means it died or
+    /// restarted.
+    fn server_closed(&self) -> bool {
+        let mut p = libc::pollfd { fd: self.tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd on our open socket; no wait.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents != 0 }
+    }
+
     fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration, incarnation: u64) -> Result<Conn> {
         // Our objects first: the server drops a connection whose `Hello`
         // does not come within 2 s, and these kernel commands take that
@@ -1280,11 +1295,17 @@ impl Conn {
     /// Wait for our next completion and return its opcode: polling
     /// (`sleep` false: a lookup on the caller's thread) or sleeping on the
     /// completion channel between polls; either gives up as soon as the
-    /// replica is found failed (by the background thread: its server
-    /// closed the connection). A failure or a timeout breaks the
-    /// connection: its QP may hold work we no longer track.
+    /// replica is found failed (by the background thread) or its server
+    /// closed our TCP connection (it died: no answer will come), looked at
+    /// every [`WAIT_SLICE`] while sleeping and every millisecond while
+    /// polling. The background thread itself waits here for its renewals:
+    /// a server that died just before one would otherwise hold it, and
+    /// every lookup behind it, for the whole renewal bound. A failure or a
+    /// timeout breaks the connection: its QP may hold work we no longer
+    /// track.
     fn wait(&mut self, timeout: Duration, sleep: bool, state: &AtomicU8) -> Result<u32> {
         let deadline = Instant::now() + timeout;
+        let mut next_look = Instant::now() + SERVER_LOOK;
         // SAFETY: plain C data.
         let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
         loop {
@@ -1305,6 +1326,14 @@ impl Conn {
                 // Found dead meanwhile (its server closed the connection).
                 self.broken = true;
                 return Err(Errno(libc::ECONNRESET));
+            }
+            if sleep || now >= next_look {
+                next_look = now + SERVER_LOOK;
+                if self.server_closed() {
+                    klog!(Level::Debug, "meta: the server closed our connection during a request");
+                    self.broken = true;
+                    return Err(Errno(libc::ECONNRESET));
+                }
             }
             if sleep {
                 // In slices, to see the replica found dead meanwhile.
