@@ -28,6 +28,7 @@ pub mod meta;
 pub mod mr;
 pub mod node;
 pub mod obj;
+pub mod poll;
 pub mod rdma;
 pub mod real;
 pub mod recent;

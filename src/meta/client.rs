@@ -792,9 +792,6 @@ impl MetaClient {
         let deadline = Instant::now() + self.opts.renew_timeout();
         for (i, r) in self.replicas.iter().enumerate() {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-            if matches!(r.state(), REPOPULATING | UP) {
-                stats::inc(Stat::KRCORE_STAT_META_RENEWALS);
-            }
             match self.request_on(i, Op::RenewAll, &any, &none, left) {
                 Some(Ok(held)) => {
                     let refused = r.conn.lock().as_ref().map_or(0, |c| c.refused.len());
@@ -1000,9 +997,7 @@ impl Conn {
     /// after its `Welcome`, so readable (or hung up) means it died or
     /// restarted.
     fn server_closed(&self) -> bool {
-        let mut p = libc::pollfd { fd: self.tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd on our open socket; no wait.
-        unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents != 0 }
+        crate::poll::readable(self.tcp.as_raw_fd(), 0)
     }
 
     fn connect(dev: &Arc<Device>, sgid_index: u32, addr: SocketAddr, timeout: Duration, incarnation: u64) -> Result<Conn> {
@@ -1263,6 +1258,9 @@ impl Conn {
             unsafe { self.qp.post_send(&mut wr) }.inspect_err(|_| self.broken = true)?;
         }
         self.next_req = first.wrapping_add(n as u32);
+        if op == Op::RenewAll {
+            stats::inc(Stat::KRCORE_STAT_META_RENEWALS);
+        }
         // The responses' receives may complete before our sends' ACKs do:
         // the two queues' completions come in either order. Receives
         // complete in the order they were posted: response i in slot i.
@@ -1304,8 +1302,9 @@ impl Conn {
     /// timeout breaks the connection: its QP may hold work we no longer
     /// track.
     fn wait(&mut self, timeout: Duration, sleep: bool, state: &AtomicU8) -> Result<u32> {
-        let deadline = Instant::now() + timeout;
-        let mut next_look = Instant::now() + SERVER_LOOK;
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut next_look = start + SERVER_LOOK;
         // SAFETY: plain C data.
         let mut wc: [ibv_wc; 1] = unsafe { std::mem::zeroed() };
         loop {

@@ -75,12 +75,7 @@ impl Vouched {
 
     /// Whether the process exited (false: it lives, or we cannot tell).
     fn exited(&self) -> bool {
-        self.gone
-            || self.pidfd.as_ref().is_some_and(|fd| {
-                let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                // SAFETY: one live pollfd, no wait.
-                unsafe { libc::poll(&mut p, 1, 0) == 1 }
-            })
+        self.gone || self.pidfd.as_ref().is_some_and(|fd| crate::poll::readable(fd.as_raw_fd(), 0))
     }
 
     /// Vouch for none of its endpoints any more: `departed` or released.

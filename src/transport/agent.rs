@@ -336,7 +336,7 @@ impl AgentPath {
                 return Err(Errno(libc::ECONNRESET));
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !readable(&self.fd, left.as_millis().clamp(1, i32::MAX as u128) as i32) {
+            if left.is_zero() || !crate::poll::readable(self.fd.as_raw_fd(), left.as_millis().clamp(1, i32::MAX as u128) as i32) {
                 if Instant::now() >= deadline {
                     return Err(Errno(libc::ETIMEDOUT));
                 }
@@ -528,7 +528,7 @@ fn read_answers(path: Weak<AgentPath>) {
                 continue;
             }
         }
-        let woke = readable(&fd, -1);
+        let woke = crate::poll::readable(fd.as_raw_fd(), -1);
         let Some(p) = path.upgrade() else { return };
         p.rings.set_reader_asleep(false);
         if woke {
@@ -536,14 +536,6 @@ fn read_answers(path: Weak<AgentPath>) {
             p.pump();
         }
     }
-}
-
-/// Whether `fd` has something to read (or hung up) within `ms` (-1: no
-/// bound).
-fn readable(fd: &OwnedFd, ms: i32) -> bool {
-    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one live pollfd.
-    unsafe { libc::poll(&mut p, 1, ms) > 0 }
 }
 
 impl AgentPath {

@@ -187,11 +187,11 @@ impl Runtime {
         // Attached to the host's agent, a process that binds nothing needs
         // no meta-server connection of its own (lookups go through the
         // agent; a bind makes it then). A transparent QP publishes its QPN
-        // at creation: made now.
-        // The agent's path is not opened here: a qconnect once this runtime
-        // is up connects by itself, so only a start that waits until it is
-        // needed opens it first (`registry::start_soon`), for the qconnects
-        // meanwhile; a transparent QP never uses it.
+        // at creation: made now. The agent's path is not opened here: a
+        // qconnect once this runtime is up connects by itself, so only a
+        // start that waits until it is needed opens it first
+        // (`registry::start_soon`), for the qconnects meanwhile; a
+        // transparent QP never uses it.
         let attached = crate::node::client::attach();
         let own_meta = crate::config::get().virtualize != crate::config::Virtualize::Off || !attached;
         // Chosen here: the meta-server connection, made meanwhile, names it.
